@@ -1,0 +1,5 @@
+"""`python -m appliance` is `pdctl`."""
+
+from appliance.cli.main import main
+
+main()
