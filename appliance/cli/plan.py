@@ -1,0 +1,52 @@
+"""`pdctl plan`: show what pdctl would run on this node, as a table or as the stable JSON schema."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from appliance.cli.common import obtain_plan, overrides_from, plan_options
+from appliance.plan import Plan
+
+
+def _gpus(gpus: list[int]) -> str:
+    return ",".join(map(str, gpus)) if gpus else "cpu"
+
+
+def render_plan(p: Plan, console: Console) -> None:
+    """The plan as a table for people."""
+    console.print(
+        f"[bold]{p.layout}[/bold] on {p.platform} ({p.inventory_source}), engine {p.engine}, "
+        f"connector {p.connector}, mode {p.mode}, model {p.model.served_name} ({p.model.path})"
+    )
+    table = Table(show_header=True, header_style="bold")
+    for col in ("instance", "GPUs", "TP x DP", "NUMA", "HTTP", "connector ports"):
+        table.add_column(col)
+    for inst in p.instances:
+        other = "; ".join(
+            f"{k} {v[0]}" + (f"-{v[-1]}" if len(v) > 1 else "") for k, v in inst.ports.items() if k != "http"
+        )
+        numa = ",".join(map(str, inst.numa_nodes)) or "-"
+        table.add_row(inst.name, _gpus(inst.gpus), f"{inst.tp} x {inst.dp}", numa, str(inst.http_port), other or "-")
+    console.print(table)
+    px = p.proxy
+    reg = f", registration {px.registration_host}:{px.ping_port}" if px.registration_enabled else ""
+    console.print(f"proxy {px.url} ({px.routing}{reg}, admin {px.admin_host}:{px.admin_port})")
+    for warning in p.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
+
+
+@click.command()
+@plan_options
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (stable schema_version 1).")
+@click.pass_context
+def plan(ctx: click.Context, as_json: bool, **options: Any) -> None:
+    """Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."""
+    _, _, p = obtain_plan(ctx, overrides_from(options))
+    if as_json:
+        click.echo(p.model_dump_json(indent=2))
+    else:
+        render_plan(p, Console())

@@ -1,0 +1,19 @@
+"""No connector: colocated engines that prefill and decode themselves (the baseline pdctl compares against)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.connector.base import Connector, InstanceContext
+
+
+class NoConnector(Connector):
+    """Colocated serving: no KV handoff, the proxy spreads whole requests over the instances."""
+
+    name = "none"
+    vllm_class = None
+    modes = frozenset({"read", "write"})
+    summary = "colocated: each instance prefills and decodes (baseline)"
+
+    def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any] | None:
+        return None

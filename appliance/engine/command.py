@@ -1,0 +1,109 @@
+"""The command line and environment of one engine instance: real vLLM, or the simulated engine."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from appliance.connector.base import InstanceContext
+
+if TYPE_CHECKING:
+    from appliance.plan import ModelPlan
+    from appliance.settings import Settings
+
+VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
+
+
+def _flag(argv: list[str], name: str, value: object | None) -> None:
+    if value is not None:
+        argv.extend([name, str(value)])
+
+
+def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_config: dict[str, Any] | None,
+              ports: dict[str, list[int]]) -> list[str]:
+    """vLLM's OpenAI server arguments for one instance (parallelism, Wide-EP knobs, batching, connector)."""
+    rs = settings.role(ctx.role)
+    python = settings.engine.python or sys.executable
+    argv = [python, "-m", VLLM_ENTRYPOINT, "--model", model.path, "--served-model-name", model.served_name,
+            "--host", ctx.host, "--port", str(ctx.http_port)]
+    if ctx.tp > 1:
+        _flag(argv, "--tensor-parallel-size", ctx.tp)
+    if ctx.dp > 1:
+        _flag(argv, "--data-parallel-size", ctx.dp)
+        _flag(argv, "--data-parallel-rpc-port", ports["dp_rpc"][0])
+    if rs.enable_expert_parallel:
+        argv.append("--enable-expert-parallel")
+    if rs.enable_dbo:
+        argv.append("--enable-dbo")
+    if rs.enable_eplb:
+        argv.append("--enable-eplb")
+    _flag(argv, "--max-num-batched-tokens", rs.max_num_batched_tokens)
+    _flag(argv, "--max-num-seqs", rs.max_num_seqs)
+    _flag(argv, "--gpu-memory-utilization", rs.gpu_memory_utilization)
+    _flag(argv, "--max-model-len", settings.model.max_model_len)
+    _flag(argv, "--dtype", settings.model.dtype)
+    load_format = settings.model.load_format or ("dummy" if model.generate else None)
+    _flag(argv, "--load-format", load_format)
+    if settings.model.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if rs.enable_prefix_caching is not None:
+        argv.append("--enable-prefix-caching" if rs.enable_prefix_caching else "--no-enable-prefix-caching")
+    if kv_config is not None:
+        argv.extend(["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))])
+    argv.extend(rs.extra_args)
+    return argv
+
+
+def sim_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, connector: str | None,
+             name: str) -> list[str]:
+    """The simulated engine's arguments: same ports and connector flow, a time model instead of a GPU."""
+    sim = settings.engine.sim
+    argv = [sys.executable, "-m", "appliance.engine.sim", "--host", ctx.host, "--port", str(ctx.http_port),
+            "--role", ctx.role, "--connector", connector or "none", "--mode", ctx.mode,
+            "--model", model.served_name, "--instance-name", name,
+            "--dp-size", str(ctx.dp), "--tp-size", str(ctx.tp),
+            "--prefill-us-per-token", str(sim.prefill_us_per_token),
+            "--decode-step-ms", str(sim.decode_step_ms),
+            "--decode-step-ms-per-seq", str(sim.decode_step_ms_per_seq),
+            "--num-blocks", str(sim.num_blocks), "--block-size", str(sim.block_size)]
+    rs = settings.role(ctx.role)
+    if rs.max_num_seqs:
+        argv += ["--max-num-seqs", str(rs.max_num_seqs)]
+    if rs.max_num_batched_tokens:
+        argv += ["--chunk-tokens", str(rs.max_num_batched_tokens)]
+    if settings.model.max_model_len:
+        argv += ["--max-model-len", str(settings.model.max_model_len)]
+    if connector == "moriio":
+        argv += ["--proxy-ping", f"{ctx.proxy_host}:{ctx.proxy_ping_port}",
+                 "--handshake-port", str(ctx.handshake_port), "--notify-port", str(ctx.notify_port)]
+    elif connector == "nixl":
+        argv += ["--side-channel-port", str(ctx.handshake_port)]
+    elif connector == "example":
+        argv += ["--shared-storage", ctx.shared_storage_path]
+    return argv + list(sim.extra_args)
+
+
+def engine_command(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_config: dict[str, Any] | None,
+                   gpus: list[int], connector_env: dict[str, str],
+                   ports: dict[str, list[int]]) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of one instance: GPU pinning, platform and connector environment, then the user's."""
+    env: dict[str, str] = {}
+    if ctx.platform != "cpu":
+        visible = ",".join(str(g) for g in gpus)
+        env["CUDA_VISIBLE_DEVICES"] = visible
+        if ctx.platform == "rocm":
+            # ROCm honours HIP_VISIBLE_DEVICES; vLLM on ROCm wants it to agree with CUDA_VISIBLE_DEVICES.
+            env["HIP_VISIBLE_DEVICES"] = visible
+    elif settings.engine.kind == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.engine.cpu_kvcache_space_gib)
+    if settings.engine.kind == "sim":
+        connector = (kv_config or {}).get("kv_connector")
+        name = {"MoRIIOConnector": "moriio", "NixlConnector": "nixl", "ExampleConnector": "example"}.get(str(connector))
+        argv = sim_argv(settings, ctx, model, name, f"{ctx.role}-{ctx.index}")
+    else:
+        env.update(connector_env)
+        argv = vllm_argv(settings, ctx, model, kv_config, ports)
+    env.update(settings.engine.env)
+    env.update(settings.role(ctx.role).env)
+    return argv, env

@@ -1,0 +1,449 @@
+"""The topology planner: Settings + Inventory -> Plan. Pure: no I/O, no side effects.
+
+The Plan is the single source of truth: units, supervisor config, the proxy's backends and `pdctl status`
+all derive from it. `pdctl plan --json` prints it; its schema (schema_version 1) is stable: fields may be
+added, never renamed or removed without bumping schema_version.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from appliance.connector import InstanceContext, Platform, get_connector, resolve_name
+from appliance.engine.command import engine_command
+from appliance.errors import PlanError
+from appliance.inventory.models import Gpu, Inventory
+from appliance.settings import EMBEDDED_MODEL, Role, RoleSettings, Settings
+
+SCHEMA_VERSION = 1
+InstanceRole = Literal["prefill", "decode", "both"]
+
+
+class Frozen(BaseModel):
+    """Plan records: unknown fields are rejected, so a plan file from elsewhere cannot smuggle keys in."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Instance(Frozen):
+    """One engine process group (one vLLM server, possibly DP x TP ranks) of a role."""
+
+    name: str = Field(description="role-index, e.g. prefill-0")
+    role: InstanceRole
+    index: int
+    service: str = Field(description="Service of the role: pd-prefill, pd-decode or pd-colocated")
+    gpus: list[int] = Field(description="GPU indices (empty on a CPU-only node)")
+    numa_nodes: list[int]
+    tp: int
+    dp: int
+    expert_parallel: bool
+    host: str
+    http_port: int
+    url: str
+    ports: dict[str, list[int]] = Field(description="Every port some rank binds, by purpose")
+    kv_transfer_config: dict[str, Any] | None
+    proxy_kv: dict[str, str | int] = Field(description="What the proxy needs for the connector protocol")
+    argv: list[str]
+    env: dict[str, str]
+
+
+class ModelPlan(Frozen):
+    """The model as the engines will load it."""
+
+    path: str
+    served_name: str
+    generate: bool = Field(description="True for the embedded tiny model, written by `pdctl up` before start")
+
+
+class ProxyPlan(Frozen):
+    """The proxy's listeners and behaviour; its backends are the plan's instances."""
+
+    host: str
+    port: int
+    url: str
+    mode: Literal["read", "write"]
+    connector: str
+    routing: str
+    registration_enabled: bool
+    registration_host: str
+    ping_port: int
+    allowed_hosts: list[str]
+    admin_host: str
+    admin_port: int
+    api_key_file: str | None
+    admin_token_file: str | None
+    connect_timeout_s: float
+    prefill_timeout_s: float
+    first_token_timeout_s: float
+    between_tokens_timeout_s: float
+
+
+class Check(Frozen):
+    """One rule the planner checked."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+class Plan(Frozen):
+    """The whole node: every instance, the proxy, and the checks that passed."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    platform: Platform
+    engine: Literal["vllm", "sim"]
+    layout: Literal["disaggregated", "colocated"]
+    connector: str
+    mode: Literal["read", "write"]
+    model: ModelPlan
+    inventory_source: str
+    state_dir: str
+    instances: list[Instance]
+    proxy: ProxyPlan
+    checks: list[Check]
+    warnings: list[str]
+
+    def role_instances(self, role: InstanceRole) -> list[Instance]:
+        """The instances of one role, in index order."""
+        return [i for i in self.instances if i.role == role]
+
+    def instance(self, name: str) -> Instance:
+        """The instance called `name`, or a PlanError listing the known names."""
+        for inst in self.instances:
+            if inst.name == name:
+                return inst
+        known = ", ".join(i.name for i in self.instances)
+        raise PlanError(f"no instance '{name}' in the plan", fix=f"use one of {known}")
+
+
+def platform_of(inventory: Inventory) -> Platform:
+    """rocm for AMD GPUs, cuda for NVIDIA, cpu when there are none."""
+    return {"amd": "rocm", "nvidia": "cuda", None: "cpu"}[inventory.vendor]  # type: ignore[return-value]
+
+
+def _usable(gpu: Gpu) -> bool:
+    # A GPU reported failed, or whose memory a process outside pdctl holds almost entirely, can't take an engine.
+    if not gpu.healthy:
+        return False
+    return not (gpu.memory_total_mib and gpu.memory_used_mib >= 0.95 * gpu.memory_total_mib and gpu.processes)
+
+
+def _roles(settings: Settings) -> list[Role]:
+    return ["both"] if settings.connector.name == "none" else ["prefill", "decode"]
+
+
+def _sizes(settings: Settings, roles: list[Role], available: int) -> dict[Role, int]:
+    """GPUs per role: given by gpus, gpu_count or instances x TP x DP; roles with none share the rest."""
+    sizes: dict[Role, int] = {}
+    for role in roles:
+        rs = settings.role(role)
+        if rs.gpus is not None:
+            sizes[role] = len(rs.gpus)
+        elif rs.gpu_count is not None:
+            sizes[role] = rs.gpu_count
+        elif rs.tp is not None:
+            sizes[role] = rs.instances * rs.dp * rs.tp
+    auto = [r for r in roles if r not in sizes]
+    free = max(0, available - sum(sizes.values()))
+    # Prefill takes the smaller half of an odd split: decode holds the KV of every running stream.
+    for n, role in enumerate(auto):
+        share = free // len(auto)
+        sizes[role] = share if n < len(auto) - 1 else free - share * (len(auto) - 1)
+    return sizes
+
+
+def _shape(role: Role, rs: RoleSettings, size: int, platform: Platform) -> tuple[int, int]:
+    """(tp, dp) for the role; raises a PlanError when TP x DP x instances cannot equal its GPU count."""
+    if platform == "cpu":
+        if rs.tp not in (None, 1) or rs.dp != 1:
+            raise PlanError(
+                f"{role}: TP/DP > 1 needs GPUs, and this node has none",
+                fix=f"remove {role}.tp / {role}.dp, or plan for a GPU node with --inventory",
+            )
+        return 1, 1
+    per_instance, rest = divmod(size, rs.instances)
+    if size == 0 or rest:
+        raise PlanError(
+            f"{role}: {size} GPU(s) cannot be split into {rs.instances} equal instance(s)",
+            fix=f"give {role} a multiple of {rs.instances} GPUs or change {role}.instances",
+        )
+    if rs.tp is None:
+        tp, remainder = divmod(per_instance, rs.dp)
+        if remainder or tp == 0:
+            raise PlanError(
+                f"{role}: DP {rs.dp} does not divide the {per_instance} GPU(s) of each instance",
+                fix=f"set {role}.dp to a divisor of {per_instance}",
+            )
+        return tp, rs.dp
+    if rs.tp * rs.dp != per_instance:
+        raise PlanError(
+            f"{role}: TP {rs.tp} x DP {rs.dp} = {rs.tp * rs.dp} GPUs, but each instance has {per_instance}",
+            fix=f"set {role}.tp x {role}.dp = {per_instance}, or give {role} {rs.tp * rs.dp * rs.instances} GPUs",
+        )
+    return rs.tp, rs.dp
+
+
+def _pick(free: list[Gpu], want: int) -> list[Gpu]:
+    """`want` GPUs from `free`, from one NUMA node if one has enough (best fit), else lowest indices."""
+    by_numa: dict[int | None, list[Gpu]] = {}
+    for gpu in free:
+        by_numa.setdefault(gpu.numa_node, []).append(gpu)
+    fitting = [gpus for gpus in by_numa.values() if len(gpus) >= want]
+    if fitting:
+        best = min(fitting, key=lambda gpus: (len(gpus), gpus[0].index))
+        return best[:want]
+    return free[:want]
+
+
+def _allocate(settings: Settings, inventory: Inventory, platform: Platform) -> dict[Role, list[list[int]]]:
+    """GPU sets for every instance of every role; checks that they are disjoint and exist."""
+    roles = _roles(settings)
+    if platform == "cpu":
+        for role in roles:
+            rs = settings.role(role)
+            if rs.gpus or rs.gpu_count:
+                raise PlanError(
+                    f"{role} asks for GPUs but this node has none (inventory {inventory.source})",
+                    fix="drop the GPU settings to run on the CPU, or plan for a GPU node with --inventory",
+                )
+        return {role: [[] for _ in range(settings.role(role).instances)] for role in roles}
+
+    gpus = inventory.by_index()
+    usable = [g for g in inventory.gpus if _usable(g)]
+    explicit = {role: settings.role(role).gpus for role in roles if settings.role(role).gpus is not None}
+    for role, chosen in explicit.items():
+        assert chosen is not None
+        missing = [g for g in chosen if g not in gpus]
+        if missing:
+            raise PlanError(
+                f"{role}.gpus names GPU(s) {missing} but this node has {sorted(gpus)}",
+                fix=f"pick {role}.gpus from {sorted(gpus)}",
+            )
+        bad = [g for g in chosen if not _usable(gpus[g])]
+        if bad:
+            raise PlanError(
+                f"{role}.gpus includes GPU(s) {bad}, reported failed or occupied by another process",
+                fix="choose other GPUs (see `pdctl inventory`)",
+            )
+    sizes = _sizes(settings, roles, len(usable))
+    if sum(sizes.values()) > len(gpus):
+        ask = " + ".join(f"{r} {n}" for r, n in sizes.items())
+        raise PlanError(
+            f"the plan needs {ask} = {sum(sizes.values())} GPUs but this node has {len(gpus)}",
+            fix="lower a role's gpu_count, tp or instances",
+        )
+    shapes = {r: _shape(r, settings.role(r), sizes[r], platform) for r in roles}
+
+    result: dict[Role, list[list[int]]] = {}
+    used: set[int] = {g for v in explicit.values() for g in (v or [])}
+    for role in roles:
+        rs = settings.role(role)
+        tp, dp = shapes[role]
+        per_instance = tp * dp
+        if role in explicit:
+            chosen = explicit[role] or []
+            result[role] = [chosen[i * per_instance : (i + 1) * per_instance] for i in range(rs.instances)]
+            continue
+        sets: list[list[int]] = []
+        for _ in range(rs.instances):
+            free = [g for g in usable if g.index not in used]
+            if len(free) < per_instance:
+                raise PlanError(
+                    f"{role}: not enough usable GPUs left for {rs.instances} instance(s) of {per_instance} GPU(s)",
+                    fix="lower the role's size, or free/repair GPUs (see `pdctl inventory`)",
+                )
+            picked = sorted(g.index for g in _pick(free, per_instance))
+            used.update(picked)
+            sets.append(picked)
+        result[role] = sets
+    return result
+
+
+def _fast_island(inventory: Inventory, gpus: list[int]) -> bool:
+    return all(inventory.link(a, b) in ("XGMI", "NVLINK") for a in gpus for b in gpus if a < b)
+
+
+def plan(settings: Settings, inventory: Inventory) -> Plan:
+    """Turn settings and an inventory into a full Plan, or raise PlanError saying what to change."""
+    platform = platform_of(inventory)
+    connector_name = resolve_name(settings.connector.name, platform)
+    connector = get_connector(connector_name)
+    mode = settings.connector.mode
+    if mode not in connector.modes:
+        raise PlanError(
+            f"connector '{connector_name}' has no {mode} mode (it supports {', '.join(sorted(connector.modes))})",
+            fix="use --mode read, or a connector with a write mode (moriio)",
+        )
+    if connector_name == "moriio" and platform != "rocm":
+        raise PlanError(
+            f"connector 'moriio' needs AMD GPUs, and this node is {platform}",
+            fix="use connector 'nixl' on NVIDIA, 'example' on CPU, or 'auto'",
+        )
+    colocated = connector_name == "none"
+    allocation = _allocate(settings, inventory, platform)
+    gpu_numa = {g.index: g.numa_node for g in inventory.gpus}
+    state_dir = PurePosixPath(settings.state_dir)
+    generate = settings.model.path == EMBEDDED_MODEL
+    model_path = str(state_dir / "models" / "tiny-qwen3") if generate else settings.model.path
+    model = ModelPlan(path=model_path, served_name=settings.model.name, generate=generate)
+    shared = settings.connector.shared_storage_path or str(state_dir / "kv-store")
+
+    checks: list[Check] = []
+    warnings: list[str] = []
+    instances: list[Instance] = []
+    for role, sets in allocation.items():
+        rs = settings.role(role)
+        for index, gpus in enumerate(sets):
+            tp, dp = (len(gpus) // rs.dp, rs.dp) if gpus else (1, 1)
+            ranks = tp * dp
+            ctx = InstanceContext(
+                role=role,
+                index=index,
+                tp=tp,
+                dp=dp,
+                host=rs.host,
+                http_port=rs.http_port + index,
+                handshake_port=rs.handshake_port + index * ranks,
+                notify_port=rs.notify_port + index * ranks,
+                mode=mode,
+                platform=platform,
+                proxy_host=settings.proxy.registration_host,
+                proxy_ping_port=settings.proxy.ping_port,
+                shared_storage_path=shared,
+                moriio_backend=settings.connector.moriio_backend,
+                kv_buffer_device=settings.connector.kv_buffer_device,
+                extra_config=settings.connector.extra_config,
+            )
+            ports: dict[str, list[int]] = {"http": [ctx.http_port]}
+            for purpose, span in connector.port_ranges(ctx).items():
+                ports[purpose] = list(span)
+            if dp > 1:
+                ports["dp_rpc"] = [rs.dp_rpc_port + index]
+            kv_config = connector.kv_transfer_config(ctx)
+            argv, env = engine_command(settings, ctx, model, kv_config, gpus, connector.env(ctx), ports)
+            numa = sorted({n for g in gpus if (n := gpu_numa.get(g)) is not None})
+            name = f"{role}-{index}"
+            if len(numa) > 1:
+                warnings.append(f"{name}: GPUs {gpus} span NUMA nodes {numa}; expect slower host transfers")
+            if len(gpus) > 1 and not _fast_island(inventory, gpus):
+                warnings.append(f"{name}: GPUs {gpus} are not all linked by XGMI/NVLink; TP traffic crosses PCIe")
+            instances.append(
+                Instance(
+                    name=name,
+                    role=role,
+                    index=index,
+                    service="pd-colocated" if colocated else f"pd-{role}",
+                    gpus=gpus,
+                    numa_nodes=numa,
+                    tp=tp,
+                    dp=dp,
+                    expert_parallel=rs.enable_expert_parallel,
+                    host=rs.host,
+                    http_port=ctx.http_port,
+                    url=f"http://{_url_host(rs.host)}:{ctx.http_port}",
+                    ports=ports,
+                    kv_transfer_config=kv_config,
+                    proxy_kv=connector.proxy_kv(ctx),
+                    argv=argv,
+                    env=env,
+                )
+            )
+
+    used = [g for inst in instances for g in inst.gpus]
+    checks.append(Check(name="gpus-disjoint", ok=len(used) == len(set(used)), detail=f"{len(used)} GPU(s) assigned"))
+    proxy = _proxy_plan(settings, connector_name, mode)
+    _check_ports(instances, proxy)
+    checks.append(
+        Check(name="ports-unique", ok=True, detail=f"{sum(len(v) for i in instances for v in i.ports.values())} ports")
+    )
+    if not colocated and not (any(i.role == "prefill" for i in instances) and any(i.role == "decode" for i in instances)):
+        raise PlanError("a disaggregated plan needs at least one prefill and one decode instance")
+    return Plan(
+        platform=platform,
+        engine=settings.engine.kind,
+        layout="colocated" if colocated else "disaggregated",
+        connector=connector_name,
+        mode=mode,
+        model=model,
+        inventory_source=inventory.source,
+        state_dir=str(state_dir),
+        instances=instances,
+        proxy=proxy,
+        checks=checks,
+        warnings=warnings,
+    )
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _proxy_plan(settings: Settings, connector: str, mode: Literal["read", "write"]) -> ProxyPlan:
+    p = settings.proxy
+    return ProxyPlan(
+        host=p.host,
+        port=p.port,
+        url=f"http://{_url_host(p.host)}:{p.port}",
+        mode=mode,
+        connector=connector,
+        routing=p.routing,
+        registration_enabled=connector == "moriio",
+        registration_host=p.registration_host,
+        ping_port=p.ping_port,
+        allowed_hosts=p.allowed_hosts,
+        admin_host=p.admin_host,
+        admin_port=p.admin_port,
+        api_key_file=p.api_key_file,
+        admin_token_file=p.admin_token_file,
+        connect_timeout_s=p.connect_timeout_s,
+        prefill_timeout_s=p.prefill_timeout_s,
+        first_token_timeout_s=p.first_token_timeout_s,
+        between_tokens_timeout_s=p.between_tokens_timeout_s,
+    )
+
+
+def all_ports(plan_instances: list[Instance], proxy: ProxyPlan) -> list[tuple[int, str]]:
+    """Every (port, owner) the node will bind: each rank's connector ports, HTTP ports, the proxy's."""
+    owned: list[tuple[int, str]] = [(proxy.port, "proxy.port"), (proxy.admin_port, "proxy.admin_port")]
+    if proxy.registration_enabled:
+        owned.append((proxy.ping_port, "proxy.ping_port"))
+    for inst in plan_instances:
+        owned.extend((port, f"{inst.name} {purpose}") for purpose, ports in inst.ports.items() for port in ports)
+    return owned
+
+
+def _check_ports(instances: list[Instance], proxy: ProxyPlan) -> None:
+    owned = all_ports(instances, proxy)
+    counts = Counter(port for port, _ in owned)
+    clashes = sorted(port for port, n in counts.items() if n > 1)
+    if clashes:
+        port = clashes[0]
+        who = [owner for p, owner in owned if p == port]
+        raise PlanError(
+            f"port {port} would be bound by {' and '.join(who)}",
+            fix="move one role's base port (e.g. decode.notify_port) so the DP x TP port blocks don't overlap",
+        )
+    high = [(p, o) for p, o in owned if p > 65535]
+    if high:
+        raise PlanError(f"port {high[0][0]} ({high[0][1]}) is above 65535", fix="lower that role's base port")
+
+
+def busy_ports(plan_: Plan, is_free: Callable[[str, int], bool], skip: set[str] | None = None) -> list[str]:
+    """Ports of the plan that something already binds on this host (instances named in `skip` excepted)."""
+    skip = skip or set()
+    problems = []
+    for port, owner in all_ports([i for i in plan_.instances if i.name not in skip], plan_.proxy):
+        if owner.startswith("proxy") and "proxy" in skip:
+            continue
+        if not is_free("127.0.0.1", port):
+            problems.append(f"port {port} ({owner}) is already in use")
+    return problems

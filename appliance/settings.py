@@ -1,0 +1,297 @@
+"""Settings: one validated model read from /etc/pdctl/pdctl.toml, overridable by PDCTL_* variables.
+
+Precedence (highest first): explicit overrides (CLI flags) > PDCTL_* environment > the TOML file > defaults.
+Nested fields use a double underscore in the environment: PDCTL_DECODE__TP=2, PDCTL_CONNECTOR__MODE=write.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from appliance.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = Path("/etc/pdctl/pdctl.toml")
+EMBEDDED_MODEL = "embedded:tiny-qwen3"
+
+Role = Literal["prefill", "decode", "both"]
+ConnectorName = Literal["auto", "moriio", "nixl", "example", "none"]
+Mode = Literal["read", "write"]
+Port = int
+
+
+class Section(BaseModel):
+    """A settings table: unknown keys are errors, so a typo never passes silently."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSettings(Section):
+    """The model both roles serve."""
+
+    path: str = Field(
+        default=EMBEDDED_MODEL,
+        description=f"Model directory or hub name; '{EMBEDDED_MODEL}' generates a tiny model locally (CPU default)",
+    )
+    served_name: str = Field(default="", description="Name clients use; default: the model path's last part")
+    max_model_len: int | None = Field(default=None, gt=0)
+    dtype: str | None = None
+    load_format: str | None = Field(default=None, description="e.g. 'dummy' for random weights")
+    trust_remote_code: bool = False
+
+    @property
+    def name(self) -> str:
+        """The name clients ask for."""
+        if self.served_name:
+            return self.served_name
+        return self.path.rstrip("/").split("/")[-1].split(":")[-1] or "model"
+
+
+class SimSettings(Section):
+    """The simulated engine's time model (engine.kind = "sim")."""
+
+    prefill_us_per_token: float = Field(default=20.0, ge=0)
+    decode_step_ms: float = Field(default=5.0, ge=0)
+    decode_step_ms_per_seq: float = Field(default=0.05, ge=0)
+    num_blocks: int = Field(default=8192, gt=0)
+    block_size: int = Field(default=16, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class EngineSettings(Section):
+    """Which engine runs the roles, and where it lives."""
+
+    kind: Literal["vllm", "sim"] = "vllm"
+    python: str = Field(default="", description="The Python that has vLLM; empty: the one running pdctl")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every engine")
+    cpu_kvcache_space_gib: int = Field(default=1, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU-only nodes")
+    health_timeout_s: float = Field(default=1800.0, gt=0, description="How long a large model may take to load")
+    sim: SimSettings = Field(default_factory=SimSettings)
+
+
+class ConnectorSettings(Section):
+    """The KV connector that hands the KV cache from prefill to decode."""
+
+    name: ConnectorName = Field(default="auto", description="auto: moriio on AMD, nixl on NVIDIA, example on CPU")
+    mode: Mode = "read"
+    moriio_backend: Literal["rdma", "xgmi"] = "rdma"
+    kv_buffer_device: Literal["cuda", "cpu"] | None = Field(default=None, description="NIXL: where KV is staged")
+    shared_storage_path: str = Field(default="", description="ExampleConnector: default <state_dir>/kv-store")
+    extra_config: dict[str, Any] = Field(default_factory=dict, description="Merged into kv_connector_extra_config")
+
+
+class RoleSettings(Section):
+    """One role's shape: its GPUs, instances, parallelism, vLLM knobs and base ports."""
+
+    gpus: list[int] | None = Field(default=None, description="Explicit GPU indices for all instances of the role")
+    gpu_count: int | None = Field(default=None, ge=0, description="How many GPUs, chosen by the planner")
+    instances: int = Field(default=1, ge=1, le=64)
+    tp: int | None = Field(default=None, ge=1, description="Tensor parallel size; default: all the instance's GPUs")
+    dp: int = Field(default=1, ge=1)
+    enable_expert_parallel: bool = False
+    enable_dbo: bool = False
+    enable_eplb: bool = False
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    enable_prefix_caching: bool | None = None
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    host: str = "127.0.0.1"
+    http_port: Port = Field(default=20005, ge=1024, le=65535)
+    handshake_port: Port = Field(default=6301, ge=1024, le=65535, description="MORI-IO handshake / NIXL side channel")
+    notify_port: Port = Field(default=6105, ge=1024, le=65535, description="MORI-IO notify base")
+    dp_rpc_port: Port = Field(default=29550, ge=1024, le=65535, description="vLLM --data-parallel-rpc-port (DP > 1)")
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_unique(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if any(g < 0 for g in v):
+            raise ValueError(f"GPU indices must be >= 0, got {v}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"GPU indices repeat in {v}")
+        return sorted(v)
+
+
+class PrefillSettings(RoleSettings):
+    """The prefill role; its base ports are the MI300X reference's."""
+
+
+class DecodeSettings(RoleSettings):
+    """The decode role; its base ports are the MI300X reference's."""
+
+    http_port: Port = Field(default=40005, ge=1024, le=65535)
+    handshake_port: Port = Field(default=7301, ge=1024, le=65535)
+    notify_port: Port = Field(default=7501, ge=1024, le=65535)
+    dp_rpc_port: Port = Field(default=29650, ge=1024, le=65535)
+
+
+class ColocatedSettings(RoleSettings):
+    """The colocated layout (connector = "none"): instances that prefill and decode themselves."""
+
+    http_port: Port = Field(default=30005, ge=1024, le=65535)
+    handshake_port: Port = Field(default=8301, ge=1024, le=65535)
+    notify_port: Port = Field(default=8501, ge=1024, le=65535)
+    dp_rpc_port: Port = Field(default=29750, ge=1024, le=65535)
+
+
+class ProxySettings(Section):
+    """The proxy clients talk to, its registration socket and its admin API."""
+
+    host: str = Field(default="127.0.0.1", description="Client API address; 0.0.0.0 to serve other hosts")
+    port: Port = Field(default=10001, ge=1, le=65535)
+    routing: Literal["round_robin", "least_outstanding"] = "least_outstanding"
+    registration_host: str = "127.0.0.1"
+    ping_port: Port = Field(default=36367, ge=1024, le=65535, description="MORI-IO registration (ZMQ ROUTER)")
+    allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1"])
+    admin_host: str = "127.0.0.1"
+    admin_port: Port = Field(default=10002, ge=1024, le=65535)
+    api_key_file: str | None = Field(default=None, description="Clients must send this key (file mode 0600)")
+    admin_token_file: str | None = Field(default=None, description="Admin calls must send this token")
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    prefill_timeout_s: float = Field(default=600.0, gt=0)
+    first_token_timeout_s: float = Field(default=600.0, gt=0)
+    between_tokens_timeout_s: float = Field(default=120.0, gt=0)
+
+
+class SloSettings(Section):
+    """Latency targets a request must meet to count towards goodput."""
+
+    ttft_ms: float = Field(default=1000.0, gt=0)
+    itl_ms: float = Field(default=50.0, gt=0)
+    itl_judgement: Literal["max", "p99", "mean"] = "p99"
+    attainment: float = Field(default=0.9, gt=0, le=1)
+
+
+class Settings(BaseSettings):
+    """Everything pdctl needs to plan, render and run a node."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="PDCTL_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    connector: ConnectorSettings = Field(default_factory=ConnectorSettings)
+    prefill: PrefillSettings = Field(default_factory=PrefillSettings)
+    decode: DecodeSettings = Field(default_factory=DecodeSettings)
+    colocated: ColocatedSettings = Field(default_factory=ColocatedSettings)
+    proxy: ProxySettings = Field(default_factory=ProxySettings)
+    slo: SloSettings = Field(default_factory=SloSettings)
+    manager: Literal["auto", "systemd", "supervisor"] = "auto"
+    state_dir: str = Field(default="/var/lib/pdctl", description="Plan, rendered configs, KV store, tiny model")
+    unit_dir: str = Field(default="/etc/systemd/system", description="Where systemd units are written")
+
+    @model_validator(mode="after")
+    def _roles_disjoint(self) -> Settings:
+        p, d = self.prefill.gpus, self.decode.gpus
+        if p is not None and d is not None and set(p) & set(d):
+            shared = sorted(set(p) & set(d))
+            raise ValueError(f"prefill.gpus and decode.gpus share GPUs {shared}; a GPU serves one role")
+        return self
+
+    def role(self, role: Role) -> RoleSettings:
+        """The settings of one role ("both" is the colocated layout)."""
+        return {"prefill": self.prefill, "decode": self.decode, "both": self.colocated}[role]
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The TOML file is passed in by load_settings as init data below the environment, so the
+        # order is: overrides (merged into init) > environment > file > defaults.
+        return (init_settings, env_settings)
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _env_data() -> dict[str, Any]:
+    """PDCTL_* variables as nested data, read by pydantic-settings' own environment source."""
+    from pydantic_settings import EnvSettingsSource
+
+    return EnvSettingsSource(Settings, env_prefix="PDCTL_", env_nested_delimiter="__")()
+
+
+def config_path(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The settings file in force: --config, else PDCTL_CONFIG, else /etc/pdctl/pdctl.toml."""
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get("PDCTL_CONFIG")
+    return Path(env) if env else DEFAULT_CONFIG_PATH
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The TOML file as data; a missing default file is empty, a missing explicit one is an error."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read settings file {path}: {exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"settings file {path} is not valid TOML: {exc}", fix="correct the line it names") from None
+
+
+def _describe(error: dict[str, Any], source: str) -> str:
+    loc = ".".join(str(p) for p in error["loc"]) or "(top level)"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"{source}: unknown setting '{loc}' (check its spelling; see etc/pdctl.toml for every key)"
+    if kind == "missing":
+        return f"{source}: '{loc}' is required"
+    msg = error["msg"].removeprefix("Value error, ")
+    if not error["loc"]:
+        return f"{source}: {msg}"
+    return f"{source}: {loc} = {error.get('input')!r} is not allowed: {msg}"
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Settings:
+    """Read, merge and validate the settings; any bad value becomes one ConfigError naming field, value and rule."""
+    file = config_path(path)
+    if path and not file.exists():
+        raise ConfigError(f"settings file {file} does not exist", fix="create it (see etc/pdctl.toml) or drop --config")
+    data = read_toml(file)
+    source = str(file) if data else "settings"
+    try:
+        env = _env_data()
+    except Exception as exc:  # pydantic-settings raises SettingsError for unparsable JSON values
+        raise ConfigError(f"a PDCTL_* environment variable cannot be read: {exc}") from None
+    merged = _deep_merge(_deep_merge(data, env), overrides or {})
+    try:
+        # Init data only: the environment is already merged, so the env source must not read it again.
+        return Settings.model_validate(merged)
+    except ValidationError as exc:
+        errors = exc.errors()
+        first = _describe(dict(errors[0]), source)
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ConfigError(first + more) from None
