@@ -1,0 +1,238 @@
+"""AMD GPUs through amdsmi (ROCm). A node without ROCm, driver or GPUs gets a note, never an exception."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import os
+import sys
+from collections.abc import Callable, Iterator
+from itertools import combinations
+from types import ModuleType
+from typing import Any
+
+from appliance.inventory import sysfs
+from appliance.inventory.models import BackendResult, Gpu, GpuProcess, Link, LinkType
+
+MIB = 1 << 20
+NO_GPUS = "no AMD GPUs"
+
+# amdsmi_status_t values (amdsmi.h); stable across ROCm 6.x.
+STATUS_DRIVER_NOT_LOADED = 34
+# Statuses that say the GPU itself is in trouble. Others (NOT_SUPPORTED, NO_PERM, NO_DATA, ...) only
+# mean that one field is unknown, and leave the GPU healthy.
+GPU_BAD_STATUSES = frozenset(
+    {
+        6,  # DRM_ERROR: the kernel driver refused the GPU
+        12,  # IO
+        13,  # ADDRESS_FAULT
+        31,  # NOT_FOUND: the GPU went away
+        32,  # NOT_INIT
+        34,  # DRIVER_NOT_LOADED
+        54,  # AMDGPU_RESTART_ERR
+    }
+)
+# amdsmi_topo_get_link_type()["type"]: AmdSmiIoLinkType (ROCm 6.0-6.2) and AmdSmiLinkType (6.3+)
+# agree on these numbers; the module's own enums are preferred where present.
+_DEFAULT_LINK_TYPES: dict[int, LinkType] = {1: "PCIE", 2: "XGMI"}
+
+
+def _none(why: str) -> BackendResult:
+    return BackendResult(notes=[f"{NO_GPUS}: {why}"])
+
+
+@contextlib.contextmanager
+def _stdout_captured() -> Iterator[io.StringIO]:
+    """Hold back what amdsmi prints while loading (Python prints and C writes to fd 1), so that
+    `pdctl inventory --json` stays valid JSON; the text is kept for the note."""
+    buffer = io.StringIO()
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        sys.stdout.flush()
+    saved: int | None = None
+    try:
+        saved = os.dup(1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+        finally:
+            os.close(devnull)
+    except OSError:
+        if saved is not None:
+            os.close(saved)
+        saved = None
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield buffer
+    finally:
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _error_code(exc: BaseException) -> int | None:
+    get = getattr(exc, "get_error_code", None)
+    code = get() if callable(get) else getattr(exc, "err_code", None)
+    return int(code) if isinstance(code, int) else None
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+class _Queries:
+    """One GPU's queries: a failing query loses its field; the GPU turns unhealthy only if the error says it is bad."""
+
+    def __init__(self, errors: tuple[type[BaseException], ...]) -> None:
+        self.errors = errors
+        self.problems: list[str] = []
+
+    def get(self, what: str, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except self.errors as exc:
+            if _error_code(exc) in GPU_BAD_STATUSES:
+                self.problems.append(f"{what}: {exc}")
+            return None
+
+
+def detect() -> BackendResult:
+    """The AMD GPUs amdsmi sees, their XGMI/PCIe links and processes; or a note saying why there are none."""
+    try:
+        with _stdout_captured() as printed:
+            amdsmi = importlib.import_module("amdsmi")
+    except ImportError:
+        return _none("amdsmi is not installed (it comes with ROCm)")
+    except KeyError:
+        # Without libamd_smi.so, amdsmi's ctypes wrapper prints the OSError to stdout and then fails
+        # looking the library up in its own table: a KeyError, not an ImportError.
+        detail = _first_line(printed.getvalue())
+        return _none("amdsmi cannot find the ROCm library libamd_smi.so" + (f" ({detail})" if detail else ""))
+    except AttributeError as exc:
+        return _none(f"amdsmi does not match the installed ROCm library ({exc})")
+    except OSError as exc:
+        return _none(f"cannot load the ROCm library ({exc})")
+    try:
+        return _detect_with(amdsmi)
+    except Exception as exc:  # a foreign library must never break `pdctl plan`; the note names the error
+        return _none(f"unexpected error from amdsmi ({type(exc).__name__}: {exc})")
+
+
+def _detect_with(amdsmi: ModuleType) -> BackendResult:
+    smi_error: type[BaseException] = getattr(amdsmi, "AmdSmiException", OSError)
+    flags = getattr(amdsmi, "AmdSmiInitFlags", None)
+    flag = getattr(flags, "INIT_AMD_GPUS", None)
+    try:
+        with _stdout_captured():
+            if flag is None:
+                amdsmi.amdsmi_init()
+            else:
+                amdsmi.amdsmi_init(flag)
+    except smi_error as exc:
+        if _error_code(exc) == STATUS_DRIVER_NOT_LOADED:
+            return _none("the amdgpu driver is not loaded (amdsmi_init: AMDSMI_STATUS_DRIVER_NOT_LOADED)")
+        return _none(f"amdsmi_init failed ({exc})")
+    except AttributeError as exc:
+        return _none(f"amdsmi does not match the installed ROCm library ({exc})")
+    except OSError as exc:
+        return _none(f"cannot load the ROCm library ({exc})")
+    try:
+        try:
+            handles = list(amdsmi.amdsmi_get_processor_handles())
+        except (smi_error, AttributeError, OSError) as exc:
+            return _none(f"amdsmi could not list GPUs ({exc})")
+        if not handles:
+            return _none("amdsmi found none")
+        errors = (smi_error, AttributeError, KeyError, OSError)
+        gpus = [_gpu(amdsmi, index, handle, errors) for index, handle in enumerate(handles)]
+        links = [_link(amdsmi, a, b, handles[a], handles[b], errors) for a, b in combinations(range(len(handles)), 2)]
+        return BackendResult(gpus=gpus, links=links)
+    finally:
+        with contextlib.suppress(smi_error, AttributeError, OSError):
+            amdsmi.amdsmi_shut_down()
+
+
+def _gpu(amdsmi: ModuleType, index: int, handle: Any, errors: tuple[type[BaseException], ...]) -> Gpu:
+    q = _Queries(errors)
+    asic = q.get("asic info", lambda: amdsmi.amdsmi_get_gpu_asic_info(handle)) or {}
+    total = q.get(
+        "memory total", lambda: amdsmi.amdsmi_get_gpu_memory_total(handle, amdsmi.AmdSmiMemoryType.VRAM)
+    )
+    used = q.get("memory usage", lambda: amdsmi.amdsmi_get_gpu_memory_usage(handle, amdsmi.AmdSmiMemoryType.VRAM))
+    activity = q.get("activity", lambda: amdsmi.amdsmi_get_gpu_activity(handle)) or {}
+    raw_bdf = q.get("pci address", lambda: amdsmi.amdsmi_get_gpu_device_bdf(handle))
+    uuid = q.get("uuid", lambda: amdsmi.amdsmi_get_gpu_device_uuid(handle))
+    numa = q.get("numa node", lambda: amdsmi.amdsmi_topo_get_numa_node_number(handle))
+    processes = _processes(amdsmi, handle, q)
+
+    bdf = sysfs.normalize_bdf(raw_bdf) if isinstance(raw_bdf, (str, bytes)) else None
+    # The library's answer where it has one; sysfs knows the same for any PCI device.
+    if not (isinstance(numa, int) and 0 <= numa < 1 << 16):
+        numa = sysfs.numa_node(bdf) if bdf else None
+    gfx = activity.get("gfx_activity")  # "N/A" where the firmware does not report it
+    return Gpu(
+        index=index,
+        vendor="amd",
+        name=str(asic.get("market_name") or "AMD GPU"),
+        memory_total_mib=total // MIB if isinstance(total, int) and total >= 0 else 0,
+        memory_used_mib=used // MIB if isinstance(used, int) and used >= 0 else 0,
+        utilization_pct=float(gfx) if isinstance(gfx, (int, float)) and 0 <= gfx <= 100 else None,
+        numa_node=numa,
+        pci_bdf=bdf,
+        uuid=str(uuid) if uuid else None,
+        healthy=not q.problems,
+        health_detail="; ".join(q.problems),
+        processes=processes,
+    )
+
+
+def _processes(amdsmi: ModuleType, handle: Any, q: _Queries) -> list[GpuProcess]:
+    listed = q.get("process list", lambda: amdsmi.amdsmi_get_gpu_process_list(handle)) or []
+    processes = []
+    for item in listed:
+        # ROCm 6.2+ returns dicts; earlier releases return process handles to pass to amdsmi_get_gpu_process_info.
+        info = item if isinstance(item, dict) else q.get(
+            "process info", lambda item=item: amdsmi.amdsmi_get_gpu_process_info(handle, item)
+        )
+        if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
+            continue
+        usage = info.get("memory_usage") or {}
+        vram = usage.get("vram_mem", info.get("mem"))
+        library_name = str(info.get("name") or "")
+        processes.append(
+            GpuProcess(
+                pid=info["pid"],
+                name=sysfs.process_name(info["pid"]) or ("" if library_name == "N/A" else library_name),
+                memory_used_mib=vram // MIB if isinstance(vram, int) else None,
+            )
+        )
+    return processes
+
+
+def _link_types(amdsmi: ModuleType) -> dict[int, LinkType]:
+    types = dict(_DEFAULT_LINK_TYPES)
+    for enum_name, pcie, xgmi in (
+        ("AmdSmiIoLinkType", "PCIEXPRESS", "XGMI"),
+        ("AmdSmiLinkType", "AMDSMI_LINK_TYPE_PCIE", "AMDSMI_LINK_TYPE_XGMI"),
+    ):
+        enum = getattr(amdsmi, enum_name, None)
+        if enum is not None and hasattr(enum, pcie) and hasattr(enum, xgmi):
+            types[int(getattr(enum, pcie))] = "PCIE"
+            types[int(getattr(enum, xgmi))] = "XGMI"
+    return types
+
+
+def _link(
+    amdsmi: ModuleType, a: int, b: int, handle_a: Any, handle_b: Any, errors: tuple[type[BaseException], ...]
+) -> Link:
+    found = _Queries(errors).get("link", lambda: amdsmi.amdsmi_topo_get_link_type(handle_a, handle_b))
+    if not isinstance(found, dict):
+        return Link(a=a, b=b, type="UNKNOWN")
+    kind, hops = found.get("type"), found.get("hops")
+    return Link(
+        a=a,
+        b=b,
+        type=_link_types(amdsmi).get(int(kind), "UNKNOWN") if isinstance(kind, int) else "UNKNOWN",
+        hops=hops if isinstance(hops, int) else None,
+    )
