@@ -447,3 +447,34 @@ def busy_ports(plan_: Plan, is_free: Callable[[str, int], bool], skip: set[str] 
         if not is_free("127.0.0.1", port):
             problems.append(f"port {port} ({owner}) is already in use")
     return problems
+
+
+def proxy_config(p: Plan) -> dict[str, Any]:
+    """The proxy's configuration (appliance.proxy.config.ProxyConfig as data) derived from the plan."""
+    px = p.proxy
+    return {
+        "host": px.host,
+        "port": px.port,
+        "mode": px.mode,
+        "connector": px.connector,
+        "routing": px.routing,
+        "model": p.model.served_name,
+        "api_key_file": px.api_key_file,
+        "registration": {
+            "enabled": px.registration_enabled,
+            "host": px.registration_host,
+            "port": px.ping_port,
+            "allowed_hosts": px.allowed_hosts,
+        },
+        "admin": {"host": px.admin_host, "port": px.admin_port, "token_file": px.admin_token_file},
+        "timeouts": {
+            "connect_s": px.connect_timeout_s,
+            "prefill_s": px.prefill_timeout_s,
+            "first_token_s": px.first_token_timeout_s,
+            "between_tokens_s": px.between_tokens_timeout_s,
+        },
+        "backends": [
+            {"name": i.name, "role": i.role, "url": i.url, "dp_size": i.dp, "tp_size": i.tp, "kv": i.proxy_kv}
+            for i in p.instances
+        ],
+    }
