@@ -36,7 +36,14 @@ def gpu_table(inventory: Inventory) -> Table:
         numa = str(gpu.numa_node) if gpu.numa_node is not None else "-"
         health = "[green]ok[/]" if gpu.healthy else f"[red]BAD[/] {gpu.health_detail}".rstrip()
         table.add_row(
-            str(gpu.index), gpu.name, memory, util, numa, gpu.pci_bdf or "-", health, _processes_cell(inventory, gpu.index)
+            str(gpu.index),
+            gpu.name,
+            memory,
+            util,
+            numa,
+            gpu.pci_bdf or "-",
+            health,
+            _processes_cell(inventory, gpu.index),
         )
     return table
 
@@ -70,7 +77,9 @@ def render(inventory: Inventory, console: Console) -> None:
 
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the inventory as JSON (accepted back by --inventory FILE).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the inventory as JSON (accepted back by --inventory FILE)."
+)
 @click.pass_context
 def inventory(ctx: click.Context, as_json: bool) -> None:
     """Show the GPUs of this node (or of --inventory), their links, health and processes."""

@@ -146,7 +146,10 @@ def _detect_with(amdsmi: ModuleType) -> BackendResult:
             return _none("amdsmi found none")
         errors = (smi_error, AttributeError, KeyError, OSError)
         gpus = [_gpu(amdsmi, index, handle, errors) for index, handle in enumerate(handles)]
-        links = [_link(amdsmi, a, b, handles[a], handles[b], errors) for a, b in combinations(range(len(handles)), 2)]
+        links = [
+            _link(amdsmi, a, b, handles[a], handles[b], errors)
+            for a, b in combinations(range(len(handles)), 2)
+        ]
         return BackendResult(gpus=gpus, links=links)
     finally:
         with contextlib.suppress(smi_error, AttributeError, OSError):
@@ -159,7 +162,9 @@ def _gpu(amdsmi: ModuleType, index: int, handle: Any, errors: tuple[type[BaseExc
     total = q.get(
         "memory total", lambda: amdsmi.amdsmi_get_gpu_memory_total(handle, amdsmi.AmdSmiMemoryType.VRAM)
     )
-    used = q.get("memory usage", lambda: amdsmi.amdsmi_get_gpu_memory_usage(handle, amdsmi.AmdSmiMemoryType.VRAM))
+    used = q.get(
+        "memory usage", lambda: amdsmi.amdsmi_get_gpu_memory_usage(handle, amdsmi.AmdSmiMemoryType.VRAM)
+    )
     activity = q.get("activity", lambda: amdsmi.amdsmi_get_gpu_activity(handle)) or {}
     raw_bdf = q.get("pci address", lambda: amdsmi.amdsmi_get_gpu_device_bdf(handle))
     uuid = q.get("uuid", lambda: amdsmi.amdsmi_get_gpu_device_uuid(handle))
@@ -192,8 +197,10 @@ def _processes(amdsmi: ModuleType, handle: Any, q: _Queries) -> list[GpuProcess]
     processes = []
     for item in listed:
         # ROCm 6.2+ returns dicts; earlier releases return process handles to pass to amdsmi_get_gpu_process_info.
-        info = item if isinstance(item, dict) else q.get(
-            "process info", lambda item=item: amdsmi.amdsmi_get_gpu_process_info(handle, item)
+        info = (
+            item
+            if isinstance(item, dict)
+            else q.get("process info", lambda item=item: amdsmi.amdsmi_get_gpu_process_info(handle, item))
         )
         if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
             continue

@@ -98,7 +98,9 @@ def _detect_with(pynvml: ModuleType) -> BackendResult:
             handle, gpu = _gpu(pynvml, index, errors)
             handles.append(handle)
             gpus.append(gpu)
-        links = [_link(pynvml, a, b, handles[a], handles[b], errors) for a, b in combinations(range(count), 2)]
+        links = [
+            _link(pynvml, a, b, handles[a], handles[b], errors) for a, b in combinations(range(count), 2)
+        ]
         return BackendResult(gpus=gpus, links=links)
     finally:
         with contextlib.suppress(nvml_error, AttributeError, OSError):
@@ -111,7 +113,11 @@ def _gpu(pynvml: ModuleType, index: int, errors: tuple[type[BaseException], ...]
     except errors as exc:
         # Without a handle nothing else can be asked; the GPU is listed so that the planner skips it.
         return None, Gpu(
-            index=index, vendor="nvidia", name="NVIDIA GPU", memory_total_mib=0, healthy=False,
+            index=index,
+            vendor="nvidia",
+            name="NVIDIA GPU",
+            memory_total_mib=0,
+            healthy=False,
             health_detail=f"nvmlDeviceGetHandleByIndex: {exc}",
         )
     q = _Queries(errors)
