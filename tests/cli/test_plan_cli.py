@@ -1,0 +1,78 @@
+"""`pdctl plan` as a user runs it: a real process, its output and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pdctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
+    base["PDCTL_CONFIG"] = str(REPO / "etc" / "pdctl.toml")
+    return subprocess.run(
+        [sys.executable, "-m", "appliance", *args], capture_output=True, text=True, env={**base, **(env or {})},
+        timeout=60,
+    )
+
+
+def test_reference_plan_json() -> None:
+    r = pdctl("plan", "--json", env={"PDCTL_INVENTORY": "sim:mi300x-8"})
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["schema_version"] == 1
+    assert [(i["name"], i["gpus"], i["tp"]) for i in p["instances"]] == [
+        ("prefill-0", [0, 1, 2, 3], 4),
+        ("decode-0", [4, 5, 6, 7], 4),
+    ]
+
+
+def test_two_plus_six_from_flags() -> None:
+    r = pdctl("plan", "--json", "--prefill-gpus", "2", "--decode-gpus", "6", env={"PDCTL_INVENTORY": "sim:mi300x-8"})
+    assert r.returncode == 0, r.stderr
+    assert [len(i["gpus"]) for i in json.loads(r.stdout)["instances"]] == [2, 6]
+
+
+def test_explicit_sets_and_table() -> None:
+    r = pdctl("plan", "--inventory", "sim:h200-8", "--connector", "nixl", "--mode", "read", "--prefill", "0,1",
+              "--decode", "2-7")
+    assert r.returncode == 0, r.stderr
+    assert "prefill-0" in r.stdout and "2,3,4,5,6,7" in r.stdout
+
+
+def test_dp2_tp2_ranks_never_share_ports() -> None:
+    r = pdctl("plan", "--json", env={"PDCTL_INVENTORY": "sim:mi300x-8", "PDCTL_DECODE__DP": "2", "PDCTL_DECODE__TP": "2",
+                                     "PDCTL_DECODE__GPUS": "[4,5,6,7]"})
+    assert r.returncode == 0, r.stderr
+    ports = [port for i in json.loads(r.stdout)["instances"] for v in i["ports"].values() for port in v]
+    assert len(ports) == len(set(ports))
+
+
+def test_bad_requests_exit_nonzero_with_one_line() -> None:
+    cases = [
+        ("plan", "--prefill", "0-3", "--decode", "3-6"),
+        ("plan", "--prefill-gpus", "6", "--decode-gpus", "6"),
+        ("plan", "--prefill", "zero"),
+        ("plan", "--inventory", "sim:nope"),
+        ("plan", "--connector", "nixl", "--mode", "write", "--inventory", "sim:h200-8"),
+    ]
+    for args in cases:
+        r = pdctl(*args, env={"PDCTL_INVENTORY": "sim:mi300x-8"})
+        assert r.returncode != 0, args
+        assert "Traceback" not in r.stderr, args
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("pdctl: error:"), (args, r.stderr)
+
+
+def test_bad_settings_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[connector]\nmode = "sideways"\n')
+    r = pdctl("--config", str(bad), "plan", env={"PDCTL_INVENTORY": "sim:mi300x-8"})
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        f"pdctl: error: {bad}: connector.mode = 'sideways' is not allowed: Input should be 'read' or 'write'"
+    )

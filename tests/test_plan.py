@@ -1,0 +1,178 @@
+"""The planner's rules: GPU sets, shapes, NUMA islands, ports for every rank, and impossible requests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from appliance.errors import PlanError
+from appliance.inventory import load_inventory
+from appliance.inventory.models import Gpu, Inventory
+from appliance.plan import all_ports, busy_ports, plan, proxy_config
+from appliance.settings import Settings
+
+
+def make(overrides: dict[str, Any] | None = None) -> Settings:
+    return Settings.model_validate(overrides or {})
+
+
+REFERENCE = {
+    "connector": {"name": "moriio"},
+    "prefill": {"gpus": [0, 1, 2, 3], "tp": 4},
+    "decode": {"gpus": [4, 5, 6, 7], "tp": 4},
+}
+
+
+def test_reference_mi300x_plan() -> None:
+    p = plan(make(REFERENCE), load_inventory("sim:mi300x-8"))
+    prefill, decode = p.instances
+    assert (prefill.name, prefill.gpus, prefill.tp) == ("prefill-0", [0, 1, 2, 3], 4)
+    assert (decode.name, decode.gpus, decode.tp) == ("decode-0", [4, 5, 6, 7], 4)
+    assert prefill.env["HIP_VISIBLE_DEVICES"] == prefill.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert prefill.ports == {"http": [20005], "handshake": [6301, 6302, 6303, 6304], "notify": [6105, 6106, 6107, 6108]}
+    assert decode.ports["handshake"][0] == 7301 and decode.ports["notify"][0] == 7501
+    extra = decode.kv_transfer_config["kv_connector_extra_config"]  # type: ignore[index]
+    assert decode.kv_transfer_config["kv_role"] == "kv_consumer"  # type: ignore[index]
+    assert extra["proxy_ping_port"] == "36367" and extra["read_mode"] is True
+    assert "--kv-transfer-config" in decode.argv and "--tensor-parallel-size" in decode.argv
+    assert p.proxy.registration_enabled and p.proxy.ping_port == 36367
+    assert prefill.numa_nodes == [0] and decode.numa_nodes == [1] and not p.warnings
+
+
+def test_automatic_split_is_half_and_half_on_numa_islands() -> None:
+    p = plan(make(), load_inventory("sim:mi300x-8"))
+    assert [i.gpus for i in p.instances] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert p.connector == "moriio"  # auto on AMD
+
+
+def test_two_plus_six() -> None:
+    p = plan(make({**REFERENCE, "prefill": {"gpu_count": 2}, "decode": {"gpu_count": 6}}), load_inventory("sim:mi300x-8"))
+    assert [len(i.gpus) for i in p.instances] == [2, 6]
+    assert [i.tp for i in p.instances] == [2, 6]
+
+
+def test_xpyd_instances_get_disjoint_gpus_and_ports() -> None:
+    p = plan(make({"prefill": {"instances": 2, "tp": 2}, "decode": {"tp": 4}}), load_inventory("sim:h200-8"))
+    assert [i.name for i in p.instances] == ["prefill-0", "prefill-1", "decode-0"]
+    assert [i.gpus for i in p.instances] == [[0, 1], [2, 3], [4, 5, 6, 7]]
+    assert [i.http_port for i in p.instances] == [20005, 20006, 40005]
+    assert p.instances[1].ports["side_channel"] == [6303, 6304]
+
+
+def test_cpu_node_uses_example_connector_and_no_gpus() -> None:
+    p = plan(make(), load_inventory("sim:cpu"))
+    assert p.platform == "cpu" and p.connector == "example"
+    assert all(i.gpus == [] and "CUDA_VISIBLE_DEVICES" not in i.env for i in p.instances)
+    assert p.model.generate
+
+
+def test_colocated_layout() -> None:
+    p = plan(make({"connector": {"name": "none"}, "colocated": {"instances": 2}}), load_inventory("sim:h200-8"))
+    assert p.layout == "colocated"
+    assert [(i.name, i.gpus) for i in p.instances] == [("both-0", [0, 1, 2, 3]), ("both-1", [4, 5, 6, 7])]
+    assert all(i.kv_transfer_config is None for i in p.instances)
+
+
+def test_proxy_config_lists_every_instance() -> None:
+    p = plan(make(REFERENCE), load_inventory("sim:mi300x-8"))
+    cfg = proxy_config(p)
+    assert [b["name"] for b in cfg["backends"]] == ["prefill-0", "decode-0"]
+    assert cfg["backends"][0]["kv"]["zmq_address"] == "host:127.0.0.1,handshake:6301,notify:6105"
+    assert cfg["registration"]["port"] == 36367
+
+
+@pytest.mark.parametrize(
+    ("overrides", "inventory", "message"),
+    [
+        ({"prefill": {"gpus": [0, 1, 2, 3]}, "decode": {"gpus": [8, 9]}}, "sim:mi300x-8", "names GPU(s) [8, 9]"),
+        ({"prefill": {"gpu_count": 6}, "decode": {"gpu_count": 6}}, "sim:mi300x-8", "needs prefill 6 + decode 6 = 12"),
+        ({"prefill": {"gpu_count": 4, "tp": 3}}, "sim:mi300x-8", "TP 3 x DP 1 = 3 GPUs, but each instance has 4"),
+        ({"prefill": {"gpu_count": 3, "instances": 2}}, "sim:mi300x-8", "cannot be split into 2 equal"),
+        ({"connector": {"name": "nixl", "mode": "write"}}, "sim:h200-8", "has no write mode"),
+        ({"connector": {"name": "example", "mode": "write"}}, "sim:cpu", "has no write mode"),
+        ({"connector": {"name": "moriio"}}, "sim:h200-8", "needs AMD GPUs"),
+        ({"prefill": {"gpu_count": 2}}, "sim:cpu", "this node has none"),
+        ({"decode": {"handshake_port": 6303}}, "sim:mi300x-8", "port 6303 would be bound by prefill-0 handshake and"),
+        ({"proxy": {"admin_port": 20005}}, "sim:mi300x-8", "port 20005"),
+        ({"prefill": {"gpu_count": 4, "dp": 3}}, "sim:mi300x-8", "DP 3 does not divide"),
+    ],
+)
+def test_impossible_requests_fail_with_reason_and_fix(overrides: dict[str, Any], inventory: str, message: str) -> None:
+    with pytest.raises(PlanError) as info:
+        plan(make(overrides), load_inventory(inventory))
+    assert message in str(info.value)
+    assert info.value.fix
+
+
+def test_failed_or_occupied_gpus_are_left_out() -> None:
+    inv = load_inventory("sim:h200-8")
+    gpus = list(inv.gpus)
+    gpus[0] = gpus[0].model_copy(update={"healthy": False, "health_detail": "GPU is lost"})
+    inv = Inventory(source="test", gpus=gpus, links=inv.links)
+    p = plan(make({"prefill": {"gpu_count": 2}, "decode": {"gpu_count": 4}}), inv)
+    assert 0 not in [g for i in p.instances for g in i.gpus]
+    with pytest.raises(PlanError, match="reported failed"):
+        plan(make({"prefill": {"gpus": [0, 1]}}), inv)
+
+
+def test_busy_ports_reports_bound_ports() -> None:
+    p = plan(make(REFERENCE), load_inventory("sim:mi300x-8"))
+    problems = busy_ports(p, lambda host, port: port != 7502)
+    assert problems == ["port 7502 (decode-0 notify) is already in use"]
+    assert busy_ports(p, lambda host, port: port != 7502, skip={"decode-0"}) == []
+
+
+def _inventory(n: int) -> Inventory:
+    return Inventory(
+        source="test",
+        gpus=[Gpu(index=i, vendor="amd", name="x", memory_total_mib=1000, numa_node=i * 2 // max(n, 1)) for i in range(n)],
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    p_inst=st.integers(1, 4), p_tp=st.sampled_from([1, 2, 4, 8]), p_dp=st.sampled_from([1, 2, 4]),
+    d_inst=st.integers(1, 4), d_tp=st.sampled_from([1, 2, 4, 8]), d_dp=st.sampled_from([1, 2, 4]),
+    connector=st.sampled_from(["moriio", "none"]),
+)
+def test_no_two_ranks_share_a_port(p_inst: int, p_tp: int, p_dp: int, d_inst: int, d_tp: int, d_dp: int,
+                                  connector: str) -> None:
+    need = p_inst * p_tp * p_dp + d_inst * d_tp * d_dp
+    assume(need <= 64)
+    overrides = {
+        "connector": {"name": connector},
+        "prefill": {"instances": p_inst, "tp": p_tp, "dp": p_dp},
+        "decode": {"instances": d_inst, "tp": d_tp, "dp": d_dp, "handshake_port": 9301, "notify_port": 11501},
+        "colocated": {"instances": p_inst, "tp": p_tp, "dp": p_dp},
+    }
+    p = plan(make(overrides), _inventory(need))
+    owned = all_ports(p.instances, p.proxy)
+    ports = [port for port, _ in owned]
+    assert len(ports) == len(set(ports))
+    for inst in p.instances:
+        ranks = inst.tp * inst.dp
+        if connector == "moriio":
+            hs, nt = inst.ports["handshake"], inst.ports["notify"]
+            # every rank's handshake (base + dp_rank + tp_rank) and notify (base + dp_rank * tp + tp_rank) port
+            for dp_rank in range(inst.dp):
+                for tp_rank in range(inst.tp):
+                    assert hs[0] + dp_rank + tp_rank in hs
+                    assert nt[0] + dp_rank * inst.tp + tp_rank in nt
+            assert len(hs) == len(nt) == ranks
+        if inst.dp > 1:
+            assert "--data-parallel-rpc-port" in inst.argv
+    used = [g for i in p.instances for g in i.gpus]
+    assert len(used) == len(set(used))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 16), st.data())
+def test_auto_split_uses_every_gpu_once(n: int, data: st.DataObject) -> None:
+    prefill = data.draw(st.integers(1, n - 1))
+    p = plan(make({"prefill": {"gpu_count": prefill}, "connector": {"name": "moriio"}}), _inventory(n))
+    used = sorted(g for i in p.instances for g in i.gpus)
+    assert used == list(range(n))
+    assert len(p.role_instances("prefill")[0].gpus) == prefill
