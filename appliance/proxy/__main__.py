@@ -1,0 +1,61 @@
+"""`python -m appliance.proxy --config FILE`: run the proxy until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from appliance.errors import PdctlError
+from appliance.proxy.config import load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, load the config and serve; user mistakes print one line and exit 2."""
+    parser = argparse.ArgumentParser(prog="python -m appliance.proxy", description="pdctl's PD proxy")
+    parser.add_argument("--config", required=True, help="ProxyConfig JSON file")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config)
+    except PdctlError as exc:
+        print(f"pd-proxy: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    if uvloop is not None:
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    from appliance.proxy.app import Proxy
+
+    async def run() -> None:
+        proxy = Proxy(config)
+        await proxy.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        print(f"pd-proxy ready on {config.host}:{proxy.api_port} admin {config.admin.host}:{proxy.admin_port}",
+              flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await proxy.stop()
+
+    try:
+        asyncio.run(run())
+    except PdctlError as exc:
+        print(f"pd-proxy: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:
+        print(f"pd-proxy: error: cannot bind: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The admin API (loopback HTTP, JSON): state, mode switch, drain/undrain, live backend set."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from pydantic import TypeAdapter, ValidationError
+
+from appliance.proxy.config import Backend
+
+if TYPE_CHECKING:
+    from appliance.proxy.app import Proxy
+
+_BACKENDS = TypeAdapter(list[Backend])
+_PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def state(proxy: Proxy) -> dict[str, Any]:
+    """Everything `pdctl status` wants to know about the proxy."""
+    ready, counts = proxy.ready()
+    return {
+        "mode": proxy.mode,
+        "connector": proxy.config.connector,
+        "routing": proxy.config.routing,
+        "model": proxy.config.model,
+        "ready": ready,
+        "healthy": counts,
+        "instances": [inst.state() for inst in proxy.registry.instances.values()],
+    }
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
+    token = request.app[_PROXY_KEY].admin_token
+    if token is not None:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            return _error(401, "admin token missing or wrong: send 'Authorization: Bearer <token>'")
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return json.loads(await request.read())
+    except ValueError as exc:
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": f"body is not valid JSON: {exc}"}), content_type="application/json"
+        ) from None
+
+
+def _instance_name(body: Any) -> str:
+    name = body.get("instance") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise web.HTTPBadRequest(text=json.dumps({"error": "'instance' (a name) is required"}),
+                                 content_type="application/json")
+    return name
+
+
+async def get_state(request: web.Request) -> web.Response:
+    return web.json_response(state(request.app[_PROXY_KEY]))
+
+
+async def post_mode(request: web.Request) -> web.Response:
+    proxy = request.app[_PROXY_KEY]
+    body = await _json(request)
+    mode = body.get("mode") if isinstance(body, dict) else None
+    if mode not in ("read", "write"):
+        return _error(400, f"'mode' must be 'read' or 'write', got {mode!r}")
+    if not proxy.adapter.disaggregated:
+        return _error(400, "connector 'none' (colocated) has no transfer mode")
+    if mode not in proxy.adapter.modes:
+        return _error(400, f"connector {proxy.config.connector!r} supports only {', '.join(proxy.adapter.modes)}")
+    previous, proxy.mode = proxy.mode, mode
+    return web.json_response({
+        "mode": mode,
+        "previous": previous,
+        # MORI-IO fixes read_mode when the engine starts: its engines must be restarted in the new mode
+        "engines_restart_required": proxy.config.connector == "moriio" and previous != mode,
+    })
+
+
+async def post_drain(request: web.Request) -> web.Response:
+    proxy = request.app[_PROXY_KEY]
+    body = await _json(request)
+    name = _instance_name(body)
+    timeout = body.get("timeout_s", 60)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        return _error(400, f"'timeout_s' must be a non-negative number, got {timeout!r}")
+    inst = proxy.registry.get(name)
+    if inst is None:
+        return _error(404, f"no instance named {name!r}; known: {', '.join(sorted(proxy.registry.instances))}")
+    inst.draining = True
+    started = time.monotonic()
+    deadline = started + float(timeout)
+    while inst.in_flight > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return web.json_response({
+        "instance": name,
+        "drained": inst.in_flight == 0,
+        "in_flight": inst.in_flight,
+        "waited_s": round(time.monotonic() - started, 3),
+    })
+
+
+async def post_undrain(request: web.Request) -> web.Response:
+    proxy = request.app[_PROXY_KEY]
+    name = _instance_name(await _json(request))
+    inst = proxy.registry.get(name)
+    if inst is None:
+        return _error(404, f"no instance named {name!r}")
+    inst.draining = False
+    return web.json_response({"instance": name, "draining": False})
+
+
+async def post_instances(request: web.Request) -> web.Response:
+    proxy = request.app[_PROXY_KEY]
+    try:
+        backends = _BACKENDS.validate_python(await _json(request))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        return _error(400, f"backends: {where}: {first['msg']}")
+    names = [b.name for b in backends]
+    if len(set(names)) != len(names):
+        return _error(400, "backend names must be unique")
+    proxy.registry.set_static(backends)
+    await proxy.registry.close_retired()
+    return web.json_response(state(proxy))
+
+
+def build_app(proxy: Proxy) -> web.Application:
+    """The admin aiohttp application."""
+    app = web.Application(middlewares=[_auth], client_max_size=1024 * 1024)
+    app[_PROXY_KEY] = proxy
+    app.router.add_get("/admin/state", get_state)
+    app.router.add_post("/admin/mode", post_mode)
+    app.router.add_post("/admin/drain", post_drain)
+    app.router.add_post("/admin/undrain", post_undrain)
+    app.router.add_post("/admin/instances", post_instances)
+    return app

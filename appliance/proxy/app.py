@@ -1,0 +1,211 @@
+"""The proxy: OpenAI API in front, engine legs behind, registration listener, health probes, admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from appliance.proxy import admin
+from appliance.proxy.config import ProxyConfig, read_secret
+from appliance.proxy.connectors import adapter_for
+from appliance.proxy.legs import LegFailure, error_response, handle_completion
+from appliance.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from appliance.proxy.registry import InstanceRegistry, RegistrationListener
+from appliance.proxy.routing import HealthChecker, Router
+
+log = logging.getLogger("appliance.proxy")
+
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "min_tokens")
+
+
+class Proxy:
+    """One running proxy; `start()` binds every socket, `stop()` closes them."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.mode: str = config.mode
+        self.adapter = adapter_for(config.connector)
+        self.api_key = read_secret(config.api_key_file)
+        self.admin_token = read_secret(config.admin.token_file)
+        self.metrics = ProxyMetrics(lambda: self.registry)
+        self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
+        self.health = HealthChecker(self.registry, config.health)
+        self.router = Router(self.registry, config.routing, lambda: self.mode, checks_mode=config.connector == "moriio")
+        self.listener: RegistrationListener | None = None
+        self._runners: list[web.AppRunner] = []
+        self.api_port = config.port
+        self.admin_port = config.admin.port
+        self.started_at = time.time()
+        self.registry.set_static(config.backends)
+
+    # lifecycle
+    async def start(self) -> None:
+        """Bind the API, the admin API and (moriio) the registration socket; start probing."""
+        api = web.Application(client_max_size=self.config.client_max_size, handler_args={"max_field_size": 16384})
+        api.router.add_post("/v1/completions", self._completions)
+        api.router.add_post("/v1/chat/completions", self._chat)
+        api.router.add_get("/v1/models", self._models)
+        api.router.add_get("/health", self._health)
+        api.router.add_get("/metrics", self._metrics)
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts both legs
+        self.api_port = await self._serve(api, self.config.host, self.config.port)
+        self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port)
+        if self.config.registration.enabled:
+            self.listener = RegistrationListener(
+                self.config.registration,
+                self.registry,
+                lambda: self.mode,
+                lambda result: self.metrics.registrations.labels(result).inc(),
+            )
+            self.listener.start()
+        self.health.start()
+        log.info(
+            "proxy on %s:%d (admin %s:%d), connector %s, mode %s, %d static backends",
+            self.config.host, self.api_port, self.config.admin.host, self.admin_port,
+            self.config.connector, self.mode, len(self.config.backends),
+        )
+
+    async def _serve(self, app: web.Application, host: str, port: int) -> int:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, backlog=1024)
+        await site.start()
+        self._runners.append(runner)
+        sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+        return int(sockets[0].getsockname()[1]) if sockets else port
+
+    async def stop(self) -> None:
+        """Close every socket and pool."""
+        await self.health.stop()
+        if self.listener is not None:
+            await self.listener.stop()
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners.clear()
+        await self.registry.close()
+
+    # readiness
+    def ready(self) -> tuple[bool, dict[str, int]]:
+        """Ready when the roles a request needs each have a healthy instance."""
+        counts = {
+            role: sum(1 for i in insts if i.healthy and not i.draining) for role, insts in self.registry.by_role.items()
+        }
+        needed = ("prefill", "decode") if self.adapter.disaggregated else ("both",)
+        return all(counts[r] > 0 for r in needed), counts
+
+    # handlers
+    def _unauthorized(self, request: web.Request) -> web.Response | None:
+        if self.api_key is None:
+            return None
+        given = request.headers.get("Authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            return None
+        return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.config.model, "object": "model", "created": int(self.started_at), "owned_by": "pdctl"}],
+            }
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        ok, counts = self.ready()
+        body = {"status": "ok" if ok else "not ready", "mode": self.mode, "connector": self.config.connector,
+                "healthy": counts}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/completions", chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/chat/completions", chat=True)
+
+    async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        mode_label = self.mode if self.adapter.disaggregated else "colocated"
+        status: str = "500"
+        try:
+            if (denied := self._unauthorized(request)) is not None:
+                status = "401"
+                return denied
+            body, problem = await self._read_body(request, chat)
+            if problem is not None:
+                status = str(problem.status)
+                return problem
+            assert body is not None
+            response = await handle_completion(self, request, path, body)
+            status = request.get("pdctl_status", str(response.status))
+            return response
+        except LegFailure as exc:
+            status = str(exc.status)
+            return exc.response()
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = "client_abort"
+            self.metrics.client_aborts.inc()
+            raise
+        except Exception:
+            log.exception("unexpected error while proxying %s", path)
+            return error_response(500, "internal proxy error (see the proxy log)")
+        finally:
+            self.metrics.requests.labels(status, mode_label).inc()
+
+    async def _read_body(self, request: web.Request, chat: bool) -> tuple[dict[str, Any] | None, web.Response | None]:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return None, error_response(413, f"request body is larger than {self.config.client_max_size} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return None, error_response(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return None, error_response(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            return None, error_response(400, "'model' must be a string")
+        if model is not None and model != self.config.model:
+            return None, error_response(404, f"The model `{model}` does not exist; this server serves `{self.config.model}`.")
+        if chat:
+            if not isinstance(body.get("messages"), list) or not body["messages"]:
+                return None, error_response(400, "'messages' must be a non-empty list")
+        elif "prompt" not in body or not isinstance(body["prompt"], (str, list)):
+            return None, error_response(400, "'prompt' is required (a string or a list)")
+        for field in _INT_FIELDS:
+            if field not in body or body[field] is None:
+                continue
+            value = body[field]
+            if isinstance(value, bool) or not isinstance(value, int):
+                return None, error_response(400, f"'{field}' must be an integer, got {value!r}")
+            low = 0 if field == "min_tokens" else 1
+            if value < low or value > self.config.max_tokens_limit:
+                return None, error_response(
+                    400, f"'{field}' must be between {low} and {self.config.max_tokens_limit}, got {value}"
+                )
+        if "stream" in body and not isinstance(body["stream"], bool):
+            return None, error_response(400, "'stream' must be true or false")
+        if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
+            return None, error_response(400, "'stream_options' must be an object")
+        return body, None
+
+
+async def serve_forever(config: ProxyConfig) -> None:
+    """Run a proxy until cancelled (SIGTERM/SIGINT in __main__)."""
+    proxy = Proxy(config)
+    await proxy.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await proxy.stop()

@@ -1,0 +1,83 @@
+"""A small synchronous client for the proxy's admin API (used by `pdctl mode`, `pdctl drain`, rebalance)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from appliance.errors import PdctlError
+
+
+class ProxyAdminError(PdctlError):
+    """The proxy's admin API could not be reached or refused the request."""
+
+
+class AdminClient:
+    """Talks to one proxy's admin API; every method returns the decoded JSON answer."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:10002",
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        if token is None and token_file is not None:
+            token = Path(token_file).read_text().strip()
+        self.token = token
+        self.timeout = timeout
+
+    def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.base_url + path, data=data, method=method)
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            try:
+                message = json.loads(exc.read()).get("error", exc.reason)
+            except ValueError:
+                message = exc.reason
+            raise ProxyAdminError(f"proxy admin {path} answered {exc.code}: {message}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ProxyAdminError(
+                f"cannot reach the proxy admin API at {self.base_url}: {reason}",
+                fix="is pd-proxy running? (`pdctl status`)",
+            ) from None
+
+    def state(self) -> dict[str, Any]:
+        """Mode, connector and every instance (name, role, url, source, healthy, draining, in_flight, last_seen)."""
+        result: dict[str, Any] = self._call("GET", "/admin/state")
+        return result
+
+    def set_mode(self, mode: str) -> dict[str, Any]:
+        """Switch the proxy's transfer mode; the answer says whether engines must restart (moriio)."""
+        result: dict[str, Any] = self._call("POST", "/admin/mode", {"mode": mode})
+        return result
+
+    def drain(self, instance: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Stop new requests to `instance` and wait until its in-flight ones finish (or timeout_s passes)."""
+        result: dict[str, Any] = self._call(
+            "POST", "/admin/drain", {"instance": instance, "timeout_s": timeout_s}, timeout=timeout_s + self.timeout
+        )
+        return result
+
+    def undrain(self, instance: str) -> dict[str, Any]:
+        """Let `instance` take new requests again."""
+        result: dict[str, Any] = self._call("POST", "/admin/undrain", {"instance": instance})
+        return result
+
+    def set_instances(self, backends: list[dict[str, Any]]) -> dict[str, Any]:
+        """Replace the static backend set (list of Backend dicts); returns the new state."""
+        result: dict[str, Any] = self._call("POST", "/admin/instances", backends)
+        return result

@@ -1,0 +1,125 @@
+"""ProxyConfig: everything the proxy runs from (written by `pdctl` as JSON, read by `python -m appliance.proxy`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from appliance.errors import ConfigError
+
+Role = Literal["prefill", "decode", "both"]
+Mode = Literal["read", "write"]
+Connector = Literal["moriio", "nixl", "example", "none"]
+Routing = Literal["round_robin", "least_outstanding"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegistrationConfig(_Model):
+    """The MORI-IO registration listener (a ZMQ ROUTER the engines ping from a DEALER)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=36367, ge=0, le=65535)
+    enabled: bool = False
+    allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1"])
+    ping_interval_s: float = Field(default=5.0, gt=0)
+    expire_after_missed: int = Field(default=3, ge=1)
+
+
+class AdminConfig(_Model):
+    """The live-control API (HTTP on loopback by default; token-protected when token_file is set)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=10002, ge=0, le=65535)
+    token_file: str | None = None
+
+
+class Timeouts(_Model):
+    """Per-leg limits; every wait in the proxy is bounded by one of these."""
+
+    connect_s: float = Field(default=5.0, gt=0)
+    prefill_s: float = Field(default=600.0, gt=0)
+    first_token_s: float = Field(default=600.0, gt=0)
+    between_tokens_s: float = Field(default=120.0, gt=0)
+
+
+class HealthConfig(_Model):
+    """Active /health probes and passive failure counting."""
+
+    probe_interval_s: float = Field(default=2.0, gt=0)
+    fail_threshold: int = Field(default=3, ge=1)
+    probe_timeout_s: float = Field(default=2.0, gt=0)
+
+
+class Backend(_Model):
+    """One engine instance from the plan."""
+
+    name: str = Field(min_length=1)
+    role: Role
+    url: str
+    dp_size: int = Field(default=1, ge=1)
+    tp_size: int = Field(default=1, ge=1)
+    kv: dict[str, str | int] = Field(default_factory=dict)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme != "http" or not parts.hostname or parts.port is None:
+            raise ValueError(f"backend url must look like http://HOST:PORT, got {value!r}")
+        return value.rstrip("/")
+
+
+class ProxyConfig(_Model):
+    """The whole proxy configuration; field names are fixed by notes/INTERFACES.md."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=10001, ge=0, le=65535)
+    mode: Mode = "read"
+    connector: Connector
+    routing: Routing = "least_outstanding"
+    model: str = Field(min_length=1)
+    api_key_file: str | None = None
+    registration: RegistrationConfig = Field(default_factory=RegistrationConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    backends: list[Backend] = Field(default_factory=list)
+    client_max_size: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_tokens_limit: int = Field(default=1_000_000, ge=1)
+
+
+def load_config(path: str | Path) -> ProxyConfig:
+    """Read and validate a ProxyConfig JSON file; a bad file raises ConfigError with the reason."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"proxy config {p} does not exist", fix="run `pdctl plan` / `pdctl up` to write it") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"proxy config {p} cannot be read: {exc}") from None
+    try:
+        return ProxyConfig.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+        raise ConfigError(f"proxy config {p}: {where}: {first['msg']}") from None
+
+
+def read_secret(path: str | None) -> str | None:
+    """Return the stripped contents of a key/token file, or None when no file is configured."""
+    if path is None:
+        return None
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read secret file {path}: {exc}") from None
+    if not secret:
+        raise ConfigError(f"secret file {path} is empty", fix="write the key into it or remove the setting")
+    return secret

@@ -1,0 +1,375 @@
+"""The request flows: colocated (one leg), READ (prefill, then decode) and WRITE (both at once, supervised)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from appliance.proxy.connectors import LegError
+from appliance.proxy.registry import Instance
+from appliance.proxy.routing import acquire, release
+from appliance.proxy.upstream import Connection, UpstreamError
+
+if TYPE_CHECKING:
+    from appliance.proxy.app import Proxy
+
+log = logging.getLogger("appliance.proxy.legs")
+
+_HIGH_WATER = 1 << 20  # client send buffer above this: stop reading from the engine
+_LOW_WATER = 1 << 18
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_payload(status: int, message: str) -> dict[str, Any]:
+    """The OpenAI-style error object."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "code": status}}
+
+
+def error_response(status: int, message: str) -> web.Response:
+    """A JSON error response in the OpenAI shape."""
+    return web.json_response(error_payload(status, message), status=status)
+
+
+class LegFailure(Exception):
+    """A leg failed in a way the client should hear about as `status` with `message`."""
+
+    def __init__(self, status: int, message: str, body: bytes | None = None, content_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.body = body  # an engine's own 4xx answer, passed through as it is
+        self.content_type = content_type
+
+    def response(self) -> web.Response:
+        if self.body is not None:
+            return web.Response(status=self.status, body=self.body, content_type=self.content_type or "application/json")
+        return error_response(self.status, self.message)
+
+
+def _content_type(conn: Connection) -> str:
+    assert conn.head is not None
+    return conn.head.headers.get("content-type", "application/json").split(";")[0].strip() or "application/json"
+
+
+async def _race(fut: asyncio.Future[Any], supervisor: asyncio.Task[Any] | None, timeout: float) -> Any:
+    """Await `fut` for at most `timeout`; if the supervising prefill task fails first, raise its error."""
+    if supervisor is None or supervisor.done() and supervisor.exception() is None:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    deadline = time.monotonic() + timeout
+    if not supervisor.done():
+        done, _ = await asyncio.wait((fut, supervisor), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            raise asyncio.TimeoutError
+        if fut in done:
+            return fut.result()
+    exc = supervisor.exception()
+    if exc is not None:
+        raise exc
+    return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic()))
+
+
+class Relay:
+    """Streams the decode leg's chunks to the client from the engine connection's callback."""
+
+    __slots__ = ("proxy", "conn", "transport", "inst", "error", "finished", "last", "paused", "timer", "loop")
+
+    def __init__(self, proxy: Proxy, conn: Connection, transport: asyncio.Transport, inst: Instance) -> None:
+        self.proxy = proxy
+        self.conn = conn
+        self.transport = transport
+        self.inst = inst
+        self.error: Exception | None = None
+        self.finished = False
+        self.last = time.monotonic()
+        self.paused = False
+        self.loop = asyncio.get_running_loop()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def sink(self, data: bytes, framed: bool, chunks: int) -> None:
+        """Hot path: called from the engine socket's data_received with whole chunks."""
+        t = self.transport
+        if t.is_closing():
+            self.fail(ConnectionResetError("client went away"))
+            return
+        t.write(data if framed else b"%x\r\n%b\r\n" % (len(data), data))
+        now = self.conn.last_rx
+        metrics = self.proxy.metrics
+        metrics.itl.observe(now - self.last)
+        metrics.streamed_chunks += chunks
+        self.last = now
+        if t.get_write_buffer_size() > _HIGH_WATER and not self.paused:
+            self.paused = True
+            if self.conn.transport is not None:
+                self.conn.transport.pause_reading()
+            self.loop.call_later(0.005, self._maybe_resume)
+
+    def _maybe_resume(self) -> None:
+        if self.finished:
+            return
+        if self.transport.is_closing():
+            self.fail(ConnectionResetError("client went away"))
+        elif self.transport.get_write_buffer_size() < _LOW_WATER:
+            self.paused = False
+            if self.conn.transport is not None:
+                self.conn.transport.resume_reading()
+        else:
+            self.loop.call_later(0.005, self._maybe_resume)
+
+    def start_watchdog(self) -> None:
+        self.timer = self.loop.call_later(self.proxy.config.timeouts.between_tokens_s, self._watch)
+
+    def _watch(self) -> None:
+        if self.finished:
+            return
+        limit = self.proxy.config.timeouts.between_tokens_s
+        idle = time.monotonic() - self.conn.last_rx
+        if self.paused or idle < limit:
+            self.timer = self.loop.call_later(max(limit - idle, 0.01), self._watch)
+            return
+        self.fail(LegFailure(504, f"decode instance {self.inst.name} sent no token for {limit:g}s"))
+
+    def fail(self, exc: Exception) -> None:
+        """End the relay with an error (supervisor, watchdog, client gone): aborts the engine leg."""
+        if self.finished or self.error is not None:
+            return
+        self.error = exc
+        self.conn.abort()
+
+    def stop(self) -> None:
+        self.finished = True
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+async def run_prefill(
+    proxy: Proxy, inst: Instance, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
+) -> dict[str, Any] | None:
+    """The prefill leg, bounded by timeouts.prefill_s; returns the engine's kv_transfer_params."""
+    limit = proxy.config.timeouts.prefill_s
+    try:
+        return await asyncio.wait_for(_prefill(proxy, inst, rank, path, body, headers), limit)
+    except asyncio.TimeoutError:
+        proxy.metrics.leg_failures.labels("prefill", "timeout").inc()
+        proxy.health.leg_failed(inst)
+        raise LegFailure(504, f"prefill on {inst.name} did not finish within {limit:g}s") from None
+
+
+async def _prefill(
+    proxy: Proxy, inst: Instance, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
+) -> dict[str, Any] | None:
+    acquire(inst, rank)
+    conn: Connection | None = None
+    try:
+        if rank is not None:
+            headers = [*headers, ("X-data-parallel-rank", str(rank))]
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        conn, head = await inst.pool.open(
+            "POST", path, headers, payload, collect=True, head_timeout=proxy.config.timeouts.prefill_s
+        )
+        assert conn.done_fut is not None
+        answer = await asyncio.shield(conn.done_fut)
+        inst.pool.release(conn)
+        conn = None
+        if head.status != 200:
+            if 400 <= head.status < 500:
+                # the engine rejected the client's request (prompt too long, bad parameter): say so as it is
+                raise LegFailure(head.status, "engine rejected the request", answer, head.headers.get("content-type"))
+            proxy.metrics.leg_failures.labels("prefill", "status").inc()
+            proxy.health.leg_failed(inst)
+            snippet = (answer or b"")[:200].decode("utf-8", "replace")
+            raise LegFailure(502, f"prefill instance {inst.name} answered {head.status}: {snippet}")
+        try:
+            data = json.loads(answer or b"")
+        except ValueError:
+            proxy.metrics.leg_failures.labels("prefill", "protocol").inc()
+            raise LegFailure(502, f"prefill instance {inst.name} returned invalid JSON") from None
+        proxy.health.leg_ok(inst)
+        kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        return kv if isinstance(kv, dict) else None
+    except UpstreamError as exc:
+        proxy.metrics.leg_failures.labels("prefill", exc.reason).inc()
+        proxy.health.leg_failed(inst)
+        raise LegFailure(502, f"prefill leg on {inst.name} failed: {exc}") from None
+    except BaseException:
+        if conn is not None:
+            conn.abort()
+        raise
+    finally:
+        release(inst, rank)
+
+
+def _sse_error(status: int, message: str) -> bytes:
+    event = b"data: " + json.dumps(error_payload(status, message)).encode() + b"\n\n"
+    return b"%x\r\n%b\r\n" % (len(event), event)
+
+
+async def run_decode(
+    proxy: Proxy,
+    request: web.Request,
+    inst: Instance,
+    rank: int | None,
+    path: str,
+    body: dict[str, Any],
+    headers: list[tuple[str, str]],
+    started: float,
+    supervisor: asyncio.Task[Any] | None = None,
+) -> web.StreamResponse:
+    """The decode (or colocated) leg: answers the client, streaming or not."""
+    timeouts = proxy.config.timeouts
+    stream = body.get("stream") is True
+    acquire(inst, rank)
+    conn: Connection | None = None
+    relay: Relay | None = None
+    try:
+        if rank is not None:
+            headers = [*headers, ("X-data-parallel-rank", str(rank))]
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        try:
+            conn = await inst.pool.send("POST", path, headers, payload, collect=not stream)
+        except UpstreamError as exc:
+            proxy.metrics.leg_failures.labels("decode", exc.reason).inc()
+            proxy.health.leg_failed(inst)
+            raise LegFailure(502, f"decode leg on {inst.name} failed: {exc}") from None
+        assert conn.head_fut is not None and conn.first_fut is not None and conn.done_fut is not None
+        try:
+            head = await _race(conn.head_fut, supervisor, timeouts.first_token_s)
+            if head.status != 200 or not stream:
+                answer = await _race(conn.done_fut, supervisor, timeouts.first_token_s)
+                if head.status >= 500:
+                    proxy.metrics.leg_failures.labels("decode", "status").inc()
+                    proxy.health.leg_failed(inst)
+                else:
+                    proxy.health.leg_ok(inst)
+                inst.pool.release(conn)
+                return web.Response(status=head.status, body=answer, content_type=_content_type(conn))
+            await _race(conn.first_fut, supervisor, timeouts.first_token_s)
+        except asyncio.TimeoutError:
+            proxy.metrics.leg_failures.labels("decode", "timeout").inc()
+            proxy.health.leg_failed(inst)
+            raise LegFailure(504, f"decode on {inst.name} sent no token within {timeouts.first_token_s:g}s") from None
+        except UpstreamError as exc:
+            proxy.metrics.leg_failures.labels("decode", exc.reason).inc()
+            proxy.health.leg_failed(inst)
+            raise LegFailure(502, f"decode leg on {inst.name} failed: {exc}") from None
+
+        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("client went away")
+        relay = Relay(proxy, conn, transport, inst)  # type: ignore[arg-type]
+        proxy.metrics.ttft.observe(time.monotonic() - started)
+        relay.last = conn.last_rx
+        for data, framed, chunks in conn.take_early():
+            transport.write(data if framed else b"%x\r\n%b\r\n" % (len(data), data))
+            proxy.metrics.streamed_chunks += chunks
+        conn.attach(relay.sink)
+        relay.start_watchdog()
+        if supervisor is not None and not supervisor.done():
+            supervisor.add_done_callback(
+                lambda t: relay.fail(t.exception()) if not t.cancelled() and t.exception() is not None else None  # type: ignore[arg-type,union-attr]
+            )
+        elif supervisor is not None and not supervisor.cancelled() and supervisor.exception() is not None:
+            relay.fail(supervisor.exception())  # type: ignore[arg-type]
+        try:
+            await conn.done_fut
+        except UpstreamError as exc:
+            error = relay.error or exc
+            if isinstance(error, ConnectionResetError):
+                raise error from None
+            status = error.status if isinstance(error, (LegFailure, LegError)) else 502
+            message = error.message if isinstance(error, LegFailure) else f"decode leg on {inst.name} failed: {error}"
+            if not isinstance(error, LegFailure):
+                proxy.metrics.leg_failures.labels("decode", getattr(error, "reason", "stream")).inc()
+                proxy.health.leg_failed(inst)
+            elif status == 504:
+                proxy.metrics.leg_failures.labels("decode", "timeout").inc()
+            log.warning("stream from %s ended with an error: %s", inst.name, message)
+            relay.stop()
+            if not transport.is_closing():
+                transport.write(_sse_error(status, message))
+                await response.write_eof()
+            response.force_close()
+            request["pdctl_status"] = "stream_error"
+            return response
+        relay.stop()
+        proxy.health.leg_ok(inst)
+        inst.pool.release(conn)
+        await response.write_eof()
+        return response
+    except BaseException:
+        if relay is not None:
+            relay.stop()
+        if conn is not None:
+            conn.abort()
+        raise
+    finally:
+        release(inst, rank)
+
+
+async def handle_completion(proxy: Proxy, request: web.Request, path: str, body: dict[str, Any]) -> web.StreamResponse:
+    """Route one validated request through the legs its connector and mode call for."""
+    started = time.monotonic()
+    headers: list[tuple[str, str]] = []
+    auth = request.headers.get("Authorization")
+    if auth is not None:
+        headers.append(("Authorization", auth))
+    adapter = proxy.adapter
+    router = proxy.router
+    if not adapter.disaggregated:
+        inst = router.pick("both")
+        if inst is None:
+            raise LegFailure(503, "no healthy engine instance is available; try again shortly")
+        rid = request.headers.get("X-Request-Id") or None
+        if rid is not None:
+            headers.append(("X-Request-Id", rid))
+        return await run_decode(proxy, request, inst, router.pick_dp_rank(inst), path, body, headers, started)
+
+    prefill = router.pick("prefill")
+    decode = router.pick("decode")
+    if prefill is None or decode is None:
+        missing = " and ".join(r for r, i in (("prefill", prefill), ("decode", decode)) if i is None)
+        raise LegFailure(503, f"no healthy {missing} instance is available; try again shortly")
+    prefill_rank = router.pick_dp_rank(prefill)
+    decode_rank = router.pick_dp_rank(decode)
+    ctx: dict[str, Any] = {}
+    try:
+        rid = adapter.request_id(prefill, decode)
+        prefill_body = adapter.prefill_body(body, prefill, decode, ctx)
+    except LegError as exc:
+        raise LegFailure(exc.status, str(exc)) from None
+    headers.append(("X-Request-Id", rid))
+    mode = proxy.mode if proxy.mode in adapter.modes else "read"
+    if mode == "read":
+        kv = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers)
+        try:
+            decode_body = adapter.decode_body(body, prefill, decode, prefill_rank, kv, ctx)
+        except LegError as exc:
+            raise LegFailure(exc.status, str(exc)) from None
+        return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started)
+
+    decode_body = adapter.decode_body(body, prefill, decode, prefill_rank, None, ctx)
+    prefill_task = asyncio.ensure_future(run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers))
+    try:
+        return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started, prefill_task)
+    finally:
+        if not prefill_task.done():
+            prefill_task.cancel()
+        else:
+            if not prefill_task.cancelled():
+                prefill_task.exception()  # retrieved: its failure was already reported through the decode leg

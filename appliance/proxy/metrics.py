@@ -1,0 +1,112 @@
+"""Prometheus metrics of the proxy (its own registry, so several proxies can live in one test process)."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from appliance.proxy.registry import InstanceRegistry
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class FastHistogram:
+    """A lock-free histogram for the per-token path (one event loop thread writes it)."""
+
+    __slots__ = ("bounds", "counts", "total", "count")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        buckets = []
+        running = 0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            running += n
+            buckets.append((repr(bound), running))
+        buckets.append(("+Inf", self.count))
+        family = HistogramMetricFamily(name, doc)
+        family.add_metric([], buckets, self.total)
+        return family
+
+
+class _LiveCollector(Collector):
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
+        m = self.metrics
+        yield m.itl.family("pdctl_proxy_inter_token_latency_seconds", "Time between streamed chunks relayed")
+        in_flight = GaugeMetricFamily(
+            "pdctl_proxy_in_flight_requests", "Requests in flight per instance", labels=["instance", "role"]
+        )
+        healthy = GaugeMetricFamily(
+            "pdctl_proxy_instance_healthy", "1 when the instance is routable by health", labels=["instance", "role"]
+        )
+        draining = GaugeMetricFamily("pdctl_proxy_instance_draining", "1 while draining", labels=["instance", "role"])
+        registry = m.registry_source()
+        if registry is not None:
+            for inst in list(registry.instances.values()):
+                labels = [inst.name, inst.role]
+                in_flight.add_metric(labels, inst.in_flight)
+                healthy.add_metric(labels, 1 if inst.healthy else 0)
+                draining.add_metric(labels, 1 if inst.draining else 0)
+        yield in_flight
+        yield healthy
+        yield draining
+
+
+class ProxyMetrics:
+    """Counters and histograms the proxy updates; rendered at GET /metrics."""
+
+    def __init__(self, registry_source: Callable[[], InstanceRegistry | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry_source = registry_source
+        self.requests = Counter(
+            "pdctl_proxy_requests", "Client requests by HTTP status and mode", ["status", "mode"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "pdctl_proxy_time_to_first_token_seconds", "Client request arrival to first relayed token",
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        )
+        self.leg_failures = Counter(
+            "pdctl_proxy_leg_failures", "Failed engine legs", ["leg", "reason"], registry=self.registry,
+        )
+        self.registrations = Counter(
+            "pdctl_proxy_registrations", "MORI-IO registration messages by outcome", ["result"],
+            registry=self.registry,
+        )
+        self.client_aborts = Counter(
+            "pdctl_proxy_client_aborts", "Requests the client abandoned (legs aborted)", registry=self.registry,
+        )
+        self.tokens = Counter(
+            "pdctl_proxy_streamed_chunks", "SSE chunks relayed to clients", registry=self.registry,
+        )
+        self.itl = FastHistogram(ITL_BUCKETS)
+        self.streamed_chunks = 0  # folded into `tokens` at scrape time (no per-token Counter call)
+        self._tokens_reported = 0
+        self.registry.register(_LiveCollector(self))
+
+    def render(self) -> bytes:
+        """Prometheus text exposition."""
+        delta = self.streamed_chunks - self._tokens_reported
+        if delta:
+            self.tokens.inc(delta)
+            self._tokens_reported += delta
+        return generate_latest(self.registry)

@@ -1,0 +1,164 @@
+"""Choosing an instance (and a DP rank inside it) per role; ejection by active probes and passive failures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from appliance.proxy.config import HealthConfig
+from appliance.proxy.registry import Instance, InstanceRegistry
+from appliance.proxy.upstream import UpstreamError
+
+log = logging.getLogger("appliance.proxy.routing")
+
+
+class Router:
+    """Round-robin or least-outstanding-requests over the routable instances of a role."""
+
+    def __init__(self, registry: InstanceRegistry, policy: str, mode: Callable[[], str], checks_mode: bool) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.mode = mode
+        self.checks_mode = checks_mode  # moriio engines fix their transfer mode at start
+        self._rr: dict[str, int] = {"prefill": 0, "decode": 0, "both": 0}
+
+    def routable(self, inst: Instance) -> bool:
+        """Healthy, not draining, and (moriio) running the proxy's transfer mode."""
+        if not inst.healthy or inst.draining:
+            return False
+        return not (self.checks_mode and inst.transfer_mode is not None and inst.transfer_mode != self.mode())
+
+    def pick(self, role: str) -> Instance | None:
+        """The instance for the next request of `role`, or None when none is routable."""
+        candidates = [i for i in self.registry.by_role[role] if self.routable(i)]
+        if not candidates:
+            return None
+        turn = self._rr[role]
+        self._rr[role] = turn + 1
+        count = len(candidates)
+        if self.policy == "round_robin" or count == 1:
+            return candidates[turn % count]
+        # least outstanding; the rotating start spreads ties instead of always favouring the first
+        best = candidates[turn % count]
+        for k in range(1, count):
+            inst = candidates[(turn + k) % count]
+            if inst.in_flight < best.in_flight:
+                best = inst
+        return best
+
+    @staticmethod
+    def pick_dp_rank(inst: Instance) -> int | None:
+        """The DP rank inside `inst` with the fewest requests (rotating ties); None when dp_size is 1.
+
+        Each instance keeps its own counters, so the rank never depends on the instance's index.
+        """
+        size = inst.dp_size
+        if size <= 1:
+            return None
+        start = inst.dp_next % size
+        inst.dp_next = start + 1
+        counts = inst.dp_in_flight
+        best = start
+        for k in range(1, size):
+            rank = (start + k) % size
+            if counts[rank] < counts[best]:
+                best = rank
+        return best
+
+
+def acquire(inst: Instance, rank: int | None) -> None:
+    """Count a request against the instance (and DP rank) until release()."""
+    inst.in_flight += 1
+    if rank is not None and rank < len(inst.dp_in_flight):
+        inst.dp_in_flight[rank] += 1
+
+
+def release(inst: Instance, rank: int | None) -> None:
+    """Undo acquire()."""
+    inst.in_flight -= 1
+    if rank is not None and rank < len(inst.dp_in_flight):
+        inst.dp_in_flight[rank] -= 1
+
+
+class HealthChecker:
+    """Active /health probes every probe_interval_s; passive failure counting from the legs."""
+
+    def __init__(self, registry: InstanceRegistry, config: HealthConfig) -> None:
+        self.registry = registry
+        self.config = config
+        self._task: asyncio.Task[None] | None = None
+        self._probing: set[str] = set()
+
+    def start(self) -> None:
+        """Start the probe loop."""
+        self._task = asyncio.create_task(self._loop(), name="health-probes")
+
+    async def stop(self) -> None:
+        """Stop the probe loop."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def probe_soon(self, inst: Instance) -> None:
+        """Probe one (new) instance now rather than at the next tick."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        asyncio.ensure_future(self.probe(inst))
+
+    async def _loop(self) -> None:
+        while True:
+            instances = list(self.registry.instances.values())
+            if instances:
+                await asyncio.gather(*(self.probe(i) for i in instances), return_exceptions=True)
+            await asyncio.sleep(self.config.probe_interval_s)
+
+    async def probe(self, inst: Instance) -> bool:
+        """GET /health on the instance; healthy iff 200. Updates the instance."""
+        if inst.name in self._probing or inst.removed:
+            return inst.healthy
+        self._probing.add(inst.name)
+        try:
+            ok = await self._get_health(inst)
+        finally:
+            self._probing.discard(inst.name)
+        if ok and not inst.healthy:
+            log.info("%s (%s) is healthy", inst.name, inst.url)
+        elif not ok and inst.healthy:
+            log.warning("%s (%s) failed its health probe: ejected", inst.name, inst.url)
+        inst.healthy = ok
+        if ok:
+            inst.failures = 0
+        return ok
+
+    async def _get_health(self, inst: Instance) -> bool:
+        timeout = self.config.probe_timeout_s
+        try:
+            conn, head = await inst.pool.open("GET", "/health", (), b"", collect=True, head_timeout=timeout)
+        except UpstreamError:
+            return False
+        assert conn.done_fut is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.done_fut), timeout)
+        except (UpstreamError, asyncio.TimeoutError):
+            conn.abort()
+            return False
+        inst.pool.release(conn)
+        return head.status == 200
+
+    def leg_failed(self, inst: Instance) -> None:
+        """Passive check: count a failed leg; eject after fail_threshold in a row."""
+        inst.failures += 1
+        if inst.healthy and inst.failures >= self.config.fail_threshold:
+            inst.healthy = False
+            log.warning("%s (%s) failed %d requests in a row: ejected until its probe passes",
+                        inst.name, inst.url, inst.failures)
+
+    @staticmethod
+    def leg_ok(inst: Instance) -> None:
+        """Passive check: a successful leg resets the failure count."""
+        inst.failures = 0
