@@ -1,0 +1,56 @@
+"""Fixtures for the inventory tests: the fake vendor libraries of tests/inventory/fakes, and a fake sysfs."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+FAKES = Path(__file__).parent / "fakes"
+
+
+@pytest.fixture(autouse=True)
+def sysfs_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty sysfs for every test, so results never depend on the PCI devices of the machine running them."""
+    root = tmp_path / "sys"
+    root.mkdir()
+    monkeypatch.setenv("PDCTL_SYSFS_ROOT", str(root))
+    return root
+
+
+@pytest.fixture
+def pci_device(sysfs_root: Path) -> Callable[..., None]:
+    """Call as pci_device(bdf, numa, cpus="") to add /sys/bus/pci/devices/<bdf> as the kernel lays it out."""
+
+    def add(bdf: str, numa: int | str, cpus: str = "") -> None:
+        device = sysfs_root / "bus" / "pci" / "devices" / bdf
+        device.mkdir(parents=True)
+        (device / "numa_node").write_text(f"{numa}\n")
+        if cpus:
+            (device / "local_cpulist").write_text(f"{cpus}\n")
+
+    return add
+
+
+def _installer(monkeypatch: pytest.MonkeyPatch, module: str, env: str) -> Callable[[str], None]:
+    def install(scenario: str) -> None:
+        monkeypatch.setenv(env, scenario)
+        monkeypatch.syspath_prepend(str(FAKES))
+        # Each test imports the fake afresh, so module-level failures (print + KeyError) happen again.
+        monkeypatch.delitem(sys.modules, module, raising=False)
+
+    return install
+
+
+@pytest.fixture
+def fake_amdsmi(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Call with a FAKE_AMDSMI scenario (see fakes/amdsmi.py) to make `import amdsmi` load that machine."""
+    return _installer(monkeypatch, "amdsmi", "FAKE_AMDSMI")
+
+
+@pytest.fixture
+def fake_pynvml(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Call with a FAKE_PYNVML scenario (see fakes/pynvml.py) to make `import pynvml` load that machine."""
+    return _installer(monkeypatch, "pynvml", "FAKE_PYNVML")
