@@ -14,7 +14,7 @@ from aiohttp import web
 from appliance.proxy import admin
 from appliance.proxy.config import ProxyConfig, read_secret
 from appliance.proxy.connectors import adapter_for
-from appliance.proxy.legs import LegFailure, error_response, handle_completion
+from appliance.proxy.legs import OUTCOME, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from appliance.proxy.registry import InstanceRegistry, RegistrationListener
 from appliance.proxy.routing import HealthChecker, Router
@@ -147,7 +147,7 @@ class Proxy:
                 return problem
             assert body is not None
             response = await handle_completion(self, request, path, body)
-            status = request.get("pdctl_status", str(response.status))
+            status = request.get(OUTCOME, str(response.status))
             return response
         except LegFailure as exc:
             status = str(exc.status)

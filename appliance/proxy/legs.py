@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("appliance.proxy.legs")
 
+# how a request ended when its HTTP status does not say it (a stream that ended with an error event)
+OUTCOME: web.RequestKey[str] = web.RequestKey("pdctl_outcome", str)
+
 _HIGH_WATER = 1 << 20  # client send buffer above this: stop reading from the engine
 _LOW_WATER = 1 << 18
 
@@ -305,7 +308,7 @@ async def run_decode(
                 transport.write(_sse_error(status, message))
                 await response.write_eof()
             response.force_close()
-            request["pdctl_status"] = "stream_error"
+            request[OUTCOME] = "stream_error"
             return response
         relay.stop()
         proxy.health.leg_ok(inst)

@@ -1,0 +1,226 @@
+"""Small real aiohttp engine servers (vLLM's HTTP shapes) and helpers to run a proxy in front of them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from appliance.proxy.app import Proxy
+from appliance.proxy.config import ProxyConfig
+
+MODEL = "tiny-model"
+
+
+@dataclass
+class FakeEngine:
+    """An engine speaking vLLM's subset: /health, /v1/models, completions (SSE or JSON), kv_transfer_params.
+
+    Faults reproduce what a failing vLLM does: a 500 answer, a prefill that hangs, a process that dies
+    mid-stream (the socket is cut), a health endpoint that says 503.
+    """
+
+    role: str = "both"
+    token_delay_s: float = 0.0
+    prefill_status: int = 200
+    prefill_delay_s: float = 0.0
+    crash_after_tokens: int | None = None
+    health_status: int = 200
+    status_before_stream: int = 200
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    port: int = 0
+    handshake_port: int = 6301
+    notify_port: int = 6105
+    _runner: web.AppRunner | None = None
+    _crash_sockets: list[Any] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def zmq_address(self) -> str:
+        return f"host:127.0.0.1,handshake:{self.handshake_port},notify:{self.notify_port}"
+
+    async def start(self) -> FakeEngine:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        rid = request.headers.get("X-Request-Id", uuid.uuid4().hex)
+        self.requests.append({"path": request.path, "headers": dict(request.headers), "body": body, "id": rid})
+        kv = body.get("kv_transfer_params") or {}
+        try:
+            if kv.get("do_remote_decode"):
+                return await self._prefill(body, kv, rid)
+            if self.status_before_stream != 200:
+                return web.json_response({"error": {"message": "engine overloaded", "code": self.status_before_stream}},
+                                         status=self.status_before_stream)
+            return await self._decode(request, body, rid)
+        except asyncio.CancelledError:
+            self.aborted.append(rid)
+            raise
+
+    async def _prefill(self, body: dict[str, Any], kv: dict[str, Any], rid: str) -> web.Response:
+        if self.prefill_delay_s:
+            await asyncio.sleep(self.prefill_delay_s)
+        if self.prefill_status != 200:
+            return web.json_response({"error": {"message": "prefill exploded"}}, status=self.prefill_status)
+        self.finished.append(rid)
+        result = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [3, 4, 5],
+            "remote_engine_id": f"127.0.0.1:{self.handshake_port}",
+            "remote_host": "127.0.0.1",
+            "remote_handshake_port": self.handshake_port,
+            "remote_notify_port": self.notify_port,
+            "tp_size": 1,
+            "remote_dp_size": 1,
+        }
+        if "transfer_id" in kv:
+            result["transfer_id"] = kv["transfer_id"]
+        return web.json_response({"id": f"cmpl-{rid}", "object": "text_completion",
+                                  "choices": [{"index": 0, "text": "t0", "finish_reason": "length"}],
+                                  "kv_transfer_params": result})
+
+    async def _decode(self, request: web.Request, body: dict[str, Any], rid: str) -> web.StreamResponse:
+        n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        if not body.get("stream"):
+            for _ in range(n):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+            self.finished.append(rid)
+            return web.json_response({"id": f"cmpl-{rid}", "object": "text_completion",
+                                      "choices": [{"index": 0, "text": " tok" * n, "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(n):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            if self.crash_after_tokens is not None and i == self.crash_after_tokens:
+                assert request.transport is not None
+                request.transport.abort()  # the engine process "died": the socket is cut mid-stream
+                self.aborted.append(rid)
+                return response
+            chunk = {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}"}]}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"id": f"cmpl-{rid}", "choices": [],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}}
+            await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        self.finished.append(rid)
+        await response.write_eof()
+        return response
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (for 'engine is down' cases)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def proxy_config(connector: str, backends: list[dict[str, Any]], **overrides: Any) -> ProxyConfig:
+    """A ProxyConfig on free ports with fast probes."""
+    raw: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "connector": connector,
+        "model": MODEL,
+        "admin": {"port": 0},
+        "registration": {"port": 0, "enabled": connector == "moriio", "ping_interval_s": 0.2},
+        "health": {"probe_interval_s": 0.2, "fail_threshold": 2, "probe_timeout_s": 2},
+        "backends": backends,
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key].update(value)
+        else:
+            raw[key] = value
+    return ProxyConfig.model_validate(raw)
+
+
+def backend(name: str, role: str, engine: FakeEngine, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "role": role, "url": engine.url, **extra}
+
+
+async def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll until predicate() is true (generous limit for a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(config: ProxyConfig, wait_ready: bool = True) -> AsyncIterator[Proxy]:
+    proxy = Proxy(config)
+    await proxy.start()
+    try:
+        if wait_ready:
+            await wait_for(lambda: proxy.ready()[0], what="proxy ready")
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
+@contextlib.asynccontextmanager
+async def engines(*roles: str, **options: Any) -> AsyncIterator[list[FakeEngine]]:
+    started = [await FakeEngine(role=r, **options).start() for r in roles]
+    try:
+        yield started
+    finally:
+        for engine in started:
+            await engine.stop()
+
+
+async def post(port: int, path: str, body: Any, headers: dict[str, str] | None = None,
+               timeout: float = 30) -> tuple[int, bytes, dict[str, str]]:
+    """POST to the proxy and read the whole answer."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session, session.post(
+        f"http://127.0.0.1:{port}{path}", data=data,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    ) as resp:
+        return resp.status, await resp.read(), dict(resp.headers)
+
+
+def sse_events(raw: bytes) -> list[str]:
+    """The data: payloads of an SSE body, in order."""
+    return [line[6:] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
