@@ -1,0 +1,96 @@
+"""Settings of one simulated engine: the CLI maps its flags onto these fields, nothing else reads flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Role = Literal["prefill", "decode", "both"]
+Connector = Literal["moriio", "nixl", "example", "none"]
+Mode = Literal["read", "write"]
+
+
+class FaultConfig(BaseModel):
+    """Faults a test can inject; also settable at runtime through POST /sim/fault."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    crash_after_tokens: int | None = Field(default=None, ge=1)
+    hang_prefill: bool = False
+    prefill_delay_s: float = Field(default=0.0, ge=0.0)
+    prefill_fail: bool = False
+    refuse_registration: bool = False
+
+
+class SimConfig(BaseModel):
+    """Everything one simulated engine needs; port 0 means "pick a free port" (tests)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    role: Role = "both"
+    connector: Connector = "none"
+    mode: Mode = "read"
+    model: str = "sim-model"
+    instance_name: str = ""
+    max_model_len: int = Field(default=8192, ge=16)
+    seed: int = 0
+
+    # MoRIIO: registration with the proxy and the two ZMQ ports of rank (dp 0, tp 0).
+    proxy_ping: str | None = None
+    handshake_port: int | None = Field(default=None, ge=0, le=65535)
+    notify_port: int | None = Field(default=None, ge=0, le=65535)
+    dp_size: int = Field(default=1, ge=1)
+    tp_size: int = Field(default=1, ge=1)
+    ping_interval_s: float = Field(default=3.0, gt=0)  # MoRIIOConstants.PING_INTERVAL
+    # NIXL: the side channel the decode pulls blocks through.
+    side_channel_port: int | None = Field(default=None, ge=0, le=65535)
+    # ExampleConnector: the shared directory KV files go to.
+    shared_storage: str | None = None
+
+    # KV handoff timing and bounds.
+    kv_abort_timeout_s: float = Field(default=480.0, gt=0)  # VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    kv_wait_timeout_s: float = Field(default=30.0, gt=0)  # MoRIIO transfer_timeout (WRITE wait)
+    kv_connect_timeout_s: float = Field(default=5.0, gt=0)
+    kv_transfer_us_per_token: float = Field(default=1.0, ge=0)
+
+    # Time model.
+    prefill_us_per_token: float = Field(default=20.0, ge=0)
+    decode_step_ms: float = Field(default=5.0, ge=0)
+    decode_step_ms_per_seq: float = Field(default=0.05, ge=0)
+    max_num_seqs: int = Field(default=256, ge=1)
+    chunk_tokens: int = Field(default=2048, ge=1)
+    num_blocks: int = Field(default=8192, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    speed: float = Field(default=1.0, gt=0)
+
+    faults: FaultConfig = Field(default_factory=FaultConfig)
+
+    @model_validator(mode="after")
+    def _connector_needs(self) -> SimConfig:
+        if self.role in ("prefill", "decode") and self.connector == "none":
+            raise ValueError(f"role {self.role!r} needs a KV connector (moriio, nixl or example), not 'none'")
+        if self.connector == "moriio" and (self.handshake_port is None or self.notify_port is None):
+            raise ValueError("connector 'moriio' needs --handshake-port and --notify-port")
+        if self.connector == "nixl":
+            if self.mode != "read":
+                raise ValueError("connector 'nixl' is simulated in read (pull) mode only")
+            if self.role in ("prefill", "both") and self.side_channel_port is None:
+                raise ValueError("connector 'nixl' on a prefill engine needs --side-channel-port")
+        if self.connector == "example":
+            if self.mode != "read":
+                raise ValueError("connector 'example' is serial (read) only")
+            if not self.shared_storage:
+                raise ValueError("connector 'example' needs --shared-storage PATH")
+        if self.proxy_ping is not None:
+            host, _, port = self.proxy_ping.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--proxy-ping must be HOST:PORT, got {self.proxy_ping!r}")
+        return self
+
+    @property
+    def kv_role(self) -> str:
+        """vLLM's kv_role for this engine role."""
+        return {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[self.role]
