@@ -16,6 +16,7 @@ from appliance.errors import PdctlError
 COMMANDS: dict[str, str] = {
     "inventory": "appliance.cli.inventory:inventory",
     "plan": "appliance.cli.plan:plan",
+    "sim-engine": "appliance.cli.sim:sim_engine",
     "doctor": "appliance.cli.doctor:doctor",
 }
 
