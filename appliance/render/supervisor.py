@@ -1,0 +1,102 @@
+"""Plan -> supervisord.conf: one [program:] per instance (named like the systemd units) plus pd-proxy,
+all in [group:pd], controlled over the unix socket in <state_dir>/supervisor/.
+
+What supervisor cannot express is left to pdctl: it starts supervisord with RLIMIT_MEMLOCK raised (the
+programs inherit it) and gates `pdctl up`/`restart` on each engine's /health.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import PurePosixPath
+
+from appliance.errors import PdctlError
+from appliance.plan import Plan
+from appliance.render.common import (
+    PROXY_UNIT,
+    RenderedFile,
+    RenderOptions,
+    check_env_name,
+    instance_unit,
+    services,
+    template,
+)
+
+CONF_NAME = "supervisord.conf"
+SOCKET_NAME = "supervisor.sock"
+
+
+def supervisor_dir(plan_state_dir: str) -> PurePosixPath:
+    """Where supervisord's config, socket, pid file and logs live."""
+    return PurePosixPath(plan_state_dir) / "supervisor"
+
+
+def _value(text: str, what: str) -> str:
+    """A config value: one line, % doubled (supervisor expands %(name)s in values)."""
+    if "\n" in text or "\r" in text:
+        raise PdctlError(f"{what} cannot span lines in supervisord.conf: {text!r}")
+    return text.replace("%", "%%")
+
+
+def command_value(argv: list[str]) -> str:
+    """A command= value: supervisor splits it like a POSIX shell, after %-expansion."""
+    return _value(shlex.join(argv), "a command argument")
+
+
+def environment_value(env: dict[str, str]) -> str:
+    """An environment= value: KEY="v",KEY2='v' (supervisor's lexer keeps quotes and strips them after)."""
+    pairs = []
+    for name, value in sorted(env.items()):
+        check_env_name(name)
+        if value[:1] in "'\"" and value or value[-1:] in ("'", '"'):
+            raise PdctlError(f"{name}: supervisor cannot carry a value that starts or ends with a quote: {value!r}")
+        if '"' not in value:
+            quoted = f'"{value}"'
+        elif "'" not in value:
+            quoted = f"'{value}'"
+        else:
+            raise PdctlError(f"{name}: supervisor cannot carry a value holding both quote kinds: {value!r}")
+        pairs.append(f"{name}={quoted}")
+    return _value(",".join(pairs), "an environment value")
+
+
+def _program(name: str, argv: list[str], env: dict[str, str], workdir: str, logdir: PurePosixPath,
+             priority: int, stopwaitsecs: int) -> str:
+    environment = f"environment={environment_value(env)}\n" if env else ""
+    return template("supervisor-program.conf.in").substitute(
+        name=name,
+        command=command_value(argv),
+        environment=environment,
+        workdir=_value(workdir, "state_dir"),
+        priority=priority,
+        stopwaitsecs=stopwaitsecs,
+        logfile=_value(str(logdir / f"{name}.log"), "log file"),
+    )
+
+
+def render_supervisor(plan: Plan, opts: RenderOptions | None = None) -> list[RenderedFile]:
+    """supervisord.conf for the plan (mode 0600: environments may hold secrets)."""
+    opts = opts or RenderOptions()
+    sdir = supervisor_dir(plan.state_dir)
+    logdir = sdir / "logs"
+    programs: list[str] = []
+    names: list[str] = []
+    for order, service in enumerate(services(plan)):
+        for inst in (i for i in plan.instances if i.service == service):
+            name = instance_unit(inst)
+            names.append(name)
+            programs.append(_program(name, inst.argv, inst.env, plan.state_dir, logdir, 100 + order, 60))
+    proxy_argv = [opts.python, "-m", "appliance.proxy", "--config", str(PurePosixPath(plan.state_dir) / "proxy.json")]
+    names.append(PROXY_UNIT)
+    programs.append(_program(PROXY_UNIT, proxy_argv, {}, plan.state_dir, logdir, 900, 30))
+    text = template("supervisord.conf.in").substitute(
+        layout=plan.layout,
+        connector=plan.connector,
+        mode=plan.mode,
+        socket=_value(str(sdir / SOCKET_NAME), "socket path"),
+        dir=_value(str(sdir), "state_dir"),
+        minfds=opts.minfds,
+        programs="".join(programs),
+        program_names=",".join(names),
+    )
+    return [RenderedFile(CONF_NAME, text, 0o600)]
