@@ -71,8 +71,7 @@ class Connection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's class is not an asyncio.Transport
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -1,0 +1,270 @@
+"""Registration over real ZMQ, health ejection, client mistakes, admin API and the proxy process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from appliance.proxy.client import AdminClient, ProxyAdminError
+from tests.proxy.conftest import MODEL, backend, engines, free_port, post, proxy_config, running_proxy, wait_for
+
+
+def registration(engine, kind: str, mode: str = "READ") -> bytes:  # type: ignore[no-untyped-def]
+    return msgpack.packb({"type": kind, "http_address": f"127.0.0.1:{engine.port}",
+                          "zmq_address": engine.zmq_address, "dp_size": 1, "tp_size": 1, "transfer_mode": mode})
+
+
+def test_registration_over_zmq_routes_then_expires_and_survives_garbage() -> None:
+    async def scenario() -> None:
+        async with engines("prefill", "decode") as (p, d), running_proxy(
+            proxy_config("moriio", []), wait_ready=False
+        ) as px:
+            assert px.listener is not None
+            ctx = zmq.asyncio.Context()
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(f"tcp://127.0.0.1:{px.listener.port}")
+            # garbage, a wrong mode and a foreign host first: all logged and ignored
+            await dealer.send(b"\xc1 not msgpack")
+            await dealer.send(msgpack.packb({"type": "P", "http_address": "x"}))
+            await dealer.send(msgpack.packb([1, 2, 3]))
+            await dealer.send(registration(p, "P", mode="WRITE"))
+            await dealer.send(msgpack.packb({"type": "D", "http_address": "10.9.9.9:1", "zmq_address":
+                                             "host:10.9.9.9,handshake:1,notify:2", "transfer_mode": "READ"}))
+            # then the older format for prefill and the current one for decode
+            await dealer.send(msgpack.packb({"type": "register", "role": "P", "request_address":
+                                             f"http://127.0.0.1:{p.port}/v1/completions", "handshake_port":
+                                             p.handshake_port, "notify_port": p.notify_port, "dp_size": 1,
+                                             "tp_size": 1, "transfer_mode": "READ"}))
+            await dealer.send(registration(d, "D"))
+            await wait_for(lambda: px.ready()[0], what="registered instances healthy")
+            status, _, _ = await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+            assert status == 200
+            assert p.requests[0]["id"].startswith(f"___prefill_addr_{p.zmq_address}___decode_addr_{d.zmq_address}_")
+            metrics = px.metrics.render().decode()
+            assert 'pdctl_proxy_registrations_total{result="malformed"} 3.0' in metrics
+            assert 'pdctl_proxy_registrations_total{result="mismatched"} 1.0' in metrics
+            assert 'pdctl_proxy_registrations_total{result="rejected"} 1.0' in metrics
+            # keep pinging decode only: prefill expires after 3 missed pings (0.2 s each)
+            for _ in range(15):
+                await dealer.send(registration(d, "D"))
+                await asyncio.sleep(0.1)
+            names = {i.name: i.role for i in px.registry.instances.values()}
+            assert names == {"decode-0": "decode"}
+            assert not px.ready()[0]
+            status, raw, _ = await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+            assert status == 503 and "prefill" in json.loads(raw)["error"]["message"]
+            dealer.close()
+            ctx.term()
+
+    asyncio.run(scenario())
+
+
+def test_unhealthy_instance_is_ejected_and_readmitted() -> None:
+    async def scenario() -> None:
+        async with engines("both", "both") as (a, b), running_proxy(
+            proxy_config("none", [backend("both-0", "both", a), backend("both-1", "both", b)], routing="round_robin")
+        ) as px:
+            await wait_for(lambda: px.ready()[1]["both"] == 2, what="both healthy")
+            a.health_status = 503
+            await wait_for(lambda: not px.registry.get("both-0").healthy, what="ejection")
+            for _ in range(4):
+                assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+            assert len(a.requests) == 0 and len(b.requests) == 4
+            a.health_status = 200
+            await wait_for(lambda: px.registry.get("both-0").healthy, what="re-admission")
+            for _ in range(4):
+                assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+            assert len(a.requests) == 2
+
+    asyncio.run(scenario())
+
+
+def test_passive_failures_eject_a_dead_backend() -> None:
+    async def scenario() -> None:
+        async with engines("both") as (a,):
+            cfg = proxy_config("none", [backend("both-0", "both", a),
+                                        {"name": "both-1", "role": "both", "url": f"http://127.0.0.1:{free_port()}"}],
+                               health={"probe_interval_s": 30}, routing="round_robin")
+            async with running_proxy(cfg, wait_ready=False) as px:
+                await wait_for(lambda: px.registry.get("both-0").healthy, what="first probe round")
+                px.registry.get("both-1").healthy = True  # as if it died right after its probe passed
+                codes = [(await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0]
+                         for _ in range(6)]
+                assert codes.count(502) == 2  # fail_threshold=2 failed legs, then it is out of rotation
+                assert not px.registry.get("both-1").healthy
+                assert codes[-2:] == [200, 200]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "does not exist"),
+        (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "x", "max_tokens": 10**12}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "x", "max_tokens": "ten"}).encode(), 400, "integer"),
+        (json.dumps({"prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
+        (json.dumps({"max_tokens": 3}).encode(), 400, "prompt"),
+        (b"x" * (2 * 1024 * 1024), 413, "larger"),
+    ],
+)
+def test_client_mistakes_get_openai_style_errors(body: bytes, status: int, needle: str) -> None:
+    async def scenario() -> None:
+        async with engines("both") as (e,), running_proxy(
+            proxy_config("none", [backend("both-0", "both", e)], client_max_size=1024 * 1024)
+        ) as px:
+            got, raw, _ = await post(px.api_port, "/v1/completions", body)
+            assert got == status
+            error = json.loads(raw)["error"]
+            assert needle in error["message"] and error["code"] == status and error["type"]
+            assert not e.requests
+
+    asyncio.run(scenario())
+
+
+def test_api_key_models_health_and_metrics(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+
+    async def scenario() -> None:
+        async with engines("both") as (e,), running_proxy(
+            proxy_config("none", [backend("both-0", "both", e)], api_key_file=str(key))
+        ) as px:
+            assert (await post(px.api_port, "/v1/completions", {"prompt": "x"}))[0] == 401
+            ok = await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2},
+                            headers={"Authorization": "Bearer s3cret"})
+            assert ok[0] == 200
+            assert e.requests[0]["headers"]["Authorization"] == "Bearer s3cret"
+            import aiohttp
+
+            async with aiohttp.ClientSession() as s:
+                base = f"http://127.0.0.1:{px.api_port}"
+                async with s.get(base + "/v1/models", headers={"Authorization": "Bearer s3cret"}) as r:
+                    assert (await r.json())["data"][0]["id"] == MODEL
+                async with s.get(base + "/health") as r:
+                    assert r.status == 200
+                async with s.get(base + "/metrics") as r:
+                    text = await r.text()
+            for name in ("pdctl_proxy_requests_total", "pdctl_proxy_time_to_first_token_seconds_bucket",
+                         "pdctl_proxy_inter_token_latency_seconds_bucket", "pdctl_proxy_in_flight_requests",
+                         "pdctl_proxy_leg_failures_total", "pdctl_proxy_registrations_total"):
+                assert name in text or name.replace("_total", "") in text, name
+            assert 'pdctl_proxy_requests_total{mode="colocated",status="401"} 1.0' in text
+
+    asyncio.run(scenario())
+
+
+def test_health_is_not_ready_without_both_roles() -> None:
+    async def scenario() -> None:
+        async with engines("prefill") as (p,), running_proxy(
+            proxy_config("nixl", [backend("prefill-0", "prefill", p)]), wait_ready=False
+        ) as px:
+            await wait_for(lambda: px.registry.get("prefill-0").healthy, what="probe")
+            import aiohttp
+
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{px.api_port}/health") as r:
+                assert r.status == 503
+                assert (await r.json())["healthy"]["prefill"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_admin_api_state_mode_drain_and_instances(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("adm1n")
+
+    async def scenario() -> None:
+        async with engines("prefill", "decode", "decode", token_delay_s=0.05) as (p, d, d2), running_proxy(
+            proxy_config("moriio", [backend("prefill-0", "prefill", p, kv={"zmq_address": p.zmq_address}),
+                                    backend("decode-0", "decode", d, kv={"zmq_address": d.zmq_address})],
+                         admin={"token_file": str(token)})
+        ) as px:
+            url = f"http://127.0.0.1:{px.admin_port}"
+            with pytest.raises(ProxyAdminError, match="401"):
+                await asyncio.to_thread(AdminClient(url).state)
+            client = AdminClient(url, token_file=str(token))
+            state = await asyncio.to_thread(client.state)
+            assert state["mode"] == "read" and state["connector"] == "moriio"
+            assert {i["name"]: (i["source"], i["healthy"]) for i in state["instances"]} == {
+                "prefill-0": ("static", True), "decode-0": ("static", True)}
+            answer = await asyncio.to_thread(client.set_mode, "write")
+            assert answer == {"mode": "write", "previous": "read", "engines_restart_required": True}
+            with pytest.raises(ProxyAdminError, match="mode"):
+                await asyncio.to_thread(client.set_mode, "sideways")
+            # drain waits for the request in flight, and new requests get 503 meanwhile
+            stream = asyncio.ensure_future(post(px.api_port, "/v1/completions",
+                                                {"prompt": "x", "max_tokens": 20, "stream": True}))
+            await wait_for(lambda: px.registry.get("decode-0").in_flight == 1, what="request in flight")
+            drained = await asyncio.to_thread(client.drain, "decode-0", 30)
+            assert drained["drained"] is True and drained["in_flight"] == 0 and drained["waited_s"] > 0
+            assert (await stream)[0] == 200
+            assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 503
+            await asyncio.to_thread(client.undrain, "decode-0")
+            assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+            with pytest.raises(ProxyAdminError, match="no instance"):
+                await asyncio.to_thread(client.drain, "decode-9", 1)
+            # rebalance: replace decode-0 by decode-1 live
+            new = await asyncio.to_thread(client.set_instances, [
+                backend("prefill-0", "prefill", p, kv={"zmq_address": p.zmq_address}),
+                backend("decode-1", "decode", d2, kv={"zmq_address": d2.zmq_address})])
+            assert sorted(i["name"] for i in new["instances"]) == ["decode-1", "prefill-0"]
+            await wait_for(lambda: px.ready()[0], what="new decode healthy")
+            assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+            assert len(d2.requests) == 1
+            with pytest.raises(ProxyAdminError, match="backends"):
+                await asyncio.to_thread(client.set_instances, [{"name": "x"}])
+
+    asyncio.run(scenario())
+
+
+def test_admin_client_reports_an_unreachable_proxy() -> None:
+    with pytest.raises(ProxyAdminError, match="cannot reach"):
+        AdminClient(f"http://127.0.0.1:{free_port()}", timeout=2).state()
+
+
+def test_proxy_process_serves_and_rejects_a_bad_config(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"connector": "warp", "model": "m"}))
+    done = subprocess.run([sys.executable, "-m", "appliance.proxy", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "connector" in done.stderr and "Traceback" not in done.stderr
+
+    async def scenario() -> None:
+        async with engines("both") as (e,):
+            cfg = proxy_config("none", [backend("both-0", "both", e)], port=free_port())
+            path = tmp_path / "proxy.json"
+            path.write_text(cfg.model_dump_json())
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "appliance.proxy", "--config", str(path),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            try:
+                assert proc.stdout is not None
+                line = b""
+                while b"pd-proxy ready" not in line:
+                    line = await asyncio.wait_for(proc.stdout.readline(), 60)
+                    assert line, "the proxy exited before it was ready"
+                for _ in range(200):
+                    status, raw, _ = await post(cfg.port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+                    if status == 200:
+                        break
+                    await asyncio.sleep(0.05)
+                assert status == 200, raw
+            finally:
+                proc.terminate()
+                rest = await asyncio.wait_for(proc.stdout.read(), 30)
+                assert await asyncio.wait_for(proc.wait(), 30) == 0, rest
+
+    asyncio.run(scenario())
