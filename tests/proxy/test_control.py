@@ -14,7 +14,16 @@ import zmq
 import zmq.asyncio
 
 from appliance.proxy.client import AdminClient, ProxyAdminError
-from tests.proxy.conftest import MODEL, backend, engines, free_port, post, proxy_config, running_proxy, wait_for
+from tests.proxy.conftest import (
+    MODEL,
+    backend,
+    engines,
+    free_port,
+    post,
+    proxy_config,
+    running_proxy,
+    wait_for,
+)
 
 
 def registration(engine, kind: str, mode: str = "READ") -> bytes:  # type: ignore[no-untyped-def]
