@@ -197,11 +197,13 @@ def _processes(amdsmi: ModuleType, handle: Any, q: _Queries) -> list[GpuProcess]
     processes = []
     for item in listed:
         # ROCm 6.2+ returns dicts; earlier releases return process handles to pass to amdsmi_get_gpu_process_info.
-        info = (
-            item
-            if isinstance(item, dict)
-            else q.get("process info", lambda item=item: amdsmi.amdsmi_get_gpu_process_info(handle, item))
-        )
+        info: Any = item
+        if not isinstance(item, dict):
+
+            def ask(process: Any = item) -> Any:
+                return amdsmi.amdsmi_get_gpu_process_info(handle, process)
+
+            info = q.get("process info", ask)
         if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
             continue
         usage = info.get("memory_usage") or {}

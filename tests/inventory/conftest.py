@@ -39,7 +39,10 @@ def _installer(monkeypatch: pytest.MonkeyPatch, module: str, env: str) -> Callab
         monkeypatch.setenv(env, scenario)
         monkeypatch.syspath_prepend(str(FAKES))
         # Each test imports the fake afresh, so module-level failures (print + KeyError) happen again.
-        monkeypatch.delitem(sys.modules, module, raising=False)
+        # setitem first so that teardown also removes the fake this test imports (delitem of an absent
+        # key records nothing to undo).
+        monkeypatch.setitem(sys.modules, module, None)
+        monkeypatch.delitem(sys.modules, module)
 
     return install
 

@@ -25,7 +25,9 @@ def test_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.notes == ["no AMD GPUs: amdsmi is not installed (it comes with ROCm)"]
 
 
-def test_no_rocm_library_keyerror_and_stdout_kept_clean(fake_amdsmi: Install, capfd: pytest.CaptureFixture[str]) -> None:
+def test_no_rocm_library_keyerror_and_stdout_kept_clean(
+    fake_amdsmi: Install, capfd: pytest.CaptureFixture[str]
+) -> None:
     fake_amdsmi("no-rocm")
     result = amd.detect()
     assert result.gpus == []
@@ -145,5 +147,7 @@ def test_unexpected_library_error_becomes_a_note_and_still_shuts_down(
 
     monkeypatch.setattr(amdsmi, "amdsmi_get_processor_handles", broken)
     result = amd.detect()
-    assert result.notes == ["no AMD GPUs: unexpected error from amdsmi (TypeError: 'NoneType' object is not iterable)"]
+    assert result.notes == [
+        "no AMD GPUs: unexpected error from amdsmi (TypeError: 'NoneType' object is not iterable)"
+    ]
     assert amdsmi.CALLS == ["amdsmi_init", "amdsmi_shut_down"]

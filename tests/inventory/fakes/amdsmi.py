@@ -142,7 +142,12 @@ def _machine() -> dict[str, object]:
                 "0000:85:00.0", "0000:a6:00.0", "0000:c6:00.0", "0000:e5:00.0"]  # fmt: skip
         return {"name": mi300x, "vram": 196_592 * MIB, "bdfs": bdfs, "link": (AmdSmiIoLinkType.XGMI, 1)}
     if SCENARIO == "mi300x-2-old":
-        return {"name": mi300x, "vram": 196_592 * MIB, "bdfs": ["0000:05:00.0", "0000:26:00.0"], "link": (2, 1)}
+        return {
+            "name": mi300x,
+            "vram": 196_592 * MIB,
+            "bdfs": ["0000:05:00.0", "0000:26:00.0"],
+            "link": (2, 1),
+        }
     if SCENARIO == "pcie-2":
         bdfs = ["0000:03:00.0", "0000:83:00.0"]
         return {"name": "AMD Radeon PRO W7900", "vram": 49_136 * MIB, "bdfs": bdfs, "link": (1, 2)}

@@ -86,7 +86,9 @@ def _make_error_classes() -> None:
         value = getattr(module, attr)
         words = attr.removeprefix("NVML_ERROR_").split("_")
         class_name = "NVMLError_" + "".join(w.capitalize() for w in words)
-        klass = type(class_name, (NVMLError,), {"__new__": lambda cls, *a, _v=value: NVMLError.__new__(cls, _v)})
+        klass = type(
+            class_name, (NVMLError,), {"__new__": lambda cls, *a, _v=value: NVMLError.__new__(cls, _v)}
+        )
         klass.__module__ = __name__
         setattr(module, class_name, klass)
         NVMLError._valClassMapping[value] = klass
@@ -209,8 +211,15 @@ def nvmlDeviceGetComputeRunningProcesses(handle: c_nvmlDevice_t) -> list[_Friend
         return []
     # The test process itself (psutil finds its name) and one whose memory the driver does not report.
     return [
-        _Friendly(pid=os.getpid(), usedGpuMemory=69_000 * MIB, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF),
-        _Friendly(pid=4_194_304 + 23, usedGpuMemory=None, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF),
+        _Friendly(
+            pid=os.getpid(),
+            usedGpuMemory=69_000 * MIB,
+            gpuInstanceId=0xFFFFFFFF,
+            computeInstanceId=0xFFFFFFFF,
+        ),
+        _Friendly(
+            pid=4_194_304 + 23, usedGpuMemory=None, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF
+        ),
     ]
 
 
