@@ -6,6 +6,7 @@ import sys
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from appliance.inventory import Inventory, load_inventory
@@ -19,7 +20,7 @@ def _processes_cell(inventory: Inventory, index: int) -> str:
     parts = []
     for proc in gpu.processes[:_MAX_PROCESSES_SHOWN]:
         memory = f" {proc.memory_used_mib} MiB" if proc.memory_used_mib is not None else ""
-        parts.append(f"{proc.pid} {proc.name or '?'}{memory}")
+        parts.append(escape(f"{proc.pid} {proc.name or '?'}{memory}"))
     if len(gpu.processes) > _MAX_PROCESSES_SHOWN:
         parts.append(f"+{len(gpu.processes) - _MAX_PROCESSES_SHOWN} more")
     return "\n".join(parts) or "-"
@@ -34,10 +35,11 @@ def gpu_table(inventory: Inventory) -> Table:
         memory = f"{gpu.memory_used_mib:,} / {gpu.memory_total_mib:,} MiB"
         util = f"{gpu.utilization_pct:.0f}%" if gpu.utilization_pct is not None else "-"
         numa = str(gpu.numa_node) if gpu.numa_node is not None else "-"
-        health = "[green]ok[/]" if gpu.healthy else f"[red]BAD[/] {gpu.health_detail}".rstrip()
+        # Data is escaped: a name or error text holding "[...]" must not be read as rich markup.
+        health = "[green]ok[/]" if gpu.healthy else f"[red]BAD[/] {escape(gpu.health_detail)}".rstrip()
         table.add_row(
             str(gpu.index),
-            gpu.name,
+            escape(gpu.name),
             memory,
             util,
             numa,
@@ -89,5 +91,6 @@ def inventory(ctx: click.Context, as_json: bool) -> None:
         click.echo(found.model_dump_json(indent=2))
         return
     # Piped output gets a wide page instead of rich's 80-column default, so rows do not fold.
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200)
+    # No emoji codes: ":ab:" in the PCI address 0000:ab:00.0 would otherwise print as an emoji.
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200, emoji=False)
     render(found, console)

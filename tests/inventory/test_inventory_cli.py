@@ -109,6 +109,7 @@ def test_fake_sick_node_table_shows_health_and_processes(
     assert code == 0, err
     assert "GPUs (nvml)" in out
     assert out.count("BAD") == 2 and "GPU is lost" in out
+    assert "0000:ab:00.0" in out  # not rich's :ab: emoji
     assert "70,000 / 143,771 MiB" in out and "69000 MiB" in out  # GPU 0's process
     assert "UNKNOWN" in out and "no AMD GPUs: amdsmi found none" in out
 
