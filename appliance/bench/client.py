@@ -1,0 +1,278 @@
+"""The load generator: Poisson arrivals, streamed /v1/completions, a timestamp for every token-carrying chunk.
+
+Why our own and not `vllm bench serve` or AIPerf (both record per-request token timings):
+- `vllm bench serve --save-detailed` needs vLLM and torch installed on the client (gigabytes); pdctl's own
+  environment has neither, and on the CPU node vLLM lives in a separate virtual environment.
+- AIPerf (0.13) pulls in about forty packages (pandas, pyarrow, datasets, dash, plotly, kubernetes, ...),
+  pins versions that clash with ours (rich~=14.1, pyzmq~=26.4, psutil~=7.0) and tokenizes synthetic prompts
+  with a Hugging Face tokenizer fetched from the hub, which this appliance cannot assume it can reach.
+- What pdctl needs is small: open-loop Poisson arrivals, one streamed request each, the time of every chunk
+  and its token count. That is one aiohttp client, whose measurements the analysis turns into figures.
+
+How it measures: ``perf_counter`` just before the POST is the send time; each SSE ``data:`` chunk whose
+choice carries tokens gets a timestamp. Tokens per chunk come from ``usage.completion_tokens`` when the
+server streams usage on every chunk (vLLM's ``stream_options.continuous_usage_stats``), else from the
+chunk's ``token_ids`` if present, else one token per non-empty text chunk. Requests are open loop: each is
+sent at its scheduled arrival time whether or not earlier ones have finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import aiohttp
+
+from appliance.bench.analysis import Slo
+from appliance.bench.results import RateResult, RequestResult, summarize
+from appliance.bench.workload import PromptKind, arrivals, prompt, rate_seed
+from appliance.errors import PdctlError
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where requests go and what they ask for."""
+
+    base_url: str
+    model: str
+    input_len: int
+    output_len: int
+    prompt_kind: PromptKind = "tokens"
+    token_range: tuple[int, int] = (100, 1000)
+    api_key: str | None = None
+    request_timeout_s: float = 600.0
+    endpoint: str = "/v1/completions"
+
+    @property
+    def url(self) -> str:
+        """The completions URL."""
+        return self.base_url.rstrip("/") + self.endpoint
+
+
+@dataclass
+class InFlight:
+    """One request's measurements so far; becomes a RequestResult when it ends (or is interrupted)."""
+
+    index: int
+    request_id: str
+    scheduled_s: float
+    sent_s: float | None = None
+    sent_at: float = 0.0
+    chunk_times_s: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    latency_s: float | None = None
+    prompt_tokens: int | None = None
+    usage_tokens: int | None = None
+    streamed_usage: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    http_status: int | None = None
+    done: bool = False
+
+    def result(self) -> RequestResult:
+        """The request as measured; unfinished requests are 'interrupted'."""
+        if not self.done:
+            status = "interrupted"
+        elif self.error is None and self.chunk_times_s:
+            status = "ok"
+        else:
+            status = "error"
+            self.error = self.error or "the stream ended without a token"
+        counted = sum(self.chunk_tokens)
+        return RequestResult(
+            index=self.index,
+            request_id=self.request_id,
+            status=status,
+            success=status == "ok",
+            error=self.error if status == "error" else None,
+            http_status=self.http_status,
+            scheduled_s=self.scheduled_s,
+            sent_s=self.sent_s if self.sent_s is not None else self.scheduled_s,
+            chunk_times_s=self.chunk_times_s,
+            chunk_tokens=self.chunk_tokens,
+            latency_s=self.latency_s,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=self.usage_tokens if self.usage_tokens is not None else counted,
+            tokens_counted_by="usage" if self.streamed_usage else "chunks",
+            finish_reason=self.finish_reason,
+        )
+
+
+def _payload(target: Target, prompt_value: list[int] | str) -> dict[str, Any]:
+    return {
+        "model": target.model,
+        "prompt": prompt_value,
+        "max_tokens": target.output_len,
+        "ignore_eos": True,  # every request produces exactly output_len tokens
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+
+
+def _on_chunk(req: InFlight, data: dict[str, Any], now: float) -> None:
+    """Account one SSE chunk: its tokens and their arrival time."""
+    if "error" in data and not data.get("choices"):
+        err = data["error"]
+        req.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+        return
+    choices = data.get("choices") or []
+    usage = data.get("usage") or None
+    if usage:
+        req.prompt_tokens = usage.get("prompt_tokens", req.prompt_tokens)
+        if isinstance(usage.get("completion_tokens"), int):
+            req.usage_tokens = usage["completion_tokens"]
+    if not choices:
+        return
+    choice = choices[0]
+    if choice.get("finish_reason"):
+        req.finish_reason = choice["finish_reason"]
+    if usage and isinstance(usage.get("completion_tokens"), int):
+        req.streamed_usage = True
+        tokens = usage["completion_tokens"] - sum(req.chunk_tokens)
+    elif isinstance(choice.get("token_ids"), list):
+        tokens = len(choice["token_ids"])
+    else:
+        tokens = 1 if choice.get("text") else 0
+    if tokens > 0:
+        req.chunk_times_s.append(now - req.sent_at)
+        req.chunk_tokens.append(tokens)
+
+
+async def send(
+    session: aiohttp.ClientSession, target: Target, req: InFlight, prompt_value: list[int] | str, t0: float
+) -> None:
+    """Send one streamed request and record its chunk timings into `req` as they arrive.
+
+    A cancelled send (the run was interrupted) leaves `req` not done, so it is reported as interrupted.
+    """
+    req.sent_at = time.perf_counter()
+    req.sent_s = req.sent_at - t0
+    try:
+        await _stream(session, target, req, prompt_value)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        req.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    req.latency_s = time.perf_counter() - req.sent_at
+    req.done = True
+
+
+async def _stream(
+    session: aiohttp.ClientSession, target: Target, req: InFlight, prompt_value: list[int] | str
+) -> None:
+    headers = {"X-Request-Id": req.request_id}
+    if target.api_key:
+        headers["Authorization"] = f"Bearer {target.api_key}"
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=target.request_timeout_s)
+    async with session.post(
+        target.url, json=_payload(target, prompt_value), headers=headers, timeout=timeout
+    ) as resp:
+        req.http_status = resp.status
+        if resp.status != 200:
+            body = (await resp.text())[:300]
+            req.error = f"HTTP {resp.status}: {body.strip()}"
+            return
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            body = line[5:].strip()
+            if body == b"[DONE]":
+                return
+            now = time.perf_counter()
+            try:
+                data = json.loads(body)
+            except ValueError:
+                req.error = f"unparsable SSE chunk: {body[:100]!r}"
+                return
+            _on_chunk(req, data, now)
+            if req.error:
+                return
+
+
+@dataclass
+class RateRun:
+    """The settings of one rate of a sweep."""
+
+    rate: float
+    num_requests: int
+    seed: int
+
+
+async def run_rate(
+    session: aiohttp.ClientSession,
+    target: Target,
+    run: RateRun,
+    slo: Slo,
+    stop: asyncio.Event,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> RateResult:
+    """Send one rate's requests on their Poisson schedule and wait for all; `stop` ends it early (partial)."""
+    seed = rate_seed(run.seed, run.rate)
+    rng = random.Random(seed)
+    times = arrivals(run.rate, run.num_requests, rng)
+    prompts = [prompt(target.prompt_kind, target.input_len, rng, target.token_range) for _ in times]
+    reqs = [InFlight(i, f"bench-{seed}-{i}", t) for i, t in enumerate(times)]
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    t0 = time.perf_counter()
+
+    async def one(req: InFlight, prompt_value: list[int] | str) -> None:
+        delay = t0 + req.scheduled_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await send(session, target, req, prompt_value, t0)
+        if on_done is not None and req.done:
+            on_done(req.result())
+
+    tasks = [asyncio.create_task(one(r, p)) for r, p in zip(reqs, prompts, strict=True)]
+    waiter = asyncio.create_task(stop.wait())
+    try:
+        pending: set[asyncio.Future[Any]] = set(tasks)
+        while pending and not stop.is_set():
+            _, pending = await asyncio.wait(pending | {waiter}, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(waiter)
+    finally:
+        waiter.cancel()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    duration = time.perf_counter() - t0
+    # Requests never sent (interrupted before their arrival time) are not part of the measurement.
+    results = [r.result() for r in reqs if r.sent_s is not None]
+    partial = any(r.status == "interrupted" for r in results) or len(results) < len(reqs)
+    return RateResult(
+        rate=run.rate,
+        seed=seed,
+        partial=partial,
+        started_at=started_at,
+        duration_s=duration,
+        requests=results,
+        summary=summarize(results, slo, duration),
+    )
+
+
+async def discover_model(session: aiohttp.ClientSession, base_url: str, api_key: str | None = None) -> str:
+    """The first model the server lists at /v1/models; a clear error when it cannot be asked."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            if resp.status != 200:
+                raise PdctlError(f"{url} answered HTTP {resp.status}", fix="check the URL, or pass --model")
+            data = await resp.json()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise PdctlError(
+            f"cannot reach {url}: {exc}", fix="start the deployment (pdctl up) or check --url"
+        ) from None
+    models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+    if not models or not models[0]:
+        raise PdctlError(f"{url} lists no model", fix="pass --model NAME")
+    return str(models[0])

@@ -1,0 +1,280 @@
+"""`pdctl bench --compare`: the same sweep against every deployment shape on the same GPUs.
+
+Shapes (settings overrides on top of the user's settings; the planner checks each one):
+- disagg-read:  the configured connector in READ mode (decode pulls the KV).
+- disagg-write: the same connector in WRITE mode (prefill pushes); skipped where the connector has no write.
+- colocated-2:  connector "none", the disaggregated plan's GPUs split into two identical instances behind
+                the proxy's round-robin (the reference's 2 x TP4).
+- colocated-1:  connector "none", one instance over all those GPUs (TP = all of them).
+On a node without GPUs (the CPU and the simulated engine) the shapes are instance counts: 1 prefill +
+1 decode, 2 colocated, 1 colocated.
+
+Each shape is brought up, measured and torn down before the next, by a Deployer: `pdctl up`/`pdctl down`
+(the service manager, as in production), or `processes` (bench starts the plan's own engine and proxy
+command lines as child processes; no service manager needed: tests and laptop demos).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from appliance.connector import get_connector, resolve_name
+from appliance.errors import PdctlError
+from appliance.inventory.models import Inventory
+from appliance.plan import Plan, plan, platform_of, proxy_config
+from appliance.settings import Settings
+
+SHAPE_NAMES = ("disagg-read", "disagg-write", "colocated-2", "colocated-1")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One deployment shape: a name, what it is, and the settings overrides that make it."""
+
+    name: str
+    description: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    skipped: str | None = None
+
+
+def shapes(settings: Settings, inventory: Inventory, wanted: list[str] | None = None) -> list[Shape]:
+    """The comparison's shapes for these settings on this inventory (skipped ones carry the reason)."""
+    platform = platform_of(inventory)
+    name = settings.connector.name if settings.connector.name != "none" else "auto"
+    connector = resolve_name(name, platform)
+    disagg = {"connector": {"name": connector, "mode": "read"}}
+    base = plan(_with(settings, disagg), inventory)
+    gpus = sorted(g for inst in base.instances for g in inst.gpus)
+    where = f"GPUs {gpus[0]}-{gpus[-1]}" if gpus else "no GPUs: instance counts"
+    colocated: dict[str, Any] = {"gpus": gpus or None, "gpu_count": None, "tp": None}
+    # round_robin: the reference's colocated baseline is two identical instances behind a round-robin.
+    coloc = {"connector": {"name": "none", "mode": "read"}, "proxy": {"routing": "round_robin"}}
+    modes = get_connector(connector).modes
+    out = [
+        Shape("disagg-read", f"disaggregated, {connector} READ ({where})", disagg),
+        Shape(
+            "disagg-write",
+            f"disaggregated, {connector} WRITE ({where})",
+            {"connector": {"name": connector, "mode": "write"}},
+            None if "write" in modes else f"connector '{connector}' has no WRITE mode",
+        ),
+        Shape(
+            "colocated-2",
+            f"colocated, 2 instances round-robin ({where})",
+            {**coloc, "colocated": {**colocated, "instances": 2}},
+        ),
+        Shape(
+            "colocated-1",
+            f"colocated, 1 instance ({where})",
+            {**coloc, "colocated": {**colocated, "instances": 1}},
+        ),
+    ]
+    if wanted:
+        unknown = [w for w in wanted if w not in SHAPE_NAMES]
+        if unknown:
+            raise PdctlError(
+                f"unknown shape(s) {', '.join(unknown)}", fix=f"use some of {', '.join(SHAPE_NAMES)}"
+            )
+        out = [s for s in out if s.name in wanted]
+    return out
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = (
+            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out
+
+
+def _with(settings: Settings, overrides: dict[str, Any]) -> Settings:
+    return Settings.model_validate(_merge(settings.model_dump(), overrides))
+
+
+def shape_plan(settings: Settings, inventory: Inventory, shape: Shape) -> tuple[Settings, Plan]:
+    """The settings and plan of one shape."""
+    shaped = _with(settings, shape.overrides)
+    return shaped, plan(shaped, inventory)
+
+
+def _flatten_env(prefix: str, data: dict[str, Any]) -> dict[str, str]:
+    """Overrides as PDCTL_* variables (nested keys joined by a double underscore, values as JSON)."""
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}__{key.upper()}" if prefix else f"PDCTL_{key.upper()}"
+        if isinstance(value, dict):
+            out.update(_flatten_env(name, value))
+        elif isinstance(value, str):
+            out[name] = value
+        else:
+            out[name] = json.dumps(value)
+    return out
+
+
+async def wait_ready(url: str, model: str, timeout_s: float, proc_alive: Any = None) -> None:
+    """Poll `url`/v1/models until it lists `model` and a one-token completion answers; PdctlError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        while time.monotonic() < deadline:
+            if proc_alive is not None and (dead := proc_alive()):
+                raise PdctlError(f"{dead} exited while starting", fix="see its output above or `pdctl logs`")
+            try:
+                async with session.get(url + "/v1/models") as resp:
+                    if resp.status == 200 and model in json.dumps(await resp.json()):
+                        body = {"model": model, "prompt": "ready", "max_tokens": 1}
+                        async with session.post(url + "/v1/completions", json=body) as probe:
+                            if probe.status == 200:
+                                return
+                            last = f"completion probe answered HTTP {probe.status}"
+                    else:
+                        last = f"/v1/models answered HTTP {resp.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                last = str(exc) or type(exc).__name__
+            await asyncio.sleep(0.5)
+    raise PdctlError(
+        f"{url} was not ready after {timeout_s:.0f} s ({last})", fix="check `pdctl status` / logs"
+    )
+
+
+class Deployer(ABC):
+    """Brings one shape up and takes it down again."""
+
+    @abstractmethod
+    async def up(self, settings: Settings, plan_: Plan, shape: Shape) -> str:
+        """Start the shape; return the proxy's base URL once it serves."""
+
+    @abstractmethod
+    async def down(self) -> None:
+        """Stop whatever up() started (safe to call twice)."""
+
+
+class PdctlDeployer(Deployer):
+    """`pdctl up` / `pdctl down` as subprocesses, with the shape as PDCTL_* overrides (the production path)."""
+
+    def __init__(self, config_path: str | None, inventory_source: str | None) -> None:
+        self.config_path = config_path
+        self.inventory_source = inventory_source
+        self._env: dict[str, str] | None = None
+
+    def _run(self, verb: str, env: dict[str, str]) -> None:
+        argv = [sys.executable, "-m", "appliance"]
+        if self.config_path:
+            argv += ["--config", self.config_path]
+        if self.inventory_source:
+            argv += ["--inventory", self.inventory_source]
+        done = subprocess.run(
+            [*argv, verb],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        if done.returncode != 0:
+            tail = " | ".join(done.stdout.strip().splitlines()[-3:])
+            raise PdctlError(f"`pdctl {verb}` failed (exit {done.returncode}): {tail}")
+
+    async def up(self, settings: Settings, plan_: Plan, shape: Shape) -> str:
+        self._env = _flatten_env("", shape.overrides)
+        await asyncio.to_thread(self._run, "up", self._env)
+        await wait_ready(plan_.proxy.url, plan_.model.served_name, settings.engine.health_timeout_s)
+        return plan_.proxy.url
+
+    async def down(self) -> None:
+        if self._env is not None:
+            env, self._env = self._env, None
+            await asyncio.to_thread(self._run, "down", env)
+
+
+class ProcessDeployer(Deployer):
+    """Starts the plan's engine and proxy command lines as child processes (no service manager).
+
+    Output goes to files under `log_dir` so a failed start can be diagnosed.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(
+                argv,
+                env={**os.environ, **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.procs.append((name, proc))
+
+    def _dead(self) -> str | None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                return f"{name} (exit {proc.returncode}, log {self.log_dir / (name + '.log')})"
+        return None
+
+    async def up(self, settings: Settings, plan_: Plan, shape: Shape) -> str:
+        if plan_.engine != "sim" and plan_.model.generate:
+            raise PdctlError(
+                "the processes deployer cannot generate the embedded model",
+                fix="use --deploy pdctl, or a model path",
+            )
+        self._tmp = tempfile.TemporaryDirectory(prefix="pdctl-bench-")
+        cfg = proxy_config(plan_)
+        cfg_path = Path(self._tmp.name) / "proxy.json"
+        cfg_path.write_text(json.dumps(cfg))
+        for inst in plan_.instances:
+            if plan_.connector == "example":
+                Path(settings.connector.shared_storage_path or Path(plan_.state_dir) / "kv-store").mkdir(
+                    parents=True, exist_ok=True
+                )
+            self._spawn(f"{shape.name}-{inst.name}", inst.argv, inst.env)
+        self._spawn(
+            f"{shape.name}-proxy",
+            [sys.executable, "-m", "appliance.proxy", "--config", str(cfg_path), "--log-level", "WARNING"],
+            {},
+        )
+        try:
+            await wait_ready(
+                plan_.proxy.url, plan_.model.served_name, settings.engine.health_timeout_s, self._dead
+            )
+        except BaseException:
+            await self.down()
+            raise
+        return plan_.proxy.url
+
+    async def down(self) -> None:
+        procs, self.procs = self.procs, []
+        for _, proc in reversed(procs):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for _, proc in procs:
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -1,0 +1,120 @@
+"""PNG figures of a bench result (matplotlib, headless): attainment vs rate, latency distributions at one rate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from appliance.bench.analysis import token_gaps
+from appliance.bench.results import BenchResult, RateResult
+from appliance.errors import PdctlError
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    try:
+        import matplotlib
+    except ImportError:
+        raise PdctlError(
+            "plots need matplotlib", fix="pip install 'pdctl[bench]' or pass --no-plots"
+        ) from None
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _banner(result: BenchResult) -> str:
+    w = result.workload
+    sim = "SIMULATED ENGINE (time model, not hardware) - " if result.engine == "sim" else ""
+    return f"{sim}{w.input_len} in / {w.output_len} out tokens, {w.num_requests} requests per rate, Poisson"
+
+
+def plot_attainment(result: BenchResult, path: Path) -> Path:
+    """SLO attainment (%) against request rate, one line per shape, with the target and each goodput."""
+    plt = _pyplot()
+    slo = result.slo
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
+    for shape in result.shapes:
+        rates = [r for r in shape.rates if r.summary.attainment is not None]
+        if not rates:
+            continue
+        xs = [r.rate for r in rates]
+        ys = [100 * (r.summary.attainment or 0.0) for r in rates]
+        good = shape.goodput.get(slo.itl_judgement)
+        label = (
+            f"{shape.name} (goodput {good:g} req/s)"
+            if good is not None
+            else f"{shape.name} (goodput < {xs[0]:g})"
+        )
+        (line,) = ax.plot(xs, ys, marker="o", markersize=4, label=label)
+        partial = [(r.rate, 100 * (r.summary.attainment or 0.0)) for r in rates if r.partial]
+        if partial:
+            ax.scatter(*zip(*partial, strict=True), facecolors="none", edgecolors=line.get_color(), s=60)
+    ax.axhline(100 * slo.attainment, color="grey", linestyle="--", linewidth=1)
+    ax.text(
+        ax.get_xlim()[0], 100 * slo.attainment + 1, f" target {slo.attainment:.0%}", color="grey", fontsize=8
+    )
+    ax.set_ylim(-3, 103)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_title(
+        f"SLO attainment: TTFT <= {slo.ttft_ms:g} ms and ITL ({slo.itl_judgement}) <= {slo.itl_ms:g} ms",
+        fontsize=10,
+    )
+    fig.suptitle(_banner(result), fontsize=8, y=0.995)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def pick_rate(result: BenchResult) -> float | None:
+    """The rate for the distribution plot: the highest rate every measured shape completed, else any."""
+    sets = [{r.rate for r in s.rates if not r.partial} for s in result.shapes if s.rates]
+    if not sets:
+        return None
+    common = set.intersection(*sets)
+    return max(common) if common else max(set.union(*sets))
+
+
+def _at(rates: list[RateResult], rate: float) -> RateResult | None:
+    return next((r for r in rates if r.rate == rate), None)
+
+
+def plot_latency(result: BenchResult, path: Path, rate: float | None = None) -> Path | None:
+    """CDFs of TTFT and of per-token gaps at one rate, one line per shape, with the SLO targets marked."""
+    rate = rate if rate is not None else pick_rate(result)
+    if rate is None:
+        return None
+    plt = _pyplot()
+    fig, (ax_t, ax_i) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
+    for shape in result.shapes:
+        at = _at(shape.rates, rate)
+        if at is None:
+            continue
+        ok = [r for r in at.requests if r.success]
+        ttfts = sorted(1000 * r.chunk_times_s[0] for r in ok)
+        gaps = sorted(1000 * g for r in ok for g in token_gaps(r.chunk_times_s, r.chunk_tokens))
+        for ax, values in ((ax_t, ttfts), (ax_i, gaps)):
+            if values:
+                ys = [(i + 1) / len(values) for i in range(len(values))]
+                ax.step(values, ys, where="post", label=shape.name)
+    ax_t.axvline(result.slo.ttft_ms, color="grey", linestyle="--", linewidth=1)
+    ax_i.axvline(result.slo.itl_ms, color="grey", linestyle="--", linewidth=1)
+    ax_t.set_xlabel("TTFT (ms)")
+    ax_i.set_xlabel("inter-token gap (ms)")
+    ax_i.set_xscale("symlog", linthresh=10)
+    top = ax_i.get_xlim()[1]
+    ax_i.set_xticks([t for t in (0, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000) if t <= top])
+    ax_i.set_xticklabels([f"{t:g}" for t in ax_i.get_xticks()])
+    for ax in (ax_t, ax_i):
+        ax.set_ylabel("share of requests" if ax is ax_t else "share of gaps")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+        ax.set_ylim(0, 1.02)
+    fig.suptitle(f"Latency distributions at {rate:g} req/s - {_banner(result)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,196 @@
+"""The bench result file: every per-request timing plus the summaries derived from them (schema_version 1).
+
+Per-request fields are raw measurements; every summary figure can be recomputed from them with
+appliance.bench.analysis (tests/bench does exactly that, independently).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from appliance.bench.analysis import JUDGEMENTS, Slo, attainment, distribution, goodput, judge_itl, token_gaps
+from appliance.errors import PdctlError
+
+SCHEMA_VERSION = 1
+
+
+class Record(BaseModel):
+    """Base: unknown fields are rejected so a hand-edited file cannot pass with typos."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class RequestResult(Record):
+    """One request as measured by the client."""
+
+    index: int
+    request_id: str
+    status: Literal["ok", "error", "interrupted"]
+    success: bool
+    error: str | None = None
+    http_status: int | None = None
+    scheduled_s: float = Field(description="Poisson arrival time, seconds after the rate's start")
+    sent_s: float = Field(description="When the request was actually sent, seconds after the rate's start")
+    chunk_times_s: list[float] = Field(
+        default_factory=list, description="Token-carrying chunks, s after sending"
+    )
+    chunk_tokens: list[int] = Field(default_factory=list, description="Tokens in each of those chunks")
+    latency_s: float | None = Field(default=None, description="Send to end of stream")
+    prompt_tokens: int | None = None
+    output_tokens: int = 0
+    tokens_counted_by: Literal["usage", "chunks"] = "chunks"
+    finish_reason: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, seconds."""
+        return self.chunk_times_s[0] if self.chunk_times_s else None
+
+
+class RateSummary(Record):
+    """Figures for one rate, all derived from its requests."""
+
+    sent: int
+    succeeded: int
+    failed: int
+    attainment: float | None = Field(description="Under the run's judgement (slo.itl_judgement)")
+    attainment_by_judgement: dict[str, float | None]
+    ttft_ms: dict[str, float | None]
+    itl_ms: dict[str, float | None] = Field(description="All per-token gaps of successful requests, pooled")
+    request_itl_ms: dict[str, float | None] = Field(description="Each successful request's judged ITL")
+    tpot_ms: dict[str, float | None] = Field(description="Each successful request's mean gap (vLLM TPOT)")
+    duration_s: float
+    request_throughput: float = Field(description="Successful requests per second of the rate's duration")
+    output_throughput: float = Field(description="Output tokens per second of the rate's duration")
+
+
+class RateResult(Record):
+    """One rate of a sweep."""
+
+    rate: float
+    seed: int
+    partial: bool = Field(default=False, description="Interrupted before every request finished")
+    started_at: str
+    duration_s: float
+    requests: list[RequestResult]
+    summary: RateSummary
+
+
+class ShapeResult(Record):
+    """One deployment shape's sweep (a plain `pdctl bench` has one shape: the target URL)."""
+
+    name: str
+    description: str = ""
+    url: str | None = None
+    skipped: str | None = Field(default=None, description="Why this shape was not measured")
+    rates: list[RateResult] = Field(default_factory=list)
+    goodput: dict[str, float | None] = Field(
+        default_factory=dict, description="Goodput (req/s) under each ITL judgement; complete rates only"
+    )
+
+
+class Workload(Record):
+    """What the load generator sent."""
+
+    endpoint: str = "/v1/completions"
+    model: str
+    input_len: int
+    output_len: int
+    num_requests: int
+    rates: list[float]
+    seed: int
+    prompt: Literal["tokens", "words"]
+    ignore_eos: bool = True
+
+
+class BenchResult(Record):
+    """The whole file."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    tool: str = "pdctl bench"
+    created: str
+    command: str
+    engine: str = Field(description="sim | vllm | unknown: results from 'sim' are simulations, not hardware")
+    workload: Workload
+    slo: Slo
+    interrupted: bool = False
+    shapes: list[ShapeResult]
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def summarize(requests: list[RequestResult], slo: Slo, duration_s: float) -> RateSummary:
+    """The rate's figures from its requests (interrupted requests are left out: they were never judged)."""
+    judged = [r for r in requests if r.status != "interrupted"]
+    ok = [r for r in judged if r.success]
+    gaps = [token_gaps(r.chunk_times_s, r.chunk_tokens) for r in ok]
+    pooled = [g for gs in gaps for g in gs]
+    judged_itl = [v for gs in gaps if (v := judge_itl(gs, slo.itl_judgement)) is not None]
+    tpots = [v for gs in gaps if (v := judge_itl(gs, "mean")) is not None]
+    by_j = {j: _finite(attainment(judged, slo, j)) for j in JUDGEMENTS}
+    tokens = sum(r.output_tokens for r in ok)
+    span = duration_s if duration_s > 0 else math.inf
+    return RateSummary(
+        sent=len(judged),
+        succeeded=len(ok),
+        failed=len(judged) - len(ok),
+        attainment=by_j[slo.itl_judgement],
+        attainment_by_judgement=by_j,  # type: ignore[arg-type]
+        ttft_ms=distribution([r.ttft_s for r in ok if r.ttft_s is not None], 1000),
+        itl_ms=distribution(pooled, 1000),
+        request_itl_ms=distribution(judged_itl, 1000),
+        tpot_ms=distribution(tpots, 1000),
+        duration_s=duration_s,
+        request_throughput=len(ok) / span,
+        output_throughput=tokens / span,
+    )
+
+
+def shape_goodput(shape: ShapeResult, slo: Slo) -> dict[str, float | None]:
+    """Goodput under every judgement, from the shape's complete rates."""
+    out: dict[str, float | None] = {}
+    for j in JUDGEMENTS:
+        points = [
+            (r.rate, r.summary.attainment_by_judgement.get(j) or 0.0)
+            for r in shape.rates
+            if not r.partial and r.summary.sent
+        ]
+        out[j] = goodput(points, slo.attainment) if points else None
+    return out
+
+
+def write_result(result: BenchResult, path: Path) -> None:
+    """Write the file atomically (a crash mid-write never leaves half a JSON behind)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(result.model_dump_json(indent=1))
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_result(path: Path) -> BenchResult:
+    """Read a result file back; a clear error for a missing or foreign file."""
+    try:
+        data: Any = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PdctlError(f"bench result {path} does not exist") from None
+    except (OSError, ValueError) as exc:
+        raise PdctlError(f"bench result {path} cannot be read: {exc}") from None
+    try:
+        return BenchResult.model_validate(data)
+    except ValueError as exc:
+        raise PdctlError(f"{path} is not a pdctl bench result (schema_version 1): {exc}") from None

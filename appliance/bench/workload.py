@@ -1,0 +1,120 @@
+"""What a sweep sends: the rates, the Poisson arrival times and the random prompts. Pure and seeded.
+
+Each rate gets its own RNG, seeded from (run seed, rate), so two rates never send the same prompts: with
+prefix caching on, a repeated prompt would be served from cache and fake a fast prefill.
+"""
+
+from __future__ import annotations
+
+import random
+from decimal import Decimal, InvalidOperation
+from typing import Literal
+
+from appliance.errors import PdctlError
+
+PromptKind = Literal["tokens", "words"]
+# Plain words for servers that want text; with real tokenizers each is one or two tokens.
+_WORDS = [
+    "river",
+    "stone",
+    "cloud",
+    "paper",
+    "window",
+    "garden",
+    "silver",
+    "orange",
+    "market",
+    "bridge",
+    "candle",
+    "forest",
+    "engine",
+    "pocket",
+    "planet",
+    "ladder",
+    "mirror",
+    "thunder",
+    "basket",
+    "harbor",
+    "violet",
+    "meadow",
+    "rocket",
+    "lantern",
+    "pillow",
+    "saddle",
+    "timber",
+    "feather",
+    "glacier",
+    "compass",
+    "anchor",
+    "velvet",
+    "marble",
+    "canyon",
+    "quartz",
+    "falcon",
+]
+
+
+def parse_rates(text: str) -> list[float]:
+    """'0.5:10:0.5' (start:stop:step, stop included) or '1,2,4' -> sorted distinct rates in req/s."""
+    text = text.strip()
+    fix = "write rates as START:STOP:STEP (e.g. 0.5:10:0.5) or a list (e.g. 1,2,4), all > 0"
+    try:
+        if ":" in text:
+            parts = [Decimal(p) for p in text.split(":")]
+            if len(parts) != 3:
+                raise PdctlError(f"--rates '{text}' needs exactly START:STOP:STEP", fix=fix)
+            start, stop, step = parts
+            if step <= 0 or start <= 0 or stop < start:
+                raise PdctlError(f"--rates '{text}' is not an increasing range of positive rates", fix=fix)
+            # Decimal steps: 0.5:10:0.5 must end exactly at 10, not at 9.999999.
+            rates, x = [], start
+            while x <= stop:
+                rates.append(float(x))
+                x += step
+        else:
+            rates = [float(Decimal(p)) for p in text.split(",") if p.strip()]
+    except InvalidOperation:
+        raise PdctlError(f"--rates '{text}' is not a list or range of numbers", fix=fix) from None
+    if not rates or any(r <= 0 for r in rates):
+        raise PdctlError(f"--rates '{text}' names no positive rate", fix=fix)
+    if len(rates) > 1000:
+        raise PdctlError(f"--rates '{text}' makes {len(rates)} rates", fix="use a coarser step")
+    return sorted(set(rates))
+
+
+def rate_seed(seed: int, rate: float) -> int:
+    """The seed of one rate: different for every rate of a run, the same on every run with `seed`."""
+    return random.Random(f"pdctl-bench:{seed}:{rate!r}").randrange(2**31)
+
+
+def arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
+    """Poisson arrival times (seconds from the start) of `n` requests at `rate` req/s; the first is at 0."""
+    times, t = [], 0.0
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+def prompt(
+    kind: PromptKind, length: int, rng: random.Random, token_range: tuple[int, int]
+) -> list[int] | str:
+    """A random prompt: `length` token ids drawn from token_range, or `length` random words."""
+    if kind == "tokens":
+        lo, hi = token_range
+        return [rng.randrange(lo, hi) for _ in range(length)]
+    return " ".join(rng.choice(_WORDS) for _ in range(length))
+
+
+def parse_token_range(text: str) -> tuple[int, int]:
+    """'LO:HI' -> (LO, HI), token ids LO <= id < HI."""
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise PdctlError(
+            f"--token-range '{text}' is not LO:HI", fix="e.g. 100:1000 (ids below the vocab size)"
+        ) from None
+    if lo < 0 or hi <= lo:
+        raise PdctlError(f"--token-range '{text}' is empty", fix="LO must be >= 0 and below HI")
+    return lo, hi

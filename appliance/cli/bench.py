@@ -1,0 +1,240 @@
+"""`pdctl bench`: goodput sweeps against the running deployment, a URL, or every deployment shape (--compare)."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import click
+
+from appliance.cli.common import obtain
+from appliance.errors import PdctlError
+
+
+def _read_key(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        raise PdctlError(f"cannot read the API key file {path}: {exc}") from None
+    if not key:
+        raise PdctlError(f"the API key file {path} is empty")
+    return key
+
+
+@click.command()
+@click.option("--url", help="Benchmark this OpenAI-compatible server instead of the deployment's proxy.")
+@click.option("--compare", is_flag=True, help="Bring up each deployment shape in turn and sweep it.")
+@click.option(
+    "--shapes",
+    default="disagg-read,disagg-write,colocated-2,colocated-1",
+    show_default=True,
+    help="With --compare: which shapes, in order.",
+)
+@click.option(
+    "--deploy",
+    type=click.Choice(["pdctl", "processes"]),
+    default="pdctl",
+    show_default=True,
+    help="With --compare: `pdctl up/down` (service manager) or plain child processes.",
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["vllm", "sim"]),
+    help="Engine kind: with --compare, what to deploy; with --url, how to label the result.",
+)
+@click.option("--rates", default="0.5:10:0.5", show_default=True, help="START:STOP:STEP or a list, in req/s.")
+@click.option(
+    "--num-requests",
+    "-n",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="Requests per rate.",
+)
+@click.option(
+    "--input-len", type=click.IntRange(min=1), default=2000, show_default=True, help="Prompt tokens."
+)
+@click.option(
+    "--output-len",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Output tokens (ignore_eos: every request generates exactly this many).",
+)
+@click.option(
+    "--prompt",
+    "prompt_kind",
+    type=click.Choice(["tokens", "words"]),
+    default="tokens",
+    show_default=True,
+    help="Random token ids (exact lengths) or random words (servers that need text).",
+)
+@click.option(
+    "--token-range",
+    default="100:1000",
+    show_default=True,
+    help="Token ids are drawn from LO <= id < HI (keep HI below the model's vocabulary).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Run seed; each rate derives its own.")
+@click.option("--model", help="Model name to ask for [default: the deployment's, or the server's first].")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), help="Send this key as a Bearer token.")
+@click.option(
+    "--ttft-ms", type=click.FloatRange(min=0, min_open=True), help="TTFT target [settings slo.ttft_ms]."
+)
+@click.option(
+    "--itl-ms", type=click.FloatRange(min=0, min_open=True), help="ITL target [settings slo.itl_ms]."
+)
+@click.option(
+    "--itl-judgement",
+    type=click.Choice(["p99", "max", "mean"]),
+    help="How a request's ITL is judged: p99 of its gaps, its max gap, or its mean gap (= vLLM TPOT) "
+    "[settings slo.itl_judgement, default p99].",
+)
+@click.option(
+    "--attainment",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    help="Attainment target for goodput [settings slo.attainment, default 0.9].",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(min=1),
+    default=600,
+    show_default=True,
+    help="Seconds a request may go without a byte before it counts as failed.",
+)
+@click.option(
+    "--out", "out_dir", type=click.Path(file_okay=False), help="Output folder [default: bench-<time>]."
+)
+@click.option("--plots/--no-plots", default=True, show_default=True, help="Write the PNG figures.")
+@click.option(
+    "--plot-rate", type=float, help="Rate of the latency-distribution figure [highest common rate]."
+)
+@click.option(
+    "--inventory", "inventory_source", metavar="SOURCE", help="Inventory for --compare (sim:cpu, ...)."
+)
+@click.pass_context
+def bench(ctx: click.Context, **opts: Any) -> None:
+    """Sweep request rates with Poisson arrivals and report SLO attainment, latencies and goodput."""
+    from rich.console import Console
+
+    from appliance.bench.analysis import Slo
+    from appliance.bench.client import Target, discover_model
+    from appliance.bench.compare import PdctlDeployer, ProcessDeployer, shapes
+    from appliance.bench.report import print_report
+    from appliance.bench.results import BenchResult, Workload
+    from appliance.bench.runner import run_compare, run_url, write_plots
+    from appliance.bench.sweep import Stopper, SweepPlan
+    from appliance.bench.workload import parse_rates, parse_token_range
+
+    if opts["url"] and opts["compare"]:
+        raise PdctlError("--url and --compare both given", fix="--compare deploys its own shapes; drop --url")
+    rates = parse_rates(opts["rates"])
+    token_range = parse_token_range(opts["token_range"])
+    overrides: dict[str, Any] = {"engine": {"kind": opts["engine"]}} if opts["engine"] else {}
+    settings, inventory = obtain(ctx, overrides)
+    s = settings.slo
+    slo = Slo(
+        ttft_ms=opts["ttft_ms"] or s.ttft_ms,
+        itl_ms=opts["itl_ms"] or s.itl_ms,
+        itl_judgement=opts["itl_judgement"] or s.itl_judgement,
+        attainment=opts["attainment"] or s.attainment,
+    )
+    stamp = datetime.now(timezone.utc)
+    out_dir = Path(opts["out_dir"] or f"bench-{stamp:%Y%m%d-%H%M%S}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console = Console(stderr=True, width=160)  # logs and pipes: keep the table's columns readable
+    plan = SweepPlan(rates=rates, num_requests=opts["num_requests"], seed=opts["seed"])
+    api_key = _read_key(opts["api_key_file"]) or _read_key(
+        settings.proxy.api_key_file if not opts["url"] else None
+    )
+
+    if opts["compare"]:
+        chosen = shapes(settings, inventory, [x.strip() for x in opts["shapes"].split(",") if x.strip()])
+        base_url, engine, model = "", settings.engine.kind, opts["model"] or settings.model.name
+    else:
+        base_url = opts["url"] or f"http://{_loopback(settings.proxy.host)}:{settings.proxy.port}"
+        engine = opts["engine"] or ("unknown" if opts["url"] else settings.engine.kind)
+        model = opts["model"]
+
+    async def main() -> BenchResult:
+        stopper = Stopper()
+        with stopper.installed():
+            nonlocal model
+            if model is None:
+                import aiohttp
+
+                async with aiohttp.ClientSession() as session:
+                    model = await discover_model(session, base_url, api_key)
+            target = Target(
+                base_url=base_url,
+                model=model,
+                input_len=opts["input_len"],
+                output_len=opts["output_len"],
+                prompt_kind=opts["prompt_kind"],
+                token_range=token_range,
+                api_key=api_key,
+                request_timeout_s=opts["request_timeout"],
+            )
+            result = BenchResult(
+                created=stamp.isoformat(timespec="seconds"),
+                command=shlex.join(["pdctl", *sys.argv[1:]]),
+                engine=engine,
+                workload=Workload(
+                    model=model,
+                    input_len=opts["input_len"],
+                    output_len=opts["output_len"],
+                    num_requests=opts["num_requests"],
+                    rates=rates,
+                    seed=opts["seed"],
+                    prompt=opts["prompt_kind"],
+                ),
+                slo=slo,
+                shapes=[],
+            )
+            if opts["compare"]:
+                root = ctx.find_root().obj or {}
+                deployer = (
+                    PdctlDeployer(
+                        root.get("config_path"), opts["inventory_source"] or root.get("inventory_source")
+                    )
+                    if opts["deploy"] == "pdctl"
+                    else ProcessDeployer(out_dir / "logs")
+                )
+                await run_compare(
+                    settings,
+                    inventory,
+                    chosen,
+                    deployer,
+                    target,
+                    plan,
+                    slo,
+                    result,
+                    out_dir,
+                    console,
+                    stopper,
+                )
+            else:
+                await run_url(target, plan, slo, result, out_dir, console, stopper)
+            return result
+
+    result = asyncio.run(main())
+    print_report(result, console)
+    written = [out_dir / "bench.json"]
+    if opts["plots"] and any(sh.rates for sh in result.shapes):
+        written += write_plots(result, out_dir, opts["plot_rate"])
+    if result.interrupted:
+        console.print("[yellow]interrupted[/]: the files hold every rate measured so far")
+    for path in written:
+        click.echo(str(path))
+
+
+def _loopback(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
