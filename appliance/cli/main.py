@@ -15,7 +15,14 @@ from appliance.errors import PdctlError
 # so `pdctl plan` does not pay for aiohttp, matplotlib or the vendor GPU libraries.
 COMMANDS: dict[str, str] = {
     "inventory": "appliance.cli.inventory:inventory",
+    "bench": "appliance.cli.bench:bench",
     "plan": "appliance.cli.plan:plan",
+    "up": "appliance.cli.lifecycle:up",
+    "down": "appliance.cli.lifecycle:down",
+    "restart": "appliance.cli.lifecycle:restart",
+    "logs": "appliance.cli.lifecycle:logs",
+    "status": "appliance.cli.status:status",
+    "wait-healthy": "appliance.cli.lifecycle:wait_healthy",
     "sim-engine": "appliance.cli.sim:sim_engine",
     "doctor": "appliance.cli.doctor:doctor",
 }
