@@ -92,6 +92,8 @@ def engine_command(settings: Settings, ctx: InstanceContext, model: ModelPlan, k
     if ctx.platform != "cpu":
         visible = ",".join(str(g) for g in gpus)
         env["CUDA_VISIBLE_DEVICES"] = visible
+        # NVML and the inventory number GPUs by PCI bus; CUDA's default order is fastest-first.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if ctx.platform == "rocm":
             # ROCm honours HIP_VISIBLE_DEVICES; vLLM on ROCm wants it to agree with CUDA_VISIBLE_DEVICES.
             env["HIP_VISIBLE_DEVICES"] = visible
