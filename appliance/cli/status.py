@@ -1,0 +1,226 @@
+"""`pdctl status [--json]`: every instance, the proxy and the GPUs, as the service manager and the
+engines themselves report them.
+
+`--json` prints this document (schema_version 1; stable: fields may be added, never renamed or removed):
+
+    schema_version  1
+    healthy         bool: every instance healthy and the proxy ready (the exit code says the same: 0)
+    state           "healthy" | "degraded" | "down"
+    manager         "systemd" | "supervisor"
+    layout, connector, mode, model    from the installed plan
+    instances[]     name, unit, role, gpus[], port, url, pid|null, state (running|starting|restarting|
+                    stopping|stopped|failed|unknown), detail (the manager's own words), health
+                    ("healthy"|"unhealthy"|"down"), uptime_s|null, restarts (automatic restarts)
+    proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts,
+                    reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
+                    healthy, draining, in_flight, source), requests {total, by_status{code: n},
+                    leg_failures, client_aborts} | null
+    gpus[]          index, name, utilization_pct|null, memory_used_mib, memory_total_mib, role|null,
+                    instance|null; gpu_source: where the figures come from (amdsmi, nvml, none, sim:...)
+
+Exit codes: 0 healthy, 1 degraded, 3 down (nothing running or nothing deployed), 2 a user mistake.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from appliance.cli.lifecycle import (
+    ACTIVE,
+    EXIT_DOWN,
+    EXIT_UNHEALTHY,
+    MANAGER_CHOICE,
+    NotDeployed,
+    Snapshot,
+    admin_url,
+    deployed,
+    snapshot,
+)
+from appliance.inventory import load_inventory
+from appliance.manager import ServiceManager
+from appliance.plan import Plan
+from appliance.render.common import PROXY_UNIT, instance_unit
+
+SCHEMA_VERSION = 1
+
+
+def _uptime(started_at: float | None, now: float) -> float | None:
+    return round(now - started_at, 1) if started_at else None
+
+
+def proxy_counters(plan: Plan) -> dict[str, Any] | None:
+    """Request counters from the proxy's Prometheus /metrics, or None when it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://{plan.proxy.url.split('://', 1)[1]}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:
+            text = response.read().decode()
+    except (OSError, ValueError):
+        return None
+    by_status: dict[str, int] = {}
+    out: dict[str, Any] = {"total": 0, "by_status": by_status, "leg_failures": 0, "client_aborts": 0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            if family.name == "pdctl_proxy_requests":
+                code = sample.labels.get("status", "?")
+                by_status[code] = by_status.get(code, 0) + int(sample.value)
+                out["total"] += int(sample.value)
+            elif family.name == "pdctl_proxy_leg_failures":
+                out["leg_failures"] += int(sample.value)
+            elif family.name == "pdctl_proxy_client_aborts":
+                out["client_aborts"] += int(sample.value)
+    return out
+
+
+def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, inventory_source: str | None) -> dict[str, Any]:
+    """The `pdctl status --json` document (see the module docstring)."""
+    now = time.time()
+    instances = []
+    for inst in plan.instances:
+        st = snap.units[instance_unit(inst)]
+        instances.append({
+            "name": inst.name,
+            "unit": instance_unit(inst),
+            "role": inst.role,
+            "gpus": inst.gpus,
+            "port": inst.http_port,
+            "url": inst.url,
+            "pid": st.pid,
+            "state": st.state,
+            "detail": st.detail,
+            "health": "healthy" if snap.health.get(inst.name) else ("unhealthy" if st.state in ACTIVE else "down"),
+            "uptime_s": _uptime(st.started_at, now),
+            "restarts": st.restarts,
+        })
+    pst = snap.units[PROXY_UNIT]
+    admin = snap.proxy
+    keys = ("name", "role", "url", "healthy", "draining", "in_flight", "source")
+    proxy = {
+        "unit": PROXY_UNIT,
+        "url": plan.proxy.url,
+        "admin_url": admin_url(plan),
+        "pid": pst.pid,
+        "state": pst.state,
+        "detail": pst.detail,
+        "uptime_s": _uptime(pst.started_at, now),
+        "restarts": pst.restarts,
+        "reachable": admin is not None,
+        "ready": bool(admin and admin.get("ready")),
+        "mode": admin.get("mode") if admin else None,
+        "registered": [{k: i.get(k) for k in keys} for i in (admin or {}).get("instances", [])],
+        "requests": proxy_counters(plan) if admin is not None else None,
+    }
+    inventory = load_inventory(inventory_source)
+    owner = {g: inst for inst in plan.instances for g in inst.gpus}
+    gpus = [
+        {
+            "index": g.index,
+            "name": g.name,
+            "utilization_pct": g.utilization_pct,
+            "memory_used_mib": g.memory_used_mib,
+            "memory_total_mib": g.memory_total_mib,
+            "role": owner[g.index].role if g.index in owner else None,
+            "instance": owner[g.index].name if g.index in owner else None,
+        }
+        for g in inventory.gpus
+    ]
+    healthy = snap.ready(plan)
+    anything = any(st.state in ACTIVE for st in snap.units.values())
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "healthy": healthy,
+        "state": "healthy" if healthy else ("degraded" if anything else "down"),
+        "manager": manager.name,
+        "layout": plan.layout,
+        "connector": plan.connector,
+        "mode": plan.mode,
+        "model": plan.model.served_name,
+        "instances": instances,
+        "proxy": proxy,
+        "gpus": gpus,
+        "gpu_source": inventory.source,
+    }
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def render_status(doc: dict[str, Any], console: Console) -> None:
+    """The status document as tables for people."""
+    colour = {"healthy": "green", "degraded": "yellow", "down": "red"}[doc["state"]]
+    console.print(f"[{colour}]{doc['state']}[/{colour}] ({doc['manager']}): {doc['layout']}, connector "
+                  f"{doc['connector']}, mode {doc['mode']}, model {escape(doc['model'])}")
+    table = Table(show_header=True, header_style="bold")
+    for col in ("instance", "role", "GPUs", "port", "PID", "service", "health", "uptime", "restarts"):
+        table.add_column(col)
+    for i in doc["instances"]:
+        health = {"healthy": "[green]healthy[/green]", "unhealthy": "[yellow]unhealthy[/yellow]"}.get(
+            i["health"], "[red]down[/red]")
+        table.add_row(i["name"], i["role"], ",".join(map(str, i["gpus"])) or "cpu", str(i["port"]),
+                      str(i["pid"] or "-"), escape(i["detail"] or i["state"]), health, _duration(i["uptime_s"]),
+                      str(i["restarts"]))
+    p = doc["proxy"]
+    table.add_row("proxy", "-", "-", p["url"].rsplit(":", 1)[-1], str(p["pid"] or "-"), escape(p["detail"] or p["state"]),
+                  "[green]ready[/green]" if p["ready"] else "[red]not ready[/red]", _duration(p["uptime_s"]),
+                  str(p["restarts"]))
+    console.print(table)
+    if p["reachable"]:
+        reg = ", ".join(f"{r['name']}({r['role']}{'' if r['healthy'] else ', unhealthy'})" for r in p["registered"])
+        req = p["requests"] or {}
+        codes = " ".join(f"{k}:{v}" for k, v in sorted(req.get("by_status", {}).items()))
+        console.print(f"proxy {p['url']} mode {p['mode']}; backends: {escape(reg) or 'none'}; "
+                      f"requests {req.get('total', '?')} ({codes or '-'}), leg failures {req.get('leg_failures', '?')}")
+    if doc["gpus"]:
+        gt = Table(show_header=True, header_style="bold")
+        for col in ("GPU", "name", "util", "memory", "instance"):
+            gt.add_column(col)
+        for g in doc["gpus"]:
+            util = f"{g['utilization_pct']:.0f}%" if g["utilization_pct"] is not None else "-"
+            gt.add_row(str(g["index"]), escape(g["name"]), util,
+                       f"{g['memory_used_mib']}/{g['memory_total_mib']} MiB", g["instance"] or "-")
+        console.print(gt)
+    else:
+        console.print(f"GPUs: none reported ({doc['gpu_source']})")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the stable JSON document (schema_version 1).")
+@click.option("--manager", type=MANAGER_CHOICE, help="Service manager [default: the one `pdctl up` used].")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool, manager: str | None) -> None:
+    """Per instance: role, GPUs, port, PID, service state, health, uptime, restarts; the proxy; the GPUs.
+
+    Exit code 0 healthy, 1 degraded, 3 down.
+    """
+    try:
+        _, plan, mgr = deployed(ctx, manager)
+    except NotDeployed as exc:
+        if as_json:
+            click.echo(json.dumps({"schema_version": SCHEMA_VERSION, "healthy": False, "state": "down",
+                                   "detail": str(exc)}))
+            ctx.exit(EXIT_DOWN)
+        raise
+    snap = snapshot(plan, mgr)
+    source = (ctx.find_root().obj or {}).get("inventory_source")
+    doc = status_document(plan, mgr, snap, source)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        render_status(doc, Console())
+    if doc["state"] != "healthy":
+        ctx.exit(EXIT_UNHEALTHY if doc["state"] == "degraded" else EXIT_DOWN)

@@ -1,0 +1,267 @@
+"""The supervisor backend: pdctl launches supervisord on <state_dir>/supervisor/supervisord.conf and drives
+it over XML-RPC on the unix socket there.
+
+supervisord cannot set per-program limits, so pdctl raises RLIMIT_MEMLOCK (RDMA registration) and
+RLIMIT_NOFILE before supervisord starts; every program inherits them. Readiness is gated by the CLI on /health.
+Programs all sit in [group:pd]; supervisor applies a changed program only by re-adding its group, so a
+changed configuration restarts every program (systemd restarts only the changed units).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+import xmlrpc.client
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from supervisor.xmlrpc import SupervisorTransport
+
+from appliance.errors import PdctlError
+from appliance.manager.base import ServiceManager, State, UnitStatus, write_atomic
+from appliance.plan import Plan
+from appliance.render.common import RenderOptions
+from appliance.render.supervisor import CONF_NAME, SOCKET_NAME, render_supervisor
+
+GROUP = "pd"
+_STATES: dict[str, State] = {
+    "RUNNING": "running",
+    "STARTING": "starting",
+    "BACKOFF": "restarting",
+    "STOPPING": "stopping",
+    "STOPPED": "stopped",
+    "EXITED": "stopped",
+    "FATAL": "failed",
+}
+# supervisord faults (supervisor.xmlrpc.Faults) that mean "already there" for idempotent calls.
+_BAD_NAME, _NOT_RUNNING, _ALREADY_STARTED, _ALREADY_ADDED = 10, 70, 60, 90
+
+
+def _raise_limits(minfds: int) -> None:
+    """In the child before exec: memlock unlimited, enough fds (root may raise hard limits; others get hard)."""
+    for res, want in ((resource.RLIMIT_MEMLOCK, resource.RLIM_INFINITY), (resource.RLIMIT_NOFILE, minfds)):
+        soft, hard = resource.getrlimit(res)
+        if hard != resource.RLIM_INFINITY and want != resource.RLIM_INFINITY and hard > want:
+            want = hard
+        try:
+            resource.setrlimit(res, (want, want))
+        except (ValueError, OSError):
+            resource.setrlimit(res, (hard, hard))
+
+
+def can_raise_limits() -> bool:
+    """True when this process may raise hard resource limits (CAP_SYS_RESOURCE in its effective set)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> 24 & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def reachable_minfds(wanted: int) -> int:
+    """supervisord refuses to start when minfds exceeds what it may get: cap it at the hard limit."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY or hard >= wanted or can_raise_limits():
+        return wanted
+    return hard
+
+
+class SupervisorManager(ServiceManager):
+    """Drives the programs of [group:pd] in a supervisord that pdctl starts on demand."""
+
+    name = "supervisor"
+
+    def __init__(self, plan: Plan, opts: RenderOptions | None = None) -> None:
+        super().__init__(plan, opts)
+        self.opts = replace(self.opts, minfds=reachable_minfds(self.opts.minfds))
+        self.dir = Path(plan.state_dir) / "supervisor"
+        self.conf = self.dir / CONF_NAME
+        self.socket = self.dir / SOCKET_NAME
+
+    # plumbing
+    def _server(self) -> Any:
+        transport = SupervisorTransport(None, None, f"unix://{self.socket}")
+        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor
+
+    def running(self) -> bool:
+        """True when our supervisord answers on its socket."""
+        if not self.socket.exists():
+            return False
+        try:
+            return bool(self._server().getState()["statename"] == "RUNNING")
+        except (OSError, xmlrpc.client.Error):
+            return False
+
+    def _call(self, method: str, *args: Any, ok: tuple[int, ...] = ()) -> Any:
+        try:
+            return getattr(self._server(), method)(*args)
+        except xmlrpc.client.Fault as fault:
+            if fault.faultCode in ok:
+                return None
+            raise PdctlError(f"supervisord refused {method}{args}: {fault.faultString}") from None
+        except OSError as exc:
+            raise PdctlError(f"cannot reach supervisord at {self.socket}: {exc}", fix="run `pdctl up`") from None
+
+    def _launch(self) -> None:
+        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+        if self.socket.exists():
+            self.socket.unlink()  # a stale socket from a killed supervisord would make it refuse to start
+        minfds = self.opts.minfds
+        cmd = [sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf)]
+        done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=lambda: _raise_limits(minfds),
+                              timeout=60)
+        if done.returncode != 0:
+            raise PdctlError(f"supervisord did not start: {(done.stderr or done.stdout).strip()}")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.running():
+                return
+            time.sleep(0.1)
+        tail = self._tail(self.dir / "supervisord.log", 10)
+        raise PdctlError(f"supervisord did not start: {(done.stderr or done.stdout).strip() or tail.strip()}")
+
+    def _group_present(self) -> bool:
+        return any(info["group"] == GROUP for info in self._call("getAllProcessInfo"))
+
+    # ServiceManager
+    def apply(self, previous: Plan | None) -> set[str]:
+        (rendered,) = render_supervisor(self.plan, self.opts)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        if not write_atomic(self.conf, rendered.text, rendered.mode):
+            return set()
+        if self.running():
+            self._call("reloadConfig")
+            if self._group_present():
+                self._call("stopProcessGroup", GROUP, True)
+                self._call("removeProcessGroup", GROUP, ok=(_BAD_NAME,))
+        return set(self.units())
+
+    def start(self, names: list[str]) -> None:
+        if not self.running():
+            self._launch()  # autostart brings up every program
+            return
+        if not self._group_present():
+            self._call("addProcessGroup", GROUP, ok=(_ALREADY_ADDED,))
+            return
+        for unit in self.expand(names):
+            self._call("startProcess", f"{GROUP}:{unit}", False, ok=(_ALREADY_STARTED,))
+
+    def stop(self, names: list[str]) -> None:
+        if not self.running():
+            return
+        for unit in self.expand(names):
+            self._call("stopProcess", f"{GROUP}:{unit}", True, ok=(_NOT_RUNNING, _BAD_NAME))
+
+    def restart(self, names: list[str]) -> None:
+        if not self.running():
+            self.start(names)
+            return
+        units = self.expand(names)
+        self.stop(units)
+        for unit in units:
+            self._call("startProcess", f"{GROUP}:{unit}", False, ok=(_ALREADY_STARTED,))
+
+    def down(self) -> None:
+        if not self.running():
+            return
+        pid = self._call("getPID")
+        self._call("stopProcessGroup", GROUP, True, ok=(_BAD_NAME,))
+        self._call("shutdown")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        raise PdctlError(f"supervisord (pid {pid}) did not exit within 60s")
+
+    def status(self) -> dict[str, UnitStatus]:
+        result: dict[str, UnitStatus] = {}
+        if self.running():
+            restarts = self._restarts()
+            for info in self._call("getAllProcessInfo"):
+                if info["group"] != GROUP:
+                    continue
+                name = info["name"]
+                state = _STATES.get(info["statename"], "unknown")
+                result[name] = UnitStatus(
+                    name=name,
+                    state=state,
+                    pid=info["pid"] or None,
+                    started_at=float(info["start"]) if info["pid"] else None,
+                    restarts=restarts.get(name, 0),
+                    detail=info["statename"] + (f" ({info['description']})" if state == "failed" else ""),
+                )
+        missing = "not loaded" if result else "supervisord not running"
+        for unit in self.units():
+            result.setdefault(unit, UnitStatus(name=unit, state="stopped", detail=missing))
+        return result
+
+    def _restarts(self) -> dict[str, int]:
+        """Automatic restarts since supervisord started: its log's 'exited: NAME (...; not expected)' lines."""
+        counts: dict[str, int] = {}
+        try:
+            text = (self.dir / "supervisord.log").read_text(errors="replace")
+        except OSError:
+            return counts
+        text = text[text.rfind("supervisord started with pid"):]
+        for match in re.finditer(r"exited: (\S+) \([^)]*not expected\)", text):
+            counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+        return counts
+
+    @staticmethod
+    def _tail(path: Path, lines: int) -> str:
+        try:
+            with path.open("rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                size = handle.tell()
+                handle.seek(max(0, size - 256 * 1024))
+                data = handle.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "".join(data.splitlines(keepends=True)[-lines:])
+
+    def logs(self, names: list[str], lines: int = 50) -> str:
+        units = self.expand(names)
+        parts = []
+        for unit in units:
+            text = self._tail(self.dir / "logs" / f"{unit}.log", lines)
+            parts.append(text if len(units) == 1 else "".join(f"{unit} | {line}" for line in text.splitlines(True)))
+        return "".join(parts)
+
+    def follow(self, names: list[str], lines: int = 10) -> Iterator[str]:
+        units = self.expand(names)
+        single = len(units) == 1
+        offsets: dict[str, int] = {}
+        for unit in units:
+            for line in self._tail(self.dir / "logs" / f"{unit}.log", lines).splitlines(True):
+                yield line if single else f"{unit} | {line}"
+            path = self.dir / "logs" / f"{unit}.log"
+            offsets[unit] = path.stat().st_size if path.exists() else 0
+        while True:
+            for unit in units:
+                path = self.dir / "logs" / f"{unit}.log"
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:
+                    continue
+                if size < offsets[unit]:
+                    offsets[unit] = 0  # rotated
+                if size > offsets[unit]:
+                    with path.open("rb") as handle:
+                        handle.seek(offsets[unit])
+                        data = handle.read()
+                    offsets[unit] += len(data)
+                    for line in data.decode(errors="replace").splitlines(True):
+                        yield line if single else f"{unit} | {line}"
+            time.sleep(0.25)

@@ -1,0 +1,171 @@
+"""The systemd backend: units in the unit directory, driven with systemctl, logs from journald.
+
+`prefix` runs every systemctl/journalctl through a wrapper, e.g. ["nsenter", "-t", PID, "-p", "-m", "--"]
+to drive a systemd booted in a private namespace (the tests do this).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+from appliance.errors import PdctlError
+from appliance.manager.base import ServiceManager, State, UnitStatus, write_atomic
+from appliance.plan import Plan
+from appliance.render.common import PROXY_UNIT, TARGET, RenderOptions, services
+from appliance.render.systemd import render_systemd
+
+_MARK = "# Rendered by pdctl"
+_PROPS = "Id,ActiveState,SubState,MainPID,NRestarts,ExecMainStartTimestamp,Result"
+
+
+def _state(active: str, sub: str) -> State:
+    if active == "active":
+        return "running"
+    if active == "activating":
+        return "restarting" if sub == "auto-restart" else "starting"
+    return {"deactivating": "stopping", "failed": "failed", "inactive": "stopped"}.get(active, "unknown")  # type: ignore[return-value]
+
+
+class SystemdManager(ServiceManager):
+    """Drives pd.target and its units through systemctl."""
+
+    name = "systemd"
+
+    def __init__(self, plan: Plan, opts: RenderOptions | None = None, *, unit_dir: str = "/etc/systemd/system",
+                 prefix: list[str] | None = None) -> None:
+        super().__init__(plan, opts)
+        self.unit_dir = Path(unit_dir)
+        self.prefix = list(prefix or [])
+
+    # plumbing
+    def _run(self, *argv: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        cmd = [*self.prefix, *argv]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except FileNotFoundError:
+            raise PdctlError(f"{argv[0]} is not installed", fix="use --manager supervisor") from None
+        except subprocess.TimeoutExpired:
+            raise PdctlError(f"`{' '.join(argv)}` did not answer within {timeout:g}s") from None
+        if check and done.returncode != 0:
+            raise PdctlError(f"`{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip()}")
+        return done
+
+    def _systemctl(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self._run("systemctl", *argv, check=check)
+
+    def _unit_names(self, names: list[str]) -> list[str]:
+        """systemd unit names for pdctl names: groups stay groups (PartOf= carries them to the instances)."""
+        out: list[str] = []
+        groups = services(self.plan)
+        for name in names:
+            if name == TARGET:
+                out.append("pd.target")
+            elif name in groups or name in self.units():
+                out.append(f"{name}.service")
+            else:
+                self.expand([name])  # raises the helpful error
+        return out
+
+    # ServiceManager
+    def apply(self, previous: Plan | None) -> set[str]:
+        rendered = render_systemd(self.plan, self.opts)
+        wanted = {f.name for f in rendered.units}
+        stale = [
+            p for p in sorted(self.unit_dir.glob("pd*")) if p.is_file() and p.name not in wanted and _ours(p)
+        ]
+        if stale:
+            self._systemctl("stop", *[p.name for p in stale], check=False)
+        changed: set[str] = set()
+        for f in rendered.units:
+            if write_atomic(self.unit_dir / f.name, f.text, f.mode):
+                changed.add(f.name.rsplit(".", 1)[0])
+        state_dir = Path(self.plan.state_dir)
+        secret_names = {f.name for f in rendered.private}
+        for f in rendered.private:
+            if write_atomic(state_dir / f.name, f.text, f.mode):
+                changed.add(Path(f.name).stem)
+        for old in (state_dir / "env").glob("*.env") if (state_dir / "env").is_dir() else []:
+            if f"env/{old.name}" not in secret_names:
+                old.unlink()
+                changed.add(old.stem)
+        for p in stale:
+            p.unlink()
+        if changed or stale:
+            self._systemctl("daemon-reload")
+        self._systemctl("enable", "pd.target", check=False)
+        return changed & set(self.units())
+
+    def start(self, names: list[str]) -> None:
+        units = self._unit_names(names)
+        if TARGET in names:
+            units += [f"{s}.service" for s in services(self.plan)] + [f"{u}.service" for u in self.units()]
+        self._systemctl("start", "--no-block", *dict.fromkeys(units))
+
+    def stop(self, names: list[str]) -> None:
+        self._systemctl("stop", *self._unit_names(names))
+
+    def restart(self, names: list[str]) -> None:
+        self._systemctl("restart", "--no-block", *self._unit_names(names))
+
+    def down(self) -> None:
+        units = ["pd.target", *[f"{s}.service" for s in services(self.plan)], *[f"{u}.service" for u in self.units()]]
+        self._systemctl("stop", *units)
+        self._systemctl("disable", "pd.target", check=False)
+
+    def status(self) -> dict[str, UnitStatus]:
+        units = self.units()
+        out = self._systemctl("show", "--timestamp=unix", "-p", _PROPS, *[f"{u}.service" for u in units]).stdout
+        result: dict[str, UnitStatus] = {}
+        for block in out.strip().split("\n\n"):
+            props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+            name = props.get("Id", "").removesuffix(".service")
+            if name not in units:
+                continue
+            pid = int(props.get("MainPID") or 0) or None
+            started = props.get("ExecMainStartTimestamp", "")
+            active, sub = props.get("ActiveState", ""), props.get("SubState", "")
+            result[name] = UnitStatus(
+                name=name,
+                state=_state(active, sub),
+                pid=pid,
+                started_at=float(started[1:]) if started.startswith("@") and pid else None,
+                restarts=int(props.get("NRestarts") or 0),
+                detail=f"{active}/{sub}" + (f" ({props['Result']})" if props.get("Result", "success") != "success" else ""),
+            )
+        for name in units:
+            result.setdefault(name, UnitStatus(name=name, state="unknown"))
+        return result
+
+    def _journal_args(self, names: list[str]) -> list[str]:
+        args: list[str] = []
+        for unit in self.expand(names):
+            args += ["-u", f"{unit}.service"]
+        return args
+
+    def logs(self, names: list[str], lines: int = 50) -> str:
+        done = self._run("journalctl", "--no-pager", "-o", "short-iso", "-n", str(lines),
+                         *self._journal_args(names), check=False)
+        return done.stdout if done.returncode == 0 else done.stderr
+
+    def follow(self, names: list[str], lines: int = 10) -> Iterator[str]:
+        cmd = [*self.prefix, "journalctl", "--no-pager", "-o", "short-iso", "-f", "-n", str(lines),
+               *self._journal_args(names)]
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+            assert proc.stdout is not None
+            try:
+                yield from proc.stdout
+            finally:
+                proc.terminate()
+
+
+def _ours(path: Path) -> bool:
+    """Only files pdctl rendered are ever removed from the unit directory."""
+    try:
+        return path.read_text().startswith(_MARK) and (path.name.startswith("pd-") or path.name == "pd.target")
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+__all__ = ["PROXY_UNIT", "SystemdManager"]
