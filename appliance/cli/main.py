@@ -23,12 +23,6 @@ COMMANDS: dict[str, str] = {
     "logs": "appliance.cli.lifecycle:logs",
     "status": "appliance.cli.status:status",
     "wait-healthy": "appliance.cli.lifecycle:wait_healthy",
-    "up": "appliance.cli.lifecycle:up",
-    "down": "appliance.cli.lifecycle:down",
-    "restart": "appliance.cli.lifecycle:restart",
-    "logs": "appliance.cli.lifecycle:logs",
-    "status": "appliance.cli.status:status",
-    "wait-healthy": "appliance.cli.lifecycle:wait_healthy",
     "sim-engine": "appliance.cli.sim:sim_engine",
     "doctor": "appliance.cli.doctor:doctor",
 }
