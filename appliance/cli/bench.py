@@ -230,10 +230,11 @@ def bench(ctx: click.Context, **opts: Any) -> None:
     written = [out_dir / "bench.json"]
     if opts["plots"] and any(sh.rates for sh in result.shapes):
         written += write_plots(result, out_dir, opts["plot_rate"])
-    if result.interrupted:
-        console.print("[yellow]interrupted[/]: the files hold every rate measured so far")
     for path in written:
         click.echo(str(path))
+    if result.interrupted:
+        console.print("[yellow]interrupted[/]: the files hold every rate measured so far")
+        raise SystemExit(130)  # like a shell for SIGINT; `python -m appliance` drops click return codes
 
 
 def _loopback(host: str) -> str:
