@@ -20,6 +20,8 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,18 +114,41 @@ def shape_plan(settings: Settings, inventory: Inventory, shape: Shape) -> tuple[
     return shaped, plan(shaped, inventory)
 
 
-def _flatten_env(prefix: str, data: dict[str, Any]) -> dict[str, str]:
-    """Overrides as PDCTL_* variables (nested keys joined by a double underscore, values as JSON)."""
-    out: dict[str, str] = {}
-    for key, value in data.items():
-        name = f"{prefix}__{key.upper()}" if prefix else f"PDCTL_{key.upper()}"
-        if isinstance(value, dict):
-            out.update(_flatten_env(name, value))
-        elif isinstance(value, str):
-            out[name] = value
-        else:
-            out[name] = json.dumps(value)
-    return out
+def _drop_none(data: dict[str, Any]) -> dict[str, Any]:
+    """TOML has no null: a None override means "back to the default", i.e. the key is left out."""
+    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in data.items() if v is not None}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _key(name: str) -> str:
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+
+
+def to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """Settings data as TOML: a table's plain keys under its header, then its sub-tables."""
+    lines: list[str] = []
+    plain = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    if prefix and (plain or not tables):
+        lines.append(f"[{prefix}]")
+    lines.extend(f"{_key(k)} = {_toml_value(v)}" for k, v in plain.items())
+    for key, table in tables.items():
+        lines.append("")
+        lines.append(to_toml(table, f"{prefix}.{_key(key)}" if prefix else _key(key)).rstrip("\n"))
+    return "\n".join(lines) + "\n"
 
 
 async def wait_ready(url: str, model: str, timeout_s: float, proc_alive: Any = None) -> None:
@@ -165,40 +190,51 @@ class Deployer(ABC):
 
 
 class PdctlDeployer(Deployer):
-    """`pdctl up` / `pdctl down` as subprocesses, with the shape as PDCTL_* overrides (the production path)."""
+    """`pdctl up` / `pdctl down` as subprocesses (the production path: the service manager runs the shape).
 
-    def __init__(self, config_path: str | None, inventory_source: str | None) -> None:
-        self.config_path = config_path
+    The shape's effective settings go to a settings file under the output folder, passed with --config.
+    """
+
+    def __init__(self, inventory_source: str | None, work_dir: Path) -> None:
         self.inventory_source = inventory_source
-        self._env: dict[str, str] | None = None
+        self.work_dir = work_dir
+        self._config: Path | None = None
 
-    def _run(self, verb: str, env: dict[str, str]) -> None:
-        argv = [sys.executable, "-m", "appliance"]
-        if self.config_path:
-            argv += ["--config", self.config_path]
+    @staticmethod
+    def _pdctl() -> list[str]:
+        # The console script, not `python -m appliance`: `up` reports an unhealthy start by exit code only.
+        script = Path(sys.executable).with_name("pdctl")
+        if script.exists():
+            return [str(script)]
+        found = shutil.which("pdctl")
+        if found is None:
+            raise PdctlError(
+                "the pdctl command is not on PATH", fix="install pdctl, or use --deploy processes"
+            )
+        return [found]
+
+    def _run(self, verb: str, config: Path) -> None:
+        argv = [*self._pdctl(), "--config", str(config)]
         if self.inventory_source:
             argv += ["--inventory", self.inventory_source]
-        done = subprocess.run(
-            [*argv, verb],
-            env={**os.environ, **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        done = subprocess.run([*argv, verb], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if done.returncode != 0:
             tail = " | ".join(done.stdout.strip().splitlines()[-3:])
             raise PdctlError(f"`pdctl {verb}` failed (exit {done.returncode}): {tail}")
 
     async def up(self, settings: Settings, plan_: Plan, shape: Shape) -> str:
-        self._env = _flatten_env("", shape.overrides)
-        await asyncio.to_thread(self._run, "up", self._env)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._config = self.work_dir / f"{shape.name}.toml"
+        # The shape's whole effective settings (file, environment, flags, shape), so `up` plans what we planned.
+        self._config.write_text(to_toml(_drop_none(settings.model_dump(mode="json"))))
+        await asyncio.to_thread(self._run, "up", self._config)
         await wait_ready(plan_.proxy.url, plan_.model.served_name, settings.engine.health_timeout_s)
         return plan_.proxy.url
 
     async def down(self) -> None:
-        if self._env is not None:
-            env, self._env = self._env, None
-            await asyncio.to_thread(self._run, "down", env)
+        if self._config is not None:
+            config, self._config = self._config, None
+            await asyncio.to_thread(self._run, "down", config)
 
 
 class ProcessDeployer(Deployer):

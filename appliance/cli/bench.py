@@ -203,7 +203,8 @@ def bench(ctx: click.Context, **opts: Any) -> None:
                 root = ctx.find_root().obj or {}
                 deployer = (
                     PdctlDeployer(
-                        root.get("config_path"), opts["inventory_source"] or root.get("inventory_source")
+                        opts["inventory_source"] or root.get("inventory_source"),
+                        out_dir / "shapes",
                     )
                     if opts["deploy"] == "pdctl"
                     else ProcessDeployer(out_dir / "logs")
