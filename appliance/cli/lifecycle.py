@@ -329,7 +329,7 @@ def up(ctx: click.Context, manager: str | None, timeout_s: float | None, no_wait
             console.print(f"[green]healthy[/green] ({mgr.name}; {what}); proxy {plan.proxy.url}")
         return
     report_failure(plan, mgr, snap, Console(stderr=True), limit)
-    ctx.exit(EXIT_UNHEALTHY)
+    sys.exit(EXIT_UNHEALTHY)
 
 
 @click.command()
@@ -376,7 +376,7 @@ def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, t
         console.print(f"[green]healthy[/green]: restarted {', '.join(units)}")
     if not snap.ready(plan):
         report_failure(plan, mgr, snap, Console(stderr=True), limit)
-        ctx.exit(_exit_for(snap, plan))
+        sys.exit(_exit_for(snap, plan))
 
 
 @click.command()

@@ -24,6 +24,7 @@ Exit codes: 0 healthy, 1 degraded, 3 down (nothing running or nothing deployed),
 from __future__ import annotations
 
 import json
+import sys
 import time
 import urllib.request
 from typing import Any
@@ -213,7 +214,7 @@ def status(ctx: click.Context, as_json: bool, manager: str | None) -> None:
         if as_json:
             click.echo(json.dumps({"schema_version": SCHEMA_VERSION, "healthy": False, "state": "down",
                                    "detail": str(exc)}))
-            ctx.exit(EXIT_DOWN)
+            sys.exit(EXIT_DOWN)
         raise
     snap = snapshot(plan, mgr)
     source = (ctx.find_root().obj or {}).get("inventory_source")
@@ -223,4 +224,4 @@ def status(ctx: click.Context, as_json: bool, manager: str | None) -> None:
     else:
         render_status(doc, Console())
     if doc["state"] != "healthy":
-        ctx.exit(EXIT_UNHEALTHY if doc["state"] == "degraded" else EXIT_DOWN)
+        sys.exit(EXIT_UNHEALTHY if doc["state"] == "degraded" else EXIT_DOWN)

@@ -27,7 +27,7 @@ from appliance.errors import PdctlError
 from appliance.manager.base import ServiceManager, State, UnitStatus, write_atomic
 from appliance.plan import Plan
 from appliance.render.common import RenderOptions
-from appliance.render.supervisor import CONF_NAME, SOCKET_NAME, render_supervisor
+from appliance.render.supervisor import CONF_NAME, render_supervisor, socket_path
 
 GROUP = "pd"
 _STATES: dict[str, State] = {
@@ -84,7 +84,7 @@ class SupervisorManager(ServiceManager):
         self.opts = replace(self.opts, minfds=reachable_minfds(self.opts.minfds))
         self.dir = Path(plan.state_dir) / "supervisor"
         self.conf = self.dir / CONF_NAME
-        self.socket = self.dir / SOCKET_NAME
+        self.socket = Path(socket_path(plan.state_dir))
 
     # plumbing
     def _server(self) -> Any:
@@ -112,6 +112,7 @@ class SupervisorManager(ServiceManager):
 
     def _launch(self) -> None:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.socket.exists():
             self.socket.unlink()  # a stale socket from a killed supervisord would make it refuse to start
         minfds = self.opts.minfds

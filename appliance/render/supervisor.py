@@ -7,7 +7,9 @@ programs inherit it) and gates `pdctl up`/`restart` on each engine's /health.
 
 from __future__ import annotations
 
+import hashlib
 import shlex
+import tempfile
 from pathlib import PurePosixPath
 
 from appliance.errors import PdctlError
@@ -29,6 +31,15 @@ SOCKET_NAME = "supervisor.sock"
 def supervisor_dir(plan_state_dir: str) -> PurePosixPath:
     """Where supervisord's config, socket, pid file and logs live."""
     return PurePosixPath(plan_state_dir) / "supervisor"
+
+
+def socket_path(plan_state_dir: str) -> PurePosixPath:
+    """supervisord's unix socket: in the state dir, unless that path is too long for AF_UNIX (108 bytes)."""
+    path = supervisor_dir(plan_state_dir) / SOCKET_NAME
+    if len(str(path).encode()) <= 100:
+        return path
+    digest = hashlib.sha256(plan_state_dir.encode()).hexdigest()[:16]
+    return PurePosixPath(tempfile.gettempdir()) / f"pdctl-{digest}" / SOCKET_NAME
 
 
 def _value(text: str, what: str) -> str:
@@ -70,7 +81,8 @@ def _program(name: str, argv: list[str], env: dict[str, str], workdir: str, logd
         workdir=_value(workdir, "state_dir"),
         priority=priority,
         stopwaitsecs=stopwaitsecs,
-        logfile=_value(str(logdir / f"{name}.log"), "log file"),
+        # supervisor %-expands log file names twice (the section value, then with process_num).
+        logfile=_value(_value(str(logdir / f"{name}.log"), "log file"), "log file"),
     )
 
 
@@ -93,7 +105,7 @@ def render_supervisor(plan: Plan, opts: RenderOptions | None = None) -> list[Ren
         layout=plan.layout,
         connector=plan.connector,
         mode=plan.mode,
-        socket=_value(str(sdir / SOCKET_NAME), "socket path"),
+        socket=_value(str(socket_path(plan.state_dir)), "socket path"),
         dir=_value(str(sdir), "state_dir"),
         minfds=opts.minfds,
         programs="".join(programs),

@@ -1,0 +1,107 @@
+"""Helpers for tests that deploy the appliance for real: free ports, a tmp pdctl.toml, running `pdctl`."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports nothing binds right now (bound to port 0 together, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def write_config(directory: Path, state_dir: Path, manager: str = "supervisor", extra: str = "") -> Path:
+    """A pdctl.toml for the simulated engine on this CPU node, every port free, state in `state_dir`."""
+    prefill, decode, colocated, proxy, admin, ping = free_ports(6)
+    path = directory / "pdctl.toml"
+    path.write_text(
+        f"""state_dir = {json.dumps(str(state_dir))}
+manager = "{manager}"
+unit_dir = {json.dumps(str(directory / "units"))}
+[engine]
+kind = "sim"
+health_timeout_s = 60
+[prefill]
+http_port = {prefill}
+[decode]
+http_port = {decode}
+[colocated]
+http_port = {colocated}
+[proxy]
+port = {proxy}
+admin_port = {admin}
+ping_port = {ping}
+{extra}"""
+    )
+    return path
+
+
+def pdctl(config: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180,
+          check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the real `pdctl` (python -m appliance) with --config and the CPU inventory."""
+    full_env = dict(os.environ, PDCTL_INVENTORY="sim:cpu", **(env or {}))
+    full_env.pop("PDCTL_CONFIG", None)
+    done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(config), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=full_env)
+    if check and done.returncode != 0:
+        raise AssertionError(f"pdctl {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def status(config: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`pdctl status --json` as data."""
+    done = pdctl(config, "status", "--json", env=env)
+    assert done.stdout, done.stderr
+    doc: dict[str, Any] = json.loads(done.stdout)
+    doc["_rc"] = done.returncode
+    return doc
+
+
+def wait_until(check: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
+    """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def complete(proxy_url: str, model: str = "tiny-qwen3", timeout: float = 30) -> dict[str, Any]:
+    """One non-streamed completion through the proxy."""
+    body = json.dumps({"model": model, "prompt": "hello there", "max_tokens": 4}).encode()
+    request = urllib.request.Request(proxy_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        result: dict[str, Any] = json.loads(response.read())
+    return result
+
+
+def try_complete(proxy_url: str) -> dict[str, Any] | None:
+    """A completion, or None while the proxy cannot serve one yet."""
+    try:
+        return complete(proxy_url)
+    except OSError:
+        return None

@@ -1,0 +1,121 @@
+"""A real supervisord, started by `pdctl up`, runs the rendered programs with the simulated engine;
+`pdctl up/status/restart/logs/down` drive it exactly as an operator would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from appliance.manager.supervisor import can_raise_limits
+from tests.manager.deploy import complete, pdctl, status, try_complete, wait_until, write_config
+
+
+def _pids(doc: dict) -> dict[str, int]:
+    pids = {i["name"]: i["pid"] for i in doc["instances"]}
+    pids["proxy"] = doc["proxy"]["pid"]
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def deployment(tmp_path: Path):
+    state = tmp_path / "state with 'quotes' and 100%"
+    config = write_config(tmp_path, state)
+    yield config, state
+    pdctl(config, "down")  # never leave a supervisord behind, whatever the test did
+
+
+def test_up_status_restart_kill_logs_down(deployment) -> None:
+    config, state = deployment
+    up = pdctl(config, "up", "--json")
+    assert up.returncode == 0, up.stderr
+    outcome = json.loads(up.stdout)
+    assert outcome["healthy"] is True and outcome["manager"] == "supervisor"
+    assert sorted(outcome["started_or_restarted"]) == ["pd-decode-0", "pd-prefill-0", "pd-proxy"]
+    assert (state / "supervisor" / "supervisord.conf").stat().st_mode & 0o777 == 0o600
+    assert json.loads((state / "plan.json").read_text())["engine"] == "sim"
+    assert json.loads((state / "proxy.json").read_text())["backends"][0]["name"] == "prefill-0"
+
+    doc = status(config)
+    assert doc["_rc"] == 0 and doc["schema_version"] == 1 and doc["state"] == "healthy"
+    assert [(i["name"], i["role"], i["state"], i["health"]) for i in doc["instances"]] == [
+        ("prefill-0", "prefill", "running", "healthy"), ("decode-0", "decode", "running", "healthy")]
+    assert doc["proxy"]["ready"] and doc["proxy"]["mode"] == "read"
+    assert {r["role"] for r in doc["proxy"]["registered"]} == {"prefill", "decode"}
+    assert all(i["uptime_s"] is not None and i["restarts"] == 0 for i in doc["instances"])
+    before = _pids(doc)
+    assert complete(doc["proxy"]["url"])["choices"][0]["text"]
+    assert status(config)["proxy"]["requests"]["by_status"].get("200", 0) >= 1
+
+    # Programs inherit the limits pdctl gave supervisord (memlock only where it may be raised).
+    limits = Path(f"/proc/{before['decode-0']}/limits").read_text()
+    if can_raise_limits():
+        assert "Max locked memory         unlimited" in limits
+
+    # A second `pdctl up` with nothing changed is a no-op that reports healthy.
+    again = pdctl(config, "up", "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["started_or_restarted"] == []
+    assert _pids(status(config)) == before
+
+    # kill -9 of an engine: supervisor restarts it, status counts the restart.
+    os.kill(before["decode-0"], signal.SIGKILL)
+    doc = wait_until(lambda: (d := status(config))["_rc"] == 0 and _pids(d)["decode-0"] != before["decode-0"] and d,
+                     what="decode-0 to come back after kill -9")
+    assert doc["instances"][1]["restarts"] == 1 and _pids(doc)["proxy"] == before["proxy"]
+    killed = _pids(doc)
+
+    # restart decode: only decode gets a new process; the proxy keeps serving with the same PID.
+    done = pdctl(config, "restart", "decode", "--json")
+    assert done.returncode == 0, done.stderr
+    after = _pids(status(config))
+    assert after["decode-0"] != killed["decode-0"]
+    assert after["prefill-0"] == before["prefill-0"] and after["proxy"] == before["proxy"]
+    assert wait_until(lambda: try_complete(doc["proxy"]["url"]), what="a completion after the restart")
+
+    logs = pdctl(config, "logs", "decode", "-n", "5")
+    assert logs.returncode == 0 and 0 < len(logs.stdout.splitlines()) <= 5
+    assert "decode-0" in logs.stdout
+
+    down = pdctl(config, "down")
+    assert down.returncode == 0, down.stderr
+    assert not any(_alive(pid) for pid in after.values())
+    gone = status(config)
+    assert gone["_rc"] == 3 and gone["state"] == "down"
+
+
+def test_colocated_layout_comes_up(tmp_path: Path) -> None:
+    config = write_config(tmp_path, tmp_path / "state")
+    try:
+        up = pdctl(config, "up", "--connector", "none", "--json")
+        assert up.returncode == 0, up.stderr
+        doc = status(config)
+        assert doc["layout"] == "colocated" and [i["name"] for i in doc["instances"]] == ["both-0"]
+        assert doc["instances"][0]["unit"] == "pd-colocated-0" and doc["instances"][0]["health"] == "healthy"
+        assert complete(doc["proxy"]["url"])["usage"]["completion_tokens"] == 4
+        restarted = pdctl(config, "restart", "colocated")
+        assert restarted.returncode == 0, restarted.stderr
+    finally:
+        pdctl(config, "down")
+
+
+def test_failing_engine_shows_its_log_and_exits_nonzero(tmp_path: Path) -> None:
+    extra = '[engine.sim]\nextra_args = ["--no-such-flag"]\n'
+    config = write_config(tmp_path, tmp_path / "state", extra=extra)
+    try:
+        up = pdctl(config, "up", "--timeout", "8")
+        assert up.returncode == 1
+        assert "pd-prefill-0" in up.stderr and "--no-such-flag" in up.stderr  # the engine's own complaint
+        assert "Traceback" not in up.stderr.split("last log lines")[0]
+    finally:
+        pdctl(config, "down")
