@@ -1,0 +1,265 @@
+"""What every export target shares: one role's cluster shape taken from the Plan, and atomic file output.
+
+The Plan is the single source of truth here too: engine arguments are read back from each instance's vLLM
+command line, so a flag the node runs with is a flag the cluster runs with. What only makes sense on one
+node (loopback addresses, GPU pinning, the pdctl proxy's registration socket) is dropped or re-derived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from appliance.engine.command import VLLM_ENTRYPOINT
+from appliance.errors import PdctlError
+from appliance.plan import Instance, Plan
+
+Target = Literal["ray-serve", "llm-d"]
+ClusterRole = Literal["prefill", "decode"]
+
+# vLLM flags that describe where one process listens on this node; a cluster engine decides them itself.
+NODE_LOCAL_FLAGS = frozenset({"model", "served_model_name", "host", "port", "data_parallel_rpc_port"})
+# Environment that pins an engine to this node's GPUs or addresses; the cluster scheduler assigns these.
+NODE_LOCAL_ENV = frozenset({
+    "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_HOST_IP",
+})
+# MoRIIO keys that address pdctl's own proxy or a loopback host; cluster deployments discover peers otherwise.
+MORIIO_NODE_LOCAL_KEYS = frozenset({"proxy_ip", "proxy_ping_port", "host_ip", "http_port"})
+
+_INT = re.compile(r"^-?\d+$")
+_FLOAT = re.compile(r"^-?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE]-?\d+)$")
+
+
+class ExportError(PdctlError):
+    """The plan cannot be expressed for the chosen target (an unsupported connector, layout or option)."""
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """How many copies of a role run: fixed (min == max) or autoscaled between bounds."""
+
+    min: int
+    max: int
+    initial: int
+
+    @property
+    def fixed(self) -> bool:
+        """True when the count does not change at run time."""
+        return self.min == self.max
+
+
+@dataclass(frozen=True)
+class RoleShape:
+    """One role of the plan, as a cluster deploys it: a replica template and a replica count."""
+
+    role: ClusterRole
+    replicas: Replicas
+    tp: int
+    dp: int
+    gpus_per_replica: int
+    engine_kwargs: dict[str, Any]
+    kv_transfer_config: dict[str, Any]
+    env: dict[str, str]
+    connector_env: dict[str, str]
+    ports: dict[str, list[int]]
+
+
+@dataclass
+class ExportResult:
+    """What an export produced: files by relative path, and what the user runs next."""
+
+    target: Target
+    files: dict[str, str]
+    next_steps: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _coerce(value: str) -> Any:
+    """A flag's text as vLLM's argparse would type it: ints, floats and JSON objects; else the string."""
+    if _INT.match(value):
+        return int(value)
+    if _FLOAT.match(value):
+        return float(value)
+    if value.startswith("{") or value.startswith("["):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def engine_kwargs_from_argv(argv: list[str]) -> dict[str, Any]:
+    """vLLM's server arguments as EngineArgs keyword arguments (`--max-num-seqs 8` -> max_num_seqs=8)."""
+    try:
+        start = argv.index(VLLM_ENTRYPOINT) + 1
+    except ValueError:
+        raise ExportError(
+            "the plan's engine command is not vLLM's OpenAI server", fix="export a plan with engine.kind = 'vllm'"
+        ) from None
+    kwargs: dict[str, Any] = {}
+    args = argv[start:]
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if not token.startswith("--"):
+            raise ExportError(f"cannot read vLLM argument '{token}' of the plan's command line",
+                              fix="write extra_args as '--flag', 'value' pairs")
+        name, eq, inline = token[2:].partition("=")
+        key = name.replace("-", "_")
+        if eq:
+            kwargs[key] = _coerce(inline)
+            i += 1
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            kwargs[key] = _coerce(args[i + 1])
+            i += 2
+        elif key.startswith("no_"):
+            kwargs[key[3:]] = False
+            i += 1
+        else:
+            kwargs[key] = True
+            i += 1
+    return kwargs
+
+
+def argv_from_engine_kwargs(kwargs: dict[str, Any]) -> list[str]:
+    """The inverse of engine_kwargs_from_argv: `--flag=value` items for a container's args."""
+    out: list[str] = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            out.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            out.extend([flag, json.dumps(value, separators=(",", ":"))])
+        else:
+            out.append(f"{flag}={value}")
+    return out
+
+
+def parse_replicas(text: str | None, planned: int, what: str) -> Replicas:
+    """'3' (fixed) or '1:4' (autoscaled bounds) -> Replicas; None keeps the plan's instance count."""
+    if text is None or text == "":
+        return Replicas(planned, planned, planned)
+    lo_text, sep, hi_text = text.partition(":")
+    try:
+        lo = int(lo_text)
+        hi = int(hi_text) if sep else lo
+    except ValueError:
+        raise ExportError(f"{what} '{text}' is not a count", fix=f"write {what} as N or MIN:MAX, e.g. 1:4") from None
+    if lo < 0 or hi < 1 or lo > hi:
+        raise ExportError(f"{what} '{text}' is not a valid range", fix="use 0 <= MIN <= MAX and MAX >= 1")
+    return Replicas(lo, hi, min(max(planned, lo), hi))
+
+
+def role_instances(plan: Plan, role: ClusterRole) -> list[Instance]:
+    """The plan's instances of one role; every one of them must share one shape to become one deployment."""
+    insts = plan.role_instances(role)
+    shapes = {(i.tp, i.dp, len(i.gpus), i.expert_parallel) for i in insts}
+    if len(shapes) > 1:
+        raise ExportError(f"the {role} instances of the plan differ in shape {sorted(shapes)}",
+                          fix=f"give every {role} instance the same TP, DP and GPU count")
+    return insts
+
+
+def role_shape(plan: Plan, role: ClusterRole, replicas: Replicas) -> RoleShape:
+    """The replica template of a role, from its first instance (they are identical but for ports and GPUs)."""
+    insts = role_instances(plan, role)
+    if not insts:
+        raise ExportError(f"the plan has no {role} instance", fix="export a disaggregated plan (connector != none)")
+    first = insts[0]
+    kwargs = engine_kwargs_from_argv(first.argv)
+    kv = kwargs.pop("kv_transfer_config", None) or first.kv_transfer_config
+    if not isinstance(kv, dict):
+        raise ExportError(f"{first.name} has no KV connector configuration", fix="choose a KV connector")
+    for key in NODE_LOCAL_FLAGS:
+        kwargs.pop(key, None)
+    env = {k: v for k, v in first.env.items() if k not in NODE_LOCAL_ENV}
+    return RoleShape(
+        role=role,
+        replicas=replicas,
+        tp=first.tp,
+        dp=first.dp,
+        gpus_per_replica=len(first.gpus),
+        engine_kwargs=kwargs,
+        kv_transfer_config=json.loads(json.dumps(kv)),
+        env=env,
+        connector_env={k: v for k, v in first.env.items() if k in NODE_LOCAL_ENV},
+        ports={k: v for k, v in first.ports.items()},
+    )
+
+
+def check_exportable(plan: Plan) -> None:
+    """Refuse plans no cluster target can express, with the fix in the message."""
+    if plan.engine != "vllm":
+        raise ExportError("the plan runs the simulated engine", fix="export with engine.kind = 'vllm' (the default)")
+    if plan.layout != "disaggregated":
+        raise ExportError(
+            "the plan is colocated (connector 'none'); the export targets deploy prefill/decode apps",
+            fix="choose a KV connector (moriio on AMD, nixl on NVIDIA)",
+        )
+
+
+def strip_moriio_node_keys(kv: dict[str, Any]) -> dict[str, Any]:
+    """A MoRIIO kv-transfer-config without pdctl's proxy registration and loopback addresses."""
+    extra = {k: v for k, v in (kv.get("kv_connector_extra_config") or {}).items() if k not in MORIIO_NODE_LOCAL_KEYS}
+    # vLLM's MoRIIO config parser reads these keys unconditionally; an empty proxy_ip disables the
+    # registration ping, which is what a cluster (Ray's orchestrator, llm-d's sidecar) wants.
+    extra["proxy_ip"] = ""
+    extra["proxy_ping_port"] = "0"
+    return {**kv, "kv_connector_extra_config": extra}
+
+
+def write_files(out_dir: str | os.PathLike[str], files: dict[str, str]) -> list[Path]:
+    """Write every file atomically (temp file + rename), creating folders; returns the paths written."""
+    root = Path(out_dir)
+    written: list[Path] = []
+    try:
+        for rel, text in files.items():
+            path = root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    fh.write(text)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            written.append(path)
+    except OSError as exc:
+        raise ExportError(f"cannot write the export to {root}: {exc.strerror or exc}",
+                          fix="choose a writable --out directory") from None
+    return written
+
+
+def dns_label(text: str, limit: int = 40) -> str:
+    """A Kubernetes/Ray-safe name from free text: lower case, [a-z0-9-], starts and ends alphanumeric."""
+    label = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-")
+    return label or "model"
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """A safe dumper that writes repeated objects out in full: no &anchors for people to puzzle over."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def to_yaml(data: Any) -> str:
+    """Block-style YAML in the order the data was built."""
+    return yaml.dump(data, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False)
+
+
+def to_yaml_all(documents: list[Any]) -> str:
+    """Several YAML documents separated by '---'."""
+    return yaml.dump_all(documents, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False)
