@@ -14,6 +14,7 @@ from appliance.errors import PdctlError
 # name -> "module:attribute"; modules are imported only when their command runs,
 # so `pdctl plan` does not pay for aiohttp, matplotlib or the vendor GPU libraries.
 COMMANDS: dict[str, str] = {
+    "export": "appliance.cli.export:export",
     "inventory": "appliance.cli.inventory:inventory",
     "bench": "appliance.cli.bench:bench",
     "plan": "appliance.cli.plan:plan",
