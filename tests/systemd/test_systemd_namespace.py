@@ -1,0 +1,97 @@
+"""A real systemd, booted as PID 1 of a private namespace, runs the rendered units with the simulated
+engine: pd.target comes up, `systemctl restart pd-decode` leaves the proxy alone, kill -9 is restarted,
+and `pdctl up/status/restart/logs/down` drive it through `nsenter`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance.cli.lifecycle import prepare_state, render_options
+from appliance.inventory import load_inventory
+from appliance.manager.base import write_atomic
+from appliance.plan import plan as make_plan
+from appliance.render import render_systemd
+from appliance.render.systemd import exec_line
+from appliance.settings import load_settings
+from tests.manager.deploy import pdctl, status, try_complete, wait_until, write_config
+from tests.systemd.nsboot import NamespacedSystemd, why_not
+
+pytestmark = [pytest.mark.systemd, pytest.mark.skipif(why_not() is not None, reason=why_not() or "")]
+
+# Arguments that break naive quoting: spaces, both quotes, %, $, backslashes, a lone ;, an empty one.
+AWKWARD = ["/models/my model", "it's", 'say "hi"', "100%", "$HOME", "${X}", "back\\slash", ";", "", "%n%i"]
+
+
+@pytest.fixture
+def booted(tmp_path: Path):
+    units = tmp_path / "units"
+    units.mkdir()
+    state = tmp_path / "state dir %$"
+    config = write_config(tmp_path, state, manager="systemd")
+    settings = load_settings(config)
+    p = make_plan(settings, load_inventory("sim:cpu"))
+    rendered = render_systemd(p, render_options(settings))
+    for f in rendered.units:
+        write_atomic(units / f.name, f.text, f.mode)
+    prepare_state(p)
+    (state / "manager").write_text("systemd\n")
+    echo = [sys.executable, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))", *AWKWARD]
+    (units / "argv-echo.service").write_text(
+        f"[Unit]\nDefaultDependencies=no\n[Service]\nType=oneshot\nExecStart={exec_line(echo)}\n"
+    )
+    ns = NamespacedSystemd(units, tmp_path / "systemd.log")
+    try:
+        yield ns, config, p
+    finally:
+        ns.close()
+
+
+def test_pd_target_restart_decode_kill_and_cli(booted) -> None:
+    ns, config, p = booted
+    env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
+    doc = wait_until(lambda: (d := status(config, env))["_rc"] == 0 and d, timeout=120, what="pd.target healthy")
+    assert doc["manager"] == "systemd" and ns.show("pd.target", "ActiveState") == "active"
+    assert [i["detail"] for i in doc["instances"]] == ["active/running", "active/running"]
+
+    # Every awkward argument reaches the process verbatim.
+    ns.run("systemctl", "start", "argv-echo.service")
+    out = ns.run("journalctl", "-u", "argv-echo.service", "-o", "cat", "--no-pager").stdout
+    assert json.loads(out.strip().splitlines()[-1]) == AWKWARD
+
+    # systemctl restart pd-decode restarts only decode; the proxy's PID does not change.
+    proxy_pid, decode_pid = ns.show("pd-proxy.service", "MainPID"), ns.show("pd-decode-0.service", "MainPID")
+    prefill_pid = ns.show("pd-prefill-0.service", "MainPID")
+    ns.run("systemctl", "restart", "pd-decode")
+    assert ns.show("pd-decode-0.service", "ActiveState") == "active"  # ExecStartPost waited for /health
+    new_decode = ns.show("pd-decode-0.service", "MainPID")
+    assert new_decode != decode_pid
+    assert ns.show("pd-proxy.service", "MainPID") == proxy_pid
+    assert ns.show("pd-prefill-0.service", "MainPID") == prefill_pid
+    assert wait_until(lambda: try_complete(p.proxy.url), what="a completion after restarting decode")
+
+    # kill -9 of an engine: systemd restarts it (Restart=on-failure).
+    ns.run("kill", "-9", new_decode)
+    wait_until(lambda: ns.show("pd-decode-0.service", "NRestarts") == "1"
+               and ns.show("pd-decode-0.service", "ActiveState") == "active", timeout=90,
+               what="systemd to restart the killed decode")
+    assert ns.show("pd-proxy.service", "MainPID") == proxy_pid
+    doc = wait_until(lambda: (d := status(config, env))["_rc"] == 0 and d, what="healthy after kill -9")
+    assert doc["instances"][1]["restarts"] == 1
+
+    # pdctl against the same systemd: up is a no-op, restart of one instance, logs from journald, down.
+    up = pdctl(config, "up", "--json", env=env)
+    assert up.returncode == 0, up.stderr
+    assert json.loads(up.stdout)["started_or_restarted"] == []
+    restart = pdctl(config, "restart", "decode-0", "--json", env=env)
+    assert restart.returncode == 0, restart.stderr
+    assert ns.show("pd-proxy.service", "MainPID") == proxy_pid
+    logs = pdctl(config, "logs", "decode", "-n", "20", env=env)
+    assert logs.returncode == 0 and "pd-decode-0" in logs.stdout
+    down = pdctl(config, "down", env=env)
+    assert down.returncode == 0, down.stderr
+    assert ns.show("pd.target", "ActiveState") == "inactive"
+    assert status(config, env)["_rc"] == 3
