@@ -25,7 +25,7 @@ from appliance.render.common import (
     template,
 )
 
-_PLAIN = re.compile(r"[A-Za-z0-9_@+=:,./-]+")
+_PLAIN = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
 _C_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 

@@ -1,0 +1,147 @@
+"""The renderers: unit/program names and contents for 1P1D, xPyD and colocated plans; secrets kept out
+of unit text; systemd-analyze verify with an empty stderr; supervisor's own parser reads back every
+argument and environment value."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from supervisor.options import ServerOptions
+
+from appliance.errors import PdctlError
+from appliance.inventory import load_inventory
+from appliance.plan import Plan, plan
+from appliance.render import RenderOptions, render_supervisor, render_systemd
+from appliance.render.supervisor import environment_value, socket_path
+from appliance.render.systemd import exec_word
+from appliance.settings import load_settings
+
+AWKWARD_MODEL = "/models/my \"odd\" 100% $HOME model's \\ dir"
+OPTS = RenderOptions(python=sys.executable, health_timeout_s=900)
+
+
+def make(overrides: dict[str, Any], inventory: str = "sim:mi300x-8") -> Plan:
+    settings = load_settings(None, {"state_dir": "/var/lib/pdctl", **overrides})
+    return plan(settings, load_inventory(inventory))
+
+
+def units_of(p: Plan) -> dict[str, str]:
+    return {f.name: f.text for f in render_systemd(p, OPTS).units}
+
+
+def lines(text: str, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in text.splitlines() if line.startswith(key + "=")]
+
+
+def test_unit_names_for_1p1d_xpyd_and_colocated() -> None:
+    assert sorted(units_of(make({}))) == sorted([
+        "pd.target", "pd-prefill.service", "pd-prefill-0.service", "pd-decode.service", "pd-decode-0.service",
+        "pd-proxy.service"])
+    xpyd = units_of(make({"prefill": {"instances": 2, "tp": 2}, "decode": {"instances": 2, "tp": 2}}))
+    assert lines(xpyd["pd-decode.service"], "Wants") == ["pd-decode-0.service pd-decode-1.service"]
+    assert lines(xpyd["pd-decode.service"], "After") == ["pd-decode-0.service pd-decode-1.service"]
+    assert lines(xpyd["pd-decode-1.service"], "PartOf") == ["pd-decode.service"]
+    colocated = units_of(make({"connector": {"name": "none"}, "engine": {"kind": "sim"}}, "sim:cpu"))
+    assert "pd-colocated-0.service" in colocated
+    assert lines(colocated["pd.target"], "Wants") == ["pd-colocated.service pd-proxy.service"]
+
+
+def test_engine_unit_pins_gpus_limits_restart_and_readiness() -> None:
+    unit = units_of(make({}))["pd-decode-0.service"]
+    assert 'Environment="CUDA_VISIBLE_DEVICES=4,5,6,7"' in unit and 'Environment="HIP_VISIBLE_DEVICES=4,5,6,7"' in unit
+    for setting in ("LimitMEMLOCK=infinity", "LimitNOFILE=1048576", "Restart=on-failure", "KillMode=control-group",
+                    "TimeoutStartSec=960s", "Type=exec"):
+        assert setting in unit.splitlines()
+    (ready,) = lines(unit, "ExecStartPost")
+    assert shlex.split(ready)[3:] == ["wait-healthy", "http://127.0.0.1:40005/health", "--timeout", "900"]
+
+
+def test_proxy_unit_never_requires_or_binds_the_engines() -> None:
+    unit = units_of(make({}))["pd-proxy.service"]
+    for key in ("Requires", "BindsTo", "Requisite"):
+        assert not lines(unit, key)
+    assert "pd-decode.service" in lines(unit, "Wants")[0] and "pd-decode.service" in lines(unit, "After")[0]
+    assert "PartOf=pd.target" in unit
+
+
+def test_secrets_go_to_a_0600_environment_file_never_the_unit() -> None:
+    p = make({"engine": {"env": {"HF_TOKEN": "hf_s3cret", "VLLM_LOGGING_LEVEL": "INFO"}}})
+    rendered = render_systemd(p, OPTS)
+    assert all("hf_s3cret" not in f.text for f in rendered.units)
+    env_files = {f.name: f for f in rendered.private}
+    assert set(env_files) == {"env/pd-prefill-0.env", "env/pd-decode-0.env"}
+    assert all(f.mode == 0o600 and "HF_TOKEN='hf_s3cret'" in f.text for f in env_files.values())
+    unit = {f.name: f.text for f in rendered.units}["pd-prefill-0.service"]
+    assert "EnvironmentFile=-/var/lib/pdctl/env/pd-prefill-0.env" in unit
+    assert 'Environment="VLLM_LOGGING_LEVEL=INFO"' in unit
+
+
+@pytest.mark.parametrize(("arg", "word"), [
+    ("plain", "plain"), ("100%", "100%%"), ("$HOME", '"$$HOME"'), ("a b", '"a b"'), ('q"x', '"q\\"x"'),
+    ("back\\slash", '"back\\\\slash"'), (";", "\\;"), ("", '""'), ("it's", '"it\'s"'),
+])
+def test_exec_words(arg: str, word: str) -> None:
+    assert exec_word(arg) == word
+
+
+def test_relative_engine_python_is_a_clear_error() -> None:
+    with pytest.raises(PdctlError, match="absolute path"):
+        render_systemd(make({"engine": {"python": "python3"}}), OPTS)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"model": {"path": AWKWARD_MODEL, "served_name": "odd"}, "state_dir": "/var/lib/pd ctl %$ 'q'",
+     "engine": {"env": {"WEIRD": 'a "b" %c $d', "API_KEY": "k"}}},
+    {"prefill": {"instances": 2, "tp": 2}, "decode": {"instances": 2, "tp": 2}},
+    {"connector": {"name": "none"}},
+], ids=["1p1d", "awkward-paths", "xpyd", "colocated"])
+def test_systemd_analyze_verify_has_empty_stderr(tmp_path: Path, overrides: dict[str, Any]) -> None:
+    inventory = "sim:mi300x-8" if overrides.get("connector", {}).get("name") != "none" else "sim:cpu"
+    if inventory == "sim:cpu":
+        overrides = {**overrides, "engine": {"kind": "sim"}}
+    for f in render_systemd(make(overrides, inventory), OPTS).units:
+        (tmp_path / f.name).write_text(f.text)
+    done = subprocess.run(["systemd-analyze", "verify", *sorted(str(p) for p in tmp_path.iterdir())],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_supervisord_reads_back_every_argument_and_variable(tmp_path: Path) -> None:
+    state = str(tmp_path / "state 100% 'q'")
+    p = make({"model": {"path": AWKWARD_MODEL}, "state_dir": state,
+              "engine": {"env": {"WEIRD": 'a "b" %c $d,e', "API_KEY": "k'ey"}}})
+    (conf,) = render_supervisor(p, OPTS)
+    assert conf.mode == 0o600
+    (Path(state) / "supervisor" / "logs").mkdir(parents=True)  # supervisord checks that log dirs exist
+    path = tmp_path / "supervisord.conf"
+    path.write_text(conf.text)
+    options = ServerOptions()
+    options.configfile = str(path)
+    options.process_config(do_usage=False)
+    (group,) = options.process_group_configs
+    assert group.name == "pd"
+    programs = {c.name: c for c in group.process_configs}
+    assert list(programs) == ["pd-prefill-0", "pd-decode-0", "pd-proxy"]
+    for inst in p.instances:
+        cfg = programs[f"pd-{inst.name}"]
+        assert shlex.split(cfg.command) == inst.argv
+        assert cfg.environment == inst.env
+        assert cfg.stopasgroup and cfg.killasgroup
+        assert cfg.stdout_logfile == f"{state}/supervisor/logs/pd-{inst.name}.log"
+    assert shlex.split(programs["pd-proxy"].command)[-1] == f"{state}/proxy.json"
+    assert str(socket_path(state)) in conf.text
+
+
+def test_supervisor_rejects_values_it_cannot_carry() -> None:
+    with pytest.raises(PdctlError, match="both quote kinds"):
+        environment_value({"X": "a'b\"c"})
+    with pytest.raises(PdctlError, match="starts or ends with a quote"):
+        environment_value({"X": "'quoted'"})
