@@ -1,0 +1,64 @@
+"""User mistakes around the lifecycle verbs: one line on stderr, a meaningful exit code, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _config(tmp_path: Path, proxy_port: int) -> Path:
+    path = tmp_path / "pdctl.toml"
+    path.write_text(f'state_dir = "{tmp_path / "state"}"\nmanager = "supervisor"\n[engine]\nkind = "sim"\n'
+                    f"[prefill]\nhttp_port = {_free_port()}\n[decode]\nhttp_port = {_free_port()}\n"
+                    f"[proxy]\nport = {proxy_port}\nadmin_port = {_free_port()}\n")
+    return path
+
+
+def _pdctl(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PDCTL_INVENTORY="sim:cpu")
+    return subprocess.run([sys.executable, "-m", "appliance", "--config", str(config), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_busy_port_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        config = _config(tmp_path, holder.getsockname()[1])
+        done = _pdctl(config, "up")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "already in use" in done.stderr and "proxy.port" in done.stderr
+    assert not (tmp_path / "state" / "supervisor").exists()
+
+
+def test_status_and_restart_when_nothing_is_deployed(tmp_path: Path) -> None:
+    config = _config(tmp_path, _free_port())
+    done = _pdctl(config, "status", "--json")
+    assert done.returncode == 3 and json.loads(done.stdout)["state"] == "down"
+    done = _pdctl(config, "restart", "decode")
+    assert done.returncode == 3 and "nothing is deployed" in done.stderr and "Traceback" not in done.stderr
+    done = _pdctl(config, "down")
+    assert done.returncode == 0 and "nothing to stop" in done.stdout
+
+
+def test_unknown_restart_target_names_the_known_ones(tmp_path: Path) -> None:
+    config = _config(tmp_path, _free_port())
+    state = tmp_path / "state"
+    state.mkdir()
+    plan = subprocess.run([sys.executable, "-m", "appliance", "--config", str(config), "plan", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"))
+    (state / "plan.json").write_text(plan.stdout)
+    done = _pdctl(config, "restart", "decode-7")
+    assert done.returncode == 2 and "no instance 'decode-7'" in done.stderr and "decode-0" in done.stderr
