@@ -6,6 +6,7 @@ builder should produce the same, so the tests can switch to it without changing 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -157,19 +158,13 @@ def wait_ready(servers: list[VllmProcess], timeout_s: float = READY_TIMEOUT_S) -
 def stop_vllm(server: VllmProcess, grace_s: float = 30.0) -> None:
     """SIGTERM the server's process group, then SIGKILL what is left after grace_s."""
     if server.proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(server.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             server.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
     # The engine core may outlive the API server; the group holds both.
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(server.proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     server.proc.wait(timeout=10)
 
 
