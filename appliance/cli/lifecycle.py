@@ -281,10 +281,11 @@ def _summary(plan: Plan, manager: ServiceManager, snap: Snapshot, changed: list[
 @click.option("--manager", type=MANAGER_CHOICE, help="Service manager [default: the manager setting, auto].")
 @click.option("--timeout", "timeout_s", type=float, help="Seconds to wait for health [default: engine.health_timeout_s].")
 @click.option("--no-wait", is_flag=True, help="Start and return without waiting for health.")
+@click.option("--render-only", is_flag=True, help="Write the plan, units/supervisor config; start nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.pass_context
-def up(ctx: click.Context, manager: str | None, timeout_s: float | None, no_wait: bool, as_json: bool,
-       **options: Any) -> None:
+def up(ctx: click.Context, manager: str | None, timeout_s: float | None, no_wait: bool, render_only: bool,
+       as_json: bool, **options: Any) -> None:
     """Plan, render, start, and wait until every instance is healthy and the proxy has every role.
 
     Idempotent: units already running with an unchanged definition are left alone, so a second `pdctl up`
@@ -295,6 +296,13 @@ def up(ctx: click.Context, manager: str | None, timeout_s: float | None, no_wait
     previous = installed_plan(plan.state_dir)
     mgr = choose_manager(plan, manager or settings.manager, settings.unit_dir, render_options(settings),
                          prefix=_prefix())
+    if render_only:
+        prepare_state(plan)
+        write_atomic(Path(plan.state_dir) / "manager", mgr.name + "\n")
+        changed = sorted(mgr.apply(previous))
+        where = settings.unit_dir if mgr.name == "systemd" else f"{plan.state_dir}/supervisor"
+        click.echo(json.dumps({"rendered": where, "changed": changed}) if as_json else f"rendered into {where}")
+        return
     before = mgr.status()
     mine = {inst.name for inst in plan.instances if before[instance_unit(inst)].state in ACTIVE}
     if before[PROXY_UNIT].state in ACTIVE:
