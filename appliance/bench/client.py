@@ -142,7 +142,7 @@ def _on_chunk(req: InFlight, data: dict[str, Any], now: float) -> None:
     else:
         tokens = 1 if choice.get("text") else 0
     if tokens > 0:
-        req.chunk_times_s.append(now - req.sent_at)
+        req.chunk_times_s.append(round(now - req.sent_at, 6))  # 1 us: ample, and halves the file
         req.chunk_tokens.append(tokens)
 
 

@@ -33,19 +33,22 @@ def plot_attainment(result: BenchResult, path: Path) -> Path:
     plt = _pyplot()
     slo = result.slo
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
-    for shape in result.shapes:
+    top = max((r.rate for s in result.shapes for r in s.rates), default=0.0)
+    for n, shape in enumerate(result.shapes):
         rates = [r for r in shape.rates if r.summary.attainment is not None]
         if not rates:
             continue
         xs = [r.rate for r in rates]
         ys = [100 * (r.summary.attainment or 0.0) for r in rates]
         good = shape.goodput.get(slo.itl_judgement)
-        label = (
-            f"{shape.name} (goodput {good:g} req/s)"
-            if good is not None
-            else f"{shape.name} (goodput < {xs[0]:g})"
-        )
-        (line,) = ax.plot(xs, ys, marker="o", markersize=4, label=label)
+        if good is None:
+            label = f"{shape.name} (goodput < {xs[0]:g})"
+        else:
+            # At the top of the sweep the goodput is only a lower bound.
+            label = f"{shape.name} (goodput {'>= ' if good >= top else ''}{good:g} req/s)"
+        # Distinct markers and dashes: shapes with identical attainment would otherwise hide each other.
+        style = ("-", "--", "-.", ":")[n % 4]
+        (line,) = ax.plot(xs, ys, marker="osD^v"[n % 5], markersize=5, linestyle=style, label=label)
         partial = [(r.rate, 100 * (r.summary.attainment or 0.0)) for r in rates if r.partial]
         if partial:
             ax.scatter(*zip(*partial, strict=True), facecolors="none", edgecolors=line.get_color(), s=60)

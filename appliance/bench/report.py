@@ -71,6 +71,7 @@ def goodput_table(result: BenchResult) -> Table:
     for j in JUDGEMENTS:
         table.add_column(f"ITL {j}" + (" (run)" if j == result.slo.itl_judgement else ""), justify="right")
     base = next((s for s in result.shapes if s.name == "colocated-2" and s.rates), None)
+    top = max((r.rate for s in result.shapes for r in s.rates), default=0.0)
     for shape in result.shapes:
         if shape.skipped or not shape.rates:
             continue
@@ -78,10 +79,12 @@ def goodput_table(result: BenchResult) -> Table:
         for j in JUDGEMENTS:
             good = shape.goodput.get(j)
             lowest = min(r.rate for r in shape.rates)
-            text = f"{good:g}" if good is not None else f"< {lowest:g}"
+            # At the top of the sweep the goodput is only a lower bound (">="); below the lowest rate, "<".
+            bound = ">= " if good is not None and good >= top else ""
+            text = f"{bound}{good:g}" if good is not None else f"< {lowest:g}"
             ref = base.goodput.get(j) if base is not None and base is not shape else None
-            if good is not None and ref:
-                text += f" ({good / ref:.1f}x)"
+            if good is not None and ref and ref < top:  # a capped baseline gives no meaningful ratio
+                text += f" ({bound}{good / ref:.1f}x)"
             cells.append(text)
         table.add_row(shape.name, *cells)
     if base is not None:

@@ -173,8 +173,9 @@ def write_result(result: BenchResult, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; a result is for sharing
         with os.fdopen(fd, "w") as fh:
-            fh.write(result.model_dump_json(indent=1))
+            fh.write(result.model_dump_json())  # compact: thousands of timings per rate
             fh.write("\n")
         os.replace(tmp, path)
     except BaseException:

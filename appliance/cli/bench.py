@@ -118,6 +118,12 @@ def _read_key(path: str | None) -> str | None:
 @click.option(
     "--inventory", "inventory_source", metavar="SOURCE", help="Inventory for --compare (sim:cpu, ...)."
 )
+@click.option(
+    "--from-json",
+    "from_json",
+    type=click.Path(dir_okay=False),
+    help="Measure nothing: print the tables and draw the figures of an earlier bench.json.",
+)
 @click.pass_context
 def bench(ctx: click.Context, **opts: Any) -> None:
     """Sweep request rates with Poisson arrivals and report SLO attainment, latencies and goodput."""
@@ -132,6 +138,9 @@ def bench(ctx: click.Context, **opts: Any) -> None:
     from appliance.bench.sweep import Stopper, SweepPlan
     from appliance.bench.workload import parse_rates, parse_token_range
 
+    if opts["from_json"]:
+        _replay(Path(opts["from_json"]), opts)
+        return
     if opts["url"] and opts["compare"]:
         raise PdctlError("--url and --compare both given", fix="--compare deploys its own shapes; drop --url")
     rates = parse_rates(opts["rates"])
@@ -204,7 +213,7 @@ def bench(ctx: click.Context, **opts: Any) -> None:
                 deployer = (
                     PdctlDeployer(
                         opts["inventory_source"] or root.get("inventory_source"),
-                        out_dir / "shapes",
+                        Path(settings.state_dir) / "bench",
                     )
                     if opts["deploy"] == "pdctl"
                     else ProcessDeployer(out_dir / "logs")
@@ -236,6 +245,26 @@ def bench(ctx: click.Context, **opts: Any) -> None:
     if result.interrupted:
         console.print("[yellow]interrupted[/]: the files hold every rate measured so far")
         raise SystemExit(130)  # like a shell for SIGINT; `python -m appliance` drops click return codes
+
+
+def _replay(path: Path, opts: dict[str, Any]) -> None:
+    """Tables and figures of a saved result (figures go next to it unless --out says elsewhere)."""
+    from rich.console import Console
+
+    from appliance.bench.report import print_report
+    from appliance.bench.results import read_result
+    from appliance.bench.runner import write_plots
+
+    result = read_result(path)
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console = Console(stderr=True, width=160)
+    print_report(result, console)
+    if opts["plots"]:
+        out_dir = Path(opts["out_dir"]) if opts["out_dir"] else path.parent
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for written in write_plots(result, out_dir, opts["plot_rate"]):
+            click.echo(str(written))
 
 
 def _loopback(host: str) -> str:

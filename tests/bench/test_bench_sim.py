@@ -7,12 +7,9 @@ numpy, independently of appliance.bench.analysis.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,51 +18,19 @@ from typing import Any
 import numpy as np
 import pytest
 
+from .procs import PNG_MAGIC, PY, env_for, free_port, pdctl, start, stop
+
 pytestmark = pytest.mark.timeout(300)
-PY = sys.executable
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # A slow prefill (60 ms for 300 tokens) on a colocated engine stalls every running decode: with a 30 ms ITL
 # target some requests miss and others meet it, so the attainment check is not trivially 0 or 1.
 SIM_TIME = ["--prefill-us-per-token", "200", "--decode-step-ms", "4", "--decode-step-ms-per-seq", "0.05"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(argv: list[str], ready: re.Pattern[str], log: Path) -> tuple[subprocess.Popen[str], re.Match[str]]:
-    """Start a process and wait (generously) for the line that says where it listens."""
-    with open(log, "w") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-    deadline = time.monotonic() + 60
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if m := ready.search(line):
-            return proc, m
-    proc.kill()
-    raise AssertionError(f"{argv[:4]} did not start: {log.read_text()[-2000:]}")
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One colocated sim engine behind the real proxy; yields the proxy's URL."""
     tmp = tmp_path_factory.mktemp("deploy")
-    engine, m = _start(
+    engine, m = start(
         [
             PY,
             "-m",
@@ -91,34 +56,19 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     }
     (tmp / "proxy.json").write_text(json.dumps(config))
     try:
-        proxy, pm = _start(
+        proxy, pm = start(
             [PY, "-m", "appliance.proxy", "--config", str(tmp / "proxy.json"), "--log-level", "WARNING"],
             re.compile(r"ready on ([\d.]+):(\d+)"),
             tmp / "proxy.log",
         )
     except BaseException:
-        _stop(engine)
+        stop(engine)
         raise
     try:
         yield f"http://{pm.group(1)}:{pm.group(2)}"
     finally:
-        _stop(proxy)
-        _stop(engine)
-
-
-def env_for(cwd: Path) -> dict[str, str]:
-    """The environment of a pdctl run: an empty settings file, so the host's /etc/pdctl never leaks in."""
-    (cwd / "pdctl.toml").touch()
-    return {**os.environ, "PDCTL_CONFIG": str(cwd / "pdctl.toml")}
-
-
-def pdctl(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [PY, "-m", "appliance", *args], cwd=cwd, capture_output=True, text=True, timeout=240, env=env_for(cwd)
-    )
-    if check:
-        assert done.returncode == 0, done.stdout + done.stderr
-    return done
+        stop(proxy)
+        stop(engine)
 
 
 def gaps_of(req: dict[str, Any]) -> np.ndarray:
