@@ -1,5 +1,7 @@
 """`python -m appliance` is `pdctl`."""
 
+import sys
+
 from appliance.cli.main import main
 
-main()
+sys.exit(main())

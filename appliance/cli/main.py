@@ -67,10 +67,12 @@ def cli(ctx: click.Context, config_path: str | None, inventory_source: str | Non
     ctx.obj = {"config_path": config_path, "inventory_source": inventory_source}
 
 
-def main(argv: list[str] | None = None) -> Any:
+def main(argv: list[str] | None = None) -> int:
     """Console-script entry: user mistakes become one readable line and a non-zero exit code."""
     try:
-        return cli.main(args=argv, prog_name="pdctl", standalone_mode=False)
+        result = cli.main(args=argv, prog_name="pdctl", standalone_mode=False)
+        # Without standalone mode click returns ctx.exit()'s code instead of exiting.
+        return result if isinstance(result, int) else 0
     except PdctlError as exc:
         click.echo(f"pdctl: error: {exc}", err=True)
         sys.exit(exc.exit_code)
