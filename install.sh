@@ -14,9 +14,8 @@ UNINSTALL=0
 ENGINE=1
 SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 BIN_DIR=/usr/local/bin
-NEED_MIB=2048          # pdctl alone; an engine needs far more (checked again below)
-ENGINE_BIN_DIR=/usr/local/bin
-NEED_MIB=20480
+NEED_MIB=2048          # pdctl alone
+ENGINE_NEED_MIB=20480  # with an engine (vLLM's CPU build alone is ~4 GB installed, plus caches)
 
 die() { echo "install.sh: error: $*" >&2; exit 1; }
 say() { echo "install.sh: $*"; }
