@@ -351,6 +351,11 @@ def test_moriio_write_client_disconnect_aborts_both_legs(moriio_write: Cluster) 
         await wait_until(lambda: _aborted_is(p, before_p + 1), what="prefill saw the abort")
         await wait_until(lambda: _aborted_is(d, before_d + 1), what="decode saw the abort")
         await all_drained(p, d)
+        async with aiohttp.ClientSession() as s, s.get(moriio_write.proxy.url + "/metrics") as r:
+            text = await r.text()
+        assert "pdctl_proxy_client_aborts_total 1.0" in text
+        _, state = await get_json(moriio_write.proxy.admin_url + "/admin/state")
+        assert all(i["in_flight"] == 0 for i in state["instances"])
 
     run(scenario())
 
