@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,10 +38,18 @@ def post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
+def _stop(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(config_path: str, workdir: str, model: str, kv_dir: str) -> int:
+    signal.signal(signal.SIGTERM, _stop)
     work = Path(workdir)
     bindir = Path(sys.executable).parent
-    env = {**os.environ, "RAY_TMPDIR": str(work / "ray"), "RAY_USAGE_STATS_ENABLED": "0"}
+    # Only loopback exists in the namespace: vLLM's get_ip() and gloo's hostname lookup would find no
+    # address (vLLM falls back to 0.0.0.0 and its workers never rendezvous), so name loopback explicitly.
+    env = {**os.environ, "RAY_TMPDIR": str(work / "ray"), "RAY_USAGE_STATS_ENABLED": "0",
+           "VLLM_HOST_IP": "127.0.0.1", "HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
     (work / "ray").mkdir(parents=True, exist_ok=True)
     config = yaml.safe_load(Path(config_path).read_text())
     port = config["http_options"]["port"]
@@ -84,7 +93,7 @@ def main(config_path: str, workdir: str, model: str, kv_dir: str) -> int:
         cached = ((out.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         result["ok"] = cached > 0 and result["kv_files"] > 0
         result["stage"] = "done"
-    except Exception as exc:
+    except (Exception, KeyboardInterrupt) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         if serve is not None and serve.poll() is None:

@@ -100,7 +100,7 @@ def test_validators_reject_what_the_targets_reject(exported: dict[str, Path], tm
     bad_serve = tmp_path / "bad-serve.yaml"
     bad_serve.write_text(yaml.safe_dump(serve))
     report = validate("ray-serve", str(bad_serve))
-    assert not report["ok"] and "import_pth" in report["error"]
+    assert not report["ok"] and "import_path" in report["error"]
 
     docs = list(yaml.safe_load_all((exported["h200-2p1d-nixl"] / "llm-d" / "modelserver.yaml").read_text()))
     docs[1]["spec"]["template"]["spec"]["containers"][0]["resource"] = {"limits": {"nvidia.com/gpu": "4"}}
