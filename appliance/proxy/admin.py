@@ -34,6 +34,7 @@ def state(proxy: Proxy) -> dict[str, Any]:
         "model": proxy.config.model,
         "ready": ready,
         "healthy": counts,
+        "hold_wait_s": proxy.hold_wait_s if proxy.hold_active() else 0.0,
         "instances": [inst.state() for inst in proxy.registry.instances.values()],
     }
 
@@ -122,6 +123,21 @@ async def post_undrain(request: web.Request) -> web.Response:
     return web.json_response({"instance": name, "draining": False})
 
 
+async def post_hold(request: web.Request) -> web.Response:
+    """Requests for a role with no routable instance wait up to wait_s (for expires_in_s); wait_s 0 ends it."""
+    proxy = request.app[_PROXY_KEY]
+    body = await _json(request)
+    values = {}
+    for key, default in (("wait_s", None), ("expires_in_s", 600.0)):
+        value = body.get(key, default) if isinstance(body, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            return _error(400, f"'{key}' must be a non-negative number, got {value!r}")
+        values[key] = float(value)
+    proxy.hold_wait_s = values["wait_s"]
+    proxy.hold_until = time.monotonic() + values["expires_in_s"] if values["wait_s"] > 0 else 0.0
+    return web.json_response({"hold_wait_s": proxy.hold_wait_s, "expires_in_s": values["expires_in_s"]})
+
+
 async def post_instances(request: web.Request) -> web.Response:
     proxy = request.app[_PROXY_KEY]
     try:
@@ -147,4 +163,5 @@ def build_app(proxy: Proxy) -> web.Application:
     app.router.add_post("/admin/drain", post_drain)
     app.router.add_post("/admin/undrain", post_undrain)
     app.router.add_post("/admin/instances", post_instances)
+    app.router.add_post("/admin/hold", post_hold)
     return app

@@ -42,6 +42,10 @@ class Proxy:
         self.api_port = config.port
         self.admin_port = config.admin.port
         self.started_at = time.time()
+        # While pdctl re-carves the node a role can briefly have no routable instance: requests then wait
+        # (bounded) for one instead of failing. Set through the admin API (/admin/hold), off by default.
+        self.hold_wait_s = 0.0
+        self.hold_until = 0.0
         self.registry.set_static(config.backends)
 
     # lifecycle
@@ -99,6 +103,21 @@ class Proxy:
         needed = ("prefill", "decode") if self.adapter.disaggregated else ("both",)
         return all(counts[r] > 0 for r in needed), counts
 
+    def hold_active(self) -> bool:
+        """True while an admin hold is in force (it lapses by itself, so a crashed pdctl cannot leave it on)."""
+        return self.hold_wait_s > 0 and time.monotonic() < self.hold_until
+
+    def _missing_roles(self) -> bool:
+        needed = ("prefill", "decode") if self.adapter.disaggregated else ("both",)
+        routable = self.router.routable
+        return not all(any(routable(i) for i in self.registry.by_role[role]) for role in needed)
+
+    async def _wait_for_instances(self) -> None:
+        """During a hold: wait until every needed role has a routable instance, or the hold's wait runs out."""
+        deadline = time.monotonic() + self.hold_wait_s
+        while self._missing_roles() and time.monotonic() < deadline and self.hold_active():
+            await asyncio.sleep(0.05)
+
     # handlers
     def _unauthorized(self, request: web.Request) -> web.Response | None:
         if self.api_key is None:
@@ -146,6 +165,8 @@ class Proxy:
                 status = str(problem.status)
                 return problem
             assert body is not None
+            if self.hold_active():
+                await self._wait_for_instances()
             response = await handle_completion(self, request, path, body)
             status = request.get(OUTCOME, str(response.status))
             return response

@@ -81,3 +81,8 @@ class AdminClient:
         """Replace the static backend set (list of Backend dicts); returns the new state."""
         result: dict[str, Any] = self._call("POST", "/admin/instances", backends)
         return result
+
+    def hold(self, wait_s: float, expires_in_s: float = 600.0) -> dict[str, Any]:
+        """Let requests wait up to wait_s for a role that has no routable instance (0 ends the hold)."""
+        result: dict[str, Any] = self._call("POST", "/admin/hold", {"wait_s": wait_s, "expires_in_s": expires_in_s})
+        return result
