@@ -1,0 +1,99 @@
+"""How engine failures reach the client: a 5xx from an engine is the proxy's bad gateway (502/504), never a
+500, which clients read as "the proxy itself broke". Real sockets: in-process simulated engines and proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from appliance.engine.sim import SimConfig, SimServer
+from appliance.proxy.app import Proxy
+from appliance.proxy.config import ProxyConfig
+
+
+@contextlib.asynccontextmanager
+async def write_pair(**decode: Any) -> AsyncIterator[tuple[SimServer, SimServer]]:
+    common = {"port": 0, "connector": "moriio", "mode": "write", "handshake_port": 0, "notify_port": 0}
+    prefill = SimServer(SimConfig(role="prefill", instance_name="prefill-0", **common))
+    dec = SimServer(SimConfig(role="decode", instance_name="decode-0", **common, **decode))
+    await prefill.start()
+    await dec.start()
+    try:
+        yield prefill, dec
+    finally:
+        await dec.stop()
+        await prefill.stop()
+
+
+def _config(prefill: SimServer, decode: SimServer, **timeouts: float) -> ProxyConfig:
+    return ProxyConfig.model_validate({
+        "port": 0, "connector": "moriio", "mode": "write", "model": "sim-model", "admin": {"port": 0},
+        "registration": {"enabled": False}, "timeouts": timeouts,
+        "health": {"probe_interval_s": 0.2},
+        "backends": [
+            {"name": "prefill-0", "role": "prefill", "url": prefill.url,
+             "kv": {"zmq_address": prefill.connector.zmq_address}},  # type: ignore[attr-defined]
+            {"name": "decode-0", "role": "decode", "url": decode.url,
+             "kv": {"zmq_address": decode.connector.zmq_address}},  # type: ignore[attr-defined]
+        ],
+    })
+
+
+async def _ready(proxy: Proxy) -> None:
+    for _ in range(500):
+        if proxy.ready()[0]:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("proxy never became ready")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "legs.run_decode passes a decode engine's 5xx answer to the client unchanged (status 500); the prefill "
+    "leg maps engine 5xx to 502. Fix: in run_decode, when head.status >= 500 raise LegFailure(502, ...) "
+    "(or 504 when a supervising prefill task timed out) instead of returning web.Response(status=head.status)"))
+def test_write_mode_hung_prefill_is_a_gateway_error_not_500() -> None:
+    async def scenario() -> tuple[int, Any]:
+        async with write_pair(kv_wait_timeout_s=0.5) as (prefill, decode):
+            prefill.cfg.faults.hang_prefill = True
+            proxy = Proxy(_config(prefill, decode, prefill_s=5.0, first_token_s=5.0))
+            await proxy.start()
+            try:
+                await _ready(proxy)
+                async with aiohttp.ClientSession() as session, session.post(
+                    f"http://127.0.0.1:{proxy.api_port}/v1/completions",
+                    json={"model": "sim-model", "prompt": "hello " * 20, "max_tokens": 4},
+                ) as resp:
+                    return resp.status, json.loads(await resp.read())
+            finally:
+                await proxy.stop()
+
+    status, body = asyncio.run(scenario())
+    assert "error" in body  # what happens today: the decode's own 500 body, passed through
+    assert status in (502, 504), (status, body)
+
+
+def test_prefill_engine_500_becomes_502() -> None:
+    async def scenario() -> tuple[int, Any]:
+        async with write_pair() as (prefill, decode):
+            prefill.cfg.faults.prefill_fail = True
+            decode.cfg.kv_wait_timeout_s = 10.0
+            proxy = Proxy(_config(prefill, decode, prefill_s=5.0, first_token_s=5.0))
+            await proxy.start()
+            try:
+                await _ready(proxy)
+                async with aiohttp.ClientSession() as session, session.post(
+                    f"http://127.0.0.1:{proxy.api_port}/v1/completions",
+                    json={"model": "sim-model", "prompt": "hello " * 20, "max_tokens": 4, "stream": True},
+                ) as resp:
+                    return resp.status, json.loads(await resp.read())
+            finally:
+                await proxy.stop()
+
+    status, body = asyncio.run(scenario())
+    assert status == 502 and "prefill" in body["error"]["message"], (status, body)
