@@ -3,8 +3,9 @@ it over XML-RPC on the unix socket there.
 
 supervisord cannot set per-program limits, so pdctl raises RLIMIT_MEMLOCK (RDMA registration) and
 RLIMIT_NOFILE before supervisord starts; every program inherits them. Readiness is gated by the CLI on /health.
-Programs all sit in [group:pd]; supervisor applies a changed program only by re-adding its group, so a
-changed configuration restarts every program (systemd restarts only the changed units).
+Programs all sit in [group:pd]; supervisor itself applies a changed program only by re-adding its group, so
+pdctl loads an RPC extension (appliance.manager.supervisor_rpc) that swaps in just the changed programs:
+like systemd, only changed units stop. A supervisord without the extension gets the whole-group reload.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ _STATES: dict[str, State] = {
     "FATAL": "failed",
 }
 # supervisord faults (supervisor.xmlrpc.Faults) that mean "already there" for idempotent calls.
-_BAD_NAME, _NOT_RUNNING, _ALREADY_STARTED, _ALREADY_ADDED = 10, 70, 60, 90
+_UNKNOWN_METHOD, _BAD_NAME, _NOT_RUNNING, _ALREADY_STARTED, _ALREADY_ADDED = 1, 10, 70, 60, 90
 
 
 def _raise_limits(minfds: int) -> None:
@@ -132,19 +133,54 @@ class SupervisorManager(ServiceManager):
     def _group_present(self) -> bool:
         return any(info["group"] == GROUP for info in self._call("getAllProcessInfo"))
 
+    def _process_configs(self) -> dict[str, str]:
+        """Program name -> its [program:] section text in the configuration file on disk."""
+        try:
+            text = self.conf.read_text()
+        except FileNotFoundError:
+            return {}
+        sections: dict[str, str] = {}
+        for chunk in text.split("\n[")[1:]:
+            head, _, body = chunk.partition("]")
+            if head.startswith("program:"):
+                sections[head.removeprefix("program:")] = body
+        return sections
+
+    def _sync(self, previous: dict[str, str]) -> set[str]:
+        """Apply the written configuration program by program: changed programs stop and wait for start()."""
+        now = self._process_configs()
+        touched = {n for n in set(previous) | set(now) if previous.get(n) != now.get(n)}
+        self._call("reloadConfig")
+        if not self._group_present():
+            return touched
+        for unit in sorted(touched):
+            self._call("stopProcess", f"{GROUP}:{unit}", True, ok=(_NOT_RUNNING, _BAD_NAME))
+        try:
+            self._server_root().pdctl.syncGroup(GROUP, False)
+        except xmlrpc.client.Fault as fault:
+            if fault.faultCode != _UNKNOWN_METHOD:
+                raise PdctlError(f"supervisord refused pdctl.syncGroup: {fault.faultString}") from None
+            # A supervisord started before the extension existed: the whole group is re-added.
+            self._call("stopProcessGroup", GROUP, True)
+            self._call("removeProcessGroup", GROUP, ok=(_BAD_NAME,))
+            return set(self.units())
+        return touched
+
+    def _server_root(self) -> Any:
+        transport = SupervisorTransport(None, None, f"unix://{self.socket}")
+        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
+
     # ServiceManager
     def apply(self, previous: Plan | None) -> set[str]:
         (rendered,) = render_supervisor(self.plan, self.opts)
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
+        before = self._process_configs()
         if not write_atomic(self.conf, rendered.text, rendered.mode):
             return set()
-        if self.running():
-            self._call("reloadConfig")
-            if self._group_present():
-                self._call("stopProcessGroup", GROUP, True)
-                self._call("removeProcessGroup", GROUP, ok=(_BAD_NAME,))
-        return set(self.units())
+        if not self.running():
+            return set(self.units())
+        return self._sync(before) & set(self.units())
 
     def start(self, names: list[str]) -> None:
         if not self.running():
