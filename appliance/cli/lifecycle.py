@@ -291,7 +291,10 @@ def up(ctx: click.Context, manager: str | None, timeout_s: float | None, no_wait
     Idempotent: units already running with an unchanged definition are left alone, so a second `pdctl up`
     with nothing changed only reports health.
     """
-    settings, _, plan = obtain_plan(ctx, overrides_from(options))
+    from appliance.rebalance.layout import with_layout
+
+    # A layout `pdctl rebalance` recorded stays in force until `pdctl rebalance --reset`.
+    settings, _, plan = obtain_plan(ctx, with_layout(ctx, overrides_from(options)))
     console = Console(stderr=as_json)
     previous = installed_plan(plan.state_dir)
     mgr = choose_manager(plan, manager or settings.manager, settings.unit_dir, render_options(settings),

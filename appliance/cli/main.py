@@ -25,6 +25,10 @@ COMMANDS: dict[str, str] = {
     "wait-healthy": "appliance.cli.lifecycle:wait_healthy",
     "sim-engine": "appliance.cli.sim:sim_engine",
     "doctor": "appliance.cli.doctor:doctor",
+    "rebalance": "appliance.cli.rebalance:rebalance",
+    "mode": "appliance.cli.rebalance:mode",
+    "drain": "appliance.cli.rebalance:drain",
+    "undrain": "appliance.cli.rebalance:undrain",
 }
 
 

@@ -45,7 +45,9 @@ def render_plan(p: Plan, console: Console) -> None:
 @click.pass_context
 def plan(ctx: click.Context, as_json: bool, **options: Any) -> None:
     """Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."""
-    _, _, p = obtain_plan(ctx, overrides_from(options))
+    from appliance.rebalance.layout import with_layout
+
+    _, _, p = obtain_plan(ctx, with_layout(ctx, overrides_from(options)))
     if as_json:
         click.echo(p.model_dump_json(indent=2))
     else:

@@ -1,0 +1,290 @@
+"""`pdctl rebalance` (re-carve a running node), `pdctl mode` (switch the KV transfer mode), and
+`pdctl drain` / `pdctl undrain` (take one instance out of the proxy's rotation and back).
+
+Exit codes: 0 done (or nothing to do); 1 a step failed (rolled back, or left consistent for `pdctl up`);
+2 a user mistake or a change that needs --allow-downtime; 3 nothing deployed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from appliance.cli.common import obtain
+from appliance.cli.lifecycle import MANAGER_CHOICE, admin_url, deployed, http_answer
+from appliance.errors import PdctlError
+from appliance.plan import Instance, Plan, plan
+from appliance.proxy.client import AdminClient
+from appliance.rebalance.apply import Options, Rebalancer, busy_new_ports
+from appliance.rebalance.layout import merge, pinned, role_overrides, write_layout
+from appliance.rebalance.schedule import Schedule, schedule
+from appliance.settings import Settings
+
+
+def _admin(p: Plan) -> AdminClient:
+    return AdminClient(admin_url(p), token_file=p.proxy.admin_token_file, timeout=10)
+
+
+def _shape(inst: Instance | None) -> str:
+    if inst is None:
+        return "-"
+    return f"{_ranges(inst.gpus)} TP{inst.tp}" + (f"xDP{inst.dp}" if inst.dp > 1 else "") + f" :{inst.http_port}"
+
+
+def _ranges(gpus: list[int]) -> str:
+    """[0,1,2,3,6] -> GPU 0-3,6 (cpu when empty)."""
+    if not gpus:
+        return "cpu"
+    parts: list[str] = []
+    start = prev = gpus[0]
+    for g in [*gpus[1:], None]:
+        if g is not None and g == prev + 1:
+            prev = g
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if g is not None:
+            start = prev = g
+    return "GPU " + ",".join(parts)
+
+
+_ACTION = {"keep": "[green]keeps running[/green]", "restart": "[yellow]restarts[/yellow]",
+           "start": "[cyan]new[/cyan]", "stop": "[red]removed[/red]"}
+
+
+def render_preview(old: Plan, new: Plan, sched: Schedule, console: Console) -> None:
+    """The old and new plan side by side, what restarts, and the steps in order."""
+    before = {i.name: i for i in old.instances}
+    after = {i.name: i for i in new.instances}
+    table = Table(show_header=True, header_style="bold", title="rebalance")
+    for col in ("instance", "now", "after", ""):
+        table.add_column(col)
+    for name, action in sched.actions.items():
+        table.add_row(name, _shape(before.get(name)), _shape(after.get(name)), _ACTION[action])
+    console.print(table)
+    for n, step in enumerate(sched.steps, 1):
+        console.print(f"  {n}. {escape(step.describe())}")
+
+
+def _health(p: Plan) -> frozenset[str]:
+    return frozenset(i.name for i in p.instances if http_answer(i.url + "/health") != 200)
+
+
+def _options(settings: Settings, drain_timeout: float, hold_s: float, timeout_s: float | None) -> Options:
+    health = timeout_s if timeout_s is not None else settings.engine.health_timeout_s + 60
+    return Options(drain_timeout_s=drain_timeout, health_timeout_s=health, hold_s=hold_s)
+
+
+def _same_frame(old: Plan, new: Plan) -> None:
+    """A rebalance changes instances only: the proxy, connector, engine and mode stay as they are."""
+    for what, a, b, fix in (
+        ("connector", old.connector, new.connector, "run `pdctl up`"),
+        ("engine", old.engine, new.engine, "run `pdctl up`"),
+        ("mode", old.mode, new.mode, "use `pdctl mode`"),
+        ("proxy settings", old.proxy, new.proxy, "run `pdctl up` first (it restarts the proxy)"),
+        ("model", old.model, new.model, "run `pdctl up`"),
+    ):
+        if a != b:
+            raise PdctlError(f"the {what} changed since the node was deployed; rebalance changes only instances",
+                             fix=fix)
+
+
+def _gap_error(sched: Schedule, old: Plan) -> PdctlError:
+    gaps = [s for s in sched.steps if s.gap]
+    first = gaps[0]
+    inst = old.instance(first.names[0])
+    roles = " and ".join(dict.fromkeys(s.gap or "" for s in gaps))
+    return PdctlError(
+        f"this rebalance leaves no {roles} instance serving for a while: {inst.name} must stop before its "
+        f"replacement can start (they need the same GPUs or ports, and a GPU serves one instance at a time)",
+        fix="add --allow-downtime (new requests wait in the proxy, up to --hold seconds, until the replacement "
+            "is healthy), or first grow that role to two instances",
+    )
+
+
+common_options = [
+    click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation."),
+    click.option("--allow-downtime", is_flag=True,
+                 help="Allow steps that leave a role without a serving instance (the proxy holds requests)."),
+    click.option("--drain-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
+                 help="Seconds in-flight requests get to finish before an instance stops."),
+    click.option("--hold", "hold_s", type=click.FloatRange(min=0), default=120.0, show_default=True,
+                 help="Seconds a request may wait in the proxy while its role has no serving instance."),
+    click.option("--timeout", "timeout_s", type=float, help="Seconds a new instance may take to become healthy."),
+    click.option("--manager", type=MANAGER_CHOICE, help="Service manager [default: the one `pdctl up` used]."),
+]
+
+
+def _with(options: list[Any]) -> Any:
+    def wrap(func: Any) -> Any:
+        for option in reversed(options):
+            func = option(func)
+        return func
+    return wrap
+
+
+@click.command()
+@click.option("--prefill-gpus", type=click.IntRange(min=1), help="Prefill GPUs (one instance).")
+@click.option("--decode-gpus", type=click.IntRange(min=1), help="Decode GPUs (one instance).")
+@click.option("--prefill", "prefill_set", metavar="SET|SHAPE", help="Prefill GPUs (0,1 / 0-3) or shape (2xTP2).")
+@click.option("--decode", "decode_set", metavar="SET|SHAPE", help="Decode GPUs (2-7) or shape (1xTP4, 2xTP2@4-7).")
+@click.option("--reset", is_flag=True, help="Return to the layout in pdctl.toml (drop the recorded rebalance).")
+@click.option("--dry-run", is_flag=True, help="Show the plan change and the steps; change nothing.")
+@_with(common_options)
+@click.pass_context
+def rebalance(ctx: click.Context, reset: bool, dry_run: bool, yes: bool, allow_downtime: bool, drain_timeout: float,
+              hold_s: float, timeout_s: float | None, manager: str | None, **options: Any) -> None:
+    """Change the GPU split and instance shapes of the running node with the least disruption.
+
+    Unchanged instances keep running; changed ones are drained in the proxy, stopped, re-rendered, restarted
+    and re-admitted; the proxy learns the new instance set without a restart.
+    """
+    console = Console()
+    settings, old, _ = deployed(ctx, manager)
+    asked = role_overrides(options)
+    if not asked and not reset:
+        raise PdctlError("say what to change", fix="e.g. --prefill-gpus 2 --decode-gpus 6, --prefill 0,1 "
+                         "--decode 2-7, --prefill 2xTP2 --decode 1xTP4, or --reset")
+    if reset and asked:
+        raise PdctlError("--reset and a new shape both given", fix="use one of them")
+    overrides = {"connector": {"mode": old.mode}} if reset else merge(pinned(old), asked)
+    new_settings, inventory = obtain(ctx, overrides)
+    new = plan(new_settings, inventory)
+    _same_frame(old, new)
+    sched = schedule(old.instances, new.instances, _health(old))
+    render_preview(old, new, sched, console)
+    for warning in new.warnings:
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+    if sched.noop:
+        console.print("nothing to change: every instance keeps running")
+        if not dry_run:
+            write_layout(old.state_dir, None if reset else pinned(new))
+        return
+    if sched.gaps and not allow_downtime:
+        raise _gap_error(sched, old)
+    problems = busy_new_ports(old, new, sched)
+    if problems:
+        raise PdctlError(problems[0], fix="stop what holds it, or move the role's base port in pdctl.toml")
+    if dry_run:
+        return
+    if not yes:
+        click.confirm("apply this rebalance?", abort=True)
+    admin = _admin(old)
+    admin.state()  # the proxy must answer before anything stops
+    runner = Rebalancer(settings, old, new, admin, console.print, _options(settings, drain_timeout, hold_s, timeout_s),
+                        manager)
+    runner.run(sched.steps)
+    write_layout(old.state_dir, None if reset else pinned(new))
+    view = admin.state()
+    names = ", ".join(f"{i['name']}({i['role']})" for i in view.get("instances", []))
+    console.print(f"[green]rebalanced[/green]: {len(new.instances)} instance(s); proxy ready={view.get('ready')}; "
+                  f"backends {names}")
+
+
+@click.command()
+@click.argument("new_mode", required=False, type=click.Choice(["read", "write"]))
+@_with(common_options)
+@click.pass_context
+def mode(ctx: click.Context, new_mode: str | None, yes: bool, allow_downtime: bool, drain_timeout: float,
+         hold_s: float, timeout_s: float | None, manager: str | None) -> None:
+    """Show or switch the KV transfer mode (read: decode pulls; write: prefill pushes).
+
+    When the connector fixes the mode at engine start (MORI-IO), engines restart one at a time, drained first;
+    with a single instance of a role that cannot roll, requests wait in the proxy while it restarts.
+    """
+    console = Console()
+    settings, old, _ = deployed(ctx, manager)
+    admin = _admin(old)
+    if new_mode is None:
+        console.print(f"mode {admin.state().get('mode')} (plan: {old.mode}, connector {old.connector})")
+        return
+    new_settings, inventory = obtain(ctx, merge(pinned(old), {"connector": {"mode": new_mode}}))
+    new = plan(new_settings, inventory)  # the planner refuses a mode the connector lacks
+    current = admin.state().get("mode")
+    sched = schedule(old.instances, new.instances)
+    changed = [old.instance(n) for n, a in sched.actions.items() if a == "restart"]
+    if current == new_mode and old.mode == new_mode:
+        console.print(f"mode is already {new_mode}")
+        return
+    if not changed:
+        admin.set_mode(new_mode)
+        runner = Rebalancer(settings, old, new, admin, console.print, _options(settings, drain_timeout, hold_s,
+                                                                               timeout_s), manager)
+        runner.run([])
+        write_layout(old.state_dir, pinned(new))
+        console.print(f"[green]mode {new_mode}[/green] (no engine restart needed)")
+        return
+    roles = {i.role for i in old.instances}
+    rolling = all(len(old.role_instances(r)) >= 2 for r in roles)  # type: ignore[arg-type]
+    if rolling:
+        console.print(f"{old.connector} fixes the mode at engine start: restarting engines one at a time, "
+                      "switching the proxy when each role has one in the new mode")
+    else:
+        console.print(f"{old.connector} fixes the mode at engine start, and a role has a single instance, so the "
+                      f"engines cannot roll: the proxy switches first and holds new requests (up to {hold_s:g}s) "
+                      "while the engines restart; in-flight requests finish first")
+        if not allow_downtime:
+            raise PdctlError("switching the mode here pauses serving while the engines restart",
+                             fix="add --allow-downtime (requests wait in the proxy, none fail while the restart "
+                                 "takes less than --hold)")
+    if not yes:
+        click.confirm(f"switch to {new_mode}?", abort=True)
+    runner = Rebalancer(settings, old, new, admin, console.print, _options(settings, drain_timeout, hold_s, timeout_s),
+                        manager)
+    wanted = {i.name: i for i in new.instances}
+
+    def roll() -> None:
+        first = [i for r in sorted(roles) for i in old.role_instances(r)[:-1]]  # type: ignore[arg-type]
+        last = [i for r in sorted(roles) for i in old.role_instances(r)[-1:]]  # type: ignore[arg-type]
+        for inst in first:
+            runner.stop(inst, None)
+            runner.start([wanted[inst.name]], routable=False)
+        admin.set_mode(new_mode)
+        console.print(f"proxy switched to {new_mode}")
+        for inst in last:
+            runner.stop(inst, None)
+            runner.start([wanted[inst.name]])
+
+    def all_at_once() -> None:
+        runner._hold(True)
+        admin.set_mode(new_mode)
+        console.print(f"proxy switched to {new_mode}; holding new requests")
+        for inst in changed:
+            runner.stop(inst, inst.role)
+        runner.start([wanted[i.name] for i in changed])
+
+    runner.run([], body=roll if rolling else all_at_once, restore=lambda: admin.set_mode(old.mode))
+    write_layout(old.state_dir, pinned(new))
+    console.print(f"[green]mode {new_mode}[/green]: restarted {', '.join(i.name for i in changed)}")
+
+
+@click.command()
+@click.argument("instance")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="Seconds to wait for in-flight requests.")
+@click.pass_context
+def drain(ctx: click.Context, instance: str, timeout_s: float) -> None:
+    """Stop sending new requests to INSTANCE and wait for its in-flight ones (it keeps running)."""
+    _, p, _ = deployed(ctx, None)
+    p.instance(instance)
+    answer = _admin(p).drain(instance, timeout_s)
+    left = answer.get("in_flight", 0)
+    click.echo(f"{instance} drained" if answer.get("drained") else f"{instance}: {left} request(s) still running "
+               f"after {timeout_s:g}s; it takes no new ones")
+
+
+@click.command()
+@click.argument("instance")
+@click.pass_context
+def undrain(ctx: click.Context, instance: str) -> None:
+    """Let INSTANCE take new requests again."""
+    _, p, _ = deployed(ctx, None)
+    p.instance(instance)
+    _admin(p).undrain(instance)
+    click.echo(f"{instance} takes requests again")
+
+
+__all__ = ["drain", "mode", "rebalance", "undrain"]
