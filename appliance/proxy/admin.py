@@ -53,9 +53,10 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
 async def _json(request: web.Request) -> Any:
     try:
         return json.loads(await request.read())
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise web.HTTPBadRequest(
-            text=json.dumps({"error": f"body is not valid JSON: {exc}"}), content_type="application/json"
+            text=json.dumps({"error": f"body is not valid JSON: {reason}"}), content_type="application/json"
         ) from None
 
 

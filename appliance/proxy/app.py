@@ -22,6 +22,7 @@ from appliance.proxy.routing import HealthChecker, Router
 log = logging.getLogger("appliance.proxy")
 
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "min_tokens")
+_FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 
 
 class Proxy:
@@ -188,12 +189,21 @@ class Proxy:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return None, error_response(413, f"request body is larger than {self.config.client_max_size} bytes")
+        for name in _FORWARDED_HEADERS:
+            value = request.headers.get(name)
+            # forwarded to the engines as latin-1 HTTP: only printable ASCII can cross safely
+            if value is not None and (not value.isascii() or not value.isprintable() or len(value) > 1024):
+                return None, error_response(400, f"header {name} must be printable ASCII of at most 1024 characters")
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return None, error_response(400, f"request body is not valid JSON: {exc}")
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            return None, error_response(400, f"request body is not valid JSON: {reason}")
         if not isinstance(body, dict):
             return None, error_response(400, "request body must be a JSON object")
+        if "kv_transfer_params" in body:
+            # the connector's parameters steer where engines read or write KV: only the proxy sets them
+            return None, error_response(400, "'kv_transfer_params' is set by the proxy; clients may not send it")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             return None, error_response(400, "'model' must be a string")

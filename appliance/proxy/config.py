@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
+import stat
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from appliance.errors import ConfigError
+
+log = logging.getLogger("appliance.proxy")
 
 Role = Literal["prefill", "decode", "both"]
 Mode = Literal["read", "write"]
@@ -21,6 +26,16 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class RegistrationConfig(_Model):
     """The MORI-IO registration listener (a ZMQ ROUTER the engines ping from a DEALER)."""
 
@@ -30,6 +45,7 @@ class RegistrationConfig(_Model):
     allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1"])
     ping_interval_s: float = Field(default=5.0, gt=0)
     expire_after_missed: int = Field(default=3, ge=1)
+    max_instances: int = Field(default=256, ge=1)  # registered instances; more is a runaway or an attack
 
 
 class AdminConfig(_Model):
@@ -94,6 +110,14 @@ class ProxyConfig(_Model):
     client_max_size: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_tokens_limit: int = Field(default=1_000_000, ge=1)
 
+    @model_validator(mode="after")
+    def _admin_exposed_needs_token(self) -> ProxyConfig:
+        # the admin API can switch modes and replace every backend: off loopback it must be authenticated
+        if not is_loopback(self.admin.host) and self.admin.token_file is None:
+            raise ValueError(f"the admin API listens on {self.admin.host}, off loopback, without admin.token_file; "
+                             "set a token file (mode 0600) or bind it to 127.0.0.1")
+        return self
+
 
 def load_config(path: str | Path) -> ProxyConfig:
     """Read and validate a ProxyConfig JSON file; a bad file raises ConfigError with the reason."""
@@ -117,9 +141,13 @@ def read_secret(path: str | None) -> str | None:
     if path is None:
         return None
     try:
+        mode = Path(path).stat().st_mode
         secret = Path(path).read_text().strip()
     except OSError as exc:
         raise ConfigError(f"cannot read secret file {path}: {exc}") from None
     if not secret:
         raise ConfigError(f"secret file {path} is empty", fix="write the key into it or remove the setting")
+    if stat.S_IMODE(mode) & 0o077:
+        log.warning("secret file %s has mode %o: other users can read or change it (chmod 600 %s)",
+                    path, stat.S_IMODE(mode), path)
     return secret

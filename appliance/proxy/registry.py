@@ -20,6 +20,9 @@ from appliance.proxy.upstream import UpstreamPool
 log = logging.getLogger("appliance.proxy.registry")
 
 _ROLE_BY_LETTER = {"P": "prefill", "D": "decode"}
+# A registration is a few hundred bytes; a bigger frame is garbage or an attempt to make us buffer it.
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_RANKS = 1024  # dp_size / tp_size beyond this are not a real engine (and would size per-rank tables)
 
 
 class Instance:
@@ -225,15 +228,18 @@ def parse_zmq_address(value: str) -> tuple[str, int, int]:
         key, _, val = segment.partition(":")
         parts[key.strip()] = val.strip()
     try:
-        return parts["host"], int(parts["handshake"]), int(parts["notify"])
+        host, handshake, notify = parts["host"], int(parts["handshake"]), int(parts["notify"])
     except (KeyError, ValueError):
         raise RegistrationError(f"zmq_address {value!r} is not 'host:IP,handshake:PORT,notify:PORT'") from None
+    if not host or not (0 < handshake < 65536 and 0 < notify < 65536):
+        raise RegistrationError(f"zmq_address {value!r} has no host or a port outside 1-65535")
+    return host, handshake, notify
 
 
 def _positive_int(data: dict[str, Any], key: str) -> int:
     value = data.get(key, 1)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RegistrationError(f"{key} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RANKS:
+        raise RegistrationError(f"{key} must be an integer from 1 to {MAX_RANKS}, got {value!r}")
     return value
 
 
@@ -273,8 +279,10 @@ def normalize_registration(data: Any) -> dict[str, Any] | None:
     if not isinstance(http_address, str) or not isinstance(zmq_address, str):
         raise RegistrationError("http_address and zmq_address must be strings")
     host, _, port = http_address.rpartition(":")
-    if not host or not port.isdigit():
-        raise RegistrationError(f"http_address {http_address!r} is not HOST:PORT")
+    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RegistrationError(f"http_address {http_address!r} is not HOST:PORT with a port from 1 to 65535")
+    if any(c in host for c in "/?#@ ") or not host.isprintable():
+        raise RegistrationError(f"http_address {http_address!r} has an unusable host")
     zmq_host, _, _ = parse_zmq_address(zmq_address)
     mode = str(data.get("transfer_mode", "")).lower()
     if mode not in ("read", "write"):
@@ -314,6 +322,8 @@ class RegistrationListener:
         """Bind the ROUTER socket and start receiving and expiring."""
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        # a peer that sends a larger frame is disconnected by ZMQ before we buffer it
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         port = "*" if self.config.port == 0 else str(self.config.port)
         sock.bind(f"tcp://{self.config.host}:{port}")
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
@@ -338,20 +348,25 @@ class RegistrationListener:
     async def _receive(self) -> None:
         assert self._sock is not None
         while True:
-            frames = await self._sock.recv_multipart()
+            frames = await self._sock.recv_multipart(copy=False)
             try:
-                self.handle(frames[-1])
+                # the address the TCP connection really comes from, not what the message claims
+                self.handle(frames[-1].bytes, frames[-1].get("Peer-Address"))
             except Exception:  # the listener must survive anything a peer sends
                 log.exception("registration handling failed")
                 self.on_result("malformed")
 
-    def handle(self, payload: bytes) -> str:
-        """Apply one registration message; returns the outcome (also counted by on_result)."""
-        result = self._handle(payload)
+    def handle(self, payload: bytes, peer: str | None = None) -> str:
+        """Apply one registration message from `peer` (its IP); returns the outcome (also counted by on_result)."""
+        result = self._handle(payload, peer)
         self.on_result(result)
         return result
 
-    def _handle(self, payload: bytes) -> str:
+    def _handle(self, payload: bytes, peer: str | None) -> str:
+        allowed = self.config.allowed_hosts
+        if peer is not None and peer not in allowed:
+            log.warning("ignored registration from %s: not in allowed_hosts", peer)
+            return "rejected"
         try:
             data = msgpack.unpackb(payload, raw=False)
         except Exception as exc:
@@ -364,7 +379,6 @@ class RegistrationListener:
             return "malformed"
         if reg is None:
             return "hello"
-        allowed = self.config.allowed_hosts
         for key in ("http_host", "zmq_host"):
             if reg[key] not in allowed:
                 log.warning("ignored registration from %s: host %s is not in allowed_hosts", reg["http_address"], reg[key])
@@ -380,6 +394,12 @@ class RegistrationListener:
                 reg["role"], reg["http_address"], reg["transfer_mode"], mode,
             )
             return "mismatched"
+        registered = sum(1 for i in self.registry.instances.values() if i.source == "registered")
+        known = self.registry.find_by_address(reg["role"], reg["http_address"])
+        if known is None and registered >= self.config.max_instances:
+            log.warning("ignored registration of %s %s: already %d registered instances (registration.max_instances)",
+                        reg["role"], reg["http_address"], registered)
+            return "rejected"
         inst, created = self.registry.register(
             reg["role"], reg["http_address"], reg["zmq_address"], reg["dp_size"], reg["tp_size"], reg["transfer_mode"]
         )
