@@ -105,6 +105,7 @@ def test_disaggregated_output_equals_colocated_and_reuses_prefill_kv(cluster: Cl
 
     prompt_tokens = reference["usage"]["prompt_tokens"]
     cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    print(f"decode reused {cached} of {prompt_tokens} prompt tokens from prefill", file=sys.stderr)
     assert 0 < cached < prompt_tokens, f"decode reused {cached} of {prompt_tokens} prompt tokens"
     assert second["usage"]["prompt_tokens"] == prompt_tokens
     ref_choice, pd_choice = reference["choices"][0], second["choices"][0]
