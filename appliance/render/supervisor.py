@@ -25,6 +25,7 @@ from appliance.render.common import (
 )
 
 CONF_NAME = "supervisord.conf"
+_ROLE_RANK = {"prefill": 0, "both": 0, "decode": 1}
 SOCKET_NAME = "supervisor.sock"
 
 
@@ -93,11 +94,13 @@ def render_supervisor(plan: Plan, opts: RenderOptions | None = None) -> list[Ren
     logdir = sdir / "logs"
     programs: list[str] = []
     names: list[str] = []
-    for order, service in enumerate(services(plan)):
+    for service in services(plan):
         for inst in (i for i in plan.instances if i.service == service):
             name = instance_unit(inst)
             names.append(name)
-            programs.append(_program(name, inst.argv, inst.env, plan.state_dir, logdir, 100 + order, 60))
+            # By role, not by position: a plan without a role (mid-rebalance) must not change the others' config.
+            priority = 100 + _ROLE_RANK[inst.role]
+            programs.append(_program(name, inst.argv, inst.env, plan.state_dir, logdir, priority, 60))
     proxy_argv = [opts.python, "-m", "appliance.proxy", "--config", str(PurePosixPath(plan.state_dir) / "proxy.json")]
     names.append(PROXY_UNIT)
     programs.append(_program(PROXY_UNIT, proxy_argv, {}, plan.state_dir, logdir, 900, 30))
