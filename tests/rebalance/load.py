@@ -1,0 +1,137 @@
+"""Deploying a simulated GPU node for rebalance tests, and a steady streaming client load against its proxy."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+def _ephemeral() -> range:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    return range(lo, hi + 1)
+
+
+def free_span(width: int, avoid: set[int]) -> int:
+    """A base port whose next `width` ports are free now, clear of `avoid` and of the ephemeral range (client
+    connections made during the test must not take a port an instance started later needs)."""
+    ephemeral = _ephemeral()
+    for _ in range(200):
+        base = random.randrange(10000, 65000 - width)
+        span = range(base, base + width)
+        if avoid & set(span) or any(p in ephemeral for p in (base, base + width - 1)):
+            continue
+        ok = True
+        for port in span:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            avoid.update(span)
+            return base
+    raise RuntimeError("no free port span")
+
+
+def write_node_config(directory: Path, state_dir: Path, connector: str = "nixl", engine_extra: str = "") -> Path:
+    """pdctl.toml for a simulated 8-GPU node on this CPU box: sim engines, every port free."""
+    used: set[int] = set()
+    p = {k: free_span(16, used) for k in ("p_http", "p_hs", "p_nt", "d_http", "d_hs", "d_nt")}
+    proxy, admin, ping = (free_span(1, used) for _ in range(3))
+    path = directory / "pdctl.toml"
+    path.write_text(f"""state_dir = {json.dumps(str(state_dir))}
+manager = "supervisor"
+unit_dir = {json.dumps(str(directory / "units"))}
+[engine]
+kind = "sim"
+health_timeout_s = 60
+[engine.sim]
+decode_step_ms = 4.0
+{engine_extra}
+[connector]
+name = "{connector}"
+[prefill]
+http_port = {p['p_http']}
+handshake_port = {p['p_hs']}
+notify_port = {p['p_nt']}
+[decode]
+http_port = {p['d_http']}
+handshake_port = {p['d_hs']}
+notify_port = {p['d_nt']}
+[proxy]
+port = {proxy}
+admin_port = {admin}
+ping_port = {ping}
+""")
+    return path
+
+
+@dataclass
+class Load:
+    """Client threads that stream completions through the proxy back to back until stopped."""
+
+    url: str
+    threads: int = 3
+    max_tokens: int = 24
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _workers: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> Load:
+        for n in range(self.threads):
+            t = threading.Thread(target=self._run, args=(n,), daemon=True)
+            t.start()
+            self._workers.append(t)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._workers:
+            t.join(timeout=120)
+
+    def _one(self, n: int, k: int) -> str | None:
+        """One streamed request; None when it succeeded, else what went wrong."""
+        parts = urlsplit(self.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+        body = json.dumps({"prompt": f"client {n} request {k} " * 20, "max_tokens": self.max_tokens,
+                           "stream": True, "ignore_eos": True})
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            text = response.read().decode()
+        except OSError as exc:
+            return f"request {n}/{k}: {exc!r}"
+        finally:
+            conn.close()
+        if response.status != 200:
+            return f"request {n}/{k}: HTTP {response.status} {text[:200]}"
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        if not events or events[-1] != "[DONE]" or any('"error"' in e for e in events):
+            return f"request {n}/{k}: broken stream {text[-300:]!r}"
+        tokens = sum(1 for e in events[:-1] if json.loads(e).get("choices"))
+        if tokens < self.max_tokens:
+            return f"request {n}/{k}: {tokens} of {self.max_tokens} tokens"
+        return None
+
+    def _run(self, n: int) -> None:
+        k = 0
+        while not self._stop.is_set():
+            problem = self._one(n, k)
+            with self._lock:
+                if problem is None:
+                    self.ok += 1
+                else:
+                    self.failures.append(problem)
+            k += 1
