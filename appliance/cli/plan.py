@@ -42,11 +42,26 @@ def render_plan(p: Plan, console: Console) -> None:
 @click.command()
 @plan_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (stable schema_version 1).")
+@click.option("--suggest", is_flag=True, help="Rank prefill:decode splits for a workload (see --input-len).")
+@click.option("--input-len", type=click.IntRange(min=1), default=1024, show_default=True, help="--suggest: prompt tokens.")
+@click.option("--output-len", type=click.IntRange(min=1), default=256, show_default=True, help="--suggest: output tokens.")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
+              help="--suggest: requests per second.")
+@click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), help="--suggest: TTFT SLO [slo.ttft_ms].")
+@click.option("--itl-ms", type=click.FloatRange(min=0, min_open=True), help="--suggest: ITL SLO [slo.itl_ms].")
+@click.option("--profile", type=click.Path(dir_okay=False, exists=True),
+              help="--suggest: a `pdctl bench` result measured on this node [default: <state_dir>/bench/bench.json].")
 @click.pass_context
-def plan(ctx: click.Context, as_json: bool, **options: Any) -> None:
+def plan(ctx: click.Context, as_json: bool, suggest: bool, input_len: int, output_len: int, rate: float,
+         ttft_ms: float | None, itl_ms: float | None, profile: str | None, **options: Any) -> None:
     """Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."""
     from appliance.rebalance.layout import with_layout
 
+    if suggest:
+        from appliance.cli.suggest import print_suggestions
+
+        print_suggestions(ctx, input_len, output_len, rate, ttft_ms, itl_ms, profile, as_json)
+        return
     _, _, p = obtain_plan(ctx, with_layout(ctx, overrides_from(options)))
     if as_json:
         click.echo(p.model_dump_json(indent=2))

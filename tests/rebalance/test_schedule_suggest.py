@@ -1,0 +1,85 @@
+"""The pure parts: role shapes, the rebalance schedule on real plans, and the split suggestions."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.errors import PdctlError
+from appliance.inventory import load_inventory
+from appliance.plan import plan
+from appliance.rebalance.layout import merge, parse_role, pinned, role_overrides
+from appliance.rebalance.schedule import schedule
+from appliance.settings import Settings
+from appliance.suggest import sim_profile, suggest
+
+INV = load_inventory("sim:mi300x-8")
+BASE = {"engine": {"kind": "sim"}, "connector": {"name": "moriio"}}
+
+
+def _plan(overrides: dict):
+    return plan(Settings.model_validate(merge(BASE, overrides)), INV)
+
+
+def test_parse_role_shapes_and_sets() -> None:
+    assert parse_role("prefill", "2xTP2") == {"instances": 2, "tp": 2, "dp": 1, "gpu_count": None, "gpus": None}
+    assert parse_role("decode", "1xtp4xdp2@0-7")["gpus"] == list(range(8))
+    assert parse_role("decode", "2-7")["gpus"] == [2, 3, 4, 5, 6, 7]
+    with pytest.raises(PdctlError, match="neither a GPU set nor a shape"):
+        parse_role("prefill", "lots")
+    with pytest.raises(PdctlError, match="both given"):
+        role_overrides({"prefill_gpus": 2, "prefill_set": "0,1"})
+
+
+def test_pinned_reproduces_the_plan() -> None:
+    a = _plan(role_overrides({"prefill_set": "2xTP2", "decode_set": "1xTP4"}))
+    assert _plan(pinned(a)).instances == a.instances
+
+
+def test_schedule_example_and_unchanged_instances_keep_running() -> None:
+    a = _plan({})
+    b = _plan(merge(pinned(a), role_overrides({"prefill_gpus": 2, "decode_gpus": 6})))
+    first = schedule(a.instances, b.instances)
+    assert first.actions == {"prefill-0": "restart", "decode-0": "restart"}
+    assert [(s.kind, s.names, s.gap) for s in first.steps] == [
+        ("stop", ("prefill-0",), "prefill"), ("start", ("prefill-0",), None),
+        ("stop", ("decode-0",), "decode"), ("start", ("decode-0",), None)]
+    c = _plan(merge(pinned(b), role_overrides({"prefill_set": "2xTP2", "decode_set": "1xTP4"})))
+    second = schedule(b.instances, c.instances)
+    assert second.actions == {"prefill-0": "keep", "prefill-1": "start", "decode-0": "restart"}
+    assert [(s.kind, s.names) for s in second.steps] == [("stop", ("decode-0",)), ("start", ("prefill-1", "decode-0"))]
+    assert schedule(c.instances, c.instances).noop
+
+
+def test_schedule_makes_before_it_breaks_when_gpus_are_free() -> None:
+    # 2 decode instances on 4-5 and 6-7; the new plan moves decode-1 to GPUs 2-3 that prefill gives up.
+    a = _plan({"prefill": {"gpus": [0, 1, 2, 3], "tp": 4}, "decode": {"gpus": [4, 5, 6, 7], "instances": 2}})
+    b = _plan({"prefill": {"gpus": [0, 1], "tp": 2}, "decode": {"gpus": [2, 3, 4, 5, 6, 7], "instances": 3}})
+    sched = schedule(a.instances, b.instances)
+    assert sched.gaps == ["prefill"]  # the single prefill instance changes in place
+    kinds = [(s.kind, s.names) for s in sched.steps]
+    # decode never loses its last serving instance: new decode instances start before old ones stop
+    assert all(s.gap != "decode" for s in sched.steps)
+    assert kinds == [("stop", ("decode-1",)), ("start", ("decode-2",)), ("stop", ("decode-0",)),
+                     ("start", ("decode-1",)), ("stop", ("prefill-0",)), ("start", ("prefill-0", "decode-0"))]
+    # an unhealthy old instance is stopped first and is no gap
+    failed = schedule(a.instances, b.instances, frozenset({"prefill-0"}))
+    assert failed.steps[0].names == ("prefill-0",) and failed.gaps == []
+
+
+def test_suggest_prefers_prefill_gpus_for_long_prompts() -> None:
+    settings = Settings.model_validate(BASE)
+    prof = sim_profile(settings)
+    heavy_prefill = suggest(settings, INV, prof, input_len=8000, output_len=32, rate=6)
+    heavy_decode = suggest(settings, INV, prof, input_len=128, output_len=1024, rate=6)
+    assert heavy_prefill[0].prefill.gpus > heavy_decode[0].prefill.gpus
+    assert heavy_prefill[0].meets_slo and heavy_decode[0].meets_slo
+    # the reference's 4+4 split is one candidate among the ranked ones, not an assumption
+    shapes = {(p.prefill.gpus, p.decode.gpus) for p in heavy_prefill}
+    assert (4, 4) in shapes and len(shapes) == 7
+    assert heavy_prefill[0].goodput_rps >= max(p.goodput_rps for p in heavy_prefill if p.meets_slo)
+
+
+def test_suggest_leaves_out_unhealthy_gpus() -> None:
+    sick = INV.model_copy(update={"gpus": [g.model_copy(update={"healthy": g.index != 7}) for g in INV.gpus]})
+    ranked = suggest(Settings.model_validate(BASE), sick, sim_profile(Settings.model_validate(BASE)), 1024, 256, 2)
+    assert all(p.prefill.gpus + p.decode.gpus == 7 for p in ranked)
