@@ -15,6 +15,7 @@ engines themselves report them.
                     reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
                     healthy, draining, in_flight, source), requests {total, by_status{code: n},
                     leg_failures, client_aborts} | null
+    warnings[]      GPUs reported failed or held by a process outside pdctl (new plans leave them out)
     gpus[]          index, name, utilization_pct|null, memory_used_mib, memory_total_mib, role|null,
                     instance|null; gpu_source: where the figures come from (amdsmi, nvml, none, sim:...)
 
@@ -45,9 +46,9 @@ from appliance.cli.lifecycle import (
     deployed,
     snapshot,
 )
-from appliance.inventory import load_inventory
+from appliance.inventory import Inventory, load_inventory
 from appliance.manager import ServiceManager
-from appliance.plan import Plan
+from appliance.plan import Plan, _usable
 from appliance.render.common import PROXY_UNIT, instance_unit
 
 SCHEMA_VERSION = 1
@@ -136,6 +137,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         }
         for g in inventory.gpus
     ]
+    warnings = gpu_warnings(inventory, owner)
     healthy = snap.ready(plan)
     anything = any(st.state in ACTIVE for st in snap.units.values())
     return {
@@ -151,7 +153,24 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         "proxy": proxy,
         "gpus": gpus,
         "gpu_source": inventory.source,
+        "warnings": warnings,
     }
+
+
+def gpu_warnings(inventory: Inventory, owner: dict[int, Any]) -> list[str]:
+    """GPUs reported failed or held by a process outside pdctl: new plans leave them out."""
+    ours = {g for g in owner}
+    out = []
+    for g in inventory.gpus:
+        if _usable(g) or (g.healthy and g.index in ours):
+            continue  # memory our own engine holds is no warning
+        why = f"reported failed ({g.health_detail or 'no detail'})" if not g.healthy else \
+            f"occupied by another process ({', '.join(str(p.pid) for p in g.processes)})"
+        text = f"GPU {g.index} {why}; new plans leave it out"
+        if g.index in owner:
+            text += f"; {owner[g.index].name} runs on it (move it with `pdctl rebalance`)"
+        out.append(text)
+    return out
 
 
 def _duration(seconds: float | None) -> str:
@@ -197,6 +216,8 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         console.print(gt)
     else:
         console.print(f"GPUs: none reported ({doc['gpu_source']})")
+    for warning in doc.get("warnings", []):
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
 
 
 @click.command()

@@ -83,3 +83,19 @@ def test_suggest_leaves_out_unhealthy_gpus() -> None:
     sick = INV.model_copy(update={"gpus": [g.model_copy(update={"healthy": g.index != 7}) for g in INV.gpus]})
     ranked = suggest(Settings.model_validate(BASE), sick, sim_profile(Settings.model_validate(BASE)), 1024, 256, 2)
     assert all(p.prefill.gpus + p.decode.gpus == 7 for p in ranked)
+
+
+def test_status_warns_about_failed_and_occupied_gpus() -> None:
+    from appliance.cli.status import gpu_warnings
+    from appliance.inventory.models import GpuProcess
+
+    gpus = [g.model_copy(update={"healthy": g.index != 3, "health_detail": "ECC uncorrectable"}) for g in INV.gpus]
+    gpus[5] = gpus[5].model_copy(update={"memory_used_mib": gpus[5].memory_total_mib,
+                                         "processes": [GpuProcess(pid=4242)]})
+    owner = {i: inst for inst in _plan({}).instances for i in inst.gpus}
+    warnings = gpu_warnings(INV.model_copy(update={"gpus": gpus}), owner)
+    assert warnings == [
+        "GPU 3 reported failed (ECC uncorrectable); new plans leave it out; prefill-0 runs on it "
+        "(move it with `pdctl rebalance`)",
+        "GPU 5 occupied by another process (4242); new plans leave it out",
+    ]
