@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from appliance.proxy import admin
 from appliance.proxy.config import ProxyConfig, read_secret
@@ -23,6 +24,18 @@ log = logging.getLogger("appliance.proxy")
 
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "min_tokens")
 _FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+
+
+class _OneLineBadRequests(logging.Filter):
+    """aiohttp logs each unparsable request (a client's mistake) with a traceback; make it one warning line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = "dropped a malformed HTTP request: %s", (" ".join(str(exc).split())[:200],)
+            record.exc_info = record.exc_text = None
+        return True
 
 
 class Proxy:
@@ -52,6 +65,9 @@ class Proxy:
     # lifecycle
     async def start(self) -> None:
         """Bind the API, the admin API and (moriio) the registration socket; start probing."""
+        server_log = logging.getLogger("aiohttp.server")
+        if not any(isinstance(f, _OneLineBadRequests) for f in server_log.filters):
+            server_log.addFilter(_OneLineBadRequests())
         api = web.Application(client_max_size=self.config.client_max_size, handler_args={"max_field_size": 16384})
         api.router.add_post("/v1/completions", self._completions)
         api.router.add_post("/v1/chat/completions", self._chat)
@@ -173,7 +189,7 @@ class Proxy:
             return response
         except LegFailure as exc:
             status = str(exc.status)
-            return exc.response()
+            return _failure_response(exc)
         except (asyncio.CancelledError, ConnectionResetError):
             status = "client_abort"
             self.metrics.client_aborts.inc()
@@ -230,6 +246,18 @@ class Proxy:
         if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
             return None, error_response(400, "'stream_options' must be an object")
         return body, None
+
+
+def _failure_response(exc: LegFailure) -> web.Response:
+    """The client's answer for a failed leg; an engine's own 4xx body is passed on with its content type.
+
+    The engine's header value may carry parameters ("application/json; charset=utf-8"), which aiohttp refuses
+    in content_type=, so it goes in as a header as it is.
+    """
+    if exc.body is not None:
+        return web.Response(status=exc.status, body=exc.body,
+                            headers={"Content-Type": exc.content_type or "application/json"})
+    return error_response(exc.status, exc.message)
 
 
 async def serve_forever(config: ProxyConfig) -> None:

@@ -253,6 +253,8 @@ def normalize_registration(data: Any) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise RegistrationError(f"message is a {type(data).__name__}, not a map")
     kind = data.get("type")
+    if not isinstance(kind, str):
+        raise RegistrationError(f"message type must be a string, got {type(kind).__name__}")
     if kind == "HELLO":
         return None
     if kind in _ROLE_BY_LETTER:
@@ -264,7 +266,7 @@ def normalize_registration(data: Any) -> dict[str, Any] | None:
         role_letter = kind
     elif kind == "register":
         role_letter = data.get("role")
-        if role_letter not in _ROLE_BY_LETTER:
+        if not isinstance(role_letter, str) or role_letter not in _ROLE_BY_LETTER:
             raise RegistrationError(f"role must be P or D, got {role_letter!r}")
         missing = {"request_address", "handshake_port", "notify_port"} - data.keys()
         if missing:

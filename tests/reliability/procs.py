@@ -93,12 +93,14 @@ class Node:
         self.procs.append(proc)
         return proc
 
-    def wait_http(self, proc: Proc, url: str, timeout: float = 90.0) -> None:
+    def wait_http(self, proc: Proc, url: str, timeout: float = 90.0, ready: bool = True) -> None:
+        """Wait until `url` answers 200 (or, with ready=False, answers at all)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not proc.alive():
                 raise RuntimeError(f"{proc.name} exited: {proc.output()[-2000:]}")
-            if http_status(url) == 200:
+            status = http_status(url)
+            if status == 200 or (status and not ready):
                 return
             time.sleep(0.1)
         raise RuntimeError(f"{proc.name} not ready at {url}: {proc.output()[-2000:]}")
@@ -135,7 +137,7 @@ class Node:
         path.write_text(json.dumps(config))
         proc = self.start("proxy", [sys.executable, "-m", "appliance.proxy", "--config", str(path),
                                     "--log-level", "warning"])
-        self.wait_http(proc, self.proxy_url + "/health")
+        self.wait_http(proc, self.proxy_url + "/health", ready=False)  # ready only once engines are there
         return proc
 
     def stop(self) -> None:
