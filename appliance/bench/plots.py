@@ -73,7 +73,11 @@ def plot_attainment(result: BenchResult, path: Path) -> Path:
 
 
 def pick_rate(result: BenchResult) -> float | None:
-    """The rate for the distribution plot: the highest rate every measured shape completed, else any."""
+    """The rate for the distribution plot: the best goodput of any shape (where the shapes differ most
+    usefully: one still meets the SLO), else the highest rate every measured shape completed."""
+    goods = [g for s in result.shapes if (g := s.goodput.get(result.slo.itl_judgement)) is not None]
+    if goods:
+        return max(goods)
     sets = [{r.rate for r in s.rates if not r.partial} for s in result.shapes if s.rates]
     if not sets:
         return None
@@ -108,6 +112,7 @@ def plot_latency(result: BenchResult, path: Path, rate: float | None = None) -> 
     ax_t.set_xlabel("TTFT (ms)")
     ax_i.set_xlabel("inter-token gap (ms)")
     ax_i.set_xscale("symlog", linthresh=10)
+    ax_i.set_xlim(left=0)
     top = ax_i.get_xlim()[1]
     ax_i.set_xticks([t for t in (0, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000) if t <= top])
     ax_i.set_xticklabels([f"{t:g}" for t in ax_i.get_xticks()])

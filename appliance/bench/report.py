@@ -26,6 +26,7 @@ def rates_table(result: BenchResult) -> Table:
     for col in (
         "shape",
         "req/s",
+        "arrived/s",
         "sent",
         "failed",
         "attainment",
@@ -39,13 +40,14 @@ def rates_table(result: BenchResult) -> Table:
         table.add_column(col, justify="left" if col == "shape" else "right")
     for shape in result.shapes:
         if shape.skipped:
-            table.add_row(shape.name, "-", "-", "-", f"skipped: {shape.skipped}", *["-"] * 6)
+            table.add_row(shape.name, "-", "-", "-", "-", f"skipped: {shape.skipped}", *["-"] * 6)
             continue
         for r in shape.rates:
             s = r.summary
             table.add_row(
                 shape.name,
                 f"{r.rate:g}" + ("*" if r.partial else ""),
+                "-" if s.arrival_rate is None else f"{s.arrival_rate:.2g}",
                 str(s.sent),
                 str(s.failed),
                 _pct(s.attainment),
@@ -56,7 +58,7 @@ def rates_table(result: BenchResult) -> Table:
                 _ms(s.request_itl_ms["p90"]),
                 f"{s.output_throughput:.0f}",
             )
-    table.caption = "latencies in ms; * = interrupted rate (not used for goodput)"
+    table.caption = "latencies in ms; arrived/s = the Poisson draw's realized rate; * = interrupted rate (not used for goodput)"
     return table
 
 

@@ -67,6 +67,9 @@ class RateSummary(Record):
     request_itl_ms: dict[str, float | None] = Field(description="Each successful request's judged ITL")
     tpot_ms: dict[str, float | None] = Field(description="Each successful request's mean gap (vLLM TPOT)")
     duration_s: float
+    arrival_rate: float | None = Field(
+        default=None, description="Realized Poisson rate: (sent - 1) / (last - first scheduled arrival)"
+    )
     request_throughput: float = Field(description="Successful requests per second of the rate's duration")
     output_throughput: float = Field(description="Output tokens per second of the rate's duration")
 
@@ -139,6 +142,12 @@ def summarize(requests: list[RequestResult], slo: Slo, duration_s: float) -> Rat
     by_j = {j: _finite(attainment(judged, slo, j)) for j in JUDGEMENTS}
     tokens = sum(r.output_tokens for r in ok)
     span = duration_s if duration_s > 0 else math.inf
+    arrivals = sorted(r.scheduled_s for r in judged)
+    arrived = (
+        (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+        if len(arrivals) > 1 and arrivals[-1] > arrivals[0]
+        else None
+    )
     return RateSummary(
         sent=len(judged),
         succeeded=len(ok),
@@ -150,6 +159,7 @@ def summarize(requests: list[RequestResult], slo: Slo, duration_s: float) -> Rat
         request_itl_ms=distribution(judged_itl, 1000),
         tpot_ms=distribution(tpots, 1000),
         duration_s=duration_s,
+        arrival_rate=arrived,
         request_throughput=len(ok) / span,
         output_throughput=tokens / span,
     )
