@@ -141,11 +141,12 @@ def check_model(settings: Settings, p: Plan) -> list[Finding]:
     findings.append(Finding("disk", "ok" if disk.free > 2 * 2**30 else "warn", f"{disk.free / 2**30:.0f} GiB free",
                             "" if disk.free > 2 * 2**30 else "free disk space for logs, KV store and the model"))
     if p.platform == "cpu" and settings.engine.kind == "vllm":
-        need = len(p.instances) * (settings.engine.cpu_kvcache_space_gib + 2) * 2**30
+        # ~1.4 GiB per CPU engine (API server + engine core) on top of its KV cache.
+        need = len(p.instances) * (settings.engine.cpu_kv_cache_mib * 2**20 + int(1.4 * 2**30))
         avail = psutil.virtual_memory().available
         findings.append(Finding("memory", "ok" if avail > need else "fail",
-                                f"{avail / 2**30:.1f} GiB available, ~{need / 2**30:.0f} GiB needed by {len(p.instances)} CPU engines",
-                                "" if avail > need else "lower engine.cpu_kvcache_space_gib or stop other programs"))
+                                f"{avail / 2**30:.1f} GiB available, ~{need / 2**30:.1f} GiB needed by {len(p.instances)} CPU engines",
+                                "" if avail > need else "lower engine.cpu_kv_cache_mib or stop other programs"))
     return findings
 
 

@@ -74,7 +74,7 @@ class EngineSettings(Section):
     kind: Literal["vllm", "sim"] = "vllm"
     python: str = Field(default="", description="The Python that has vLLM; empty: the one running pdctl")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every engine")
-    cpu_kvcache_space_gib: int = Field(default=1, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU-only nodes")
+    cpu_kv_cache_mib: int = Field(default=256, gt=0, description="KV cache per engine on CPU-only nodes (MiB)")
     health_timeout_s: float = Field(default=1800.0, gt=0, description="How long a large model may take to load")
     sim: SimSettings = Field(default_factory=SimSettings)
 

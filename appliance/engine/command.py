@@ -41,10 +41,17 @@ def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_con
     _flag(argv, "--max-num-batched-tokens", rs.max_num_batched_tokens)
     _flag(argv, "--max-num-seqs", rs.max_num_seqs)
     _flag(argv, "--gpu-memory-utilization", rs.gpu_memory_utilization)
-    _flag(argv, "--max-model-len", settings.model.max_model_len)
-    _flag(argv, "--dtype", settings.model.dtype)
-    load_format = settings.model.load_format or ("dummy" if model.generate else None)
-    _flag(argv, "--load-format", load_format)
+    # The embedded tiny model is float32 (vLLM would downcast it) with a 2048-token context.
+    _flag(argv, "--max-model-len", settings.model.max_model_len or (2048 if model.generate else None))
+    _flag(argv, "--dtype", settings.model.dtype or ("float32" if model.generate else None))
+    # Clients and `pdctl bench` read usage.prompt_tokens_details.cached_tokens: the KV that came from prefill.
+    argv.append("--enable-prompt-tokens-details")
+    if ctx.platform == "cpu":
+        # One process per engine (uni executor; needs VLLM_ENABLE_V1_MULTIPROCESSING=0), no torch.compile
+        # (minutes at start on a small box), and a KV cache sized in bytes rather than the legacy GiB knob.
+        argv += ["--enforce-eager", "--distributed-executor-backend", "uni",
+                 "--kv-cache-memory-bytes", f"{settings.engine.cpu_kv_cache_mib}M"]
+    _flag(argv, "--load-format", settings.model.load_format)
     if settings.model.trust_remote_code:
         argv.append("--trust-remote-code")
     if rs.enable_prefix_caching is not None:
@@ -84,6 +91,18 @@ def sim_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, connect
     return argv + list(sim.extra_args)
 
 
+def cpu_env(host: str) -> dict[str, str]:
+    """Environment for vLLM's CPU build: a single engine process, no core pinning, loopback messaging."""
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # "auto" pins every instance to the same core; let the OS schedule several engines on a small box.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        # Without it the engine's message queue binds the host's first non-loopback address.
+        "VLLM_HOST_IP": "127.0.0.1" if host in ("0.0.0.0", "") else host,
+    }
+
+
 def engine_command(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_config: dict[str, Any] | None,
                    gpus: list[int], connector_env: dict[str, str],
                    ports: dict[str, list[int]]) -> tuple[list[str], dict[str, str]]:
@@ -98,7 +117,13 @@ def engine_command(settings: Settings, ctx: InstanceContext, model: ModelPlan, k
             # ROCm honours HIP_VISIBLE_DEVICES; vLLM on ROCm wants it to agree with CUDA_VISIBLE_DEVICES.
             env["HIP_VISIBLE_DEVICES"] = visible
     elif settings.engine.kind == "vllm":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.engine.cpu_kvcache_space_gib)
+        env.update(cpu_env(ctx.host))
+    if settings.engine.kind == "vllm":
+        env.update({"VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
+                    "TOKENIZERS_PARALLELISM": "false"})
+        if model.generate:
+            # The embedded model is local: never reach for a model hub.
+            env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     if settings.engine.kind == "sim":
         connector = (kv_config or {}).get("kv_connector")
         name = {"MoRIIOConnector": "moriio", "NixlConnector": "nixl", "ExampleConnector": "example"}.get(str(connector))
