@@ -92,7 +92,7 @@ def test_status_warns_about_failed_and_occupied_gpus() -> None:
     gpus = [g.model_copy(update={"healthy": g.index != 3, "health_detail": "ECC uncorrectable"}) for g in INV.gpus]
     gpus[5] = gpus[5].model_copy(update={"memory_used_mib": gpus[5].memory_total_mib,
                                          "processes": [GpuProcess(pid=4242)]})
-    owner = {i: inst for inst in _plan({}).instances for i in inst.gpus}
+    owner = {i: inst for inst in _plan({}).role_instances("prefill") for i in inst.gpus}  # GPU 5 is not ours
     warnings = gpu_warnings(INV.model_copy(update={"gpus": gpus}), owner)
     assert warnings == [
         "GPU 3 reported failed (ECC uncorrectable); new plans leave it out; prefill-0 runs on it "
