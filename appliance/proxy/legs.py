@@ -23,9 +23,6 @@ log = logging.getLogger("appliance.proxy.legs")
 # how a request ended when its HTTP status does not say it (a stream that ended with an error event)
 OUTCOME: web.RequestKey[str] = web.RequestKey("pdctl_outcome", str)
 
-_HIGH_WATER = 1 << 20  # client send buffer above this: stop reading from the engine
-_LOW_WATER = 1 << 18
-
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -86,51 +83,18 @@ async def _race(fut: asyncio.Future[Any], supervisor: asyncio.Task[Any] | None, 
 
 
 class Relay:
-    """Streams the decode leg's chunks to the client from the engine connection's callback."""
+    """Watches a decode leg whose chunks the engine connection relays to the client by itself."""
 
-    __slots__ = ("proxy", "conn", "transport", "inst", "error", "finished", "last", "paused", "timer", "loop")
+    __slots__ = ("proxy", "conn", "inst", "error", "finished", "timer", "loop")
 
-    def __init__(self, proxy: Proxy, conn: Connection, transport: asyncio.Transport, inst: Instance) -> None:
+    def __init__(self, proxy: Proxy, conn: Connection, inst: Instance) -> None:
         self.proxy = proxy
         self.conn = conn
-        self.transport = transport
         self.inst = inst
         self.error: Exception | None = None
         self.finished = False
-        self.last = time.monotonic()
-        self.paused = False
         self.loop = asyncio.get_running_loop()
         self.timer: asyncio.TimerHandle | None = None
-
-    def sink(self, data: bytes, framed: bool, chunks: int) -> None:
-        """Hot path: called from the engine socket's data_received with whole chunks."""
-        t = self.transport
-        if t.is_closing():
-            self.fail(ConnectionResetError("client went away"))
-            return
-        t.write(data if framed else b"%x\r\n%b\r\n" % (len(data), data))
-        now = self.conn.last_rx
-        metrics = self.proxy.metrics
-        metrics.itl.observe(now - self.last)
-        metrics.streamed_chunks += chunks
-        self.last = now
-        if t.get_write_buffer_size() > _HIGH_WATER and not self.paused:
-            self.paused = True
-            if self.conn.transport is not None:
-                self.conn.transport.pause_reading()
-            self.loop.call_later(0.005, self._maybe_resume)
-
-    def _maybe_resume(self) -> None:
-        if self.finished:
-            return
-        if self.transport.is_closing():
-            self.fail(ConnectionResetError("client went away"))
-        elif self.transport.get_write_buffer_size() < _LOW_WATER:
-            self.paused = False
-            if self.conn.transport is not None:
-                self.conn.transport.resume_reading()
-        else:
-            self.loop.call_later(0.005, self._maybe_resume)
 
     def start_watchdog(self) -> None:
         self.timer = self.loop.call_later(self.proxy.config.timeouts.between_tokens_s, self._watch)
@@ -140,10 +104,14 @@ class Relay:
             return
         limit = self.proxy.config.timeouts.between_tokens_s
         idle = time.monotonic() - self.conn.last_rx
-        if self.paused or idle < limit:
+        if self.conn.paused or idle < limit:
             self.timer = self.loop.call_later(max(limit - idle, 0.01), self._watch)
             return
         self.fail(LegFailure(504, f"decode instance {self.inst.name} sent no token for {limit:g}s"))
+
+    def client_gone(self, exc: Exception) -> None:
+        """The client's transport refused a write: end the relay (the connection aborts the engine leg)."""
+        self.fail(ConnectionResetError(f"client went away: {exc}"))
 
     def fail(self, exc: Exception) -> None:
         """End the relay with an error (supervisor, watchdog, client gone): aborts the engine leg."""
@@ -275,13 +243,9 @@ async def run_decode(
         transport = request.transport
         if transport is None:
             raise ConnectionResetError("client went away")
-        relay = Relay(proxy, conn, transport, inst)  # type: ignore[arg-type]
+        relay = Relay(proxy, conn, inst)
         proxy.metrics.ttft.observe(time.monotonic() - started)
-        relay.last = conn.last_rx
-        for data, framed, chunks in conn.take_early():
-            transport.write(data if framed else b"%x\r\n%b\r\n" % (len(data), data))
-            proxy.metrics.streamed_chunks += chunks
-        conn.attach(relay.sink)
+        conn.relay_to(transport, proxy.metrics.itl, relay.client_gone)  # type: ignore[arg-type]
         relay.start_watchdog()
         if supervisor is not None and not supervisor.done():
             supervisor.add_done_callback(
@@ -292,6 +256,7 @@ async def run_decode(
         try:
             await conn.done_fut
         except UpstreamError as exc:
+            proxy.metrics.streamed_chunks += conn.chunks
             error = relay.error or exc
             if isinstance(error, ConnectionResetError):
                 raise error from None
@@ -311,6 +276,7 @@ async def run_decode(
             request[OUTCOME] = "stream_error"
             return response
         relay.stop()
+        proxy.metrics.streamed_chunks += conn.chunks
         proxy.health.leg_ok(inst)
         inst.pool.release(conn)
         await response.write_eof()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from appliance.proxy.registry import InstanceRegistry
+if TYPE_CHECKING:  # registry -> upstream -> metrics: a runtime import here would be a cycle
+    from appliance.proxy.registry import InstanceRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -29,9 +31,19 @@ class FastHistogram:
         self.count = 0
 
     def observe(self, value: float) -> None:
+        """Record one value."""
         self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
         self.count += 1
+
+    def observe_chunks(self, gap: float, chunks: int) -> None:
+        """Record `chunks` tokens read together: the first after `gap`, the others right behind it (0 s)."""
+        counts = self.counts
+        counts[bisect_left(self.bounds, gap)] += 1
+        if chunks > 1:
+            counts[0] += chunks - 1
+        self.total += gap
+        self.count += chunks
 
     def family(self, name: str, doc: str) -> HistogramMetricFamily:
         buckets = []

@@ -1,24 +1,23 @@
 """A small pooled HTTP/1.1 client for the engine legs, built on asyncio protocols.
 
 Why not aiohttp's client here: a streamed token then costs a parser callback, a StreamReader wake-up,
-a task step and an awaited write (about 25-40 µs of CPU per token on the 2-core box). This client parses
-the chunked framing inside `data_received` and hands whole chunks straight to a sink that writes them to
-the client's transport, so a relayed token costs one callback and one `transport.write`.
+a task step and an awaited write (about 25-40 µs of CPU per token on the 2-core box). This client
+relays a streamed body from inside `data_received` (see `Connection`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterable
+from time import monotonic as _monotonic
 from typing import Any
+
+from appliance.proxy.metrics import FastHistogram
 
 _HEAD_LIMIT = 64 * 1024
 _READ, _CHUNKED, _LENGTH, _EOF, _DONE = range(5)
-
-# A sink receives body bytes (raw chunked framing when the engine sends chunked, else plain payload),
-# whether the bytes are chunk-framed, and how many chunks (= SSE events, one per token) they hold.
-Sink = Callable[[bytes, bool, int], None]
+_HIGH_WATER = 1 << 20  # client send buffer above this: stop reading from the engine
+_LOW_WATER = 1 << 18
 
 
 class UpstreamError(Exception):
@@ -47,7 +46,14 @@ def _silence(fut: asyncio.Future[Any]) -> None:
 
 
 class Connection(asyncio.Protocol):
-    """One keep-alive connection to an engine; carries one request at a time."""
+    """One keep-alive connection to an engine; carries one request at a time.
+
+    A streamed (chunked) body is relayed from `data_received` itself: the engine's chunk framing is
+    forwarded byte for byte to the client's transport (the client side is chunked too), and the body is
+    parsed only as far as finding chunk boundaries, counting chunks (one SSE event = one token) and
+    spotting the terminating zero-size chunk. Per engine read that is one Python call, a few
+    `find`/`int` calls and one `transport.write`.
+    """
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
@@ -57,13 +63,20 @@ class Connection(asyncio.Protocol):
         self.reused = False
         self.received_any = False
         self.last_rx = 0.0
+        self.chunks = 0  # chunks (SSE events) of the current streamed response so far
+        self.paused = False  # reading paused because the client is not keeping up
         self._state = _DONE
         self._hbuf = bytearray()
         self._cbuf = bytearray()
-        self._remaining = 0
+        self._remaining = 0  # _LENGTH: body bytes still to come
+        self._left = 0  # streamed _CHUNKED: bytes of the current chunk (data + CRLF) still to come
+        self._frag = b""  # streamed _CHUNKED: an incomplete chunk-size line, kept for the next read
         self._collect: list[bytes] | None = None
-        self._early: list[tuple[bytes, bool, int]] = []
-        self._sink: Sink | None = None
+        self._early: list[bytes] = []
+        self._out: Callable[[bytes], None] = self._early_out
+        self._out_size: Callable[[], int] | None = None
+        self._on_out_error: Callable[[Exception], None] | None = None
+        self.itl: FastHistogram | None = None
         self.head: Head | None = None
         self.head_fut: asyncio.Future[Head] | None = None
         self.first_fut: asyncio.Future[None] | None = None
@@ -82,25 +95,54 @@ class Connection(asyncio.Protocol):
             self._fail(UpstreamError("reset", f"{self.pool.address} closed the connection mid-response"))
 
     def data_received(self, data: bytes) -> None:
-        self.received_any = True
-        self.last_rx = time.monotonic()
-        state = self._state
-        if state == _CHUNKED:
-            self._feed_chunked(data)
-        elif state == _READ:
-            self._feed_head(data)
-        elif state == _LENGTH:
-            if len(data) >= self._remaining:
-                data = data[: self._remaining]
-                self._remaining = 0
-                self._emit(data, False, 1)
-                self._finish()
-            else:
-                self._remaining -= len(data)
-                self._emit(data, False, 1)
-        elif state == _EOF:
-            self._emit(data, False, 1)
-        # bytes after a finished response (none are expected) are dropped
+        now = _monotonic()
+        if self._state != _CHUNKED or self._collect is not None:
+            self.last_rx = now
+            self._received_other(data)
+            return
+        # hot path: a streamed chunked body
+        if self._frag:
+            data = self._frag + data
+            self._frag = b""
+        n = len(data)
+        pos = self._left
+        chunks = 0
+        if pos < n:
+            while pos < n:
+                eol = data.find(b"\r\n", pos)
+                if eol < 0:
+                    # the size line is cut: forward what is whole, keep the rest for the next read
+                    self._frag = data[pos:]
+                    data = data[:pos]
+                    n = pos
+                    break
+                try:
+                    size = int(data[pos:eol], 16)
+                except ValueError:
+                    size = self._odd_size_line(data[pos:eol])
+                    if size < 0:
+                        return
+                if size == 0:
+                    self._end_chunked(data, pos, eol, chunks, now)
+                    return
+                pos = eol + size + 4
+                chunks += 1
+        self._left = pos - n
+        if chunks:
+            self.chunks += chunks
+            itl = self.itl
+            if itl is not None:
+                itl.observe_chunks(now - self.last_rx, chunks)
+        self.last_rx = now
+        if n:
+            try:
+                self._out(data)
+            except Exception as exc:  # the client's transport is gone
+                self._out_failed(exc)
+                return
+            size_of = self._out_size
+            if size_of is not None and size_of() > _HIGH_WATER:
+                self._pause()
 
     # request side
     def start(self, raw_request: bytes, collect: bool) -> None:
@@ -109,9 +151,16 @@ class Connection(asyncio.Protocol):
         self._state = _READ
         self.received_any = False
         self.head = None
+        self.chunks = 0
+        self.paused = False
+        self._left = 0
+        self._frag = b""
         self._collect = [] if collect else None
         self._early = []
-        self._sink = None
+        self._out = self._early_out
+        self._out_size = None
+        self._on_out_error = None
+        self.itl = None
         self.head_fut = loop.create_future()
         self.first_fut = loop.create_future()
         self.done_fut = loop.create_future()
@@ -121,14 +170,17 @@ class Connection(asyncio.Protocol):
         self.transport.write(raw_request)
         self.used = True
 
-    def take_early(self) -> list[tuple[bytes, bool, int]]:
-        """Body pieces that arrived before a sink was attached (in order)."""
-        early, self._early = self._early, []
-        return early
-
-    def attach(self, sink: Sink) -> None:
-        """Send every later body piece straight to `sink` from the protocol callback."""
-        self._sink = sink
+    def relay_to(
+        self, transport: asyncio.WriteTransport, itl: FastHistogram | None, on_error: Callable[[Exception], None]
+    ) -> None:
+        """Send the body read so far, then every later piece, straight to the client's `transport`."""
+        if self._early:
+            transport.write(b"".join(self._early))
+            self._early = []
+        self._out = transport.write
+        self._out_size = transport.get_write_buffer_size
+        self._on_out_error = on_error
+        self.itl = itl
 
     def abort(self) -> None:
         """Drop the connection now: the engine sees the disconnect and aborts the request."""
@@ -145,11 +197,99 @@ class Connection(asyncio.Protocol):
             and self._state == _DONE
             and self.head is not None
             and self.head.keep_alive
+            and not self.paused
             and self.transport is not None
             and not self.transport.is_closing()
         )
 
-    # parsing
+    # streamed body helpers (off the hot path)
+    def _early_out(self, data: bytes) -> None:
+        # body bytes before the client's response is ready: keep them, and say the first token is here
+        self._early.append(data)
+        first = self.first_fut
+        if first is not None and not first.done():
+            first.set_result(None)
+
+    def _out_failed(self, exc: Exception) -> None:
+        if self._on_out_error is not None:
+            self._on_out_error(exc)
+        self.abort()
+
+    def _odd_size_line(self, line: bytes) -> int:
+        # chunk extensions ("1a;name=value") are legal, if unusual; anything else is a broken stream
+        try:
+            return int(line.split(b";", 1)[0], 16)
+        except ValueError:
+            self._protocol_error("bad chunk size line")
+            return -1
+
+    def _end_chunked(self, data: bytes, pos: int, eol: int, chunks: int, now: float) -> None:
+        if chunks:
+            self.chunks += chunks
+            if self.itl is not None:
+                self.itl.observe_chunks(now - self.last_rx, chunks)
+        self.last_rx = now
+        if pos:
+            try:
+                self._out(data[:pos])
+            except Exception as exc:
+                self._out_failed(exc)
+                return
+        if data[eol + 2 :] != b"\r\n" and self.head is not None:
+            # trailers, or the last CRLF not here yet: the stream is complete, the connection not reusable
+            self.head.keep_alive = False
+        self._finish()
+
+    def _pause(self) -> None:
+        if self.paused or self.transport is None:
+            return
+        self.paused = True
+        self.transport.pause_reading()
+        asyncio.get_running_loop().call_later(0.005, self._maybe_resume)
+
+    def _maybe_resume(self) -> None:
+        if not self.paused or self._state == _DONE or self.closed:
+            return
+        size_of = self._out_size
+        if size_of is None or size_of() < _LOW_WATER:
+            self.paused = False
+            if self.transport is not None:
+                self.transport.resume_reading()
+        else:
+            asyncio.get_running_loop().call_later(0.005, self._maybe_resume)
+
+    # parsing (head, fixed-length and read-to-EOF bodies, collected bodies)
+    def _received_other(self, data: bytes) -> None:
+        self.received_any = True
+        state = self._state
+        if state == _READ:
+            self._feed_head(data)
+        elif state == _CHUNKED:
+            self._collect_chunked(data)
+        elif state == _LENGTH:
+            if len(data) >= self._remaining:
+                data = data[: self._remaining]
+                self._remaining = 0
+                self._emit_plain(data)
+                self._finish()
+            else:
+                self._remaining -= len(data)
+                self._emit_plain(data)
+        elif state == _EOF:
+            self._emit_plain(data)
+        # bytes after a finished response (none are expected) are dropped
+
+    def _emit_plain(self, data: bytes) -> None:
+        if self._collect is not None:
+            self._collect.append(data)
+        elif data:
+            # an unchunked streamed body: the client side is chunked, so frame each piece
+            self.chunks += 1
+            try:
+                self._out(b"%x\r\n%b\r\n" % (len(data), data))
+            except Exception as exc:
+                self._out_failed(exc)
+
     def _feed_head(self, data: bytes) -> None:
         hbuf = self._hbuf
         hbuf += data
@@ -206,7 +346,7 @@ class Connection(asyncio.Protocol):
         elif rest:
             self.data_received(rest)
 
-    def _feed_chunked(self, data: bytes) -> None:
+    def _collect_chunked(self, data: bytes) -> None:
         cbuf = self._cbuf
         if cbuf:
             cbuf += data
@@ -216,9 +356,8 @@ class Connection(asyncio.Protocol):
             view = data
         n = len(view)
         pos = 0
-        chunks = 0
         collect = self._collect
-        finished = False
+        assert collect is not None
         while pos < n:
             eol = view.find(b"\r\n", pos)
             if eol < 0:
@@ -238,35 +377,15 @@ class Connection(asyncio.Protocol):
                     end = trailer_end + 4
                 if n < end:
                     break
-                finished = True
-                break
+                self._finish()
+                return
             stop = eol + 2 + size + 2
             if stop > n:
                 break
-            if collect is not None:
-                collect.append(view[eol + 2 : eol + 2 + size])
+            collect.append(view[eol + 2 : eol + 2 + size])
             pos = stop
-            chunks += 1
-        if chunks and collect is None:
-            self._emit(view if pos == n else view[:pos], True, chunks)
-        if finished:
-            self._finish()
-        elif pos < n:
+        if pos < n:
             cbuf += view[pos:] if pos else view
-
-    def _emit(self, data: bytes, framed: bool, chunks: int) -> None:
-        if self._collect is not None:
-            if not framed:
-                self._collect.append(data)
-            return
-        sink = self._sink
-        if sink is not None:
-            sink(data, framed, chunks)
-            return
-        self._early.append((data, framed, chunks))
-        first = self.first_fut
-        if first is not None and not first.done():
-            first.set_result(None)
 
     def _finish(self) -> None:
         self._state = _DONE
