@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--slack-s", type=float, default=3.0,
                         help="added to the configured timeouts before a request counts as hung")
-    parser.add_argument("--max-minutes", type=float, default=60.0, help="stop starting new flows after this long")
+    parser.add_argument("--max-minutes", type=float, default=60.0,
+                        help="stop starting new rounds after this long (the figures say how many ran)")
     parser.add_argument("--json", dest="json_path", help="also write the figures as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no line per round")
     args = parser.parse_args(argv)
@@ -68,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"recovery {rec} leaked {result.leaked_blocks} bad {len(bad)} "
                   f"({len(figures.trials)} trials)", flush=True)
         for t in bad:
-            problems.append(f"{flow} {result.kind}: {t.outcome}: status {t.status} {t.tokens} tokens: {t.detail}")
+            line = f"{flow} {result.kind}: {t.outcome}: status {t.status} {t.tokens} tokens: {t.detail}"
+            problems.append(line)
+            print("  BAD:", line, flush=True)
 
     async def run_all() -> None:
         queue = list(enumerate(flows))
@@ -76,17 +79,18 @@ def main(argv: list[str] | None = None) -> int:
 
         async def one(index: int, flow: str) -> None:
             async with sem:
-                if time.monotonic() - started > args.max_minutes * 60:
-                    print(f"skipping {flow}: --max-minutes reached", flush=True)
-                    return
+                deadline = started + args.max_minutes * 60
                 with tempfile.TemporaryDirectory(prefix=f"pdctl-faults-{flow}-") as tmp:
                     # rounds in chunks so one flow's deployment is fresh every 40 rounds (and a crash
                     # of the harness loses little)
                     todo = _kinds_for(per_flow[index], index)
                     for chunk_start in range(0, len(todo), 40):
+                        if time.monotonic() > deadline:
+                            print(f"{flow}: --max-minutes reached, no more rounds", flush=True)
+                            break
                         await run_flow(flow, Path(tmp) / f"d{chunk_start}", todo[chunk_start:chunk_start + 40],
                                        args.per_round, args.seed * 1000 + index * 100 + chunk_start, figures,
-                                       args.slack_s, log)
+                                       args.slack_s, log, deadline)
 
         await asyncio.gather(*(one(i, f) for i, f in queue))
 

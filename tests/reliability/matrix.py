@@ -255,7 +255,7 @@ class Matrix:
         except asyncio.TimeoutError:
             trial.outcome, trial.detail = "hung", f"no response head within {head_limit:.1f}s"
             return
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, RuntimeError) as exc:
             trial.outcome, trial.detail = "conn_error", f"{type(exc).__name__}: {exc}"
             return
         async with resp:
@@ -266,7 +266,7 @@ class Matrix:
                 except asyncio.TimeoutError:
                     trial.outcome, trial.detail = "hung", "body not finished in time"
                     return
-                except aiohttp.ClientError as exc:
+                except (aiohttp.ClientError, RuntimeError) as exc:
                     trial.outcome, trial.detail = "conn_error", f"{type(exc).__name__}: {exc}"
                     return
                 self._judge_whole(trial, resp.status, raw)
@@ -301,7 +301,7 @@ class Matrix:
                 trial.outcome = "clean_error" if saw_error else "conn_error"
                 trial.detail = trial.detail or f"stream cut: {exc}"
                 return
-            except aiohttp.ClientError as exc:
+            except (aiohttp.ClientError, RuntimeError) as exc:  # aiohttp: RuntimeError("Connection closed.")
                 trial.outcome = "clean_error" if saw_error else "conn_error"
                 trial.detail = trial.detail or f"{type(exc).__name__}: {exc}"
                 return
@@ -589,8 +589,9 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 async def run_flow(flow: str, workdir: Path, kinds: list[str], per_round: int, seed: int,
-                   figures: Figures, slack_s: float = 3.0, log: Any = None) -> None:
-    """Deploy `flow`, run one round per entry of `kinds`, add the results to `figures`, tear down."""
+                   figures: Figures, slack_s: float = 3.0, log: Any = None, deadline: float | None = None) -> None:
+    """Deploy `flow`, run one round per entry of `kinds` (until the monotonic `deadline`), add the results to
+    `figures`, tear down."""
     dep = Deployment(flow, workdir, slack_s)
     rng = random.Random(seed)
     try:
@@ -601,6 +602,8 @@ async def run_flow(flow: str, workdir: Path, kinds: list[str], per_round: int, s
         async with aiohttp.ClientSession(connector=connector) as session:
             matrix = Matrix(dep, session, rng)
             for kind in kinds:
+                if deadline is not None and time.monotonic() > deadline:
+                    break
                 if kind.endswith("decode") and dep.connector == "none":
                     kind = kind.replace("decode", "prefill")
                 result = await matrix.round(kind, per_round)

@@ -1,0 +1,272 @@
+"""Who may steer the node: loopback defaults, admin token, API key, registration allowed_hosts judged by the
+real peer address, no request field near a shell, secrets in 0600 files written atomically. Real sockets
+(in-process proxy, real ZMQ, real HTTP) and static checks over the package source."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgpack
+import psutil
+import pytest
+import zmq
+import zmq.asyncio
+
+from appliance.errors import ConfigError
+from appliance.manager.base import write_atomic
+from appliance.proxy.app import Proxy
+from appliance.proxy.config import ProxyConfig, load_config, read_secret
+from appliance.settings import Settings
+from tests.reliability.procs import ROOT
+
+PACKAGE = ROOT / "appliance"
+
+
+def _config(**fields: Any) -> ProxyConfig:
+    raw: dict[str, Any] = {"port": 0, "connector": "none", "model": "m", "admin": {"port": 0},
+                           "health": {"probe_interval_s": 30}, **fields}
+    return ProxyConfig.model_validate(raw)
+
+
+@contextlib.asynccontextmanager
+async def running(config: ProxyConfig) -> AsyncIterator[Proxy]:
+    proxy = Proxy(config)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
+def _secret(tmp_path: Path, name: str, value: str) -> str:
+    path = tmp_path / name
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+# ---- defaults ------------------------------------------------------------------------------------------
+
+
+def test_every_listener_defaults_to_loopback() -> None:
+    cfg = ProxyConfig(connector="moriio", model="m")
+    assert (cfg.host, cfg.admin.host, cfg.registration.host) == ("127.0.0.1",) * 3
+    assert cfg.registration.allowed_hosts == ["127.0.0.1"] and cfg.admin.token_file is None
+    s = Settings()
+    assert (s.proxy.host, s.proxy.admin_host, s.proxy.registration_host) == ("127.0.0.1",) * 3
+    assert s.proxy.allowed_hosts == ["127.0.0.1"]
+
+
+def test_a_default_proxy_listens_on_loopback_only() -> None:
+    async def scenario() -> list[str]:
+        cfg = _config(connector="moriio", registration={"enabled": True, "port": 0})
+        async with running(cfg):
+            conns = psutil.Process().net_connections(kind="tcp")
+            return [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]
+
+    listening = asyncio.run(scenario())
+    assert len(listening) >= 3  # API, admin, registration
+    assert set(listening) == {"127.0.0.1"}, listening
+
+
+def test_admin_off_loopback_without_token_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "proxy.json"
+    path.write_text(json.dumps({"connector": "none", "model": "m", "admin": {"host": "0.0.0.0"}}))
+    with pytest.raises(ConfigError, match="admin.token_file"):
+        load_config(path)
+    token = _secret(tmp_path, "token", "t0ken")
+    path.write_text(json.dumps({"connector": "none", "model": "m", "admin": {"host": "0.0.0.0", "token_file": token}}))
+    assert load_config(path).admin.host == "0.0.0.0"
+
+
+# ---- tokens and keys -----------------------------------------------------------------------------------
+
+
+def test_admin_token_and_api_key(tmp_path: Path) -> None:
+    token = _secret(tmp_path, "token", "adm1n-token")
+    key = _secret(tmp_path, "key", "api-key")
+
+    async def scenario() -> None:
+        cfg = _config(api_key_file=key, admin={"port": 0, "token_file": token})
+        async with running(cfg) as proxy, aiohttp.ClientSession() as s:
+            admin = f"http://127.0.0.1:{proxy.admin_port}/admin/state"
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer adm1n-toke"},
+                            {"Authorization": "Bearer adm1n-token-longer"}, {"Authorization": "Basic adm1n-token"},
+                            {"Authorization": "Bearer api-key"}):
+                async with s.get(admin, headers=headers) as r:
+                    assert r.status == 401, headers
+            async with s.post(admin.replace("state", "mode"), json={"mode": "write"}) as r:
+                assert r.status == 401  # refused before the body is even looked at
+            async with s.get(admin, headers={"Authorization": "Bearer adm1n-token"}) as r:
+                assert r.status == 200 and (await r.json())["mode"] == "read"
+            api = f"http://127.0.0.1:{proxy.api_port}"
+            for headers in ({}, {"Authorization": "Bearer adm1n-token"}, {"Authorization": "Bearer api-ke"}):
+                async with s.get(api + "/v1/models", headers=headers) as r:
+                    assert r.status == 401, headers
+                async with s.post(api + "/v1/completions", json={"prompt": "x"}, headers=headers) as r:
+                    assert r.status == 401 and "API key" in (await r.json())["error"]["message"]
+            async with s.get(api + "/v1/models", headers={"Authorization": "Bearer api-key"}) as r:
+                assert r.status == 200
+            async with s.get(api + "/health") as r:  # probes need no key, and it reveals no secret
+                assert "api-key" not in await r.text()
+
+    asyncio.run(scenario())
+
+
+def test_secrets_are_compared_in_constant_time() -> None:
+    """Every comparison against a configured secret goes through hmac.compare_digest."""
+    for name in ("app.py", "admin.py"):
+        tree = ast.parse((PACKAGE / "proxy" / name).read_text())
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and n.func.attr == "compare_digest"]
+        assert calls, name
+        for node in ast.walk(tree):
+            # "is None" asks whether a secret is configured at all; any other comparison would leak timing
+            if isinstance(node, ast.Compare) and not all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", "")
+                         for n in ast.walk(node)}
+                assert not names & {"api_key", "admin_token", "token"}, (name, ast.unparse(node))
+
+
+def test_lax_secret_file_mode_is_reported(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "key"
+    path.write_text("k")
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="appliance.proxy"):
+        assert read_secret(str(path)) == "k"
+    assert "chmod 600" in caplog.text
+    caplog.clear()
+    path.chmod(0o600)
+    with caplog.at_level(logging.WARNING, logger="appliance.proxy"):
+        read_secret(str(path))
+    assert caplog.text == ""
+
+
+# ---- registration --------------------------------------------------------------------------------------
+
+
+def _registration(port: int, host: str = "127.0.0.1") -> bytes:
+    return msgpack.packb({"type": "P", "http_address": f"{host}:{port}",
+                          "zmq_address": f"host:{host},handshake:6301,notify:6105", "transfer_mode": "READ"})
+
+
+async def _register(proxy: Proxy, payloads: list[bytes]) -> None:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    assert proxy.listener is not None
+    sock.connect(f"tcp://127.0.0.1:{proxy.listener.port}")
+    try:
+        for payload in payloads:
+            await sock.send(payload)
+        await asyncio.sleep(0.3)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_registrations_are_judged_by_the_real_peer_address() -> None:
+    async def scenario(allowed: list[str], payloads: list[bytes]) -> tuple[set[str], str]:
+        cfg = _config(connector="moriio", registration={"enabled": True, "port": 0, "allowed_hosts": allowed})
+        async with running(cfg) as proxy:
+            await _register(proxy, payloads)
+            for _ in range(100):
+                if proxy.registry.instances or proxy.metrics.render().count(b"registrations_total") > 0:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            return {i.url for i in proxy.registry.instances.values()}, proxy.metrics.render().decode()
+
+    # allowed peer, claiming an allowed host: accepted
+    urls, _ = asyncio.run(scenario(["127.0.0.1"], [_registration(20001)]))
+    assert urls == {"http://127.0.0.1:20001"}
+    # allowed peer claiming a host outside the list: rejected
+    urls, metrics = asyncio.run(scenario(["127.0.0.1"], [_registration(20002, "10.1.2.3")]))
+    assert urls == set() and 'result="rejected"' in metrics
+    # the message claims an allowed host, but the connection comes from 127.0.0.1, which is not allowed
+    urls, metrics = asyncio.run(scenario(["127.0.0.2"], [_registration(20003, "127.0.0.2")]))
+    assert urls == set() and 'result="rejected"' in metrics
+
+
+def test_registered_instances_are_capped() -> None:
+    async def scenario() -> int:
+        cfg = _config(connector="moriio", registration={"enabled": True, "port": 0, "max_instances": 5})
+        async with running(cfg) as proxy:
+            await _register(proxy, [_registration(21000 + i) for i in range(20)])
+            return len(proxy.registry.instances)
+
+    assert asyncio.run(scenario()) == 5
+
+
+# ---- no shell, atomic files ----------------------------------------------------------------------------
+
+
+def _shell_uses(path: Path) -> list[str]:
+    found = []
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = ast.unparse(node.func)
+        if func in ("os.system", "os.popen", "subprocess.getoutput", "subprocess.getstatusoutput",
+                    "asyncio.create_subprocess_shell", "commands.getoutput") or func.startswith("os.exec"):
+            found.append(f"{path}:{node.lineno}: {func}")
+        for kw in node.keywords:
+            if kw.arg == "shell" and not (isinstance(kw.value, ast.Constant) and kw.value.value is False):
+                found.append(f"{path}:{node.lineno}: shell={ast.unparse(kw.value)}")
+        if func.startswith("subprocess.") and node.args and isinstance(node.args[0], (ast.Constant, ast.JoinedStr)):
+            found.append(f"{path}:{node.lineno}: {func} with a command string")
+    return found
+
+
+def test_nothing_in_the_package_runs_a_shell() -> None:
+    """Commands are argv lists (no shell parses them), so no request or settings field can become shell code."""
+    uses = [u for path in sorted(PACKAGE.rglob("*.py")) for u in _shell_uses(path)]
+    assert uses == []
+    proxy_sources = "".join(p.read_text() for p in (PACKAGE / "proxy").glob("*.py"))
+    assert "subprocess" not in proxy_sources  # the proxy, which sees client input, starts no process at all
+
+
+def test_write_atomic_mode_owner_and_no_leftovers(tmp_path: Path) -> None:
+    target = tmp_path / "units" / "pd-proxy.env"
+    assert write_atomic(target, "API_KEY=x\n", 0o600)
+    st = target.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    assert not write_atomic(target, "API_KEY=x\n", 0o600)  # unchanged: not rewritten
+    assert write_atomic(target, "API_KEY=y\n", 0o600)
+    assert target.read_text() == "API_KEY=y\n" and stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert [p.name for p in target.parent.iterdir()] == ["pd-proxy.env"]  # no temporary file left
+
+
+def test_rendered_secrets_are_private(tmp_path: Path) -> None:
+    """supervisord.conf (program environments) and systemd env files carry secrets: mode 0600; proxy.json
+    names the key file but never holds the key."""
+    from appliance.inventory import load_inventory
+    from appliance.plan import plan, proxy_config
+    from appliance.render.common import RenderOptions
+    from appliance.render.supervisor import render_supervisor
+    from appliance.render.systemd import render_systemd
+
+    key = _secret(tmp_path, "api.key", "sup3r-secret")
+    settings = Settings.model_validate({
+        "state_dir": str(tmp_path / "state"), "engine": {"kind": "sim", "env": {"HF_TOKEN": "hf_secret"}},
+        "proxy": {"api_key_file": key},
+    })
+    p = plan(settings, load_inventory("sim:cpu"))
+    assert "sup3r-secret" not in json.dumps(proxy_config(p))
+    (conf,) = render_supervisor(p, RenderOptions())
+    assert conf.mode == 0o600
+    rendered = render_systemd(p, RenderOptions())
+    assert not any("hf_secret" in unit.text for unit in rendered.units)  # units are world-readable
+    assert rendered.private and all(f.mode == 0o600 for f in rendered.private)
+    assert any("hf_secret" in f.text for f in rendered.private)
