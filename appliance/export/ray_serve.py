@@ -89,6 +89,17 @@ def _kv_config(plan: Plan, shape: RoleShape) -> tuple[dict[str, Any], dict[str, 
     return kv, experimental
 
 
+def _check_example_block_sizes(prefill: RoleShape, decode: RoleShape) -> None:
+    """ExampleConnector names its KV folders by the prompt's block-aligned token ids: both roles need one block size."""
+    sizes = {r.role: r.engine_kwargs.get("block_size") for r in (prefill, decode)}
+    if sizes["prefill"] != sizes["decode"]:
+        raise ExportError(
+            f"ExampleConnector needs the same KV block size on both roles (prefill {sizes['prefill'] or 'default'}, "
+            f"decode {sizes['decode'] or 'default'}): the decode would look up a different folder and recompute",
+            fix="give prefill and decode the same --block-size (or none)",
+        )
+
+
 def llm_config(plan: Plan, shape: RoleShape, model_source: str, gpu_name: str | None) -> dict[str, Any]:
     """One role's ray.serve.llm.LLMConfig as data."""
     kv, experimental = _kv_config(plan, shape)
@@ -145,6 +156,8 @@ def _header(plan: Plan, prefill: RoleShape, decode: RoleShape) -> str:
 def export(plan: Plan, prefill: RoleShape, decode: RoleShape, *, model_source: str, gpu_name: str | None,
            http_host: str, http_port: int) -> ExportResult:
     """The Ray Serve files for the plan: serve.yaml (no entry module is needed: the builder is Ray's own)."""
+    if plan.connector == "example":
+        _check_example_block_sizes(prefill, decode)
     config = serve_config(plan, prefill, decode, model_source=model_source, gpu_name=gpu_name,
                           http_host=http_host, http_port=http_port)
     text = _header(plan, prefill, decode) + to_yaml(config)
@@ -152,6 +165,10 @@ def export(plan: Plan, prefill: RoleShape, decode: RoleShape, *, model_source: s
     if plan.connector == "example":
         path = prefill.kv_transfer_config.get("kv_connector_extra_config", {}).get("shared_storage_path")
         notes.append(f"ExampleConnector stores KV under {path}: on more than one node it must be shared storage")
+        # Its producer stores the first (L-1)//B*B prompt tokens, its consumer loads (L-2)//B*B: whole blocks only.
+        block = prefill.engine_kwargs.get("block_size") or "the engine's block size (128 on CPU)"
+        notes.append(f"ExampleConnector hands over whole KV blocks only: a prompt of at most {block} + 1 tokens "
+                     "is recomputed by decode (usage cached_tokens 0)")
     if plan.model.generate:
         notes.append(f"the embedded tiny model must exist at {model_source} on every node "
                      f"(python -m appliance.engine.tinymodel {model_source})")
