@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -38,6 +38,19 @@ class Slo(BaseModel):
     itl_ms: float
     itl_judgement: Judgement = "p99"
     attainment: float = 0.9
+
+
+class Timed(Protocol):
+    """What the analysis needs of one request (RequestResult and Timing both have it)."""
+
+    @property
+    def success(self) -> bool: ...
+
+    @property
+    def chunk_times_s(self) -> Sequence[float]: ...
+
+    @property
+    def chunk_tokens(self) -> Sequence[int]: ...
 
 
 class Timing(BaseModel):
@@ -85,7 +98,7 @@ def judge_itl(gaps: Sequence[float], judgement: Judgement) -> float | None:
     return percentile(gaps, 99)
 
 
-def meets(timing: Timing, slo: Slo, judgement: Judgement | None = None) -> bool:
+def meets(timing: Timed, slo: Slo, judgement: Judgement | None = None) -> bool:
     """True when the request succeeded and met both the TTFT and the ITL target."""
     if not timing.success or not timing.chunk_times_s:
         return False
@@ -95,7 +108,7 @@ def meets(timing: Timing, slo: Slo, judgement: Judgement | None = None) -> bool:
     return itl is None or itl * 1000 <= slo.itl_ms
 
 
-def attainment(timings: Iterable[Timing], slo: Slo, judgement: Judgement | None = None) -> float:
+def attainment(timings: Iterable[Timed], slo: Slo, judgement: Judgement | None = None) -> float:
     """Share of the requests that met the SLO (NaN when there were none)."""
     timings = list(timings)
     if not timings:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
@@ -78,6 +78,7 @@ class InFlight:
 
     def result(self) -> RequestResult:
         """The request as measured; unfinished requests are 'interrupted'."""
+        status: Literal["ok", "error", "interrupted"]
         if not self.done:
             status = "interrupted"
         elif self.error is None and self.chunk_times_s:
@@ -175,8 +176,8 @@ async def _stream(
     ) as resp:
         req.http_status = resp.status
         if resp.status != 200:
-            body = (await resp.text())[:300]
-            req.error = f"HTTP {resp.status}: {body.strip()}"
+            text = (await resp.text())[:300]
+            req.error = f"HTTP {resp.status}: {text.strip()}"
             return
         async for raw in resp.content:
             line = raw.strip()

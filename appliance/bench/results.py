@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from appliance.bench.analysis import JUDGEMENTS, Slo, attainment, distribution, goodput, judge_itl, token_gaps
 from appliance.errors import PdctlError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 
 
 class Record(BaseModel):

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -58,7 +59,7 @@ async def run_url(
 async def _until_stopped(coro: asyncio.Future[str] | asyncio.Task[str], stopper: Stopper) -> str | None:
     """Await `coro` unless a stop comes first (then cancel it and return None)."""
     task = asyncio.ensure_future(coro)
-    waiter = asyncio.ensure_future(stopper.event.wait())
+    waiter: asyncio.Future[Any] = asyncio.ensure_future(stopper.event.wait())
     done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     if task in done:

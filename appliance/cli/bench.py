@@ -167,7 +167,8 @@ def bench(ctx: click.Context, **opts: Any) -> None:
 
     if opts["compare"]:
         chosen = shapes(settings, inventory, [x.strip() for x in opts["shapes"].split(",") if x.strip()])
-        base_url, engine, model = "", settings.engine.kind, opts["model"] or settings.model.name
+        base_url, model = "", opts["model"] or settings.model.name
+        engine: str = settings.engine.kind
     else:
         base_url = opts["url"] or f"http://{_loopback(settings.proxy.host)}:{settings.proxy.port}"
         engine = opts["engine"] or ("unknown" if opts["url"] else settings.engine.kind)
