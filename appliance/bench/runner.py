@@ -43,10 +43,11 @@ async def run_url(
     out_dir: Path,
     console: Console,
     stopper: Stopper,
+    label: str = "target",
 ) -> None:
-    """One sweep against an already running URL, as the result's only shape."""
+    """One sweep against an already running URL, as the result's only shape (named `label`)."""
     shape = ShapeResult(
-        name="target", description=f"running deployment at {target.base_url}", url=target.base_url
+        name=label, description=f"running deployment at {target.base_url}", url=target.base_url
     )
     result.shapes.append(shape)
     save = Saver(result, out_dir)

@@ -122,7 +122,15 @@ def _read_key(path: str | None) -> str | None:
     "--from-json",
     "from_json",
     type=click.Path(dir_okay=False),
-    help="Measure nothing: print the tables and draw the figures of an earlier bench.json.",
+    multiple=True,
+    help="Measure nothing: print the tables and draw the figures of earlier bench.json files "
+    "(repeat it to merge the shapes of several runs into one comparison).",
+)
+@click.option(
+    "--label",
+    default="target",
+    show_default=True,
+    help="Shape name of a --url sweep in the result (e.g. disagg-read when each shape is swept separately).",
 )
 @click.pass_context
 def bench(ctx: click.Context, **opts: Any) -> None:
@@ -139,7 +147,7 @@ def bench(ctx: click.Context, **opts: Any) -> None:
     from appliance.bench.workload import parse_rates, parse_token_range
 
     if opts["from_json"]:
-        _replay(Path(opts["from_json"]), opts)
+        _replay([Path(p) for p in opts["from_json"]], opts)
         return
     if opts["url"] and opts["compare"]:
         raise PdctlError("--url and --compare both given", fix="--compare deploys its own shapes; drop --url")
@@ -233,7 +241,7 @@ def bench(ctx: click.Context, **opts: Any) -> None:
                     stopper,
                 )
             else:
-                await run_url(target, plan, slo, result, out_dir, console, stopper)
+                await run_url(target, plan, slo, result, out_dir, console, stopper, opts["label"])
             return result
 
     result = asyncio.run(main())
@@ -248,15 +256,24 @@ def bench(ctx: click.Context, **opts: Any) -> None:
         raise SystemExit(130)  # like a shell for SIGINT; `python -m appliance` drops click return codes
 
 
-def _replay(path: Path, opts: dict[str, Any]) -> None:
-    """Tables and figures of a saved result (figures go next to it unless --out says elsewhere)."""
+def _replay(paths: list[Path], opts: dict[str, Any]) -> None:
+    """Tables and figures of saved results, their shapes merged in order (figures go next to the first
+    unless --out says elsewhere; with several files the merged result is written there as bench.json)."""
     from rich.console import Console
 
     from appliance.bench.report import print_report
     from appliance.bench.results import read_result
     from appliance.bench.runner import write_plots
 
-    result = read_result(path)
+    result = read_result(paths[0])
+    for extra in paths[1:]:
+        result.shapes.extend(read_result(extra).shapes)
+    path = paths[0]
+    if len(paths) > 1 and opts["out_dir"]:
+        from appliance.bench.results import write_result
+
+        Path(opts["out_dir"]).mkdir(parents=True, exist_ok=True)
+        write_result(result, Path(opts["out_dir"]) / "bench.json")
     console = Console(stderr=True)
     if not console.is_terminal:
         console = Console(stderr=True, width=160)
