@@ -11,8 +11,9 @@ out=${OUT:-/tmp/out}/$shape
 mkdir -p "$out"
 # shellcheck disable=SC1091
 source "$kit/device_env.sh"
-export PYTHONPATH="$PWD:$PYTHONPATH"
-cfg=benchmarks/gpu/h200x2.toml
+src=${PDCTL_SRC:-$PWD}
+export PYTHONPATH="$src:$PYTHONPATH"
+cfg=$src/benchmarks/gpu/h200x2.toml
 model=/tmp/models/$model_shape
 [ -f "$model/config.json" ] || python3 "$kit/make_model.py" "$model_shape" "$model"
 pd() { python3 -m appliance --config "$cfg" "$@"; }
