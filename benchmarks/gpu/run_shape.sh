@@ -6,12 +6,13 @@
 #   SHAPE: disagg-read | colocated-2 | colocated-1     RATES: e.g. 1,2,4     N: requests per rate
 set -euo pipefail
 shape=$1 rates=$2 n=$3 model_shape=${4:-qwen3-32b}
-kit=${KIT_BIN:-.gpu/bin}
+kit=$(cd "${KIT_BIN:-.gpu/bin}" && pwd)
 out=${OUT:-/tmp/out}/$shape
 mkdir -p "$out"
 # shellcheck disable=SC1091
 source "$kit/device_env.sh"
-src=${PDCTL_SRC:-$PWD}
+src=$(cd "${PDCTL_SRC:-.}" && pwd)
+cd "$src"   # `python -m` puts the working folder first on sys.path: make it the source we mean
 export PYTHONPATH="$src:$PYTHONPATH"
 cfg=$src/benchmarks/gpu/h200x2.toml
 model=/tmp/models/$model_shape
