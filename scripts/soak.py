@@ -126,6 +126,8 @@ async def soak(node: Node, clients: int, duration: float, max_tokens: int, ramp_
         "proxy_rss_mib_end": round(samples[-1][1], 1) if samples else None,
         "proxy_rss_mib_max": round(max(rss for _, rss in samples), 1) if samples else None,
         "proxy_cpu_s": round(sum(proxy.cpu_times()[:2]), 1),
+        # every ~10 s: (seconds since start, RSS MiB); flat means the tail does not keep climbing
+        "proxy_rss_mib_timeline": [(round(t), round(rss, 1)) for t, rss in samples[::5]],
     }
 
 
