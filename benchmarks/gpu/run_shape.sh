@@ -31,7 +31,7 @@ if ! pd up "${flags[@]}" > "$out/up.log" 2>&1; then
     cat "$out/up.log"; pd logs > "$out/logs.txt" 2>&1 || true; exit 1
 fi
 echo "[$shape] healthy after $(( $(date +%s) - t0 )) s"
-pd plan --json > "$out/plan.json"
+cp /tmp/pdctl/plan.json "$out/plan.json"   # what `up` deployed (state_dir in h200x2.toml)
 pd status --json > "$out/status.json" || true
 url=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["proxy"]["url"])' "$out/plan.json")
 pd bench --url "$url" --engine vllm --rates "$rates" -n "$n" --input-len 2000 --output-len 1000 \
