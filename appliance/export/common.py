@@ -34,6 +34,15 @@ NODE_LOCAL_ENV = frozenset({
 # MoRIIO keys that address pdctl's own proxy or a loopback host; cluster deployments discover peers otherwise.
 MORIIO_NODE_LOCAL_KEYS = frozenset({"proxy_ip", "proxy_ping_port", "host_ip", "http_port"})
 
+# vLLM flags typed as human-readable integers on its command line ('256M', '32k'); as EngineArgs keyword
+# arguments (Ray's engine_kwargs) they must be plain integers. See vllm/engine/arg_utils.py.
+HUMAN_READABLE_INT_FLAGS = frozenset({
+    "max_num_batched_tokens", "max_num_scheduled_tokens", "kv_cache_memory_bytes",
+    "safetensors_prefetch_block_size", "max_num_queued_tokens", "max_model_len",
+})
+_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kmgtKMGT])$")
+_DECIMAL_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _INT = re.compile(r"^-?\d+$")
 _FLOAT = re.compile(r"^-?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE]-?\d+)$")
 
@@ -96,6 +105,21 @@ def _coerce(value: str) -> Any:
     return value
 
 
+def human_readable_int(key: str, value: str) -> int:
+    """vLLM's reading of '256M' (binary units K/M/G/T) or '25.6k' (decimal units k/m/g/t) as an integer."""
+    match = _HUMAN_INT.match(value.strip())
+    if not match:
+        raise ExportError(f"--{key.replace('_', '-')} '{value}' is not an integer",
+                          fix="write it as a number, optionally with k/m/g/t (x1000) or K/M/G/T (x1024)")
+    number, unit = match.groups()
+    if unit in _BINARY_UNITS:
+        if "." in number:
+            raise ExportError(f"--{key.replace('_', '-')} '{value}': vLLM allows no decimals with {unit}",
+                              fix=f"write {number}{unit.lower()} (decimal) or a whole number of {unit}")
+        return int(number) * _BINARY_UNITS[unit]
+    return int(float(number) * _DECIMAL_UNITS[unit])
+
+
 def engine_kwargs_from_argv(argv: list[str]) -> dict[str, Any]:
     """vLLM's server arguments as EngineArgs keyword arguments (`--max-num-seqs 8` -> max_num_seqs=8)."""
     try:
@@ -126,6 +150,10 @@ def engine_kwargs_from_argv(argv: list[str]) -> dict[str, Any]:
         else:
             kwargs[key] = True
             i += 1
+    for key in HUMAN_READABLE_INT_FLAGS & kwargs.keys():
+        # 'auto' / -1 for max_model_len stay as vLLM takes them; only unit suffixes need converting.
+        if isinstance(kwargs[key], str) and kwargs[key] != "auto":
+            kwargs[key] = human_readable_int(key, kwargs[key])
     return kwargs
 
 

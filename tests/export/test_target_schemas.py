@@ -189,3 +189,18 @@ def test_example_connector_export_refuses_unequal_block_sizes(tmp_path: Path) ->
     unequal = Settings.model_validate({**base, "prefill": {"extra_args": ["--block-size", "32"]}})
     with pytest.raises(ExportError, match="same KV block size"):
         build_export(plan(unequal, inv), unequal, options, inv)
+
+
+def test_human_readable_vllm_integers_become_engine_kwargs_integers() -> None:
+    """vLLM's CLI takes '256M' for --kv-cache-memory-bytes; EngineArgs (Ray's engine_kwargs) needs the integer."""
+    from appliance.engine.command import VLLM_ENTRYPOINT
+    from appliance.export.common import ExportError, engine_kwargs_from_argv
+
+    kwargs = engine_kwargs_from_argv(["python", "-m", VLLM_ENTRYPOINT, "--kv-cache-memory-bytes", "256M",
+                                      "--max-model-len=25.6k", "--max-num-batched-tokens", "2048", "--dtype", "float32"])
+    assert kwargs == {"kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 25600, "max_num_batched_tokens": 2048,
+                      "dtype": "float32"}
+    with pytest.raises(ExportError, match="no decimals"):
+        engine_kwargs_from_argv(["python", "-m", VLLM_ENTRYPOINT, "--kv-cache-memory-bytes", "1.5M"])
+    with pytest.raises(ExportError, match="not an integer"):
+        engine_kwargs_from_argv(["python", "-m", VLLM_ENTRYPOINT, "--max-num-batched-tokens", "lots"])
