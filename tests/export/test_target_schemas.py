@@ -160,6 +160,9 @@ def test_exported_app_serves_on_a_local_ray_head(tmp_path: Path) -> None:
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert lines, r.stderr[-3000:]
     report = json.loads(lines[-1])
+    # The measured figures (pytest -s shows them): request seconds, whole run, cached vs expected tokens.
+    print(json.dumps({k: report.get(k) for k in ("completion", "usage", "block_size", "expected_cached",
+                                                 "kv_folders", "seconds", "total_seconds")}))
     assert report["ok"], {k: report.get(k) for k in ("stage", "error", "usage", "kv_files", "log_tail")}
     # ExampleConnector hands over the prompt's whole blocks: exactly (L-2)//B*B tokens, stored under the folder
     # named by those tokens' hash (not md5 of nothing, which a prompt shorter than a block gives).
