@@ -6,7 +6,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -18,6 +17,7 @@ import psutil
 from appliance.errors import PdctlError
 from appliance.inventory import Inventory
 from appliance.plan import Plan, all_ports
+from appliance.ports import port_free
 from appliance.settings import Settings
 
 Status = Literal["ok", "warn", "fail"]
@@ -87,17 +87,6 @@ def _port_owner(port: int) -> str | None:
     except (psutil.Error, OSError):
         return None
     return None
-
-
-def port_free(host: str, port: int) -> bool:
-    """True when nothing listens on host:port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def check_ports(p: Plan) -> Finding:

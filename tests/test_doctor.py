@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.doctor import Finding, port_free, summary_exit_code
+from appliance.doctor import Finding, summary_exit_code
+from appliance.ports import port_free
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 

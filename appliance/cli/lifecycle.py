@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from appliance.errors import PdctlError
 from appliance.manager import ServiceManager, UnitStatus, choose_manager
 from appliance.manager.base import write_atomic
 from appliance.plan import Plan, busy_ports, proxy_config
+from appliance.ports import port_free
 from appliance.render.common import PROXY_UNIT, TARGET, RenderOptions, instance_unit, role_service
 from appliance.settings import Settings
 
@@ -50,17 +50,6 @@ def http_answer(url: str, timeout: float = 2.0) -> int | None:
         return int(exc.code)
     except (OSError, ValueError):
         return None
-
-
-def port_free(host: str, port: int) -> bool:
-    """True when nothing on this host binds `port` (a bind attempt, as the engine will make)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _loopback(host: str) -> str:

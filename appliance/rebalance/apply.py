@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.cli.lifecycle import ACTIVE, http_answer, manager_for, port_free, prepare_state
+from appliance.cli.lifecycle import ACTIVE, http_answer, manager_for, prepare_state
 from appliance.errors import PdctlError
 from appliance.manager import ServiceManager
 from appliance.plan import Instance, Plan, proxy_config
+from appliance.ports import port_free
 from appliance.proxy.client import AdminClient
 from appliance.rebalance.schedule import Schedule, Step, order, schedule
 from appliance.render.common import instance_unit
