@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = Figures()
     started = time.monotonic()
     problems: list[str] = []
+    harness_errors: list[str] = []
 
     def log(flow: str, result: RoundResult) -> None:
         bad = [t for t in result.trials if t.outcome in ("hung", "unclean")]
@@ -92,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                                        args.per_round, args.seed * 1000 + index * 100 + chunk_start, figures,
                                        args.slack_s, log, deadline)
 
-        await asyncio.gather(*(one(i, f) for i, f in queue))
+        # one flow's harness failure must not cancel the others (their deployments are torn down either way)
+        outcomes = await asyncio.gather(*(one(i, f) for i, f in queue), return_exceptions=True)
+        for (_, flow), outcome in zip(queue, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                harness_errors.append(f"{flow}: {type(outcome).__name__}: {outcome}")
 
     asyncio.run(run_all())
     summary = figures.summary()
@@ -103,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wall time:         {summary['wall_s']} s ({summary['trials'] / max(summary['wall_s'], 1e-9):.1f} trials/s)")
     for line in figures.problems()[:50]:
         print("PROBLEM:", line)
+    for line in harness_errors:
+        print("HARNESS ERROR:", line)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(summary, indent=2) + "\n")
-    ok = not figures.problems() and summary["trials"] >= 1
+    ok = not figures.problems() and not harness_errors and summary["trials"] >= 1
     return 0 if ok else 1
 
 
