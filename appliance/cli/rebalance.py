@@ -241,15 +241,19 @@ def mode(ctx: click.Context, new_mode: str | None, yes: bool, allow_downtime: bo
         last = [i for r in sorted(roles) for i in old.role_instances(r)[-1:]]  # type: ignore[arg-type]
         for inst in first:
             runner.stop(inst, None)
-            runner.start([wanted[inst.name]], routable=False)
+            runner.start([wanted[inst.name]], parked=True)
+        # The switch and the admission are two calls: a request arriving between them waits in the hold.
+        runner.hold(True)
         admin.set_mode(new_mode)
+        runner.admit([wanted[i.name] for i in first])
+        runner.hold(False)
         console.print(f"proxy switched to {new_mode}")
         for inst in last:
             runner.stop(inst, None)
             runner.start([wanted[inst.name]])
 
     def all_at_once() -> None:
-        runner._hold(True)
+        runner.hold(True)
         admin.set_mode(new_mode)
         console.print(f"proxy switched to {new_mode}; holding new requests")
         for inst in changed:

@@ -115,7 +115,8 @@ class Rebalancer:
         self.admin.set_instances(backends(now))
         return mgr
 
-    def _hold(self, on: bool) -> None:
+    def hold(self, on: bool) -> None:
+        """Have the proxy hold requests for a role with no routable instance (bounded), or stop holding."""
         if on == self.held:
             return
         expires = self.options.hold_s + self.options.health_timeout_s + self.options.drain_timeout_s + 60
@@ -126,7 +127,7 @@ class Rebalancer:
     def stop(self, inst: Instance, gap: str | None) -> None:
         """Drain `inst` in the proxy (bounded), take it out of the proxy's set, stop it, remove its unit."""
         if gap:
-            self._hold(True)
+            self.hold(True)
         self.say(f"draining {inst.name} (in-flight requests finish; at most {self.options.drain_timeout_s:g}s)")
         started = time.monotonic()
         try:
@@ -148,22 +149,34 @@ class Rebalancer:
         self._publish(before)
         self.say(f"stopped {inst.name}")
 
-    def start(self, insts: list[Instance], routable: bool = True) -> None:
-        """Render and start `insts`, wait until each is healthy (and, with `routable`, routable in the proxy)."""
+    def start(self, insts: list[Instance], parked: bool = False) -> None:
+        """Render and start `insts`, wait until each is healthy and routable in the proxy.
+
+        `parked`: the proxy knows them but sends them nothing (drained) until `admit`; for engines that run
+        a transfer mode the proxy does not run yet, which it cannot tell until their first registration.
+        """
         before = self.mix()
         for inst in insts:
             self.running[inst.name] = inst
         mgr = self._publish(before)
+        if parked:
+            for inst in insts:  # before the engine starts, so no request can reach it first
+                self.admin.drain(inst.name, 0)
         units = [instance_unit(i) for i in insts]
         restarts = {u: s.restarts for u, s in mgr.status().items()}
         mgr.start(units)
         self.say(f"starting {', '.join(i.name for i in insts)} "
                  f"({'; '.join(f'{i.name} GPUs {_gpus(i)}' for i in insts)})")
-        self._wait_healthy(mgr, insts, restarts, routable)
-        self.say(f"admitted {', '.join(i.name for i in insts)}")
+        self._wait_healthy(mgr, insts, restarts, parked)
+        self.say(f"{'started (parked)' if parked else 'admitted'} {', '.join(i.name for i in insts)}")
+
+    def admit(self, insts: list[Instance]) -> None:
+        """Let parked instances take requests."""
+        for inst in insts:
+            self.admin.undrain(inst.name)
 
     def _wait_healthy(self, mgr: ServiceManager, insts: list[Instance], restarts: dict[str, int],
-                      need_routable: bool) -> None:
+                      parked: bool) -> None:
         started = time.monotonic()
         deadline = started + self.options.health_timeout_s
         pending = {i.name: i for i in insts}
@@ -181,8 +194,8 @@ class Rebalancer:
             mode = view.get("mode")
             for name, inst in list(pending.items()):
                 seen = proxy.get(name, {})
-                routable = seen.get("healthy") and not seen.get("draining") and (
-                    not need_routable or seen.get("transfer_mode") in (None, mode))
+                routable = seen.get("healthy") and (parked or (
+                    not seen.get("draining") and seen.get("transfer_mode") in (None, mode)))
                 if routable and http_answer(inst.url + "/health") == 200:
                     pending.pop(name)
             if not pending:
@@ -203,7 +216,7 @@ class Rebalancer:
             else:
                 self.start([wanted[n] for n in step.names])
                 if self.held and not gaps_left:
-                    self._hold(False)
+                    self.hold(False)
 
     def run(self, steps: list[Step], body: Callable[[], None] | None = None,
             restore: Callable[[], None] | None = None) -> None:
@@ -234,7 +247,7 @@ class Rebalancer:
                                   f"Cause: {reason}") from None
         finally:
             with contextlib.suppress(PdctlError):
-                self._hold(False)
+                self.hold(False)
 
     def rollback(self) -> None:
         """From the current mix back to the old plan (gaps allowed: restoring service comes first)."""

@@ -1,0 +1,118 @@
+"""`pdctl mode read|write` on a running MORI-IO node (real supervisord, simulated engines on a simulated 8-GPU
+MI300X inventory, registering with the proxy over ZMQ) under steady streaming load: no client request may fail,
+and afterwards the engines, plan.json and the proxy all run the new mode."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.manager.deploy import pdctl as _pdctl
+from tests.rebalance.load import Load, write_node_config
+
+
+def pdctl(config: Path, *args: str):
+    """`pdctl` on the simulated 8-GPU MI300X inventory."""
+    return _pdctl(config, "--inventory", "sim:mi300x-8", *args)
+
+
+def _status(config: Path) -> dict:
+    done = pdctl(config, "status", "--json")
+    doc = json.loads(done.stdout)
+    doc["_rc"] = done.returncode
+    return doc
+
+
+def _engine_mode(url: str) -> str:
+    """The transfer mode the running engine reports (what it registers with the proxy)."""
+    with urllib.request.urlopen(url + "/sim/state", timeout=10) as response:
+        return str(json.loads(response.read())["transfer_mode"])
+
+
+def _check_mode(config: Path, state: Path, mode: str) -> dict:
+    """plan.json, every engine's kv-transfer-config and live state, and the proxy all say `mode`."""
+    plan = json.loads((state / "plan.json").read_text())
+    assert plan["mode"] == mode
+    for inst in plan["instances"]:
+        kv = inst["kv_transfer_config"]
+        assert kv["kv_connector_extra_config"]["read_mode"] is (mode == "read"), (inst["name"], kv)
+        assert inst["argv"][inst["argv"].index("--mode") + 1] == mode, inst["argv"]
+        assert _engine_mode(inst["url"]) == mode.upper(), inst["name"]
+    doc = _status(config)
+    assert doc["_rc"] == 0, json.dumps(doc)
+    assert doc["proxy"]["mode"] == mode
+    assert all(i["state"] == "running" and i["health"] == "healthy" for i in doc["instances"]), doc["instances"]
+    assert {r["name"] for r in doc["proxy"]["registered"]} == {i["name"] for i in plan["instances"]}
+    return doc
+
+
+def _deploy(tmp_path: Path, per_role: int) -> tuple[Path, Path]:
+    state = tmp_path / "state"
+    config = write_node_config(tmp_path, state, connector="moriio")
+    if per_role > 1:
+        text = config.read_text()
+        for role in ("prefill", "decode"):
+            text = text.replace(f"[{role}]\n", f"[{role}]\ninstances = {per_role}\n")
+        config.write_text(text)
+    up = pdctl(config, "up", "--json")
+    assert up.returncode == 0, up.stdout + up.stderr
+    return config, state
+
+
+@pytest.fixture
+def tmp_node(tmp_path: Path):
+    made: list[Path] = []
+
+    def deploy(per_role: int) -> tuple[Path, Path]:
+        config, state = _deploy(tmp_path, per_role)
+        made.append(config)
+        return config, state
+
+    yield deploy
+    for config in made:
+        pdctl(config, "down")
+
+
+def test_mode_switch_single_instances_needs_downtime(tmp_node) -> None:
+    config, state = tmp_node(1)
+    _check_mode(config, state, "read")
+    load = Load(_status(config)["proxy"]["url"]).start()
+    try:
+        refused = pdctl(config, "mode", "write", "--yes")
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "--allow-downtime" in refused.stderr and "pauses serving" in refused.stderr
+        assert json.loads((state / "plan.json").read_text())["mode"] == "read"
+        done = pdctl(config, "mode", "write", "--yes", "--allow-downtime", "--hold", "60")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "mode write" in done.stdout
+    finally:
+        load.stop()
+    assert load.failures == [], load.failures[:5]
+    assert load.ok >= 5
+    _check_mode(config, state, "write")
+    shown = pdctl(config, "mode")
+    assert shown.returncode == 0 and "mode write (plan: write" in shown.stdout, shown.stdout + shown.stderr
+    # the switch is recorded: `pdctl up` keeps the node in write mode and restarts nothing
+    again = pdctl(config, "up", "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["started_or_restarted"] == [], again.stdout
+    assert pdctl(config, "mode", "write", "--yes").stdout.strip() == "mode is already write"
+
+
+def test_mode_switch_rolls_with_two_instances_per_role(tmp_node) -> None:
+    config, state = tmp_node(2)
+    before = {i["name"]: i["pid"] for i in _check_mode(config, state, "read")["instances"]}
+    assert len(before) == 4
+    load = Load(_status(config)["proxy"]["url"]).start()
+    try:
+        done = pdctl(config, "mode", "write", "--yes", "--hold", "60")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "one at a time" in done.stdout
+    finally:
+        load.stop()
+    assert load.failures == [], load.failures[:5]
+    assert load.ok >= 5
+    after = {i["name"]: i["pid"] for i in _check_mode(config, state, "write")["instances"]}
+    assert after.keys() == before.keys() and all(after[n] != before[n] for n in before)
