@@ -7,34 +7,12 @@ from typing import Any, TypeVar
 
 import click
 
-from appliance.errors import PdctlError
 from appliance.inventory import Inventory, load_inventory
 from appliance.plan import Plan, plan
 from appliance.settings import Settings, load_settings
+from appliance.shapes import role_overrides
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def parse_gpu_set(text: str) -> list[int]:
-    """'0,1,4-7' -> [0, 1, 4, 5, 6, 7]; a clear error for anything else."""
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                if hi < lo:
-                    raise ValueError
-                out.extend(range(lo, hi + 1))
-            else:
-                out.append(int(part))
-        except ValueError:
-            raise PdctlError(f"'{text}' is not a GPU set", fix="write GPU indices like 0,1 or 4-7") from None
-    if not out:
-        raise PdctlError(f"'{text}' names no GPUs", fix="write GPU indices like 0,1 or 4-7")
-    return out
 
 
 def plan_options(func: F) -> F:
@@ -44,10 +22,12 @@ def plan_options(func: F) -> F:
         click.option("--connector", type=click.Choice(["auto", "moriio", "nixl", "example", "none"]),
                      help="KV connector (none: colocated)."),
         click.option("--engine", type=click.Choice(["vllm", "sim"]), help="Real vLLM or the simulated engine."),
-        click.option("--prefill-gpus", type=click.IntRange(min=1), help="Number of prefill GPUs."),
-        click.option("--decode-gpus", type=click.IntRange(min=1), help="Number of decode GPUs."),
-        click.option("--prefill", "prefill_set", metavar="SET", help="Explicit prefill GPUs, e.g. 0,1 or 0-3."),
-        click.option("--decode", "decode_set", metavar="SET", help="Explicit decode GPUs, e.g. 4-7."),
+        click.option("--prefill-gpus", type=click.IntRange(min=1), help="Number of prefill GPUs (one instance)."),
+        click.option("--decode-gpus", type=click.IntRange(min=1), help="Number of decode GPUs (one instance)."),
+        click.option("--prefill", "prefill_set", metavar="SET|SHAPE",
+                     help="Prefill GPUs (0,1 / 0-3) or shape (2xTP2, 2xTP2@0-3)."),
+        click.option("--decode", "decode_set", metavar="SET|SHAPE",
+                     help="Decode GPUs (4-7) or shape (1xTP4, 2xTP2@4-7)."),
         click.option("--inventory", "inventory_source", metavar="SOURCE",
                      help="Plan for another inventory: sim:mi300x-8, sim:h200-8, sim:cpu or a JSON file."),
     ]
@@ -69,15 +49,7 @@ def overrides_from(options: dict[str, Any]) -> dict[str, Any]:
         put("connector", "name", options["connector"])
     if options.get("engine"):
         put("engine", "kind", options["engine"])
-    for role in ("prefill", "decode"):
-        count, chosen = options.get(f"{role}_gpus"), options.get(f"{role}_set")
-        if count and chosen:
-            raise PdctlError(f"--{role}-gpus and --{role} both given", fix="use one of them")
-        if count:
-            # A count replaces any explicit set and TP from the file: the planner derives them again.
-            out[role] = {"gpu_count": count, "gpus": None, "tp": None}
-        if chosen:
-            out[role] = {"gpus": parse_gpu_set(chosen), "gpu_count": None, "tp": None}
+    out.update(role_overrides(options))
     return out
 
 

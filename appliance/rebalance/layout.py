@@ -1,56 +1,23 @@
-"""Role shapes from the command line, and <state_dir>/layout.json: the shape `pdctl rebalance` (or
-`pdctl mode`) left the node in. `pdctl up` and `pdctl plan` apply it over pdctl.toml, so a later
-`pdctl up` keeps the node as it was re-carved; `pdctl rebalance --reset` drops it.
+"""<state_dir>/layout.json: the shape `pdctl rebalance` (or `pdctl mode`) left the node in. `pdctl up` and
+`pdctl plan` apply it over pdctl.toml, so a later `pdctl up` keeps the node as it was re-carved;
+`pdctl rebalance --reset` drops it. The command-line shapes themselves are parsed in appliance.shapes.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import click
 
-from appliance.cli.common import obtain, parse_gpu_set
+from appliance.cli.common import obtain
 from appliance.errors import PdctlError
 from appliance.manager.base import write_atomic
 from appliance.plan import Plan
+from appliance.shapes import parse_role, role_overrides
 
 LAYOUT_FILE = "layout.json"
-_SHAPE = re.compile(r"^(\d+)\s*x\s*(?:tp)?(\d+)(?:\s*x\s*dp(\d+))?(?:@(.+))?$", re.IGNORECASE)
-ROLE_KEYS = ("gpus", "gpu_count", "instances", "tp", "dp")
-
-
-def parse_role(role: str, text: str) -> dict[str, Any]:
-    """`--prefill` value -> role settings: a GPU set (0,1 / 2-7), a shape (2xTP2, 1xTP4xDP2) or both (2xTP2@0-3)."""
-    match = _SHAPE.match(text.strip())
-    if match is None:
-        if re.fullmatch(r"[\d,\s-]+", text):
-            return {"gpus": parse_gpu_set(text), "gpu_count": None, "instances": 1, "tp": None}
-        raise PdctlError(f"--{role} {text!r} is neither a GPU set nor a shape",
-                         fix=f"write --{role} 0-3 (GPUs), --{role} 2xTP2 (2 instances of TP 2) or 2xTP2@0-3")
-    instances, tp, dp, gpus = int(match[1]), int(match[2]), int(match[3] or 1), match[4]
-    if instances < 1 or tp < 1 or dp < 1:
-        raise PdctlError(f"--{role} {text!r}: instances, TP and DP must be at least 1")
-    out: dict[str, Any] = {"instances": instances, "tp": tp, "dp": dp, "gpu_count": None, "gpus": None}
-    if gpus:
-        out["gpus"] = parse_gpu_set(gpus)
-    return out
-
-
-def role_overrides(options: dict[str, Any]) -> dict[str, Any]:
-    """Settings overrides for the roles the rebalance flags name (--prefill-gpus N / --prefill SET|SHAPE)."""
-    out: dict[str, Any] = {}
-    for role in ("prefill", "decode"):
-        count, given = options.get(f"{role}_gpus"), options.get(f"{role}_set")
-        if count and given:
-            raise PdctlError(f"--{role}-gpus and --{role} both given", fix=f"use one (--{role} 2xTP2 sets both)")
-        if count:
-            out[role] = {"gpu_count": count, "gpus": None, "instances": 1, "tp": None}
-        elif given:
-            out[role] = parse_role(role, given)
-    return out
 
 
 def pinned(plan: Plan) -> dict[str, Any]:
@@ -105,3 +72,6 @@ def with_layout(ctx: click.Context, overrides: dict[str, Any]) -> dict[str, Any]
     settings, _ = obtain(ctx)
     layout = read_layout(settings.state_dir)
     return merge(layout, overrides) if layout else overrides
+
+
+__all__ = ["merge", "parse_role", "pinned", "read_layout", "role_overrides", "with_layout", "write_layout"]

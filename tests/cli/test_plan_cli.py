@@ -76,3 +76,28 @@ def test_bad_settings_file(tmp_path: Path) -> None:
     assert r.stderr.strip() == (
         f"pdctl: error: {bad}: connector.mode = 'sideways' is not allowed: Input should be 'read' or 'write'"
     )
+
+
+def test_shapes_in_the_plan_flags() -> None:
+    r = pdctl("plan", "--json", "--prefill", "2xTP2", "--decode", "1xTP4", env={"PDCTL_INVENTORY": "sim:mi300x-8"})
+    assert r.returncode == 0, r.stderr
+    assert [(i["name"], i["gpus"], i["tp"]) for i in json.loads(r.stdout)["instances"]] == [
+        ("prefill-0", [0, 1], 2), ("prefill-1", [2, 3], 2), ("decode-0", [4, 5, 6, 7], 4)]
+    # a shape pinned to GPUs, and the same flags through doctor (every command with the plan flags parses them)
+    r = pdctl("plan", "--json", "--prefill", "1xTP2@6-7", "--decode", "2xTP2@0-3", env={"PDCTL_INVENTORY": "sim:mi300x-8"})
+    assert r.returncode == 0, r.stderr
+    assert [(i["name"], i["gpus"]) for i in json.loads(r.stdout)["instances"]] == [
+        ("prefill-0", [6, 7]), ("decode-0", [0, 1]), ("decode-1", [2, 3])]
+    r = pdctl("doctor", "--json", "--engine", "sim", "--prefill", "2xTP2", "--decode", "1xTP4",
+              env={"PDCTL_INVENTORY": "sim:mi300x-8"})
+    assert "Traceback" not in r.stderr and json.loads(r.stdout), r.stderr
+
+
+def test_bad_shape_is_one_line() -> None:
+    for value in ("2xTPx", "0xTP2", "3xTP4"):
+        r = pdctl("plan", "--prefill", value, env={"PDCTL_INVENTORY": "sim:mi300x-8"})
+        assert r.returncode != 0, value
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("pdctl: error:"), (value, r.stderr)
+    r = pdctl("plan", "--prefill", "2xTPx", env={"PDCTL_INVENTORY": "sim:mi300x-8"})
+    assert "neither a GPU set nor a shape" in r.stderr
