@@ -15,6 +15,7 @@ from typing import Literal
 import psutil
 
 from appliance.errors import PdctlError
+from appliance.heads import read_heads
 from appliance.inventory import Inventory
 from appliance.plan import Plan, all_ports
 from appliance.ports import port_free
@@ -139,6 +140,27 @@ def check_model(settings: Settings, p: Plan) -> list[Finding]:
     return findings
 
 
+def check_tp(p: Plan) -> list[Finding]:
+    """Every instance's TP divides the model's attention heads (and splits or replicates its KV heads)."""
+    heads = None if p.model.generate else read_heads(p.model.path)
+    if heads is None:
+        return []
+    kv = f"{heads.kv} KV heads" if heads.kv is not None else "MLA"
+    bad = [(i, why) for i in p.instances if (why := heads.tp_problem(i.tp))]
+    if not bad:
+        tps = sorted({i.tp for i in p.instances})
+        return [Finding("tp", "ok", f"TP {', '.join(map(str, tps))} fits {heads.attention} attention heads, {kv}")]
+    # a fix the user can type: the same role's GPUs in instances of a TP the model takes
+    findings = []
+    for inst, why in bad:
+        role_gpus = sum(len(i.gpus) for i in p.role_instances(inst.role))
+        shapes = [f"{role_gpus // tp}xTP{tp}" for tp in heads.fitting(role_gpus) if role_gpus % tp == 0]
+        findings.append(Finding("tp", "fail", f"{inst.name}: {why}; vLLM refuses to start",
+                                f"reshape {inst.role}: --{inst.role} {shapes[-1]}" + (
+                                    f" (or {', '.join(shapes[:-1])})" if len(shapes) > 1 else "")))
+    return findings
+
+
 def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout: float = 180.0) -> list[Finding]:
     """All doctor checks for this node and plan."""
     findings: list[Finding] = []
@@ -187,6 +209,7 @@ def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout:
                                 "" if unlimited else "the units set LimitMEMLOCK=infinity; for manual runs: ulimit -l unlimited"))
     findings.append(check_ports(p))
     findings.extend(check_model(settings, p))
+    findings.extend(check_tp(p))
     return findings
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import PdctlError
+from appliance.heads import Heads
 from appliance.inventory.models import Inventory
 from appliance.plan import _usable, plan
 from appliance.settings import Settings
@@ -132,17 +133,19 @@ def predict(p: Profile, pre: Shape, dec: Shape, rate: float, input_len: int, out
     return Prediction(pre, dec, lo, ttft, itl, not (ttft_bad or itl_bad), bottleneck)
 
 
-def _shapes(gpus: int) -> list[Shape]:
-    return [Shape(gpus // tp, tp) for tp in TP_SIZES if tp <= gpus and gpus % tp == 0]
+def _shapes(gpus: int, heads: Heads | None) -> list[Shape]:
+    return [Shape(gpus // tp, tp) for tp in TP_SIZES
+            if tp <= gpus and gpus % tp == 0 and (heads is None or heads.tp_problem(tp) is None)]
 
 
-def candidates(settings: Settings, inventory: Inventory) -> list[tuple[Shape, Shape]]:
-    """Every P:D GPU count and TP shape on the usable GPUs that the planner accepts."""
+def candidates(settings: Settings, inventory: Inventory, heads: Heads | None = None) -> list[tuple[Shape, Shape]]:
+    """Every P:D GPU count and TP shape on the usable GPUs that the planner accepts (and, given the model's
+    `heads`, that vLLM can start)."""
     usable = sum(1 for g in inventory.gpus if _usable(g))
     out = []
     for p_gpus in range(1, usable):
-        for pre in _shapes(p_gpus):
-            for dec in _shapes(usable - p_gpus):
+        for pre in _shapes(p_gpus, heads):
+            for dec in _shapes(usable - p_gpus, heads):
                 overrides: dict[str, Any] = {
                     role: {"gpu_count": None, "gpus": None, "instances": s.instances, "tp": s.tp, "dp": 1}
                     for role, s in (("prefill", pre), ("decode", dec))}
@@ -158,14 +161,17 @@ def candidates(settings: Settings, inventory: Inventory) -> list[tuple[Shape, Sh
 
 
 def suggest(settings: Settings, inventory: Inventory, profile: Profile, input_len: int, output_len: int,
-            rate: float) -> list[Prediction]:
-    """Candidate splits ranked: meeting the SLOs at `rate` first, then by predicted goodput, fewer instances."""
+            rate: float, heads: Heads | None = None) -> list[Prediction]:
+    """Candidate splits ranked: meeting the SLOs at `rate` first, then by predicted goodput, fewer instances.
+
+    `heads`: the model's head counts when known; shapes whose TP the model cannot take are left out."""
     if not inventory.gpus:
         raise PdctlError("this node has no GPUs to split", fix="plan for a GPU node with --inventory sim:mi300x-8")
     slo = settings.slo
     preds = [predict(profile, pre, dec, rate, input_len, output_len, slo.ttft_ms, slo.itl_ms)
-             for pre, dec in candidates(settings, inventory)]
+             for pre, dec in candidates(settings, inventory, heads)]
     if not preds:
-        raise PdctlError("the planner accepts no prefill/decode split on this inventory")
+        why = f" for a model with {heads.attention} attention heads" if heads else ""
+        raise PdctlError(f"the planner accepts no prefill/decode split on this inventory{why}")
     return sorted(preds, key=lambda x: (not x.meets_slo, -round(x.goodput_rps, 6),
                                         x.prefill.instances + x.decode.instances))

@@ -92,6 +92,15 @@ def _same_frame(old: Plan, new: Plan) -> None:
                              fix=fix)
 
 
+def _tp_fits(new: Plan) -> None:
+    """Refuse, before anything stops, a shape whose TP the model cannot take (vLLM would not start it)."""
+    from appliance.doctor import check_tp
+
+    bad = [f for f in check_tp(new) if f.status == "fail"]
+    if bad:
+        raise PdctlError(bad[0].detail, fix=bad[0].fix)
+
+
 def _gap_error(sched: Schedule, old: Plan) -> PdctlError:
     gaps = [s for s in sched.steps if s.gap]
     first = gaps[0]
@@ -154,6 +163,7 @@ def rebalance(ctx: click.Context, reset: bool, dry_run: bool, yes: bool, allow_d
     new_settings, inventory = obtain(ctx, overrides)
     new = plan(new_settings, inventory)
     _same_frame(old, new)
+    _tp_fits(new)
     sched = schedule(old.instances, new.instances, _health(old))
     render_preview(old, new, sched, console)
     for warning in new.warnings:

@@ -12,6 +12,8 @@ from rich.table import Table
 
 from appliance.cli.common import obtain
 from appliance.cli.lifecycle import installed_plan
+from appliance.heads import Heads, read_heads
+from appliance.settings import EMBEDDED_MODEL
 from appliance.suggest import Profile, _eff, bench_profile, sim_profile, suggest
 
 
@@ -32,7 +34,8 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
     overrides = {"slo": {k: v for k, v in (("ttft_ms", ttft_ms), ("itl_ms", itl_ms)) if v is not None}}
     settings, inventory = obtain(ctx, overrides)
     prof = _profile(settings, profile_path)
-    ranked = suggest(settings, inventory, prof, input_len, output_len, rate)
+    heads: Heads | None = None if settings.model.path == EMBEDDED_MODEL else read_heads(settings.model.path)
+    ranked = suggest(settings, inventory, prof, input_len, output_len, rate, heads)
     if as_json:
         click.echo(json.dumps({"profile": asdict(prof), "workload": {"input_len": input_len, "output_len": output_len,
                                "rate": rate, "ttft_ms": settings.slo.ttft_ms, "itl_ms": settings.slo.itl_ms},
@@ -51,6 +54,9 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
     step = prof.decode_step_ms + prof.decode_step_ms_per_seq * batch
     console.print(f"  decode per GPU: step {prof.decode_step_ms:g} ms + {prof.decode_step_ms_per_seq:g} ms/seq "
                   f"(batch {batch}: {batch * 1000 / step:,.0f} tokens/s); demand {rate * output_len:,.0f} tokens/s")
+    if heads is not None:
+        console.print(f"  model: {heads.attention} attention heads: TP {', '.join(map(str, heads.fitting(len(inventory.gpus))))} "
+                      "can start (others are left out)")
     console.print(f"  TP t speeds an instance up by t x 0.9^log2(t) (TP2 {_eff(2):.2f}x, TP4 {_eff(4):.2f}x)")
     table = Table(show_header=True, header_style="bold")
     for col in ("rank", "prefill", "decode", "P:D GPUs", "goodput req/s", f"TTFT ms @{rate:g}",

@@ -52,6 +52,11 @@ def _check_mode(config: Path, state: Path, mode: str) -> dict:
 def _deploy(tmp_path: Path, per_role: int) -> tuple[Path, Path]:
     state = tmp_path / "state"
     config = write_node_config(tmp_path, state, connector="moriio")
+    # a local model directory with Qwen3-32B's head counts (the simulated engines load no weights)
+    model = tmp_path / "qwen3-32b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 64, "num_key_value_heads": 8}))
+    config.write_text(config.read_text() + f"[model]\npath = {json.dumps(str(model))}\n")
     if per_role > 1:
         text = config.read_text()
         for role in ("prefill", "decode"):
@@ -99,6 +104,12 @@ def test_mode_switch_single_instances_needs_downtime(tmp_node) -> None:
     again = pdctl(config, "up", "--json")
     assert again.returncode == 0 and json.loads(again.stdout)["started_or_restarted"] == [], again.stdout
     assert pdctl(config, "mode", "write", "--yes").stdout.strip() == "mode is already write"
+    # a rebalance to a TP the model cannot take is refused before anything stops
+    tp6 = pdctl(config, "rebalance", "--prefill-gpus", "2", "--decode-gpus", "6", "--yes", "--allow-downtime")
+    assert tp6.returncode == 2, tp6.stdout + tp6.stderr
+    assert "decode-0: TP 6 does not divide the model's 64 attention heads" in tp6.stderr
+    assert "--decode 3xTP2" in tp6.stderr
+    assert json.loads((state / "plan.json").read_text())["instances"][1]["tp"] == 4
 
 
 def test_mode_switch_rolls_with_two_instances_per_role(tmp_node) -> None:
