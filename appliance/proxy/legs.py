@@ -44,6 +44,17 @@ def error_response(status: int, message: str) -> web.Response:
     return web.json_response(error_payload(status, message), status=status)
 
 
+def _engine_message(answer: bytes) -> str:
+    """The message of an engine's error answer (OpenAI-shaped JSON), or its first bytes."""
+    try:
+        doc = json.loads(answer)
+        error = doc.get("error", doc) if isinstance(doc, dict) else doc
+        message = error.get("message") if isinstance(error, dict) else None
+        return str(message if message is not None else error)[:300]
+    except (ValueError, UnicodeDecodeError):
+        return answer[:300].decode("utf-8", "replace")
+
+
 class LegFailure(Exception):
     """A leg failed in a way the client should hear about as `status` with `message`."""
 
@@ -220,12 +231,18 @@ async def run_decode(
             head = await _race(conn.head_fut, supervisor, timeouts.first_token_s)
             if head.status != 200 or not stream:
                 answer = await _race(conn.done_fut, supervisor, timeouts.first_token_s)
+                inst.pool.release(conn)
                 if head.status >= 500:
                     proxy.metrics.leg_failures.labels("decode", "status").inc()
                     proxy.health.leg_failed(inst)
+                    if head.status not in (503, 504):
+                        # An engine's internal error (e.g. a KV handoff that timed out) is a bad gateway from
+                        # the client's side: a 500 from the proxy would read as a proxy bug. 503/504 keep
+                        # their meaning (overloaded, timed out) and pass through; the engine's words stay.
+                        message = _engine_message(answer)
+                        raise LegFailure(502, f"decode leg on {inst.name} answered {head.status}: {message}")
                 else:
                     proxy.health.leg_ok(inst)
-                inst.pool.release(conn)
                 return web.Response(status=head.status, body=answer, content_type=_content_type(conn))
             await _race(conn.first_fut, supervisor, timeouts.first_token_s)
         except asyncio.TimeoutError:

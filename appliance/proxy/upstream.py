@@ -146,7 +146,12 @@ class Connection(asyncio.Protocol):
 
     # request side
     def start(self, raw_request: bytes, collect: bool) -> None:
-        """Send one serialized request; futures report head, first body bytes and completion."""
+        """Send one serialized request; futures report head, first body bytes and completion.
+
+        Raises UpstreamError("reset") when the engine has closed or reset the connection already.
+        """
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise UpstreamError("reset", "the engine closed the connection")
         loop = asyncio.get_running_loop()
         self._state = _READ
         self.received_any = False
@@ -166,8 +171,11 @@ class Connection(asyncio.Protocol):
         self.done_fut = loop.create_future()
         for fut in (self.head_fut, self.first_fut, self.done_fut):
             fut.add_done_callback(_silence)
-        assert self.transport is not None
-        self.transport.write(raw_request)
+        try:
+            self.transport.write(raw_request)
+        except RuntimeError as exc:  # uvloop: the handler closed between our check and the write
+            self.closed = True
+            raise UpstreamError("reset", f"the engine reset the connection: {exc}") from None
         self.used = True
 
     def relay_to(
@@ -463,13 +471,24 @@ class UpstreamPool:
         A reused keep-alive connection that the engine closed while idle is retried once on a new one.
         """
         raw = _serialize(method, path, self.address, headers, body)
-        conn = self._pop_idle()
-        reused = conn is not None
-        if conn is None:
-            conn = await self._connect()
-        conn.start(raw, collect)
-        conn.reused = reused
-        return conn
+        for attempt in (0, 1):
+            conn = self._pop_idle() if attempt == 0 else None
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect()
+            try:
+                conn.start(raw, collect)
+            except UpstreamError:
+                # A connection the engine reset a moment ago: a reused one is retried once on a new one.
+                conn.closed = True
+                if conn.transport is not None:
+                    conn.transport.abort()
+                if reused:
+                    continue
+                raise
+            conn.reused = reused
+            return conn
+        raise AssertionError("unreachable")
 
     async def open(
         self,
