@@ -357,6 +357,8 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     used = [g for inst in instances for g in inst.gpus]
     checks.append(Check(name="gpus-disjoint", ok=len(used) == len(set(used)), detail=f"{len(used)} GPU(s) assigned"))
     proxy = _proxy_plan(settings, connector_name, mode)
+    if settings.proxy.host not in _LOOPBACK and not settings.proxy.api_key_file:
+        warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file is set")
     _check_ports(instances, proxy)
     checks.append(
         Check(name="ports-unique", ok=True, detail=f"{sum(len(v) for i in instances for v in i.ports.values())} ports")
@@ -387,8 +389,17 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def _proxy_plan(settings: Settings, connector: str, mode: Literal["read", "write"]) -> ProxyPlan:
     p = settings.proxy
+    if p.admin_host not in _LOOPBACK and not p.admin_token_file:
+        # The proxy refuses to start like this; say so before anything is written.
+        raise PlanError(
+            f"proxy.admin_host = {p.admin_host!r} exposes the admin API without a token",
+            fix="set proxy.admin_token_file (a 0600 file), or keep admin_host on 127.0.0.1",
+        )
     return ProxyPlan(
         host=p.host,
         port=p.port,

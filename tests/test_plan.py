@@ -98,6 +98,7 @@ def test_proxy_config_lists_every_instance() -> None:
         ({"decode": {"handshake_port": 6303}}, "sim:mi300x-8", "port 6303 would be bound by prefill-0 handshake and"),
         ({"proxy": {"admin_port": 20005}}, "sim:mi300x-8", "port 20005"),
         ({"prefill": {"gpu_count": 4, "dp": 3}}, "sim:mi300x-8", "DP 3 does not divide"),
+        ({"proxy": {"admin_host": "0.0.0.0"}}, "sim:mi300x-8", "exposes the admin API without a token"),
     ],
 )
 def test_impossible_requests_fail_with_reason_and_fix(overrides: dict[str, Any], inventory: str, message: str) -> None:
@@ -176,3 +177,9 @@ def test_auto_split_uses_every_gpu_once(n: int, data: st.DataObject) -> None:
     used = sorted(g for i in p.instances for g in i.gpus)
     assert used == list(range(n))
     assert len(p.role_instances("prefill")[0].gpus) == prefill
+
+
+def test_exposed_api_without_a_key_is_a_warning() -> None:
+    p = plan(make({"proxy": {"host": "0.0.0.0"}}), load_inventory("sim:h200-8"))
+    assert any("no proxy.api_key_file" in w for w in p.warnings)
+    assert p.proxy.url == "http://127.0.0.1:10001"
