@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,24 @@ from appliance.ports import port_free
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 
 
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+PROXY, ADMIN, PREFILL, DECODE = free_ports(4)
+
+
 def doctor(tmp_path: Path, python: str, *extra: str) -> tuple[int, list[dict[str, str]]]:
     cfg = tmp_path / "pdctl.toml"
     cfg.write_text(f'state_dir = "{tmp_path}/state"\n[engine]\npython = "{python}"\n'
-                   "[proxy]\nport = 18101\nadmin_port = 18102\n[prefill]\nhttp_port = 18103\n"
-                   "[decode]\nhttp_port = 18104\n")
+                   f"[proxy]\nport = {PROXY}\nadmin_port = {ADMIN}\n[prefill]\nhttp_port = {PREFILL}\n"
+                   f"[decode]\nhttp_port = {DECODE}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
     r = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "--inventory", "sim:cpu", "doctor",
                         "--json", *extra], capture_output=True, text=True, env=env, timeout=300)
@@ -60,15 +74,13 @@ def test_passes_with_the_cpu_default(tmp_path: Path) -> None:
 
 
 def test_busy_port_is_a_failure(tmp_path: Path) -> None:
-    import socket
-
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 18103))
+        s.bind(("127.0.0.1", PREFILL))
         s.listen()
-        assert not port_free("127.0.0.1", 18103)
+        assert not port_free("127.0.0.1", PREFILL)
         rc, findings = doctor(tmp_path, sys.executable, "--engine", "sim")
     ports = next(f for f in findings if f["check"] == "ports")
-    assert rc == 1 and ports["status"] == "fail" and "18103" in ports["detail"]
+    assert rc == 1 and ports["status"] == "fail" and str(PREFILL) in ports["detail"]
 
 
 def test_exit_code_follows_failures() -> None:
