@@ -86,7 +86,7 @@ def _train_tokenizer(spec: TinyModelSpec) -> Any:
     return tok
 
 
-def _weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, Any]:
+def _weights(spec: TinyModelSpec, vocab_size: int, special_ids: list[int]) -> dict[str, Any]:
     import numpy as np
 
     rng = np.random.default_rng(spec.seed)
@@ -113,7 +113,11 @@ def _weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, Any]:
     # An LM head of its own (not tied to the embedding, which would make the model echo its last token)
     # and a large scale: peaky logits, so greedy choices never hinge on rounding differences between
     # a batched and an unbatched forward pass.
-    tensors["lm_head.weight"] = normal((vocab_size, h), 0.5)
+    lm_head = normal((vocab_size, h), 0.5)
+    # Special tokens (end of text, end of turn) get a zero row: their logit is 0 while the best of the
+    # random ones is far above it, so the toy model never stops after one token and a demo shows text.
+    lm_head[special_ids] = 0.0
+    tensors["lm_head.weight"] = lm_head
     return tensors
 
 
@@ -175,7 +179,7 @@ def render_tiny_model(spec: TinyModelSpec = TinyModelSpec()) -> dict[str, bytes]
         "generation_config.json": js(generation_config),
         "tokenizer.json": tok.to_str(pretty=True).encode(),
         "tokenizer_config.json": js(tokenizer_config),
-        "model.safetensors": save(_weights(spec, vocab_size), metadata={"format": "pt"}),
+        "model.safetensors": save(_weights(spec, vocab_size, sorted(ids.values())), metadata={"format": "pt"}),
     }
     files["pdctl-tinymodel.json"] = js(
         {
