@@ -12,19 +12,9 @@ from pathlib import Path
 import pytest
 
 from appliance.doctor import Finding, summary_exit_code
-from appliance.ports import port_free
+from appliance.ports import free_ports, port_free
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 PROXY, ADMIN, PREFILL, DECODE = free_ports(4)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,12 +12,6 @@ from pathlib import Path
 
 PY = sys.executable
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(argv: list[str], ready: re.Pattern[str], log: Path) -> tuple[subprocess.Popen[str], re.Match[str]]:

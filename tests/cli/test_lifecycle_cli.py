@@ -9,13 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from appliance.ports import free_port as _free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(tmp_path: Path, proxy_port: int) -> Path:

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -24,13 +23,6 @@ REPO = Path(__file__).resolve().parents[2]
 # Seconds; generous because three engines import torch and vLLM at once on two loaded cores.
 READY_TIMEOUT_S = 420.0
 REQUEST_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (bind port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def example_kv_config(role: str, storage: Path) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,21 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from appliance.ports import free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports nothing binds right now (bound to port 0 together, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def write_config(directory: Path, state_dir: Path, manager: str = "supervisor", extra: str = "") -> Path:

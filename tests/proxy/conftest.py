@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -146,13 +145,6 @@ class FakeEngine:
         self.finished.append(rid)
         await response.write_eof()
         return response
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (for 'engine is down' cases)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def proxy_config(connector: str, backends: list[dict[str, Any]], **overrides: Any) -> ProxyConfig:

@@ -9,7 +9,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,13 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-e2e"
 # a slow, loaded 2-core box: process start-up (imports) can take several seconds
 START_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    """A port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc:

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from appliance.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,20 +48,6 @@ KV_ABORT_TIMEOUT_S = 1.0
 KV_WAIT_TIMEOUT_S = 1.5
 MODEL = "sim-model"
 KNOWN_RACE = "RuntimeError: unable to perform operation on <TCPTransport closed=True"
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports nothing binds right now."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class DeployError(RuntimeError):
