@@ -7,13 +7,14 @@ import importlib
 import io
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from itertools import combinations
 from types import ModuleType
 from typing import Any
 
 from appliance.inventory import sysfs
 from appliance.inventory.models import BackendResult, Gpu, GpuProcess, Link, LinkType
+from appliance.inventory.queries import GpuQueries
 
 MIB = 1 << 20
 NO_GPUS = "no AMD GPUs"
@@ -81,22 +82,6 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else ""
 
 
-class _Queries:
-    """One GPU's queries: a failing query loses its field; the GPU turns unhealthy only if the error says it is bad."""
-
-    def __init__(self, errors: tuple[type[BaseException], ...]) -> None:
-        self.errors = errors
-        self.problems: list[str] = []
-
-    def get(self, what: str, call: Callable[[], Any]) -> Any:
-        try:
-            return call()
-        except self.errors as exc:
-            if _error_code(exc) in GPU_BAD_STATUSES:
-                self.problems.append(f"{what}: {exc}")
-            return None
-
-
 def detect() -> BackendResult:
     """The AMD GPUs amdsmi sees, their XGMI/PCIe links and processes; or a note saying why there are none."""
     try:
@@ -157,7 +142,7 @@ def _detect_with(amdsmi: ModuleType) -> BackendResult:
 
 
 def _gpu(amdsmi: ModuleType, index: int, handle: Any, errors: tuple[type[BaseException], ...]) -> Gpu:
-    q = _Queries(errors)
+    q = _queries(errors)
     asic = q.get("asic info", lambda: amdsmi.amdsmi_get_gpu_asic_info(handle)) or {}
     total = q.get(
         "memory total", lambda: amdsmi.amdsmi_get_gpu_memory_total(handle, amdsmi.AmdSmiMemoryType.VRAM)
@@ -192,7 +177,7 @@ def _gpu(amdsmi: ModuleType, index: int, handle: Any, errors: tuple[type[BaseExc
     )
 
 
-def _processes(amdsmi: ModuleType, handle: Any, q: _Queries) -> list[GpuProcess]:
+def _processes(amdsmi: ModuleType, handle: Any, q: GpuQueries) -> list[GpuProcess]:
     listed = q.get("process list", lambda: amdsmi.amdsmi_get_gpu_process_list(handle)) or []
     processes = []
     for item in listed:
@@ -235,7 +220,7 @@ def _link_types(amdsmi: ModuleType) -> dict[int, LinkType]:
 def _link(
     amdsmi: ModuleType, a: int, b: int, handle_a: Any, handle_b: Any, errors: tuple[type[BaseException], ...]
 ) -> Link:
-    found = _Queries(errors).get("link", lambda: amdsmi.amdsmi_topo_get_link_type(handle_a, handle_b))
+    found = _queries(errors).get("link", lambda: amdsmi.amdsmi_topo_get_link_type(handle_a, handle_b))
     if not isinstance(found, dict):
         return Link(a=a, b=b, type="UNKNOWN")
     kind, hops = found.get("type"), found.get("hops")
@@ -245,3 +230,7 @@ def _link(
         type=_link_types(amdsmi).get(int(kind), "UNKNOWN") if isinstance(kind, int) else "UNKNOWN",
         hops=hops if isinstance(hops, int) else None,
     )
+
+
+def _queries(errors: tuple[type[BaseException], ...]) -> GpuQueries:
+    return GpuQueries(errors, lambda exc: _error_code(exc) in GPU_BAD_STATUSES)

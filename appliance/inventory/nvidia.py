@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable
 from itertools import combinations
 from types import ModuleType
 from typing import Any
 
 from appliance.inventory import sysfs
 from appliance.inventory.models import BackendResult, Gpu, GpuProcess, Link
+from appliance.inventory.queries import GpuQueries
 
 MIB = 1 << 20
 NO_GPUS = "no NVIDIA GPUs"
@@ -41,22 +41,6 @@ def _none(why: str) -> BackendResult:
 def _text(value: Any) -> str:
     # nvidia-ml-py returns str since 11.5xx and bytes before.
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
-class _Queries:
-    """One GPU's queries: a failing query loses its field; the GPU turns unhealthy only if the error says it is bad."""
-
-    def __init__(self, errors: tuple[type[BaseException], ...]) -> None:
-        self.errors = errors
-        self.problems: list[str] = []
-
-    def get(self, what: str, call: Callable[[], Any]) -> Any:
-        try:
-            return call()
-        except self.errors as exc:
-            if getattr(exc, "value", None) in GPU_BAD_ERRORS:
-                self.problems.append(f"{what}: {exc}")
-            return None
 
 
 def detect() -> BackendResult:
@@ -120,7 +104,7 @@ def _gpu(pynvml: ModuleType, index: int, errors: tuple[type[BaseException], ...]
             healthy=False,
             health_detail=f"nvmlDeviceGetHandleByIndex: {exc}",
         )
-    q = _Queries(errors)
+    q = _queries(errors)
     name = q.get("name", lambda: pynvml.nvmlDeviceGetName(handle))
     memory = q.get("memory", lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
     rates = q.get("utilization", lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))
@@ -169,10 +153,14 @@ def _link(
     if handle_a is None or handle_b is None:
         return Link(a=a, b=b, type="UNKNOWN")
     nvlink = getattr(pynvml, "NVML_P2P_CAPS_INDEX_NVLINK", P2P_CAPS_INDEX_NVLINK)
-    status = _Queries(errors).get("p2p", lambda: pynvml.nvmlDeviceGetP2PStatus(handle_a, handle_b, nvlink))
+    status = _queries(errors).get("p2p", lambda: pynvml.nvmlDeviceGetP2PStatus(handle_a, handle_b, nvlink))
     if status is None:
         return Link(a=a, b=b, type="UNKNOWN")
     if status == getattr(pynvml, "NVML_P2P_STATUS_OK", P2P_STATUS_OK):
         # Direct NVLink, or NVLink through NVSwitch on HGX boards: one hop either way.
         return Link(a=a, b=b, type="NVLINK", hops=1)
     return Link(a=a, b=b, type="PCIE")
+
+
+def _queries(errors: tuple[type[BaseException], ...]) -> GpuQueries:
+    return GpuQueries(errors, lambda exc: getattr(exc, "value", None) in GPU_BAD_ERRORS)
