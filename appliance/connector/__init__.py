@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import json
-from typing import Any
 
 from appliance.connector.base import Connector, InstanceContext, Platform
 from appliance.errors import PlanError
 
-__all__ = ["Connector", "InstanceContext", "Platform", "get_connector", "names", "resolve_name", "validate_with_vllm"]
+__all__ = ["Connector", "InstanceContext", "Platform", "get_connector", "names", "resolve_name"]
 
 _REGISTRY: dict[str, str] = {
     "moriio": "appliance.connector.moriio:MoriioConnector",
@@ -41,16 +39,3 @@ def get_connector(name: str) -> Connector:
     module_name, cls_name = target.split(":")
     cls: type[Connector] = getattr(importlib.import_module(module_name), cls_name)
     return cls()
-
-
-def validate_with_vllm(config: dict[str, Any]) -> None:
-    """Check a rendered --kv-transfer-config with vLLM's own KVTransferConfig (raises ValueError if it rejects it).
-
-    Only call where vLLM is importable; vLLM's model forbids unknown fields, so typos are caught.
-    """
-    from vllm.config import KVTransferConfig  # type: ignore[import-not-found]
-
-    try:
-        KVTransferConfig(**json.loads(json.dumps(config)))
-    except Exception as exc:  # pydantic ValidationError or vLLM's own ValueError
-        raise ValueError(f"vLLM rejects kv-transfer-config {config}: {exc}") from exc
