@@ -88,7 +88,7 @@ if [ ! -x "$PREFIX/bin/python" ]; then
     run "$PYTHON" -m venv "$PREFIX"
 fi
 run "$PREFIX/bin/python" -m pip install -q --upgrade pip
-run "$PREFIX/bin/python" -m pip install -q "$SRC"
+run "$PREFIX/bin/python" -m pip install -q "$SRC[bench]"   # bench: matplotlib for pdctl bench plots
 run mkdir -p "$PREFIX/share/pdctl"
 run rm -rf "$PREFIX/share/pdctl/units.new"
 run cp -r "$SRC/units" "$PREFIX/share/pdctl/units.new"
@@ -110,7 +110,7 @@ case "$vendor" in
     nvidia) extras="nvidia" ;;
     *) extras="" ;;
 esac
-[ -n "$extras" ] && run "$PREFIX/bin/python" -m pip install -q "$SRC[$extras]"
+[ -n "$extras" ] && run "$PREFIX/bin/python" -m pip install -q "$SRC[bench,$extras]"
 
 ENGINE_PY=""
 if [ "$ENGINE" = 1 ]; then
