@@ -9,7 +9,8 @@ from appliance.bench.results import BenchResult, RateResult
 from appliance.errors import PdctlError
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def pyplot():  # type: ignore[no-untyped-def]
+    """matplotlib.pyplot on the headless Agg backend; a PdctlError with the fix when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -30,7 +31,7 @@ def _banner(result: BenchResult) -> str:
 
 def plot_attainment(result: BenchResult, path: Path) -> Path:
     """SLO attainment (%) against request rate, one line per shape, with the target and each goodput."""
-    plt = _pyplot()
+    plt = pyplot()
     slo = result.slo
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
     top = max((r.rate for s in result.shapes for r in s.rates), default=0.0)
@@ -94,7 +95,7 @@ def plot_latency(result: BenchResult, path: Path, rate: float | None = None) -> 
     rate = rate if rate is not None else pick_rate(result)
     if rate is None:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_t, ax_i) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
     for shape in result.shapes:
         at = _at(shape.rates, rate)
