@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from .procs import PNG_MAGIC, PY, env_for, free_port, pdctl, start, stop
+from appliance.ports import free_port
+
+from .procs import PNG_MAGIC, PY, env_for, pdctl, start, stop
 
 pytestmark = pytest.mark.timeout(300)
 # A slow prefill (60 ms for 300 tokens) on a colocated engine stalls every running decode: with a 30 ms ITL

@@ -12,6 +12,7 @@ import tomllib
 from appliance.bench.compare import _drop_none, shape_plan, shapes, to_toml
 from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
+from appliance.ports import free_ports
 from appliance.settings import Settings, load_settings
 
 from .procs import PNG_MAGIC, pdctl
@@ -62,21 +63,9 @@ def test_shape_settings_file_reads_back_as_the_same_settings() -> None:
     assert Settings.model_validate(tomllib.loads(text)) == settings
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _two_free_in_a_row() -> int:
     for _ in range(50):
-        (port,) = _free_ports(1)
+        (port,) = free_ports(1)
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port + 1))
@@ -87,7 +76,7 @@ def _two_free_in_a_row() -> int:
 
 
 def test_compare_through_pdctl_up_and_down(tmp_path: Path) -> None:
-    prefill, decode, proxy, admin = _free_ports(4)
+    prefill, decode, proxy, admin = free_ports(4)
     colocated = _two_free_in_a_row()
     (tmp_path / "sim.toml").write_text(f"""
 state_dir = "{tmp_path / "state"}"

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from appliance.ports import free_port
 from tests.engine.vllm_helpers import (
     VllmProcess,
     example_kv_config,
-    free_port,
     post_json,
     rss_bytes,
     start_vllm,

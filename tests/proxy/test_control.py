@@ -13,12 +13,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from appliance.ports import free_port
 from appliance.proxy.client import AdminClient, ProxyAdminError
 from tests.proxy.conftest import (
     MODEL,
     backend,
     engines,
-    free_port,
     post,
     proxy_config,
     running_proxy,

@@ -13,13 +13,13 @@ from typing import Any
 import aiohttp
 import pytest
 
+from appliance.ports import free_port
 from tests.proxy.procs import (
     MODEL,
     Cluster,
     Sim,
     cluster,
     drained,
-    free_port,
     get_json,
     metric,
     post,

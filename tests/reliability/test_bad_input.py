@@ -22,7 +22,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.reliability.procs import MODEL, ROOT, Node, colocated_node, free_port, http_status, moriio_node
+from appliance.ports import free_port
+from tests.reliability.procs import MODEL, ROOT, Node, colocated_node, http_status, moriio_node
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
