@@ -24,7 +24,7 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -195,6 +195,21 @@ async def _stream(
             _on_chunk(req, data, now)
             if req.error:
                 return
+
+
+async def warm_up(session: aiohttp.ClientSession, target: Target, count: int, seed: int) -> list[str]:
+    """Send `count` short requests one after another, unrecorded, so first-request costs (NIXL/MORI-IO
+    handshakes, lazy compilation, connection set-up) stay out of the first rate. Returns their errors."""
+    rng = random.Random(f"warmup-{seed}")  # other prompts than any rate's: nothing measured hits a cache
+    short = replace(target, output_len=min(target.output_len, 4))
+    errors = []
+    for i in range(count):
+        req = InFlight(i, f"bench-warmup-{seed}-{i}", 0.0)
+        await send(session, short, req, prompt(target.prompt_kind, target.input_len, rng, target.token_range),
+                   time.perf_counter())
+        if req.error:
+            errors.append(req.error)
+    return errors
 
 
 @dataclass

@@ -111,6 +111,7 @@ class Workload(Record):
     seed: int
     prompt: Literal["tokens", "words"]
     ignore_eos: bool = True
+    warmup: int = 0
 
 
 class BenchResult(Record):

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from appliance.bench.analysis import Slo
-from appliance.bench.client import RateRun, Target, run_rate
+from appliance.bench.client import RateRun, Target, run_rate, warm_up
 from appliance.bench.results import RateResult, RequestResult, ShapeResult, shape_goodput
 
 
@@ -25,6 +25,7 @@ class SweepPlan:
     rates: list[float]
     num_requests: int
     seed: int
+    warmup: int = 0  # unrecorded requests before the first rate
 
 
 class Stopper:
@@ -106,6 +107,10 @@ async def sweep(
     """Run every rate of `plan` against `target`, appending to `shape.rates`; stops early when asked."""
     connector = aiohttp.TCPConnector(limit=0, force_close=False)  # open loop: never queue in the client
     async with aiohttp.ClientSession(connector=connector) as session:
+        if plan.warmup and not stopper.stopped:
+            counter = _RateProgress(progress, f"{shape.name} warm-up", plan.warmup)
+            errors = await warm_up(session, target, plan.warmup, plan.seed)
+            counter.status(f"warm-up errors: {errors[0][:60]}" if errors else "warmed up")
         for rate in plan.rates:
             if stopper.stopped:
                 break

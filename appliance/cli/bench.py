@@ -127,6 +127,13 @@ def _read_key(path: str | None) -> str | None:
     "(repeat it to merge the shapes of several runs into one comparison).",
 )
 @click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Unrecorded short requests before each shape's first rate (KV-connector handshakes, compilation).",
+)
+@click.option(
     "--label",
     default="target",
     show_default=True,
@@ -172,7 +179,7 @@ def bench(ctx: click.Context, **opts: Any) -> None:
     console = Console(stderr=True)
     if not console.is_terminal:
         console = Console(stderr=True, width=160)  # logs and pipes: keep the table's columns readable
-    plan = SweepPlan(rates=rates, num_requests=opts["num_requests"], seed=opts["seed"])
+    plan = SweepPlan(rates=rates, num_requests=opts["num_requests"], seed=opts["seed"], warmup=opts["warmup"])
     api_key = _read_key(opts["api_key_file"]) or _read_key(
         settings.proxy.api_key_file if not opts["url"] else None
     )
@@ -217,6 +224,7 @@ def bench(ctx: click.Context, **opts: Any) -> None:
                     rates=rates,
                     seed=opts["seed"],
                     prompt=opts["prompt_kind"],
+                    warmup=opts["warmup"],
                 ),
                 slo=slo,
                 shapes=[],

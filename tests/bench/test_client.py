@@ -182,3 +182,43 @@ def test_stop_marks_unfinished_requests_interrupted() -> None:
 
 def test_discover_model_and_unreachable_server() -> None:
     asyncio.run(_test_discover_model_and_unreachable_server())
+
+
+def test_warm_up_requests_are_sent_but_not_recorded() -> None:
+    """The warm-up reaches the server (one short request each) and leaves nothing in the measured rates."""
+    import asyncio as _asyncio
+
+    import aiohttp as _aiohttp
+
+    from appliance.bench.client import Target, warm_up
+
+    seen: list[dict[str, object]] = []
+
+    async def scenario() -> list[str]:
+        from aiohttp import web
+
+        async def completions(request: web.Request) -> web.StreamResponse:
+            seen.append(await request.json())
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"choices":[{"index":0,"text":"x"}]}\n\ndata: [DONE]\n\n')
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            target = Target(base_url=f"http://127.0.0.1:{port}", model="m", input_len=50, output_len=1000)
+            async with _aiohttp.ClientSession() as session:
+                return await warm_up(session, target, 2, seed=3)
+        finally:
+            await runner.cleanup()
+
+    assert _asyncio.run(scenario()) == []
+    assert len(seen) == 2
+    assert all(body["max_tokens"] == 4 for body in seen)
+    assert all(len(body["prompt"]) == 50 for body in seen)  # type: ignore[arg-type]
