@@ -32,7 +32,13 @@ def detect() -> Inventory:
     for backend, source in ((amd, "amdsmi"), (nvidia, "nvml")):
         result = backend.detect()
         if result.gpus:
-            return Inventory(source=source, gpus=result.gpus, links=result.links, notes=notes + result.notes)
+            return Inventory(
+                source=source,
+                library=result.library,
+                gpus=result.gpus,
+                links=result.links,
+                notes=notes + result.notes,
+            )
         notes.extend(result.notes)
     return Inventory(source="none", notes=notes)
 

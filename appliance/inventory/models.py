@@ -40,6 +40,12 @@ class Gpu(Strict):
     healthy: bool = True
     health_detail: str = ""
     processes: list[GpuProcess] = Field(default_factory=list)
+    compute_partition: str | None = Field(
+        default=None, description="AMD compute partition mode (SPX, DPX, QPX, CPX); None where not reported"
+    )
+    physical_gpu: int | None = Field(
+        default=None, description="Which physical GPU (counted from 0) this GPU or partition is on"
+    )
 
 
 class Link(Strict):
@@ -56,9 +62,25 @@ class Inventory(Strict):
 
     schema_version: Literal[1] = 1
     source: str = Field(description="amdsmi, nvml, none, sim:<name> or file:<path>")
+    library: str = Field(default="", description="The vendor library's release, e.g. amdsmi 6.4.4")
     gpus: list[Gpu] = Field(default_factory=list)
     links: list[Link] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list, description="Why a vendor found no GPUs")
+
+    @property
+    def partitioned(self) -> bool:
+        """True when the GPUs are compute partitions (DPX, QPX, CPX...) rather than whole physical GPUs."""
+        physical = [g.physical_gpu for g in self.gpus if g.physical_gpu is not None]
+        modes = {g.compute_partition for g in self.gpus} - {None, "SPX"}
+        return bool(modes) or len(physical) != len(set(physical))
+
+    def physical_gpus(self) -> list[list[int]]:
+        """GPU indices grouped by the physical GPU they are on (one each unless partitioned)."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for gpu in sorted(self.gpus, key=lambda g: g.index):
+            key = (0, gpu.physical_gpu) if gpu.physical_gpu is not None else (1, gpu.index)
+            groups.setdefault(key, []).append(gpu.index)
+        return list(groups.values())
 
     @property
     def vendor(self) -> Vendor | None:
@@ -84,3 +106,4 @@ class BackendResult(Strict):
     gpus: list[Gpu] = Field(default_factory=list)
     links: list[Link] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
+    library: str = ""

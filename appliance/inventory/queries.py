@@ -9,9 +9,15 @@ from typing import Any
 class GpuQueries:
     """One GPU's queries; the GPU turns unhealthy only when `is_bad` says an error means a bad GPU."""
 
-    def __init__(self, errors: tuple[type[BaseException], ...], is_bad: Callable[[BaseException], bool]) -> None:
+    def __init__(
+        self,
+        errors: tuple[type[BaseException], ...],
+        is_bad: Callable[[BaseException], bool],
+        describe: Callable[[BaseException], str] = str,
+    ) -> None:
         self.errors = errors
         self.is_bad = is_bad
+        self.describe = describe
         self.problems: list[str] = []
 
     def get(self, what: str, call: Callable[[], Any]) -> Any:
@@ -20,5 +26,5 @@ class GpuQueries:
             return call()
         except self.errors as exc:
             if self.is_bad(exc):
-                self.problems.append(f"{what}: {exc}")
+                self.problems.append(f"{what}: {self.describe(exc)}")
             return None

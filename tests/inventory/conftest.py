@@ -1,4 +1,5 @@
-"""Fixtures for the inventory tests: the fake vendor libraries of tests/inventory/fakes, and a fake sysfs."""
+"""Fixtures for the inventory tests: the real amdsmi packages over the native stand-in (amdsmi_native), the fake
+pynvml of tests/inventory/fakes, and a fake sysfs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,36 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent / "amdsmi_native"))
+from amdsmi_matrix import LATEST, AmdSmi, Release, amdsmi_env, prepare  # noqa: E402
+
 FAKES = Path(__file__).parent / "fakes"
+
+
+def _forget_amdsmi(monkeypatch: pytest.MonkeyPatch) -> None:
+    # setitem first so that teardown also removes what this test imports (delitem of an absent key
+    # records nothing to undo).
+    for name in [n for n in sys.modules if n == "amdsmi" or n.startswith("amdsmi.")] + ["amdsmi"]:
+        monkeypatch.setitem(sys.modules, name, None)
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.fixture
+def amdsmi(monkeypatch: pytest.MonkeyPatch) -> AmdSmi:
+    """Call as amdsmi(scenario, release=LATEST) to make `import amdsmi` load that real release over the native
+    stand-in's machine (see amdsmi_native/libamd_smi.c); each test imports the package afresh."""
+
+    def install(scenario: str, release: str = LATEST) -> Release:
+        prepared = prepare(release)
+        for name, value in amdsmi_env(scenario, release).items():
+            if name != "PYTHONPATH":
+                monkeypatch.setenv(name, value)
+        monkeypatch.delenv("ROCM_HOME", raising=False)
+        monkeypatch.syspath_prepend(str(prepared.site))
+        _forget_amdsmi(monkeypatch)
+        return prepared
+
+    return install
 
 
 @pytest.fixture(autouse=True)
@@ -45,12 +75,6 @@ def _installer(monkeypatch: pytest.MonkeyPatch, module: str, env: str) -> Callab
         monkeypatch.delitem(sys.modules, module)
 
     return install
-
-
-@pytest.fixture
-def fake_amdsmi(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
-    """Call with a FAKE_AMDSMI scenario (see fakes/amdsmi.py) to make `import amdsmi` load that machine."""
-    return _installer(monkeypatch, "amdsmi", "FAKE_AMDSMI")
 
 
 @pytest.fixture

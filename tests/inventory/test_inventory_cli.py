@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from amdsmi_matrix import AmdSmi, amdsmi_env
 
 from appliance.cli.main import main
 from appliance.inventory import Inventory
@@ -20,14 +21,23 @@ HAS_GPU_DEVICES = any(Path(p).exists() for p in ("/dev/kfd", "/dev/nvidiactl"))
 
 
 def pdctl(
-    *args: str, fakes: dict[str, str] | None = None, env: dict[str, str] | None = None
+    *args: str, fakes: dict[str, str] | None = None, amd: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run pdctl in a child process; `fakes` puts the fake vendor libraries first on its path."""
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("PDCTL_INVENTORY", "FAKE_"))}
+    """Run pdctl in a child process; `fakes` puts the fake pynvml first on its path, `amd` the real amdsmi
+    over that stand-in scenario."""
+    child_env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PDCTL_INVENTORY", "FAKE_", "ROCM_"))
+    }
     child_env.pop("PYTHONPATH", None)
+    path = []
+    if amd is not None:
+        child_env.update(amdsmi_env(amd))
+        path.append(child_env["PYTHONPATH"])
     if fakes is not None:
-        child_env["PYTHONPATH"] = str(FAKES)
+        path.append(str(FAKES))
         child_env.update(fakes)
+    if path:
+        child_env["PYTHONPATH"] = os.pathsep.join(path)
     child_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "appliance", *args], capture_output=True, text=True, env=child_env, timeout=120
@@ -69,13 +79,19 @@ def test_this_cpu_machine_json() -> None:
 
 
 def test_json_stays_json_when_amdsmi_prints_on_import(tmp_path: Path) -> None:
-    run = pdctl("inventory", "--json", fakes={"FAKE_AMDSMI": "no-rocm", "FAKE_PYNVML": "no-library"})
+    run = pdctl(
+        "inventory",
+        "--json",
+        amd="mi300x-8",
+        fakes={"FAKE_PYNVML": "no-library"},
+        env={"ROCM_PATH": str(tmp_path)},
+    )
     assert run.returncode == 0, run.stderr
-    found = json.loads(run.stdout)  # would fail on amdsmi's "Unable to find amdsmi library" line
+    found = json.loads(run.stdout)  # would fail on amdsmi's "Unable to find libamd_smi.so library" line
     assert found["source"] == "none"
     assert found["notes"] == [
         "no AMD GPUs: amdsmi cannot find the ROCm library libamd_smi.so "
-        "(libamd_smi.so: cannot open shared object file: No such file or directory)",
+        f"({tmp_path}/lib/libamd_smi.so: cannot open shared object file: No such file or directory)",
         "no NVIDIA GPUs: NVML library libnvidia-ml.so.1 not found (no NVIDIA driver installed)",
     ]
     assert "Traceback" not in run.stderr
@@ -101,9 +117,9 @@ def test_environment_names_the_inventory(
 
 
 def test_fake_sick_node_table_shows_health_and_processes(
-    capsys: pytest.CaptureFixture[str], fake_amdsmi: Callable[[str], None], fake_pynvml: Callable[[str], None]
+    capsys: pytest.CaptureFixture[str], amdsmi: AmdSmi, fake_pynvml: Callable[[str], None]
 ) -> None:
-    fake_amdsmi("none")
+    amdsmi("none")
     fake_pynvml("h200-8-sick")
     code, out, err = run_main(capsys, "inventory")
     assert code == 0, err
@@ -115,7 +131,7 @@ def test_fake_sick_node_table_shows_health_and_processes(
 
 
 def test_round_trip_through_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    saved = pdctl("inventory", "--json", fakes={"FAKE_AMDSMI": "mi300x-8-sick", "FAKE_PYNVML": "none"})
+    saved = pdctl("inventory", "--json", amd="mi300x-8-sick", fakes={"FAKE_PYNVML": "none"})
     assert saved.returncode == 0, saved.stderr
     path = tmp_path / "node.json"
     path.write_text(saved.stdout)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from amdsmi_matrix import AmdSmi
 
 from appliance.inventory import detect
 
 Install = Callable[[str], None]
 
 
-def test_no_amd_then_nvidia(fake_amdsmi: Install, fake_pynvml: Install) -> None:
-    fake_amdsmi("no-driver")
+def test_no_amd_then_nvidia(amdsmi: AmdSmi, fake_pynvml: Install) -> None:
+    amdsmi("no-driver")
     fake_pynvml("h200-8")
     found = detect()
     assert found.source == "nvml" and found.vendor == "nvidia"
@@ -23,17 +25,19 @@ def test_no_amd_then_nvidia(fake_amdsmi: Install, fake_pynvml: Install) -> None:
     ]
 
 
-def test_amd_found_nvidia_not_asked(fake_amdsmi: Install, fake_pynvml: Install) -> None:
-    fake_amdsmi("mi300x-8")
+def test_amd_found_nvidia_not_asked(amdsmi: AmdSmi, fake_pynvml: Install) -> None:
+    amdsmi("mi300x-8")
     fake_pynvml("h200-8")
     found = detect()
     assert found.source == "amdsmi" and found.vendor == "amd" and found.notes == []
+    assert found.library.startswith("amdsmi 7.") and not found.partitioned
     assert found.link(3, 4) == "XGMI"
     assert "pynvml" not in sys.modules
 
 
-def test_neither(fake_amdsmi: Install, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_amdsmi("no-rocm")
+def test_neither(amdsmi: AmdSmi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    amdsmi("mi300x-8")
+    monkeypatch.setenv("ROCM_PATH", str(tmp_path))  # no libamd_smi.so there
     monkeypatch.setitem(sys.modules, "pynvml", None)
     found = detect()
     assert found.source == "none" and found.gpus == [] and found.vendor is None
