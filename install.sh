@@ -89,16 +89,13 @@ if [ ! -x "$PREFIX/bin/python" ]; then
 fi
 run "$PREFIX/bin/python" -m pip install -q --upgrade pip
 run "$PREFIX/bin/python" -m pip install -q "$SRC[bench]"   # bench: matplotlib for pdctl bench plots
-run mkdir -p "$PREFIX/share/pdctl"
-run rm -rf "$PREFIX/share/pdctl/units.new"
-run cp -r "$SRC/units" "$PREFIX/share/pdctl/units.new"
-run rm -rf "$PREFIX/share/pdctl/units"
-run mv "$PREFIX/share/pdctl/units.new" "$PREFIX/share/pdctl/units"
+# The unit templates ship inside the package now; an older install kept a copy here.
+[ -d "$PREFIX/share/pdctl" ] && run rm -rf "$PREFIX/share/pdctl"
 
 # --- GPUs and the engine suited to them ------------------------------------------------------------------
 vendor=none
 if [ "$DRY" = 0 ]; then
-    vendor=$(PDCTL_UNITS_DIR="$PREFIX/share/pdctl/units" "$PDCTL" inventory --json 2>/dev/null \
+    vendor=$("$PDCTL" inventory --json 2>/dev/null \
         | "$PREFIX/bin/python" -c 'import json,sys; g=json.load(sys.stdin)["gpus"]; print(g[0]["vendor"] if g else "none")' \
         || echo none)
 elif command -v rocm-smi >/dev/null || [ -e /dev/kfd ]; then vendor=amd
@@ -140,9 +137,10 @@ else
     if [ "$DRY" = 1 ]; then
         echo "would write $CONFIG"
     else
+        example=$("$PREFIX/bin/python" -c 'from appliance.settings import example_settings; print(example_settings())')
         tmp=$(mktemp "$(dirname "$CONFIG")/.pdctl.toml.XXXXXX")
         {
-            echo "# pdctl settings written by install.sh; every key: $SRC/etc/pdctl.toml"
+            echo "# pdctl settings written by install.sh; every key: $example"
             echo 'state_dir = "/var/lib/pdctl"'
             echo 'manager = "auto"'
             echo '[model]'
@@ -163,7 +161,7 @@ else
 fi
 
 # --- render (systemd units or supervisord.conf; pdctl writes each file via a temporary file + rename) ----
-run env PDCTL_UNITS_DIR="$PREFIX/share/pdctl/units" "$PDCTL" --config "$CONFIG" up --render-only
+run "$PDCTL" --config "$CONFIG" up --render-only
 [ -n "$BIN_DIR" ] && run ln -sf "$PDCTL" "$BIN_DIR/pdctl"
 
 echo

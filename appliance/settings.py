@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -262,11 +263,16 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"settings file {path} is not valid TOML: {exc}", fix="correct the line it names") from None
 
 
+def example_settings() -> Path:
+    """The commented settings file shipped with pdctl: every key with its default and meaning."""
+    return Path(str(resources.files("appliance") / "data" / "pdctl.toml"))
+
+
 def _describe(error: dict[str, Any], source: str) -> str:
     loc = ".".join(str(p) for p in error["loc"]) or "(top level)"
     kind = error["type"]
     if kind == "extra_forbidden":
-        return f"{source}: unknown setting '{loc}' (check its spelling; see etc/pdctl.toml for every key)"
+        return f"{source}: unknown setting '{loc}' (check its spelling; every key: {example_settings()})"
     if kind == "missing":
         return f"{source}: '{loc}' is required"
     msg = error["msg"].removeprefix("Value error, ")
@@ -279,7 +285,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, overrides: dict[st
     """Read, merge and validate the settings; any bad value becomes one ConfigError naming field, value and rule."""
     file = config_path(path)
     if path and not file.exists():
-        raise ConfigError(f"settings file {file} does not exist", fix="create it (see etc/pdctl.toml) or drop --config")
+        raise ConfigError(f"settings file {file} does not exist", fix=f"create it (example: {example_settings()}) or drop --config")
     data = read_toml(file)
     source = str(file) if data else "settings"
     try:

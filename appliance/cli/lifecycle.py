@@ -218,18 +218,17 @@ def ensure_model(plan: Plan, settings: Settings) -> None:
     """Write the embedded tiny model before vLLM starts (Plan.model.generate); the sim needs none."""
     if not plan.model.generate or plan.engine != "vllm":
         return
-    try:
-        from appliance.engine.tinymodel import write_tiny_model
+    from appliance.engine import tinymodel
 
-        write_tiny_model(Path(plan.model.path))
+    try:
+        tinymodel.write_tiny_model(Path(plan.model.path))
         return
     except ImportError:
         pass
-    # pdctl's own environment lacks the model libraries: the engine's Python has them.
+    # pdctl's own environment lacks the model libraries: the engine's Python has them. The generator is one
+    # self-contained file, run isolated (-I) so neither pdctl's packages nor PYTHONPATH shadow the engine's.
     python = settings.engine.python or sys.executable
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    done = subprocess.run([python, "-m", "appliance.engine.tinymodel", plan.model.path],
-                          capture_output=True, text=True, env=env)
+    done = subprocess.run([python, "-I", tinymodel.__file__, plan.model.path], capture_output=True, text=True)
     if done.returncode != 0:
         raise PdctlError(f"cannot generate the tiny model: {done.stderr.strip()}",
                          fix="set engine.python to the Python that has vLLM")

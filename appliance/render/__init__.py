@@ -1,6 +1,6 @@
 """Pure renderers: Plan -> service-manager configuration text (systemd units, supervisord.conf).
 
-Nothing here touches the filesystem outside reading the templates in units/; writing the files and
+Nothing here touches the filesystem outside reading the templates in appliance/data/units/; writing the files and
 talking to the service manager is appliance.manager's job.
 
 Unit naming (both backends use the same names, so every pdctl command reads the same on both):

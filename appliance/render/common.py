@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
 import string
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
+from importlib import resources
 
 from appliance.errors import PdctlError
 from appliance.plan import Instance, Plan
@@ -78,22 +77,11 @@ def check_env_name(name: str) -> None:
         raise PdctlError(f"environment variable name {name!r} is not valid", fix="use letters, digits and _")
 
 
-def units_dir() -> Path:
-    """The templates: $PDCTL_UNITS_DIR, the source tree's units/, or <prefix>/share/pdctl/units."""
-    candidates = []
-    if os.environ.get("PDCTL_UNITS_DIR"):
-        candidates.append(Path(os.environ["PDCTL_UNITS_DIR"]))
-    candidates.append(Path(__file__).resolve().parents[2] / "units")
-    candidates.append(Path(sys.prefix) / "share" / "pdctl" / "units")
-    for path in candidates:
-        if (path / "pd.target.in").is_file():
-            return path
-    raise PdctlError(
-        "the unit templates (units/*.in) are missing",
-        fix="reinstall pdctl (install.sh) or set PDCTL_UNITS_DIR to the source tree's units/ folder",
-    )
-
-
 def template(name: str) -> string.Template:
-    """One template from units/ ($name placeholders)."""
-    return string.Template((units_dir() / name).read_text())
+    """One unit template ($name placeholders), shipped inside the package in appliance/data/units/."""
+    path = resources.files("appliance") / "data" / "units" / name
+    try:
+        return string.Template(path.read_text())
+    except FileNotFoundError:
+        raise PdctlError(f"the unit template {name} is missing from the installed pdctl ({path})",
+                         fix="reinstall pdctl (pip install, or install.sh)") from None
