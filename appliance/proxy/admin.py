@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -12,11 +11,14 @@ from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
 from appliance.proxy.config import Backend
+from appliance.proxy.guard import bearer_matches, json_too_deep
 
 if TYPE_CHECKING:
     from appliance.proxy.app import Proxy
 
 _BACKENDS = TypeAdapter(list[Backend])
+MAX_CONNECTIONS = 64  # pdctl makes one call at a time; a few operators' scripts besides
+_MAX_DEPTH = 16  # the deepest admin body (a backend list) nests 4 deep
 _PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
 
 
@@ -42,17 +44,24 @@ def state(proxy: Proxy) -> dict[str, Any]:
 @web.middleware
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     token = request.app[_PROXY_KEY].admin_token
-    if token is not None:
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            return _error(401, "admin token missing or wrong: send 'Authorization: Bearer <token>'")
+    if token is not None and not bearer_matches(request.headers.get("Authorization"), token):
+        return _error(401, "admin token missing or wrong: send 'Authorization: Bearer <token>'")
     response: web.StreamResponse = await handler(request)
     return response
 
 
 async def _json(request: web.Request) -> Any:
+    proxy = request.app[_PROXY_KEY]
     try:
-        return json.loads(await request.read())
+        raw = await asyncio.wait_for(request.read(), proxy.config.limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(text=json.dumps({"error": "the body did not arrive in time"}),
+                                     content_type="application/json", headers={"Connection": "close"}) from None
+    if json_too_deep(raw, _MAX_DEPTH):
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"body is nested more than {_MAX_DEPTH} deep"}),
+                                 content_type="application/json")
+    try:
+        return json.loads(raw)
     except (ValueError, RecursionError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise web.HTTPBadRequest(

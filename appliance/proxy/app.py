@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -15,6 +14,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from appliance.proxy import admin
 from appliance.proxy.config import ProxyConfig, read_secret
 from appliance.proxy.connectors import adapter_for
+from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors, json_too_deep
 from appliance.proxy.legs import OUTCOME, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from appliance.proxy.registry import InstanceRegistry, RegistrationListener
@@ -53,6 +53,7 @@ class Proxy:
         self.router = Router(self.registry, config.routing, lambda: self.mode, checks_mode=config.connector == "moriio")
         self.listener: RegistrationListener | None = None
         self._runners: list[web.AppRunner] = []
+        self._servers: list[asyncio.AbstractServer] = []
         self.api_port = config.port
         self.admin_port = config.admin.port
         self.started_at = time.time()
@@ -75,8 +76,11 @@ class Proxy:
         api.router.add_get("/health", self._health)
         api.router.add_get("/metrics", self._metrics)
         # handler_cancellation: a client that disconnects cancels its handler, which aborts both legs
-        self.api_port = await self._serve(api, self.config.host, self.config.port)
-        self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port)
+        limits = self.config.limits
+        cap = fit_to_descriptors(limits.max_connections, "client API")
+        self.api_port = await self._serve(api, self.config.host, self.config.port, cap)
+        self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port,
+                                            admin.MAX_CONNECTIONS)
         if self.config.registration.enabled:
             self.listener = RegistrationListener(
                 self.config.registration,
@@ -92,23 +96,33 @@ class Proxy:
             self.config.connector, self.mode, len(self.config.backends),
         )
 
-    async def _serve(self, app: web.Application, host: str, port: int) -> int:
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    async def _serve(self, app: web.Application, host: str, port: int, max_connections: int) -> int:
+        # keepalive_timeout: aiohttp closes a connection that has no complete request head this long after it
+        # opened or after its last answer (slow heads and idle sockets alike)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                               keepalive_timeout=self.config.limits.idle_timeout_s)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, backlog=1024)
-        await site.start()
+        assert runner.server is not None
+        # our own listener instead of web.TCPSite: its protocol factory answers 503 past the connection cap
+        server = await asyncio.get_running_loop().create_server(
+            capped(runner.server, max_connections), host, port, backlog=min(1024, max_connections),
+            reuse_address=True,
+        )
         self._runners.append(runner)
-        sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        self._servers.append(server)
+        return int(server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
         """Close every socket and pool."""
         await self.health.stop()
         if self.listener is not None:
             await self.listener.stop()
+        for server in self._servers:
+            server.close()
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
+        self._servers.clear()
         await self.registry.close()
 
     # readiness
@@ -137,11 +151,7 @@ class Proxy:
 
     # handlers
     def _unauthorized(self, request: web.Request) -> web.Response | None:
-        if self.api_key is None:
-            return None
-        given = request.headers.get("Authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+        if self.api_key is None or bearer_matches(request.headers.get("Authorization"), self.api_key):
             return None
         return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
@@ -201,15 +211,22 @@ class Proxy:
             self.metrics.requests.labels(status, mode_label).inc()
 
     async def _read_body(self, request: web.Request, chat: bool) -> tuple[dict[str, Any] | None, web.Response | None]:
+        limits = self.config.limits
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), limits.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             return None, error_response(413, f"request body is larger than {self.config.client_max_size} bytes")
+        except asyncio.TimeoutError:
+            slow = error_response(408, f"the request body did not arrive within {limits.body_timeout_s:g}s")
+            slow.force_close()
+            return None, slow
         for name in _FORWARDED_HEADERS:
             value = request.headers.get(name)
             # forwarded to the engines as latin-1 HTTP: only printable ASCII can cross safely
             if value is not None and (not value.isascii() or not value.isprintable() or len(value) > 1024):
                 return None, error_response(400, f"header {name} must be printable ASCII of at most 1024 characters")
+        if json_too_deep(raw, limits.max_json_depth):
+            return None, error_response(400, f"request body is nested more than {limits.max_json_depth} deep")
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:

@@ -73,6 +73,21 @@ class HealthConfig(_Model):
     probe_timeout_s: float = Field(default=2.0, gt=0)
 
 
+class Limits(_Model):
+    """What one client connection may cost the proxy (docs/threat-model.md); the defaults serve a busy node."""
+
+    # Open client connections. One more is answered 503 and closed at once, so a flood of sockets cannot take
+    # the descriptors the engine legs need; the proxy lowers this to fit its RLIMIT_NOFILE (and says so).
+    max_connections: int = Field(default=4096, ge=1)
+    # aiohttp closes a connection that has not sent a complete request head within this time, on a new
+    # connection and between keep-alive requests: it bounds slow headers and idle sockets alike.
+    idle_timeout_s: float = Field(default=15.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)  # reading a request body; then 408
+    # JSON nesting checked on the raw bytes before parsing; deeper bodies get 400 (an engine's parser
+    # may fail on them, and the engine must not look broken because a client sent one)
+    max_json_depth: int = Field(default=64, ge=2, le=10_000)
+
+
 class Backend(_Model):
     """One engine instance from the plan."""
 
@@ -106,6 +121,7 @@ class ProxyConfig(_Model):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    limits: Limits = Field(default_factory=Limits)
     backends: list[Backend] = Field(default_factory=list)
     client_max_size: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_tokens_limit: int = Field(default=1_000_000, ge=1)

@@ -8,12 +8,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from appliance.proxy.connectors import LegError
 from appliance.proxy.registry import Instance
 from appliance.proxy.routing import acquire, release
-from appliance.proxy.upstream import Connection, UpstreamError
+from appliance.proxy.upstream import Connection, Unchunked, UpstreamError
 
 if TYPE_CHECKING:
     from appliance.proxy.app import Proxy
@@ -27,6 +27,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    408: "BadRequestError",
     413: "BadRequestError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
@@ -142,12 +143,27 @@ async def run_prefill(
 ) -> dict[str, Any] | None:
     """The prefill leg, bounded by timeouts.prefill_s; returns the engine's kv_transfer_params."""
     limit = proxy.config.timeouts.prefill_s
+    # a task of our own rather than asyncio.wait_for's: when this leg is cancelled while the engine's answer
+    # is failing it, the failure is still retrieved (no "Task exception was never retrieved" traceback)
+    leg = asyncio.ensure_future(_prefill(proxy, inst, rank, path, body, headers))
+    leg.add_done_callback(_retrieve)
     try:
-        return await asyncio.wait_for(_prefill(proxy, inst, rank, path, body, headers), limit)
-    except asyncio.TimeoutError:
+        done, _ = await asyncio.wait((leg,), timeout=limit)
+    finally:
+        if not leg.done():
+            leg.cancel()
+            await asyncio.wait((leg,))  # its clean-up (abort the engine leg, release the counts) runs first
+    if not done:
         proxy.metrics.leg_failures.labels("prefill", "timeout").inc()
         proxy.health.leg_failed(inst)
-        raise LegFailure(504, f"prefill on {inst.name} did not finish within {limit:g}s") from None
+        raise LegFailure(504, f"prefill on {inst.name} did not finish within {limit:g}s")
+    return leg.result()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    # the failure is reported through the client's answer; retrieving it here keeps asyncio from logging it
+    if not task.cancelled():
+        task.exception()
 
 
 async def _prefill(
@@ -170,8 +186,9 @@ async def _prefill(
             if 400 <= head.status < 500:
                 # the engine rejected the client's request (prompt too long, bad parameter): say so as it is
                 raise LegFailure(head.status, "engine rejected the request", answer, head.headers.get("content-type"))
+            # An answer, even a 5xx, shows the engine is up; what made it fail may be this request's content,
+            # so it does not count toward ejection (docs/threat-model.md: the ejection rule).
             proxy.metrics.leg_failures.labels("prefill", "status").inc()
-            proxy.health.leg_failed(inst)
             snippet = (answer or b"")[:200].decode("utf-8", "replace")
             raise LegFailure(502, f"prefill instance {inst.name} answered {head.status}: {snippet}")
         try:
@@ -233,8 +250,8 @@ async def run_decode(
                 answer = await _race(conn.done_fut, supervisor, timeouts.first_token_s)
                 inst.pool.release(conn)
                 if head.status >= 500:
+                    # not counted toward ejection: see the prefill leg
                     proxy.metrics.leg_failures.labels("decode", "status").inc()
-                    proxy.health.leg_failed(inst)
                     if head.status not in (503, 504):
                         # An engine's internal error (e.g. a KV handoff that timed out) is a bad gateway from
                         # the client's side: a 500 from the proxy would read as a proxy bug. 503/504 keep
@@ -255,14 +272,18 @@ async def run_decode(
             raise LegFailure(502, f"decode leg on {inst.name} failed: {exc}") from None
 
         response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        response.enable_chunked_encoding()
+        # HTTP/1.0 has no chunked encoding: its stream goes out unframed and ends when the connection closes
+        http10 = request.version < HttpVersion11
+        if not http10:
+            response.enable_chunked_encoding()
         await response.prepare(request)
         transport = request.transport
         if transport is None:
             raise ConnectionResetError("client went away")
+        out = Unchunked(transport.write).write if http10 else transport.write
         relay = Relay(proxy, conn, inst)
         proxy.metrics.ttft.observe(time.monotonic() - started)
-        conn.relay_to(transport, proxy.metrics.itl, relay.client_gone)  # type: ignore[arg-type]
+        conn.relay_to(transport, proxy.metrics.itl, relay.client_gone, out)  # type: ignore[arg-type]
         relay.start_watchdog()
         if supervisor is not None and not supervisor.done():
             supervisor.add_done_callback(
@@ -287,7 +308,7 @@ async def run_decode(
             log.warning("stream from %s ended with an error: %s", inst.name, message)
             relay.stop()
             if not transport.is_closing():
-                transport.write(_sse_error(status, message))
+                out(_sse_error(status, message))
                 await response.write_eof()
             response.force_close()
             request[OUTCOME] = "stream_error"
@@ -351,11 +372,10 @@ async def handle_completion(proxy: Proxy, request: web.Request, path: str, body:
 
     decode_body = adapter.decode_body(body, prefill, decode, prefill_rank, None, ctx)
     prefill_task = asyncio.ensure_future(run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers))
+    # its failure is reported through the decode leg (or not at all when the decode leg failed first)
+    prefill_task.add_done_callback(_retrieve)
     try:
         return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started, prefill_task)
     finally:
         if not prefill_task.done():
             prefill_task.cancel()
-        else:
-            if not prefill_task.cancelled():
-                prefill_task.exception()  # retrieved: its failure was already reported through the decode leg

@@ -45,6 +45,47 @@ def _silence(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+class Unchunked:
+    """Writes a chunked body's data without its framing, for an HTTP/1.0 client (which has no chunked
+    encoding: its stream is delimited by the connection's close). Off the HTTP/1.1 hot path."""
+
+    __slots__ = ("_write", "_left", "_skip", "_line", "_ended")
+
+    def __init__(self, write: Callable[[bytes], None]) -> None:
+        self._write = write
+        self._left = 0  # data bytes of the current chunk still to come
+        self._skip = 0  # bytes of the CRLF after a chunk's data still to come
+        self._line = b""  # a chunk-size line cut by a read
+        self._ended = False
+
+    def write(self, data: bytes) -> None:
+        """Strip the framing from the next piece of a chunked body and write the data."""
+        out = []
+        pos, n = 0, len(data)
+        while pos < n and not self._ended:
+            if self._left:
+                take = min(self._left, n - pos)
+                out.append(data[pos : pos + take])
+                pos += take
+                self._left -= take
+                self._skip = 0 if self._left else 2
+            elif self._skip:
+                take = min(self._skip, n - pos)
+                pos += take
+                self._skip -= take
+            else:
+                eol = data.find(b"\n", pos)
+                if eol < 0:
+                    self._line += data[pos:]
+                    break
+                line, self._line = self._line + data[pos:eol], b""
+                pos = eol + 1
+                self._left = int(line.split(b";", 1)[0].strip(), 16)
+                self._ended = self._left == 0
+        if out:
+            self._write(b"".join(out))
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection to an engine; carries one request at a time.
 
@@ -179,13 +220,19 @@ class Connection(asyncio.Protocol):
         self.used = True
 
     def relay_to(
-        self, transport: asyncio.WriteTransport, itl: FastHistogram | None, on_error: Callable[[Exception], None]
+        self,
+        transport: asyncio.WriteTransport,
+        itl: FastHistogram | None,
+        on_error: Callable[[Exception], None],
+        write: Callable[[bytes], None] | None = None,
     ) -> None:
-        """Send the body read so far, then every later piece, straight to the client's `transport`."""
+        """Send the body read so far, then every later piece, straight to the client's `transport`
+        (through `write` instead where the chunk framing must be changed, e.g. an `Unchunked` writer)."""
+        out = write or transport.write
         if self._early:
-            transport.write(b"".join(self._early))
+            out(b"".join(self._early))
             self._early = []
-        self._out = transport.write
+        self._out = out
         self._out_size = transport.get_write_buffer_size
         self._on_out_error = on_error
         self.itl = itl

@@ -1,0 +1,104 @@
+"""The proxy's door: bearer-secret checks, JSON nesting bounded before parsing, and capped listeners."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import resource
+from collections.abc import Callable
+
+from aiohttp import web
+
+log = logging.getLogger("appliance.proxy")
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_OPENERS = bytes(b for b in range(256) if b not in b"[{")
+# Descriptors one client connection can hold at once: its socket, a prefill leg and a decode leg.
+_FDS_PER_CONNECTION = 3
+_FD_RESERVE = 64  # listeners, the ZMQ socket, health probes, log files
+
+
+def bearer_matches(header: str | None, secret: str) -> bool:
+    """True when an Authorization header is `Bearer <secret>`; compared in constant time.
+
+    aiohttp hands header bytes that are not UTF-8 over as surrogate escapes: they are encoded back to the
+    bytes the client sent, which then simply do not match (a 401, never an encoding error).
+    """
+    scheme, _, given = (header or "").partition(" ")
+    try:
+        sent = given.strip().encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return scheme.lower() == "bearer" and hmac.compare_digest(sent, secret.encode())
+
+
+def json_too_deep(raw: bytes, limit: int) -> bool:
+    """True when the JSON text nests arrays/objects more than `limit` deep; decided without parsing it.
+
+    Strings are cut out, then innermost `[]`/`{}` pairs are removed one level per pass, all in C (re, bytes):
+    a body of a few brackets costs one translate() whatever its size. Unbalanced text is left to the parser.
+    """
+    if len(raw.translate(None, _OPENERS)) <= limit:
+        return False
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
+    for _ in range(limit):
+        brackets, removed = _INNERMOST.subn(b"", brackets)
+        if not brackets or not removed:
+            return False
+    return bool(brackets)
+
+
+_BUSY_BODY = json.dumps({"error": {"message": "the proxy has too many open connections; retry shortly",
+                                   "type": "ServiceUnavailable", "code": 503}}).encode()
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+         b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(_BUSY_BODY), _BUSY_BODY))
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap: answered 503 at once, closed after the client's first bytes or 1 s."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+        self.transport.write(_BUSY)
+        self.timer = asyncio.get_running_loop().call_later(1.0, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        # the request was read: closing now sends a FIN after the 503, not a reset that could drop it
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.timer.cancel()
+
+
+def capped(server: web.Server, max_connections: int) -> Callable[[], asyncio.BaseProtocol]:
+    """A protocol factory that serves through `server` until it holds max_connections, then refuses with 503."""
+
+    def factory() -> asyncio.BaseProtocol:
+        if len(server.connections) >= max_connections:
+            return _Refused()
+        return server()
+
+    return factory
+
+
+def fit_to_descriptors(max_connections: int, what: str) -> int:
+    """The connection cap this process can honour: raises RLIMIT_NOFILE towards what the cap needs, or
+    lowers the cap (with a warning) so a full house still leaves descriptors for the engine legs."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # a connection, its legs, and one accept batch (the backlog, at most the cap) over the cap
+    need = (_FDS_PER_CONNECTION + 1) * max_connections + _FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        soft = raised
+    if soft != resource.RLIM_INFINITY and soft < need:
+        fitted = max(1, (soft - _FD_RESERVE) // (_FDS_PER_CONNECTION + 1))
+        log.warning("%s: max_connections %d needs %d file descriptors, the limit is %d: serving at most %d "
+                    "connections (raise LimitNOFILE)", what, max_connections, need, soft, fitted)
+        return fitted
+    return max_connections
