@@ -161,6 +161,38 @@ def check_tp(p: Plan) -> list[Finding]:
     return findings
 
 
+def amd_rows(inventory: Inventory) -> list[Finding]:
+    """AMD nodes: the amdsmi release, the compute partition mode and the XGMI matrix, one row each."""
+    rows = [
+        Finding("amdsmi", "ok", inventory.library)
+        if inventory.library
+        else Finding("amdsmi", "ok", f"release not recorded (inventory {inventory.source})")
+    ]
+    modes = sorted({g.compute_partition or "not reported" for g in inventory.gpus})
+    groups = inventory.physical_gpus()
+    if inventory.partitioned:
+        rows.append(Finding("partition", "fail",
+                            f"{'/'.join(modes)}: {len(inventory.gpus)} partitions of {len(groups)} physical GPUs",
+                            "switch the GPUs to SPX (as root: amd-smi set --compute-partition SPX)"))
+    else:
+        rows.append(Finding("partition", "ok" if modes == ["SPX"] else "warn", f"{'/'.join(modes)} on {len(groups)} GPUs",
+                            "" if modes == ["SPX"] else "amdsmi did not report the compute partition mode"))
+    indices = sorted(g.index for g in inventory.gpus)
+    pairs = [(a, b) for n, a in enumerate(indices) for b in indices[n + 1:]]
+    if not pairs:
+        return rows
+    slow = [f"{a}-{b} {kind}" for a, b in pairs if (kind := inventory.link(a, b)) != "XGMI"]
+    hops = sorted({link.hops for link in inventory.links if link.type == "XGMI" and link.hops is not None})
+    hop_text = f", {'/'.join(map(str, hops))} hop{'s' if hops != [1] else ''}" if hops else ""
+    if not slow:
+        rows.append(Finding("xgmi", "ok", f"all {len(pairs)} pairs of {len(indices)} GPUs on XGMI{hop_text}"))
+    else:
+        rows.append(Finding("xgmi", "warn", f"{len(pairs) - len(slow)} of {len(pairs)} pairs on XGMI; not: "
+                            + ", ".join(slow[:6]) + (f" (+{len(slow) - 6} more)" if len(slow) > 6 else ""),
+                            "TP groups over these pairs cross PCIe: see `pdctl inventory` for the matrix"))
+    return rows
+
+
 def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout: float = 180.0) -> list[Finding]:
     """All doctor checks for this node and plan."""
     findings: list[Finding] = []
@@ -173,6 +205,9 @@ def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout:
     else:
         why = "; ".join(inventory.notes[:2])
         findings.append(Finding("gpus", "ok", f"no GPUs ({why}): CPU layout with the {p.connector} connector"))
+
+    if inventory.vendor == "amd":
+        findings.extend(amd_rows(inventory))
 
     if settings.engine.kind == "sim":
         findings.append(Finding("engine", "ok", "simulated engine (no vLLM needed)"))

@@ -213,6 +213,8 @@ def _allocate(settings: Settings, inventory: Inventory, platform: Platform) -> d
                 )
         return {role: [[] for _ in range(settings.role(role).instances)] for role in roles}
 
+    if inventory.partitioned:
+        raise _partitioned(inventory)
     gpus = inventory.by_index()
     usable = [g for g in inventory.gpus if _usable(g)]
     explicit = {role: settings.role(role).gpus for role in roles if settings.role(role).gpus is not None}
@@ -262,6 +264,24 @@ def _allocate(settings: Settings, inventory: Inventory, platform: Platform) -> d
             sets.append(picked)
         result[role] = sets
     return result
+
+
+def _partitioned(inventory: Inventory) -> PlanError:
+    """Why pdctl does not plan compute partitions (DPX/QPX/CPX), and how to get whole GPUs back.
+
+    Settings speak of whole GPUs: a TP group over partitions of one GPU shares its memory and fabric, and each
+    partition may report the whole GPU's memory (6.3-era amdsmi), so a plan would look right and be wrong."""
+    modes = sorted({g.compute_partition for g in inventory.gpus if g.compute_partition} - {"SPX"}) or ["partition"]
+    groups = inventory.physical_gpus()
+    sizes = sorted({len(group) for group in groups}, reverse=True)
+    first = groups[0]
+    return PlanError(
+        f"the {len(inventory.gpus)} GPUs are {'/'.join(modes)} compute partitions of {len(groups)} physical GPUs "
+        f"({' or '.join(map(str, sizes))} each; GPUs {first[0]}-{first[-1]} are all on physical GPU 0), "
+        "and pdctl plans whole GPUs",
+        fix=f"switch the GPUs to SPX (as root, with no process on them: amd-smi set --compute-partition SPX), "
+        f"then plan again for {len(groups)} GPUs",
+    )
 
 
 def _fast_island(inventory: Inventory, gpus: list[int]) -> bool:

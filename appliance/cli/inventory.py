@@ -28,17 +28,31 @@ def _processes_cell(inventory: Inventory, index: int) -> str:
 
 def gpu_table(inventory: Inventory) -> Table:
     """One row per GPU: name, memory, utilisation, NUMA node, PCI address, health, processes."""
-    table = Table(title=f"GPUs ({inventory.source})", title_justify="left")
-    for header in ("#", "name", "memory used/total", "util", "NUMA", "PCI", "health", "processes"):
+    title = f"GPUs ({inventory.source}{', ' + inventory.library if inventory.library else ''})"
+    table = Table(title=title, title_justify="left")
+    # AMD compute partitions: the mode, and which physical GPU each logical one is on when they are split.
+    partitions = any(g.compute_partition for g in inventory.gpus)
+    headers = ["#", "name", "memory used/total", "util", "NUMA", "PCI", "health", "processes"]
+    if partitions:
+        headers.insert(1, "partition")
+    for header in headers:
         table.add_column(header, justify="right" if header in ("#", "util", "NUMA") else "left")
     for gpu in sorted(inventory.gpus, key=lambda g: g.index):
+        cells = [str(gpu.index)]
+        if partitions:
+            on = (
+                f" of GPU {gpu.physical_gpu}"
+                if inventory.partitioned and gpu.physical_gpu is not None
+                else ""
+            )
+            cells.append(f"{gpu.compute_partition or '-'}{on}")
         memory = f"{gpu.memory_used_mib:,} / {gpu.memory_total_mib:,} MiB"
         util = f"{gpu.utilization_pct:.0f}%" if gpu.utilization_pct is not None else "-"
         numa = str(gpu.numa_node) if gpu.numa_node is not None else "-"
         # Data is escaped: a name or error text holding "[...]" must not be read as rich markup.
         health = "[green]ok[/]" if gpu.healthy else f"[red]BAD[/] {escape(gpu.health_detail)}".rstrip()
         table.add_row(
-            str(gpu.index),
+            *cells,
             escape(gpu.name),
             memory,
             util,

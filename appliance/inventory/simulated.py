@@ -21,6 +21,8 @@ def _node(vendor: Vendor, name: str, memory_mib: int, count: int, link: LinkType
             utilization_pct=0.0,
             numa_node=i // per_numa,
             pci_bdf=f"0000:{bus + 0x10 * i:02x}:00.0",
+            compute_partition="SPX" if vendor == "amd" else None,
+            physical_gpu=i,
         )
         for i in range(count)
     ]
