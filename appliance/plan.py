@@ -18,7 +18,7 @@ from appliance.connector import InstanceContext, Platform, get_connector, resolv
 from appliance.engine.command import engine_command
 from appliance.errors import PlanError
 from appliance.inventory.models import Gpu, Inventory
-from appliance.settings import EMBEDDED_MODEL, Role, RoleSettings, Settings
+from appliance.settings import EMBEDDED_MODEL, Role, Settings
 
 SCHEMA_VERSION = 1
 InstanceRole = Literal["prefill", "decode", "both"]
@@ -157,8 +157,10 @@ def _sizes(settings: Settings, roles: list[Role], available: int) -> dict[Role, 
     return sizes
 
 
-def _shape(role: Role, rs: RoleSettings, size: int, platform: Platform) -> tuple[int, int]:
+def _shape(settings: Settings, role: Role, size: int, platform: Platform) -> tuple[int, int]:
     """(tp, dp) for the role; raises a PlanError when TP x DP x instances cannot equal its GPU count."""
+    rs = settings.role(role)
+    key = "colocated" if role == "both" else role
     if platform == "cpu":
         if rs.tp not in (None, 1) or rs.dp != 1:
             raise PlanError(
@@ -181,9 +183,13 @@ def _shape(role: Role, rs: RoleSettings, size: int, platform: Platform) -> tuple
             )
         return tp, rs.dp
     if rs.tp * rs.dp != per_instance:
+        gpus = settings.origin(f"{key}.gpus" if rs.gpus is not None else f"{key}.gpu_count")
+        tp_from = settings.origin(f"{key}.tp")
         raise PlanError(
-            f"{role}: TP {rs.tp} x DP {rs.dp} = {rs.tp * rs.dp} GPUs, but each instance has {per_instance}",
-            fix=f"set {role}.tp x {role}.dp = {per_instance}, or give {role} {rs.tp * rs.dp * rs.instances} GPUs",
+            f"{role}: TP {rs.tp} (from {tp_from}) x DP {rs.dp} = {rs.tp * rs.dp} GPUs, "
+            f"but each instance has {per_instance} (GPUs from {gpus})",
+            fix=f"make {role} TP x DP = {per_instance} where TP is set ({tp_from}), "
+                f"or give {role} {rs.tp * rs.dp * rs.instances} GPUs",
         )
     return rs.tp, rs.dp
 
@@ -222,8 +228,10 @@ def _allocate(settings: Settings, inventory: Inventory, platform: Platform) -> d
         assert chosen is not None
         missing = [g for g in chosen if g not in gpus]
         if missing:
+            key = "colocated" if role == "both" else role
             raise PlanError(
-                f"{role}.gpus names GPU(s) {missing} but this node has {sorted(gpus)}",
+                f"{role}.gpus (from {settings.origin(f'{key}.gpus')}) names GPU(s) {missing} but this node has "
+                f"{sorted(gpus)}",
                 fix=f"pick {role}.gpus from {sorted(gpus)}",
             )
         bad = [g for g in chosen if not _usable(gpus[g])]
@@ -239,7 +247,7 @@ def _allocate(settings: Settings, inventory: Inventory, platform: Platform) -> d
             f"the plan needs {ask} = {sum(sizes.values())} GPUs but this node has {len(gpus)}",
             fix="lower a role's gpu_count, tp or instances",
         )
-    shapes = {r: _shape(r, settings.role(r), sizes[r], platform) for r in roles}
+    shapes = {r: _shape(settings, r, sizes[r], platform) for r in roles}
 
     result: dict[Role, list[list[int]]] = {}
     used: set[int] = {g for v in explicit.values() for g in (v or [])}

@@ -12,7 +12,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from appliance.errors import ConfigError
@@ -197,6 +205,13 @@ class Settings(BaseSettings):
     manager: Literal["auto", "systemd", "supervisor"] = "auto"
     state_dir: str = Field(default="/var/lib/pdctl", description="Plan, rendered configs, KV store, tiny model")
     unit_dir: str = Field(default="/etc/systemd/system", description="Where systemd units are written")
+    # Where each value came from ("decode.tp" -> "PDCTL_DECODE__TP", "--decode 4-7", the file's path), so an
+    # error about a value names the place to change it. Filled by load_settings.
+    _origins: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def origin(self, key: str) -> str:
+        """Where the dotted setting `key` (or the table holding it) was set: a flag, PDCTL_* or the file."""
+        return _lookup(self._origins, key) or "the settings"
 
     @model_validator(mode="after")
     def _roles_disjoint(self) -> Settings:
@@ -224,6 +239,30 @@ class Settings(BaseSettings):
         return (init_settings, env_settings)
 
 
+def _lookup(origins: dict[str, str], key: str) -> str | None:
+    """The origin recorded for `key` or for the nearest table above it."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        found = origins.get(".".join(parts[:n]))
+        if found:
+            return found
+    return None
+
+
+def _leaves(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys of the values in nested settings data ({"decode": {"tp": 3}} -> ["decode.tp"])."""
+    out: list[str] = []
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        out.extend(_leaves(value, dotted + ".") if isinstance(value, dict) and value else [dotted])
+    return out
+
+
+def env_name(key: str) -> str:
+    """The environment variable that sets the dotted setting `key` (decode.tp -> PDCTL_DECODE__TP)."""
+    return "PDCTL_" + "__".join(key.split(".")).upper()
+
+
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in top.items():
@@ -234,7 +273,7 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _env_data() -> dict[str, Any]:
+def env_data() -> dict[str, Any]:
     """PDCTL_* variables as nested data, read by pydantic-settings' own environment source."""
     from pydantic_settings import EnvSettingsSource
 
@@ -268,8 +307,9 @@ def example_settings() -> Path:
     return Path(str(resources.files("appliance") / "data" / "pdctl.toml"))
 
 
-def _describe(error: dict[str, Any], source: str) -> str:
+def _describe(error: dict[str, Any], origins: dict[str, str], default: str) -> str:
     loc = ".".join(str(p) for p in error["loc"]) or "(top level)"
+    source = _lookup(origins, loc) or default
     kind = error["type"]
     if kind == "extra_forbidden":
         return f"{source}: unknown setting '{loc}' (check its spelling; every key: {example_settings()})"
@@ -281,23 +321,31 @@ def _describe(error: dict[str, Any], source: str) -> str:
     return f"{source}: {loc} = {error.get('input')!r} is not allowed: {msg}"
 
 
-def load_settings(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Settings:
-    """Read, merge and validate the settings; any bad value becomes one ConfigError naming field, value and rule."""
+def load_settings(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None,
+                  override_origins: dict[str, str] | None = None) -> Settings:
+    """Read, merge and validate the settings; any bad value becomes one ConfigError naming field, value, rule
+    and where the value came from (`override_origins` names the flag behind each override's dotted key)."""
     file = config_path(path)
     if path and not file.exists():
         raise ConfigError(f"settings file {file} does not exist", fix=f"create it (example: {example_settings()}) or drop --config")
     data = read_toml(file)
     source = str(file) if data else "settings"
     try:
-        env = _env_data()
+        env = env_data()
     except Exception as exc:  # pydantic-settings raises SettingsError for unparsable JSON values
         raise ConfigError(f"a PDCTL_* environment variable cannot be read: {exc}") from None
     merged = _deep_merge(_deep_merge(data, env), overrides or {})
+    origins = {key: str(file) for key in _leaves(data)}
+    origins.update({key: env_name(key) for key in _leaves(env)})
+    named = override_origins or {}
+    origins.update({key: _lookup(named, key) or "a command-line override" for key in _leaves(overrides or {})})
     try:
         # Init data only: the environment is already merged, so the env source must not read it again.
-        return Settings.model_validate(merged)
+        settings = Settings.model_validate(merged)
     except ValidationError as exc:
         errors = exc.errors()
-        first = _describe(dict(errors[0]), source)
+        first = _describe(dict(errors[0]), origins, source)
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise ConfigError(first + more) from None
+    settings._origins = origins
+    return settings

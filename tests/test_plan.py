@@ -89,7 +89,7 @@ def test_proxy_config_lists_every_instance() -> None:
     [
         ({"prefill": {"gpus": [0, 1, 2, 3]}, "decode": {"gpus": [8, 9]}}, "sim:mi300x-8", "names GPU(s) [8, 9]"),
         ({"prefill": {"gpu_count": 6}, "decode": {"gpu_count": 6}}, "sim:mi300x-8", "needs prefill 6 + decode 6 = 12"),
-        ({"prefill": {"gpu_count": 4, "tp": 3}}, "sim:mi300x-8", "TP 3 x DP 1 = 3 GPUs, but each instance has 4"),
+        ({"prefill": {"gpu_count": 4, "tp": 3}}, "sim:mi300x-8", "TP 3 (from the settings) x DP 1 = 3 GPUs, but each instance has 4"),
         ({"prefill": {"gpu_count": 3, "instances": 2}}, "sim:mi300x-8", "cannot be split into 2 equal"),
         ({"connector": {"name": "nixl", "mode": "write"}}, "sim:h200-8", "has no write mode"),
         ({"connector": {"name": "example", "mode": "write"}}, "sim:cpu", "has no write mode"),

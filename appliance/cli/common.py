@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
+from rich.console import Console
 
 from appliance.inventory import Inventory, load_inventory
 from appliance.plan import Plan, plan
-from appliance.settings import Settings, load_settings
+from appliance.settings import Settings, env_data, load_settings
 from appliance.shapes import role_overrides
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+# Wide enough for any table pdctl prints: piped output is read by people in logs and by grep, never cut.
+PIPE_WIDTH = 1000
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich console; on a pipe or a log (not a terminal, no $COLUMNS) tables and lines are never cut at 80."""
+    stream = sys.stderr if stderr else sys.stdout
+    wide = not stream.isatty() and "COLUMNS" not in os.environ
+    return Console(stderr=stderr, width=PIPE_WIDTH if wide else None, emoji=False)
 
 
 def plan_options(func: F) -> F:
@@ -49,14 +63,38 @@ def overrides_from(options: dict[str, Any]) -> dict[str, Any]:
         put("connector", "name", options["connector"])
     if options.get("engine"):
         put("engine", "kind", options["engine"])
-    out.update(role_overrides(options))
+    roles = role_overrides(options)
+    env = env_data() if roles else {}
+    for role, values in roles.items():
+        if values.get("tp") is None:
+            # A GPU set or count leaves the shape to the planner, except what PDCTL_<ROLE>__* sets explicitly:
+            # that is kept, and the planner refuses it (naming both) when these GPUs cannot honour it.
+            for key in ("instances", "tp", "dp"):
+                if key in env.get(role, {}):
+                    values.pop(key, None)
+    out.update(roles)
+    return out
+
+
+# Plan flag -> the setting it overrides, so an error about that setting names the flag.
+_FLAG_SETTINGS = {"mode": "connector.mode", "connector": "connector.name", "engine": "engine.kind",
+                  "prefill_gpus": "prefill", "decode_gpus": "decode", "prefill_set": "prefill", "decode_set": "decode"}
+
+
+def flag_origins(options: dict[str, Any]) -> dict[str, str]:
+    """Dotted setting -> the flag that set it ("decode" -> "--decode 4-7"), for errors that name their source."""
+    out: dict[str, str] = {}
+    for param, key in _FLAG_SETTINGS.items():
+        if options.get(param):
+            flag = "--" + param.removesuffix("_set").replace("_", "-")
+            out[key] = f"{flag} {options[param]}"
     return out
 
 
 def obtain(ctx: click.Context, overrides: dict[str, Any] | None = None) -> tuple[Settings, Inventory]:
     """Settings and inventory from the global --config / --inventory options (a command's --inventory wins)."""
     obj = ctx.find_root().obj or {}
-    settings = load_settings(obj.get("config_path"), overrides)
+    settings = load_settings(obj.get("config_path"), overrides, flag_origins(ctx.params))
     inventory = load_inventory(ctx.params.get("inventory_source") or obj.get("inventory_source"))
     return settings, inventory
 

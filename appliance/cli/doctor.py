@@ -6,10 +6,9 @@ import sys
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.table import Table
 
-from appliance.cli.common import obtain_plan, overrides_from, plan_options
+from appliance.cli.common import console, obtain_plan, overrides_from, plan_options
 from appliance.doctor import as_json, run_checks, summary_exit_code
 
 STYLE = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[red]FAIL[/red]"}
@@ -31,5 +30,5 @@ def doctor(ctx: click.Context, as_json_: bool, **options: Any) -> None:
             table.add_column(col, overflow="fold")
         for f in findings:
             table.add_row(f.check, STYLE[f.status], f.detail, f.fix)
-        Console().print(table)
+        console().print(table)
     sys.exit(summary_exit_code(findings))

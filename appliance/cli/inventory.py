@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from appliance.cli.common import console as cli_console
 from appliance.inventory import Inventory, load_inventory
 
 _LINK_STYLE = {"XGMI": "green", "NVLINK": "green", "PCIE": "yellow", "UNKNOWN": "dim"}
@@ -106,5 +105,5 @@ def inventory(ctx: click.Context, as_json: bool) -> None:
         return
     # Piped output gets a wide page instead of rich's 80-column default, so rows do not fold.
     # No emoji codes: ":ab:" in the PCI address 0000:ab:00.0 would otherwise print as an emoji.
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200, emoji=False)
+    console = cli_console()
     render(found, console)

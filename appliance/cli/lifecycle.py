@@ -26,6 +26,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from appliance.cli.common import console as cli_console
 from appliance.cli.common import obtain, obtain_plan, overrides_from, plan_options
 from appliance.errors import PdctlError
 from appliance.manager import ServiceManager, UnitStatus, choose_manager
@@ -283,7 +284,7 @@ def up(ctx: click.Context, manager: str | None, timeout_s: float | None, no_wait
 
     # A layout `pdctl rebalance` recorded stays in force until `pdctl rebalance --reset`.
     settings, _, plan = obtain_plan(ctx, with_layout(ctx, overrides_from(options)))
-    console = Console(stderr=as_json)
+    console = cli_console(stderr=as_json)
     previous = installed_plan(plan.state_dir)
     mgr = choose_manager(plan, manager or settings.manager, settings.unit_dir, render_options(settings),
                          prefix=_prefix())
@@ -327,7 +328,7 @@ def up(ctx: click.Context, manager: str | None, timeout_s: float | None, no_wait
             what = ", ".join(restart + started) or "nothing to start"
             console.print(f"[green]healthy[/green] ({mgr.name}; {what}); proxy {plan.proxy.url}")
         return
-    report_failure(plan, mgr, snap, Console(stderr=True), limit)
+    report_failure(plan, mgr, snap, cli_console(stderr=True), limit)
     sys.exit(EXIT_UNHEALTHY)
 
 
@@ -364,7 +365,7 @@ def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, t
     if no_wait:
         click.echo(json.dumps({"restarted": units}) if as_json else f"restarting {', '.join(units)}")
         return
-    console = Console(stderr=as_json)
+    console = cli_console(stderr=as_json)
     # Give the manager a moment to take the stop: a unit still "running" must not pass as restarted.
     time.sleep(0.5)
     limit = timeout_s if timeout_s is not None else settings.engine.health_timeout_s + 60
@@ -374,7 +375,7 @@ def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, t
     elif snap.ready(plan):
         console.print(f"[green]healthy[/green]: restarted {', '.join(units)}")
     if not snap.ready(plan):
-        report_failure(plan, mgr, snap, Console(stderr=True), limit)
+        report_failure(plan, mgr, snap, cli_console(stderr=True), limit)
         sys.exit(_exit_for(snap, plan))
 
 

@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         click.echo("pdctl: aborted", err=True)
         sys.exit(130)
     except click.ClickException as exc:
-        exc.show()
+        # Usage mistakes (a bad flag value, an unknown option) read like every other error: one line.
+        where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx else "pdctl"
+        hint = f" (see `{where} --help`)" if isinstance(exc, click.UsageError) else ""
+        message = exc.format_message().rstrip(".")
+        click.echo(f"pdctl: error: {message[:1].lower()}{message[1:]}{hint}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

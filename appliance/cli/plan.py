@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from appliance.cli.common import obtain_plan, overrides_from, plan_options
+from appliance.cli.common import console, obtain_plan, overrides_from, plan_options
 from appliance.plan import Plan
 
 
@@ -66,4 +66,4 @@ def plan(ctx: click.Context, as_json: bool, suggest: bool, input_len: int, outpu
     if as_json:
         click.echo(p.model_dump_json(indent=2))
     else:
-        render_plan(p, Console())
+        render_plan(p, console())

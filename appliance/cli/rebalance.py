@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from appliance.cli.common import console as cli_console
 from appliance.cli.common import obtain
 from appliance.cli.lifecycle import MANAGER_CHOICE, admin_url, deployed, http_answer
 from appliance.errors import PdctlError
@@ -151,7 +152,7 @@ def rebalance(ctx: click.Context, reset: bool, dry_run: bool, yes: bool, allow_d
     Unchanged instances keep running; changed ones are drained in the proxy, stopped, re-rendered, restarted
     and re-admitted; the proxy learns the new instance set without a restart.
     """
-    console = Console()
+    console = cli_console()
     settings, old, _ = deployed(ctx, manager)
     asked = role_overrides(options)
     if not asked and not reset:
@@ -205,7 +206,7 @@ def mode(ctx: click.Context, new_mode: str | None, yes: bool, allow_downtime: bo
     When the connector fixes the mode at engine start (MORI-IO), engines restart one at a time, drained first;
     with a single instance of a role that cannot roll, requests wait in the proxy while it restarts.
     """
-    console = Console()
+    console = cli_console()
     settings, old, _ = deployed(ctx, manager)
     admin = _admin(old)
     if new_mode is None:

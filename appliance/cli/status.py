@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from appliance.cli.common import console
 from appliance.cli.lifecycle import (
     ACTIVE,
     EXIT_DOWN,
@@ -243,6 +244,6 @@ def status(ctx: click.Context, as_json: bool, manager: str | None) -> None:
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
-        render_status(doc, Console())
+        render_status(doc, console())
     if doc["state"] != "healthy":
         sys.exit(EXIT_UNHEALTHY if doc["state"] == "degraded" else EXIT_DOWN)

@@ -7,9 +7,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from appliance.cli.common import console as cli_console
 from appliance.cli.common import obtain
 from appliance.cli.lifecycle import installed_plan
 from appliance.heads import Heads, read_heads
@@ -43,7 +43,7 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
                                                 "prefill_gpus": p.prefill.gpus, "decode_gpus": p.decode.gpus}
                                                for p in ranked]}, indent=2))
         return
-    console = Console()
+    console = cli_console()
     console.print(f"workload: {input_len} prompt + {output_len} output tokens at {rate:g} req/s; SLO TTFT "
                   f"{settings.slo.ttft_ms:g} ms, ITL {settings.slo.itl_ms:g} ms; {len(inventory.gpus)} GPUs "
                   f"({inventory.source})")

@@ -101,3 +101,29 @@ def test_bad_shape_is_one_line() -> None:
         assert len(lines) == 1 and lines[0].startswith("pdctl: error:"), (value, r.stderr)
     r = pdctl("plan", "--prefill", "2xTPx", env={"PDCTL_INVENTORY": "sim:mi300x-8"})
     assert "neither a GPU set nor a shape" in r.stderr
+
+
+def test_errors_name_where_the_value_came_from() -> None:
+    env = {"PDCTL_INVENTORY": "sim:h200-8", "PDCTL_CONNECTOR__MODE": "read"}
+    # An explicit TP from the environment that the flag's GPU set cannot honour is an error, not a silent TP4.
+    r = pdctl("plan", "--connector", "nixl", "--decode", "4-7", env={**env, "PDCTL_DECODE__TP": "3"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "TP 3 (from PDCTL_DECODE__TP)" in r.stderr and "GPUs from --decode 4-7" in r.stderr
+    # ... and one it can honour is kept: two instances of TP 2 on the flag's four GPUs.
+    r = pdctl("plan", "--json", "--connector", "nixl", "--decode", "4-7",
+              env={**env, "PDCTL_DECODE__TP": "2", "PDCTL_DECODE__INSTANCES": "2"})
+    assert [(i["gpus"], i["tp"]) for i in json.loads(r.stdout)["instances"] if i["role"] == "decode"] == [
+        ([4, 5], 2), ([6, 7], 2)], r.stderr
+    r = pdctl("plan", env={**env, "PDCTL_CONNECTOR__MODE": "sideways"})
+    assert r.stderr.startswith("pdctl: error: PDCTL_CONNECTOR__MODE: connector.mode = 'sideways'"), r.stderr
+    r = pdctl("plan", "--connector", "nixl", "--decode", "9-12", env=env)
+    assert "decode.gpus (from --decode 9-12)" in r.stderr, r.stderr
+
+
+def test_usage_errors_are_one_line() -> None:
+    for args in (("plan", "--mode", "sideways"), ("plan", "--bogus"), ("nosuch",), ("plan", "--prefill-gpus", "0")):
+        r = pdctl(*args, env={"PDCTL_INVENTORY": "sim:mi300x-8"})
+        assert r.returncode == 2, args
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("pdctl: error: "), (args, r.stderr)
+    r = pdctl("plan", "--mode", "sideways")
+    assert "'sideways' is not one of 'read', 'write'" in r.stderr and "pdctl plan --help" in r.stderr
