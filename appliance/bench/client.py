@@ -31,8 +31,9 @@ from typing import Any, Literal
 import aiohttp
 
 from appliance.bench.analysis import Slo
-from appliance.bench.results import RateResult, RequestResult, summarize
-from appliance.bench.workload import PromptKind, arrivals, prompt, rate_seed
+from appliance.bench.results import RateResult, RequestResult, SteadyWindow, summarize
+from appliance.bench.steady import Window, is_steady, occupancy
+from appliance.bench.workload import PromptKind, arrivals, arrivals_until, prompt, rate_seed
 from appliance.errors import PdctlError
 
 
@@ -212,13 +213,32 @@ async def warm_up(session: aiohttp.ClientSession, target: Target, count: int, se
     return errors
 
 
+async def probe_lifetime(session: aiohttp.ClientSession, target: Target, seed: int) -> float | None:
+    """One full-length request sent alone, unrecorded: its latency is a request's lifetime on an idle
+    deployment (what a steady window is sized with). None when it failed."""
+    rng = random.Random(f"probe-{seed}")  # a prompt no rate sends
+    req = InFlight(0, f"bench-probe-{seed}", 0.0)
+    await send(session, target, req, prompt(target.prompt_kind, target.input_len, rng, target.token_range),
+               time.perf_counter())
+    return req.latency_s if req.error is None and req.chunk_times_s else None
+
+
 @dataclass
 class RateRun:
-    """The settings of one rate of a sweep."""
+    """The settings of one rate of a sweep: `num_requests` arrivals, or with a steady `window`, arrivals
+    until its span (at most window.max_requests) of which only the window's are measured."""
 
     rate: float
     num_requests: int
     seed: int
+    window: Window | None = None
+
+
+def _schedule(run: RateRun, rng: random.Random) -> list[float]:
+    if run.window is None:
+        return arrivals(run.rate, run.num_requests, rng)
+    times = arrivals_until(run.rate, run.window.span_s, rng)
+    return times[: run.window.max_requests]
 
 
 async def run_rate(
@@ -232,7 +252,7 @@ async def run_rate(
     """Send one rate's requests on their Poisson schedule and wait for all; `stop` ends it early (partial)."""
     seed = rate_seed(run.seed, run.rate)
     rng = random.Random(seed)
-    times = arrivals(run.rate, run.num_requests, rng)
+    times = _schedule(run, rng)
     prompts = [prompt(target.prompt_kind, target.input_len, rng, target.token_range) for _ in times]
     reqs = [InFlight(i, f"bench-{seed}-{i}", t) for i, t in enumerate(times)]
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -264,6 +284,9 @@ async def run_rate(
     # Requests never sent (interrupted before their arrival time) are not part of the measurement.
     results = [r.result() for r in reqs if r.sent_s is not None]
     partial = any(r.status == "interrupted" for r in results) or len(results) < len(reqs)
+    window = _steady_window(run.window, results, duration) if run.window is not None else None
+    for r in results:
+        r.measured = run.window is None or run.window.measured(r.scheduled_s)
     return RateResult(
         rate=run.rate,
         seed=seed,
@@ -271,7 +294,26 @@ async def run_rate(
         started_at=started_at,
         duration_s=duration,
         requests=results,
-        summary=summarize(results, slo, duration),
+        # With a window, throughput is per second of the window: the steady rate, not warm-up or drain.
+        summary=summarize(results, slo, window.end_s - window.start_s if window else duration),
+        window=window,
+    )
+
+
+def _steady_window(planned: Window, results: list[RequestResult], duration: float) -> SteadyWindow:
+    """The window as run: its bounds (cut to the last arrival when the request cap ended arrivals
+    early), and whether the in-flight count stayed level across it."""
+    last = max((r.scheduled_s for r in results), default=0.0)
+    end = max(planned.start_s, min(planned.end_s, last)) if len(results) >= planned.max_requests else planned.end_s
+    first, second = occupancy(results, planned.start_s, end, duration)
+    return SteadyWindow(
+        start_s=planned.start_s,
+        end_s=end,
+        span_s=planned.span_s,
+        lifetime_s=planned.lifetime_s,
+        lifetimes=(end - planned.start_s) / planned.lifetime_s,
+        in_flight=(round(first, 2), round(second, 2)),
+        steady=is_steady(first, second),
     )
 
 

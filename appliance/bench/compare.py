@@ -1,13 +1,14 @@
 """`pdctl bench --compare`: the same sweep against every deployment shape on the same GPUs.
 
-Shapes (settings overrides on top of the user's settings; the planner checks each one):
+Shapes (settings overrides on top of the user's settings; the planner checks each one; names in families.py):
 - disagg-read:  the configured connector in READ mode (decode pulls the KV).
 - disagg-write: the same connector in WRITE mode (prefill pushes); skipped where the connector has no write.
-- colocated-2:  connector "none", the disaggregated plan's GPUs split into two identical instances behind
-                the proxy's round-robin (the reference's 2 x TP4).
-- colocated-1:  connector "none", one instance over all those GPUs (TP = all of them).
+- colocated-N[-mbtB]: connector "none", the disaggregated plan's GPUs split into N identical instances
+                behind the proxy's round-robin (colocated-2 on 8 GPUs: the reference's 2 x TP4), with
+                chunked-prefill budget max_num_batched_tokens = B (default: vLLM's).
+- colocated:    every N the GPUs allow x every --budgets value: the tuned baseline.
 On a node without GPUs (the CPU and the simulated engine) the shapes are instance counts: 1 prefill +
-1 decode, 2 colocated, 1 colocated.
+1 decode, 2 or 1 colocated.
 
 Each shape is brought up, measured and torn down before the next, by a Deployer: `pdctl up`/`pdctl down`
 (the service manager, as in production), or `processes` (bench starts the plan's own engine and proxy
@@ -34,13 +35,15 @@ from typing import Any
 
 import aiohttp
 
+from appliance.bench.families import DEFAULT_BUDGETS, ShapeName, expand, parse_budgets, parse_name
 from appliance.connector import get_connector, resolve_name
 from appliance.errors import PdctlError
+from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
 from appliance.plan import Plan, plan, platform_of, proxy_config
-from appliance.settings import Settings
+from appliance.settings import EMBEDDED_MODEL, Settings
 
-SHAPE_NAMES = ("disagg-read", "disagg-write", "colocated-2", "colocated-1")
+DEFAULT_SHAPES = "disagg-read,disagg-write,colocated"
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,24 @@ class Shape:
     skipped: str | None = None
 
 
-def shapes(settings: Settings, inventory: Inventory, wanted: list[str] | None = None) -> list[Shape]:
-    """The comparison's shapes for these settings on this inventory (skipped ones carry the reason)."""
+def colocated_counts(gpus: list[int], heads: Heads | None) -> list[int]:
+    """Colocated instance counts over these GPUs, most instances first: each a power-of-two TP that
+    divides them and the model can take (`heads`); without GPUs, instance counts 2 and 1."""
+    if not gpus:
+        return [2, 1]
+    n = len(gpus)
+    return [n // tp for tp in (1, 2, 4, 8) if tp <= n and n % tp == 0 and (heads is None or heads.tp_problem(tp) is None)]
+
+
+def shapes(
+    settings: Settings,
+    inventory: Inventory,
+    wanted: list[str] | None = None,
+    budgets: list[int | None] | None = None,
+) -> list[Shape]:
+    """The comparison's shapes for these settings on this inventory (skipped ones carry the reason).
+
+    `wanted`: shape names (families.py), `colocated` standing for every instance count x `budgets`."""
     platform = platform_of(inventory)
     name = settings.connector.name if settings.connector.name != "none" else "auto"
     connector = resolve_name(name, platform)
@@ -62,37 +81,54 @@ def shapes(settings: Settings, inventory: Inventory, wanted: list[str] | None = 
     base = plan(_with(settings, disagg), inventory)
     gpus = sorted(g for inst in base.instances for g in inst.gpus)
     where = f"GPUs {gpus[0]}-{gpus[-1]}" if gpus else "no GPUs: instance counts"
-    colocated: dict[str, Any] = {"gpus": gpus or None, "gpu_count": None, "tp": None}
-    # round_robin: the reference's colocated baseline is two identical instances behind a round-robin.
-    coloc = {"connector": {"name": "none", "mode": "read"}, "proxy": {"routing": "round_robin"}}
+    heads = None if settings.model.path == EMBEDDED_MODEL else read_heads(settings.model.path)
+    names = expand(
+        (wanted or DEFAULT_SHAPES.split(",")),
+        colocated_counts(gpus, heads),
+        budgets if budgets is not None else parse_budgets(DEFAULT_BUDGETS),
+    )
     modes = get_connector(connector).modes
-    out = [
-        Shape("disagg-read", f"disaggregated, {connector} READ ({where})", disagg),
-        Shape(
-            "disagg-write",
-            f"disaggregated, {connector} WRITE ({where})",
-            {"connector": {"name": connector, "mode": "write"}},
-            None if "write" in modes else f"connector '{connector}' has no WRITE mode",
-        ),
-        Shape(
-            "colocated-2",
-            f"colocated, 2 instances round-robin ({where})",
-            {**coloc, "colocated": {**colocated, "instances": 2}},
-        ),
-        Shape(
-            "colocated-1",
-            f"colocated, 1 instance ({where})",
-            {**coloc, "colocated": {**colocated, "instances": 1}},
-        ),
-    ]
-    if wanted:
-        unknown = [w for w in wanted if w not in SHAPE_NAMES]
-        if unknown:
-            raise PdctlError(
-                f"unknown shape(s) {', '.join(unknown)}", fix=f"use some of {', '.join(SHAPE_NAMES)}"
+    out = []
+    for shape_name in names:
+        parsed = parse_name(shape_name)
+        assert parsed is not None  # expand() let only known names through
+        if parsed.family == "disaggregated":
+            mode = parsed.mode or "read"
+            out.append(
+                Shape(
+                    shape_name,
+                    f"disaggregated, {connector} {mode.upper()} ({where})",
+                    {"connector": {"name": connector, "mode": mode}},
+                    None if mode in modes else f"connector '{connector}' has no {mode.upper()} mode",
+                )
             )
-        out = [s for s in out if s.name in wanted]
+        else:
+            out.append(_colocated_shape(settings, inventory, parsed, gpus, where))
     return out
+
+
+def _colocated_shape(
+    settings: Settings, inventory: Inventory, parsed: ShapeName, gpus: list[int], where: str
+) -> Shape:
+    """A colocated shape over the disaggregated plan's GPUs; skipped when the planner refuses it."""
+    n = parsed.instances or 1
+    colocated: dict[str, Any] = {"gpus": gpus or None, "gpu_count": None, "tp": None, "instances": n}
+    if parsed.budget is not None:
+        colocated["max_num_batched_tokens"] = parsed.budget
+    # round_robin: the reference's colocated baseline is identical instances behind a round-robin.
+    overrides = {
+        "connector": {"name": "none", "mode": "read"},
+        "proxy": {"routing": "round_robin"},
+        "colocated": colocated,
+    }
+    tp = f", TP{len(gpus) // n}" if gpus and len(gpus) % n == 0 else ""
+    budget = f"max_num_batched_tokens {parsed.budget}" if parsed.budget else "vLLM's default batch budget"
+    shape = Shape(parsed.name, f"colocated, {n} instance(s){tp} round-robin, {budget} ({where})", overrides)
+    try:
+        shape_plan(settings, inventory, shape)
+    except (PdctlError, ValueError) as exc:
+        return Shape(shape.name, shape.description, overrides, f"the planner refuses it: {exc}")
+    return shape
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.bench.analysis import JUDGEMENTS
-from appliance.bench.results import BenchResult
+from appliance.bench.families import Best, best_of, capped, parse_name
+from appliance.bench.results import BenchResult, SteadyWindow
 
 
 def _ms(value: float | None) -> str:
@@ -28,6 +29,7 @@ def rates_table(result: BenchResult) -> Table:
         "req/s",
         "arrived/s",
         "sent",
+        "window",
         "failed",
         "attainment",
         "TTFT p50",
@@ -40,7 +42,7 @@ def rates_table(result: BenchResult) -> Table:
         table.add_column(col, justify="left" if col == "shape" else "right")
     for shape in result.shapes:
         if shape.skipped:
-            table.add_row(shape.name, "-", "-", "-", "-", f"skipped: {shape.skipped}", *["-"] * 6)
+            table.add_row(shape.name, "-", "-", "-", "-", "-", f"skipped: {shape.skipped}", *["-"] * 6)
             continue
         for r in shape.rates:
             s = r.summary
@@ -49,6 +51,7 @@ def rates_table(result: BenchResult) -> Table:
                 f"{r.rate:g}" + ("*" if r.partial else ""),
                 "-" if s.arrival_rate is None else f"{s.arrival_rate:.2g}",
                 str(s.sent),
+                _window(r.window),
                 str(s.failed),
                 _pct(s.attainment),
                 _ms(s.ttft_ms["p50"]),
@@ -58,12 +61,23 @@ def rates_table(result: BenchResult) -> Table:
                 _ms(s.request_itl_ms["p90"]),
                 f"{s.output_throughput:.0f}",
             )
-    table.caption = "latencies in ms; arrived/s = the Poisson draw's realized rate; * = interrupted rate (not used for goodput)"
+    table.caption = (
+        "latencies in ms; arrived/s = the Poisson draw's realized rate; sent = measured requests; window = its "
+        "length in request lifetimes, mean in flight first->second half (! = grew: not steady); "
+        "* = interrupted rate (not used for goodput)"
+    )
     return table
 
 
+def _window(w: SteadyWindow | None) -> str:
+    if w is None:
+        return "all"
+    a, b = w.in_flight
+    return f"{w.lifetimes:.1f}x {a:.0f}->{b:.0f}" + ("" if w.steady else "!")
+
+
 def goodput_table(result: BenchResult) -> Table:
-    """Goodput of each shape under the three ITL judgements, and its ratio to the colocated baseline."""
+    """Goodput of each shape under the three ITL judgements, and its ratio to the best colocated shape."""
     table = Table(
         title=f"goodput (req/s at >= {result.slo.attainment:.0%} attainment; TTFT <= {result.slo.ttft_ms:g} ms, "
         f"ITL <= {result.slo.itl_ms:g} ms)",
@@ -72,29 +86,99 @@ def goodput_table(result: BenchResult) -> Table:
     table.add_column("shape")
     for j in JUDGEMENTS:
         table.add_column(f"ITL {j}" + (" (run)" if j == result.slo.itl_judgement else ""), justify="right")
-    base = next((s for s in result.shapes if s.name == "colocated-2" and s.rates), None)
-    top = max((r.rate for s in result.shapes for r in s.rates), default=0.0)
+    baseline = {j: next((b for b in best_of(result.shapes, j) if b.family == "colocated"), None) for j in JUDGEMENTS}
     for shape in result.shapes:
-        if shape.skipped or not shape.rates:
+        if shape.skipped or not any(not r.partial for r in shape.rates):
             continue
         cells = []
         for j in JUDGEMENTS:
             good = shape.goodput.get(j)
             lowest = min(r.rate for r in shape.rates)
-            # At the top of the sweep the goodput is only a lower bound (">="); below the lowest rate, "<".
-            bound = ">= " if good is not None and good >= top else ""
+            # Passing at its top rate, the goodput is only a lower bound (">="); below the lowest rate, "<".
+            bound = ">= " if capped(shape, j) else ""
             text = f"{bound}{good:g}" if good is not None else f"< {lowest:g}"
-            ref = base.goodput.get(j) if base is not None and base is not shape else None
-            if good is not None and ref and ref < top:  # a capped baseline gives no meaningful ratio
-                text += f" ({bound}{good / ref:.1f}x)"
+            ref = baseline[j]
+            if good is not None and ref is not None and ref.goodput and not ref.lower_bound and shape.name not in ref.names:
+                text += f" ({bound}{good / ref.goodput:.2f}x)"
             cells.append(text)
         table.add_row(shape.name, *cells)
-    if base is not None:
-        table.caption = "(Nx) = goodput relative to colocated-2"
+    if any(b is not None for b in baseline.values()):
+        table.caption = "(Nx) = goodput relative to the best colocated shape under the same judgement"
     return table
 
 
+def families_table(result: BenchResult) -> Table | None:
+    """Best disaggregated vs best colocated shape under each judgement (which knob won); None without both."""
+    rows = {j: {b.family: b for b in best_of(result.shapes, j)} for j in JUDGEMENTS}
+    if not any(len(r) == 2 for r in rows.values()):
+        return None
+    table = Table(title="best of each family (the colocated baseline is the best tuned one)", title_justify="left")
+    for col in ("ITL judgement", "best disaggregated", "goodput", "best colocated", "its knobs", "goodput", "disagg / colocated"):
+        table.add_column(col, justify="right" if col in ("goodput", "disagg / colocated") else "left")
+    for j, fams in rows.items():
+        d, c = fams.get("disaggregated"), fams.get("colocated")
+        knobs = " = ".join(p.knob for n in c.names if (p := parse_name(n)) is not None) if c else "-"
+        table.add_row(
+            j + (" (run)" if j == result.slo.itl_judgement else ""),
+            " = ".join(d.names) if d else "-",
+            _good(d),
+            " = ".join(c.names) if c else "-",
+            knobs,
+            _good(c),
+            _ratio(d, c),
+        )
+    table.caption = (
+        ">= : passed at its highest measured rate (the ceiling is above); < : missed at its lowest; "
+        "capped: the colocated ceiling was not reached, no ratio"
+    )
+    return table
+
+
+def _good(best: Best | None) -> str:
+    if best is None:
+        return "-"
+    if best.goodput is None:
+        return "< lowest"
+    return (">= " if best.lower_bound else "") + f"{best.goodput:g}"
+
+
+def _ratio(d: Best | None, c: Best | None) -> str:
+    if d is None or c is None or d.goodput is None or not c.goodput:
+        return "-"
+    if c.lower_bound:
+        return "capped"
+    return (">= " if d.lower_bound else "") + f"{d.goodput / c.goodput:.2f}x"
+
+
+def method_lines(result: BenchResult) -> list[str]:
+    """How the figures were measured (printed under the tables, so a pasted report carries its method)."""
+    w = result.workload
+    spec = w.rate_spec or ",".join(f"{r:g}" for r in w.rates)
+    lines = [
+        f"method: {w.input_len} prompt + {w.output_len} output tokens, Poisson arrivals, rates {spec}; "
+        f"stop at the first rate under {result.slo.attainment:.0%} attainment under "
+        f"{'/'.join(w.stop_on) if w.stop_on else 'no judgement (every rate)'}.",
+    ]
+    if w.lifetimes > 0:
+        lines.append(
+            f"steady state: per rate, arrivals for 1 + {w.lifetimes:g} + 1 request lifetimes (the lifetime: one "
+            "request alone, or the median latency at the next lower rate if longer); only arrivals in the middle "
+            f"{w.lifetimes:g} lifetimes (and >= {w.num_requests} requests) are judged: warm-up and drain excluded."
+        )
+        unsteady = [f"{s.name}@{r.rate:g}" for s in result.shapes for r in s.rates if r.window and not r.window.steady]
+        if unsteady:
+            lines.append("in-flight count grew across the window (over capacity, not steady): " + ", ".join(unsteady))
+    else:
+        lines.append(f"every one of the {w.num_requests} requests per rate is judged (no steady window).")
+    return lines
+
+
 def print_report(result: BenchResult, console: Console) -> None:
-    """Both tables."""
+    """The tables and the method."""
     console.print(rates_table(result))
     console.print(goodput_table(result))
+    families = families_table(result)
+    if families is not None:
+        console.print(families)
+    for line in method_lines(result):
+        console.print(line, highlight=False)

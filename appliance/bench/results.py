@@ -47,6 +47,9 @@ class RequestResult(Record):
     output_tokens: int = 0
     tokens_counted_by: Literal["usage", "chunks"] = "chunks"
     finish_reason: str | None = None
+    measured: bool = Field(
+        default=True, description="Arrived inside the rate's steady window (warm-up and drain arrivals: false)"
+    )
 
     @property
     def ttft_s(self) -> float | None:
@@ -57,7 +60,8 @@ class RequestResult(Record):
 class RateSummary(Record):
     """Figures for one rate, all derived from its requests."""
 
-    sent: int
+    sent: int = Field(description="Measured requests (inside the steady window)")
+    unmeasured: int = Field(default=0, description="Warm-up and drain arrivals: sent, not judged")
     succeeded: int
     failed: int
     attainment: float | None = Field(description="Under the run's judgement (slo.itl_judgement)")
@@ -74,6 +78,18 @@ class RateSummary(Record):
     output_throughput: float = Field(description="Output tokens per second of the rate's duration")
 
 
+class SteadyWindow(Record):
+    """The measured part of one rate (appliance.bench.steady): arrivals in [start_s, end_s) are judged."""
+
+    start_s: float
+    end_s: float
+    span_s: float = Field(description="Arrivals stopped here")
+    lifetime_s: float = Field(description="The request lifetime the window was sized with")
+    lifetimes: float = Field(description="The window's length in request lifetimes")
+    in_flight: tuple[float, float] = Field(description="Mean requests in flight, first and second half")
+    steady: bool = Field(description="False when the in-flight count grew across the window")
+
+
 class RateResult(Record):
     """One rate of a sweep."""
 
@@ -84,6 +100,7 @@ class RateResult(Record):
     duration_s: float
     requests: list[RequestResult]
     summary: RateSummary
+    window: SteadyWindow | None = Field(default=None, description="None: every request was measured")
 
 
 class ShapeResult(Record):
@@ -94,6 +111,7 @@ class ShapeResult(Record):
     url: str | None = None
     skipped: str | None = Field(default=None, description="Why this shape was not measured")
     rates: list[RateResult] = Field(default_factory=list)
+    lifetime_s: float | None = Field(default=None, description="One full-length request's latency, alone")
     goodput: dict[str, float | None] = Field(
         default_factory=dict, description="Goodput (req/s) under each ITL judgement; complete rates only"
     )
@@ -107,11 +125,23 @@ class Workload(Record):
     input_len: int
     output_len: int
     num_requests: int
-    rates: list[float]
+    rates: list[float] = Field(description="The listed rates; empty when adaptive (rate_spec auto...)")
+    rate_spec: str = ""
     seed: int
     prompt: Literal["tokens", "words"]
     ignore_eos: bool = True
     warmup: int = 0
+    lifetimes: float = Field(default=0, description="Steady window length in request lifetimes; 0: all measured")
+    stop_on: list[str] = Field(default_factory=list, description="Judgements whose ceilings end a sweep")
+
+
+class FamilyBest(Record):
+    """The best shape(s) of one family under one judgement (appliance.bench.families)."""
+
+    names: list[str]
+    knobs: list[str] = Field(description="What each named shape ran with (for colocated: instances, budget)")
+    goodput: float | None
+    lower_bound: bool = Field(description="Passed at its highest measured rate: the ceiling is higher")
 
 
 class BenchResult(Record):
@@ -126,6 +156,9 @@ class BenchResult(Record):
     slo: Slo
     interrupted: bool = False
     shapes: list[ShapeResult]
+    best: dict[str, dict[str, FamilyBest]] = Field(
+        default_factory=dict, description="judgement -> family (disaggregated, colocated) -> its best shape"
+    )
 
 
 def _finite(x: float) -> float | None:
@@ -134,7 +167,7 @@ def _finite(x: float) -> float | None:
 
 def summarize(requests: list[RequestResult], slo: Slo, duration_s: float) -> RateSummary:
     """The rate's figures from its requests (interrupted requests are left out: they were never judged)."""
-    judged = [r for r in requests if r.status != "interrupted"]
+    judged = [r for r in requests if r.status != "interrupted" and r.measured]
     ok = [r for r in judged if r.success]
     gaps = [token_gaps(r.chunk_times_s, r.chunk_tokens) for r in ok]
     pooled = [g for gs in gaps for g in gs]
@@ -151,6 +184,7 @@ def summarize(requests: list[RequestResult], slo: Slo, duration_s: float) -> Rat
     )
     return RateSummary(
         sent=len(judged),
+        unmeasured=sum(1 for r in requests if not r.measured),
         succeeded=len(ok),
         failed=len(judged) - len(ok),
         attainment=by_j[slo.itl_judgement],

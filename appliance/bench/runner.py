@@ -13,6 +13,7 @@ from rich.console import Console
 from appliance.bench.analysis import Slo
 from appliance.bench.client import Target
 from appliance.bench.compare import Deployer, Shape, shape_plan
+from appliance.bench.families import best_record
 from appliance.bench.plots import plot_attainment, plot_latency
 from appliance.bench.results import BenchResult, ShapeResult, write_result
 from appliance.bench.sweep import Stopper, SweepPlan, make_progress, sweep
@@ -32,6 +33,7 @@ class Saver:
         self.path = out_dir / JSON_NAME
 
     def __call__(self, *_: object) -> None:
+        self.result.best = best_record(self.result)
         write_result(self.result, self.path)
 
 

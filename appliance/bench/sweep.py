@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
+import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -14,18 +16,35 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from appliance.bench.analysis import Slo
-from appliance.bench.client import RateRun, Target, run_rate, warm_up
+from appliance.bench.client import RateRun, Target, probe_lifetime, run_rate, warm_up
 from appliance.bench.results import RateResult, RequestResult, ShapeResult, shape_goodput
+from appliance.bench.schedule import RateSchedule
+from appliance.bench.steady import plan_window
 
 
 @dataclass
 class SweepPlan:
-    """What one sweep sends."""
+    """What one sweep sends: which rates (the schedule), how many requests each, how long its window."""
 
-    rates: list[float]
-    num_requests: int
+    schedule: RateSchedule
+    num_requests: int  # per rate; with lifetimes > 0, the fewest measured requests
     seed: int
     warmup: int = 0  # unrecorded requests before the first rate
+    lifetimes: float = 0.0  # steady window length in request lifetimes (steady.py); 0: every request measured
+    max_requests: int = 5000  # per rate, warm-up and drain included
+
+
+def rate_lifetime(shape: ShapeResult, rate: float) -> float | None:
+    """The request lifetime a window at `rate` is sized with: the idle probe's, or the median latency
+    measured at the highest lower rate when that is longer (requests last longer under load)."""
+    if shape.lifetime_s is None:
+        return None
+    lower = [r for r in shape.rates if r.rate < rate and not r.partial]
+    if not lower:
+        return shape.lifetime_s
+    below = max(lower, key=lambda r: r.rate)
+    latencies = [q.latency_s for q in below.requests if q.measured and q.success and q.latency_s is not None]
+    return max(shape.lifetime_s, statistics.median(latencies)) if latencies else shape.lifetime_s
 
 
 class Stopper:
@@ -111,24 +130,45 @@ async def sweep(
             counter = _RateProgress(progress, f"{shape.name} warm-up", plan.warmup)
             errors = await warm_up(session, target, plan.warmup, plan.seed)
             counter.status(f"warm-up errors: {errors[0][:60]}" if errors else "warmed up")
-        for rate in plan.rates:
-            if stopper.stopped:
-                break
-            counter = _RateProgress(progress, f"{shape.name} {rate:g} req/s", plan.num_requests)
-            result = await run_rate(
-                session,
-                target,
-                RateRun(rate, plan.num_requests, plan.seed),
-                slo,
-                stopper.event,
-                counter.advance,
-            )
-            shape.rates.append(result)
-            shape.goodput = shape_goodput(shape, slo)
-            att = result.summary.attainment
+        if plan.lifetimes > 0 and not stopper.stopped:
+            counter = _RateProgress(progress, f"{shape.name} lifetime probe", 1)
+            shape.lifetime_s = await probe_lifetime(session, target, plan.seed)
             counter.status(
-                "partial" if result.partial else f"attainment {att:.0%}" if att is not None else ""
+                f"one request alone: {shape.lifetime_s:.2f} s" if shape.lifetime_s
+                else "probe failed: every request is measured"
             )
+        done = {r.rate: r.summary.attainment_by_judgement for r in shape.rates if not r.partial}
+        while not stopper.stopped and (rate := plan.schedule.next(done)) is not None:
+            run = _rate_run(plan, shape, rate)
+            total = min(run.window.max_requests, math.ceil(rate * run.window.span_s)) if run.window else run.num_requests
+            counter = _RateProgress(progress, f"{shape.name} {rate:g} req/s", total)
+            result = await run_rate(session, target, run, slo, stopper.event, counter.advance)
+            shape.rates.append(result)
+            shape.rates.sort(key=lambda r: r.rate)  # adaptive rates come out of order
+            done[rate] = result.summary.attainment_by_judgement
+            shape.goodput = shape_goodput(shape, slo)
+            counter.status(_rate_status(result))
             if on_rate is not None:
                 on_rate(shape, result)
     return shape
+
+
+def _rate_status(result: RateResult) -> str:
+    att = result.summary.attainment
+    if result.partial:
+        return "partial"
+    text = f"attainment {att:.0%}" if att is not None else ""
+    w = result.window
+    if w is not None:
+        a, b = w.in_flight
+        text += f", {result.summary.sent} measured over {w.lifetimes:.1f} lifetimes, in flight {a:.0f}->{b:.0f}"
+        text += "" if w.steady else " (growing)"
+    return text
+
+
+def _rate_run(plan: SweepPlan, shape: ShapeResult, rate: float) -> RateRun:
+    lifetime = rate_lifetime(shape, rate) if plan.lifetimes > 0 else None
+    if lifetime is None:
+        return RateRun(rate, plan.num_requests, plan.seed)
+    window = plan_window(rate, lifetime, plan.lifetimes, plan.num_requests, plan.max_requests)
+    return RateRun(rate, plan.num_requests, plan.seed, window)

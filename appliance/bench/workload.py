@@ -97,6 +97,15 @@ def arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
     return times
 
 
+def arrivals_until(rate: float, span_s: float, rng: random.Random) -> list[float]:
+    """Poisson arrival times at `rate` req/s from 0 (the first) up to `span_s` seconds."""
+    times, t = [], 0.0
+    while t < span_s:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
 def prompt(
     kind: PromptKind, length: int, rng: random.Random, token_range: tuple[int, int]
 ) -> list[int] | str:

@@ -7,12 +7,19 @@ import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from appliance.cli.common import obtain
 from appliance.errors import PdctlError
+
+if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
+    from appliance.bench.analysis import Slo
+    from appliance.bench.compare import Shape
+    from appliance.bench.sweep import SweepPlan
+    from appliance.inventory.models import Inventory
+    from appliance.settings import Settings
 
 
 def _read_key(path: str | None) -> str | None:
@@ -32,9 +39,17 @@ def _read_key(path: str | None) -> str | None:
 @click.option("--compare", is_flag=True, help="Bring up each deployment shape in turn and sweep it.")
 @click.option(
     "--shapes",
-    default="disagg-read,disagg-write,colocated-2,colocated-1",
+    default="disagg-read,disagg-write,colocated",
     show_default=True,
-    help="With --compare: which shapes, in order.",
+    help="With --compare: which shapes, in order: disagg-read, disagg-write, colocated-N[-mbtB] (N instances, "
+    "max_num_batched_tokens B), colocated (every N the GPUs allow x every --budgets value).",
+)
+@click.option(
+    "--budgets",
+    default="256,512,2048",
+    show_default=True,
+    help="With --compare: the chunked-prefill budgets (max_num_batched_tokens) of the colocated shapes; "
+    "'default' = vLLM's own.",
 )
 @click.option(
     "--deploy",
@@ -48,14 +63,50 @@ def _read_key(path: str | None) -> str | None:
     type=click.Choice(["vllm", "sim"]),
     help="Engine kind: with --compare, what to deploy; with --url, how to label the result.",
 )
-@click.option("--rates", default="0.5:10:0.5", show_default=True, help="START:STOP:STEP or a list, in req/s.")
+@click.option(
+    "--rates",
+    default="auto",
+    show_default=True,
+    help="auto[:START[:MAX]] (x2 up to the ceiling, then bisection) or START:STOP:STEP or a list, in req/s.",
+)
+@click.option(
+    "--stop-on",
+    type=click.Choice(["all", "run", "none"]),
+    default="all",
+    show_default=True,
+    help="End a shape's sweep at its first rate under the attainment target under every judgement (all), "
+    "the run's judgement (run), or never (none: every listed rate).",
+)
+@click.option(
+    "--resolution",
+    type=click.FloatRange(min=0.01),
+    default=0.25,
+    show_default=True,
+    help="With --rates auto: bisect each ceiling until the last passing and first failing rate are this close "
+    "(0.25: within 25 %).",
+)
 @click.option(
     "--num-requests",
     "-n",
     type=click.IntRange(min=1),
-    default=100,
+    default=50,
     show_default=True,
-    help="Requests per rate.",
+    help="Requests per rate; with --lifetimes > 0 the fewest measured (the window grows to hold them).",
+)
+@click.option(
+    "--lifetimes",
+    type=click.FloatRange(min=0),
+    default=3,
+    show_default=True,
+    help="Steady state: judge only arrivals in a window this many request lifetimes long, after one "
+    "lifetime of warm-up and before one of drain (0: every request, no window). See docs/bench.md.",
+)
+@click.option(
+    "--max-requests",
+    type=click.IntRange(min=1),
+    default=5000,
+    show_default=True,
+    help="Most requests one rate sends (warm-up and drain included); a capped window is shorter.",
 )
 @click.option(
     "--input-len", type=click.IntRange(min=1), default=2000, show_default=True, help="Prompt tokens."
@@ -146,12 +197,12 @@ def bench(ctx: click.Context, **opts: Any) -> None:
 
     from appliance.bench.analysis import Slo
     from appliance.bench.client import Target, discover_model
-    from appliance.bench.compare import PdctlDeployer, ProcessDeployer, shapes
+    from appliance.bench.compare import PdctlDeployer, ProcessDeployer
     from appliance.bench.report import print_report
     from appliance.bench.results import BenchResult, Workload
     from appliance.bench.runner import run_compare, run_url, write_plots
-    from appliance.bench.sweep import Stopper, SweepPlan
-    from appliance.bench.workload import parse_rates, parse_token_range
+    from appliance.bench.sweep import Stopper
+    from appliance.bench.workload import parse_token_range
 
     if opts["from_json"]:
         _replay([Path(p) for p in opts["from_json"]], opts)
@@ -162,7 +213,6 @@ def bench(ctx: click.Context, **opts: Any) -> None:
         pyplot()  # no matplotlib: say so before measuring, not after
     if opts["url"] and opts["compare"]:
         raise PdctlError("--url and --compare both given", fix="--compare deploys its own shapes; drop --url")
-    rates = parse_rates(opts["rates"])
     token_range = parse_token_range(opts["token_range"])
     overrides: dict[str, Any] = {"engine": {"kind": opts["engine"]}} if opts["engine"] else {}
     settings, inventory = obtain(ctx, overrides)
@@ -179,13 +229,13 @@ def bench(ctx: click.Context, **opts: Any) -> None:
     console = Console(stderr=True)
     if not console.is_terminal:
         console = Console(stderr=True, width=160)  # logs and pipes: keep the table's columns readable
-    plan = SweepPlan(rates=rates, num_requests=opts["num_requests"], seed=opts["seed"], warmup=opts["warmup"])
+    plan = _sweep_plan(opts, slo)
     api_key = _read_key(opts["api_key_file"]) or _read_key(
         settings.proxy.api_key_file if not opts["url"] else None
     )
 
     if opts["compare"]:
-        chosen = shapes(settings, inventory, [x.strip() for x in opts["shapes"].split(",") if x.strip()])
+        chosen = _chosen_shapes(settings, inventory, opts)
         base_url, model = "", opts["model"] or settings.model.name
         engine: str = settings.engine.kind
     else:
@@ -221,10 +271,13 @@ def bench(ctx: click.Context, **opts: Any) -> None:
                     input_len=opts["input_len"],
                     output_len=opts["output_len"],
                     num_requests=opts["num_requests"],
-                    rates=rates,
+                    rates=list(plan.schedule.rates),
+                    rate_spec=opts["rates"],
                     seed=opts["seed"],
                     prompt=opts["prompt_kind"],
                     warmup=opts["warmup"],
+                    lifetimes=plan.lifetimes,
+                    stop_on=list(plan.schedule.stop_on),
                 ),
                 slo=slo,
                 shapes=[],
@@ -268,11 +321,43 @@ def bench(ctx: click.Context, **opts: Any) -> None:
         raise SystemExit(130)  # like a shell for SIGINT; `python -m appliance` drops click return codes
 
 
+def _sweep_plan(opts: dict[str, Any], slo: Slo) -> SweepPlan:
+    """The sweep's rates (schedule), request counts and steady window, from the options."""
+    from appliance.bench.analysis import JUDGEMENTS
+    from appliance.bench.schedule import parse_schedule
+    from appliance.bench.sweep import SweepPlan
+
+    # The run's judgement first: its ceiling is refined first when the rate budget runs out.
+    every = (slo.itl_judgement, *(j for j in JUDGEMENTS if j != slo.itl_judgement))
+    stop_on = {"all": every, "run": (slo.itl_judgement,), "none": ()}[opts["stop_on"]]
+    schedule = parse_schedule(opts["rates"], slo.attainment, stop_on, opts["resolution"])
+    if not schedule.rates and not stop_on:
+        raise PdctlError("--rates auto searches for the ceiling: it needs --stop-on all or run", fix="list the rates")
+    return SweepPlan(
+        schedule=schedule,
+        num_requests=opts["num_requests"],
+        seed=opts["seed"],
+        warmup=opts["warmup"],
+        lifetimes=opts["lifetimes"],
+        max_requests=opts["max_requests"],
+    )
+
+
+def _chosen_shapes(settings: Settings, inventory: Inventory, opts: dict[str, Any]) -> list[Shape]:
+    """The --compare shapes: --shapes with `colocated` expanded over --budgets."""
+    from appliance.bench.compare import shapes
+    from appliance.bench.families import parse_budgets
+
+    wanted = [x.strip() for x in opts["shapes"].split(",") if x.strip()]
+    return shapes(settings, inventory, wanted, parse_budgets(opts["budgets"]))
+
+
 def _replay(paths: list[Path], opts: dict[str, Any]) -> None:
     """Tables and figures of saved results, their shapes merged in order (figures go next to the first
     unless --out says elsewhere; with several files the merged result is written there as bench.json)."""
     from rich.console import Console
 
+    from appliance.bench.families import best_record
     from appliance.bench.report import print_report
     from appliance.bench.results import read_result
     from appliance.bench.runner import write_plots
@@ -280,6 +365,7 @@ def _replay(paths: list[Path], opts: dict[str, Any]) -> None:
     result = read_result(paths[0])
     for extra in paths[1:]:
         result.shapes.extend(read_result(extra).shapes)
+    result.best = best_record(result)
     path = paths[0]
     if len(paths) > 1 and opts["out_dir"]:
         from appliance.bench.results import write_result

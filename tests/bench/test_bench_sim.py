@@ -103,6 +103,10 @@ def test_sweep_writes_json_and_pngs_consistent_with_request_timings(deployment: 
         "sim",
         "--rates",
         "2,6,12",
+        "--stop-on",
+        "none",
+        "--lifetimes",
+        "0",
         "-n",
         "14",
         "--input-len",
@@ -177,6 +181,10 @@ def test_interrupt_keeps_what_was_measured(deployment: str, tmp_path: Path) -> N
             deployment,
             "--rates",
             "1:20:1",
+            "--stop-on",
+            "none",
+            "--lifetimes",
+            "0",
             "-n",
             "8",
             "--input-len",
@@ -221,8 +229,67 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         (["--url", "http://127.0.0.1:9", "--compare"], "--compare"),
         (["--url", f"http://127.0.0.1:{free_port()}"], "cannot reach"),
         (["--token-range", "9:3"], "--token-range"),
+        (["--rates", "auto:0"], "--rates"),
+        (["--rates", "auto", "--stop-on", "none"], "--stop-on"),
+        (["--compare", "--budgets", "1k"], "--budgets"),
     ):
         done = pdctl("bench", *args, "--out", "o", cwd=tmp_path, check=False)
         assert done.returncode == 2, done.stderr
         assert words in done.stderr and "Traceback" not in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_steady_sweep_stops_at_the_ceiling_and_judges_only_the_window(deployment: str, tmp_path: Path) -> None:
+    pdctl(
+        "bench",
+        "--url",
+        deployment,
+        "--engine",
+        "sim",
+        "--rates",
+        "auto:4",
+        "--stop-on",
+        "run",
+        "--itl-judgement",
+        "mean",
+        "--lifetimes",
+        "2",
+        "-n",
+        "8",
+        "--input-len",
+        "300",
+        "--output-len",
+        "24",
+        "--ttft-ms",
+        "400",
+        "--itl-ms",
+        "12",
+        "--out",
+        "out",
+        "--no-plots",
+        cwd=tmp_path,
+    )
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert data["workload"]["lifetimes"] == 2 and data["workload"]["stop_on"] == ["mean"]
+    (shape,) = data["shapes"]
+    assert shape["lifetime_s"] > 0.024 * 4  # the probe: 24 decode steps of >= 4 ms
+    rates = shape["rates"]
+    assert [r["rate"] for r in rates] == sorted(r["rate"] for r in rates)
+    mean = [recompute_attainment([q for q in r["requests"] if q["measured"]], data["slo"], "mean") for r in rates]
+    # The sweep found the ceiling: some rate misses, and the goodput is the rate just below the first miss.
+    assert min(mean) < 0.9, mean
+    first_miss = next(i for i, a in enumerate(mean) if a < 0.9)
+    assert shape["goodput"]["mean"] == (rates[first_miss - 1]["rate"] if first_miss else None)
+    # Doubling then bisection: no rate above the first doubling that missed.
+    assert max(r["rate"] for r in rates) <= 2 * rates[first_miss]["rate"]
+    for rate in rates:
+        window, reqs = rate["window"], rate["requests"]
+        measured = [q for q in reqs if q["measured"]]
+        # Selection by arrival time only: inside [start, end) is measured, everything else is not.
+        assert all((window["start_s"] <= q["scheduled_s"] < window["end_s"]) == q["measured"] for q in reqs)
+        assert window["start_s"] >= window["lifetime_s"] * 0.99  # one lifetime of warm-up
+        assert window["span_s"] >= window["end_s"] + window["lifetime_s"] * 0.99  # and one of drain
+        assert len(measured) >= 8 or window["lifetimes"] >= 2
+        assert rate["summary"]["sent"] == len(measured) and rate["summary"]["unmeasured"] == len(reqs) - len(measured)
+        assert rate["summary"]["attainment_by_judgement"]["mean"] == pytest.approx(mean[rates.index(rate)])
+    assert sum(r["summary"]["unmeasured"] for r in rates) > 0  # warm-up arrivals were sent and left out

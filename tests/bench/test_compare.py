@@ -22,7 +22,14 @@ pytestmark = pytest.mark.timeout(400)
 
 def test_shapes_on_an_amd_node_split_the_same_eight_gpus() -> None:
     settings, inventory = load_settings(overrides={"engine": {"kind": "sim"}}), load_inventory("sim:mi300x-8")
-    found = {s.name: s for s in shapes(settings, inventory)}
+    # The default: both disaggregated modes, and every colocated TP the 8 GPUs allow x three budgets.
+    default = [s.name for s in shapes(settings, inventory)]
+    assert default[:2] == ["disagg-read", "disagg-write"]
+    assert default[2:] == [f"colocated-{n}-mbt{b}" for n in (8, 4, 2, 1) for b in (256, 512, 2048)]
+    found = {
+        s.name: s
+        for s in shapes(settings, inventory, ["disagg-read", "disagg-write", "colocated-2", "colocated-1"])
+    }
     assert list(found) == ["disagg-read", "disagg-write", "colocated-2", "colocated-1"]
     assert all(s.skipped is None for s in found.values())
     plans = {name: shape_plan(settings, inventory, s)[1] for name, s in found.items()}
@@ -34,6 +41,11 @@ def test_shapes_on_an_amd_node_split_the_same_eight_gpus() -> None:
     assert two.layout == "colocated" and [i.tp for i in two.instances] == [4, 4]
     assert two.proxy.routing == "round_robin"
     assert [i.tp for i in plans["colocated-1"].instances] == [8]
+    # A budget reaches every instance's command line (the simulated engine's chunk size = vLLM's knob).
+    (tuned,) = shapes(settings, inventory, ["colocated-2-mbt512"], [])
+    argvs = [i.argv for i in shape_plan(settings, inventory, tuned)[1].instances]
+    assert len(argvs) == 2 and all(a[a.index("--chunk-tokens") + 1] == "512" for a in argvs)
+    assert "--chunk-tokens" not in plans["colocated-2"].instances[0].argv
 
 
 def test_write_is_skipped_where_the_connector_has_none() -> None:
@@ -41,14 +53,15 @@ def test_write_is_skipped_where_the_connector_has_none() -> None:
     for source, connector in (("sim:cpu", "example"), ("sim:h200-8", "nixl")):
         found = {s.name: s for s in shapes(settings, load_inventory(source))}
         assert found["disagg-write"].skipped == f"connector '{connector}' has no WRITE mode"
-    cpu = {s.name: s for s in shapes(settings, load_inventory("sim:cpu"))}
+    cpu = {s.name: s for s in shapes(settings, load_inventory("sim:cpu"), ["disagg-read", "colocated"], [None])}
     counts = {
         n: len(shape_plan(settings, load_inventory("sim:cpu"), cpu[n])[1].instances)
         for n in ("disagg-read", "colocated-2", "colocated-1")
     }
     assert counts == {"disagg-read": 2, "colocated-2": 2, "colocated-1": 1}
-    with pytest.raises(PdctlError, match="unknown shape"):
-        shapes(settings, load_inventory("sim:cpu"), ["colocated-3"])
+    for bad in ("colocated-x", "colocated-2-mbt0", "disagg-push"):
+        with pytest.raises(PdctlError, match="unknown shape"):
+            shapes(settings, load_inventory("sim:cpu"), [bad])
 
 
 def test_shape_settings_file_reads_back_as_the_same_settings() -> None:
@@ -109,6 +122,8 @@ admin_port = {admin}
         "disagg-read,disagg-write,colocated-2",
         "--rates",
         "3",
+        "--lifetimes",
+        "0",
         "-n",
         "6",
         "--input-len",
@@ -137,3 +152,69 @@ admin_port = {admin}
     for port in (proxy, colocated, colocated + 1):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"something still listens on {port}"  # torn down
+
+
+def test_compare_names_the_tuned_colocated_budget_that_won(tmp_path: Path) -> None:
+    prefill, decode, colocated, proxy, admin = free_ports(5)
+    # A 300-token prefill costs 60 ms: unchunked it stalls every running stream past the 40 ms ITL target;
+    # in 64-token chunks (13 ms each) it does not. The tuned colocated shape must win, and be named.
+    (tmp_path / "sim.toml").write_text(f"""
+state_dir = "{tmp_path / "state"}"
+[model]
+served_name = "sim-model"
+[engine]
+kind = "sim"
+health_timeout_s = 90
+[engine.sim]
+prefill_us_per_token = 200
+decode_step_ms = 4
+[prefill]
+http_port = {prefill}
+[decode]
+http_port = {decode}
+[colocated]
+http_port = {colocated}
+[proxy]
+port = {proxy}
+admin_port = {admin}
+""")
+    done = pdctl(
+        "--config",
+        "sim.toml",
+        "bench",
+        "--compare",
+        "--deploy",
+        "processes",
+        "--inventory",
+        "sim:cpu",
+        "--shapes",
+        "disagg-read,colocated-1,colocated-1-mbt64",
+        "--rates",
+        "4",
+        "--lifetimes",
+        "0",
+        "-n",
+        "10",
+        "--input-len",
+        "300",
+        "--output-len",
+        "24",
+        "--itl-ms",
+        "40",
+        "--no-plots",
+        "--out",
+        "out",
+        cwd=tmp_path,
+    )
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    by_name = {s["name"]: s for s in data["shapes"]}
+    assert list(by_name) == ["disagg-read", "colocated-1", "colocated-1-mbt64"]
+    assert by_name["colocated-1-mbt64"]["goodput"]["p99"] == 4.0, done.stderr[-4000:]
+    assert by_name["colocated-1"]["goodput"]["p99"] is None, done.stderr[-4000:]
+    # The result and the report's family table say which colocated knob won under the run's judgement.
+    best = data["best"]["p99"]["colocated"]
+    assert best["names"] == ["colocated-1-mbt64"] and best["knobs"] == ["max_num_batched_tokens 64, 1 inst."]
+    assert best["goodput"] == 4.0 and best["lower_bound"]
+    assert data["best"]["p99"]["disaggregated"]["names"] == ["disagg-read"]
+    row = next(line for line in done.stderr.splitlines() if line.startswith("│ p99 (run)"))
+    assert "colocated-1-mbt64" in row and "max_num_batched_tokens 64" in row, done.stderr[-4000:]

@@ -1,0 +1,100 @@
+"""Steady-state windows: how long one rate runs, and which of its requests are measured. Pure: no I/O.
+
+A rate at `rate` req/s whose requests each last about `lifetime_s` (measured, see sweep.py) runs in three
+parts, all on one Poisson arrival stream:
+
+    | warm-up: one lifetime | measured window: >= K lifetimes (and >= n arrivals) | drain: one lifetime |
+
+- Warm-up: an open system's occupancy (requests in flight) reaches its steady level about one request
+  lifetime after arrivals start (every request in flight then arrived under the same load). Requests
+  arriving before that met a lightly loaded engine: they are sent but not judged.
+- Measured window: requests that *arrive* inside it are judged (selection by arrival time, never by how a
+  request went, so slow requests cannot be selected out). It spans at least K lifetimes, so each request
+  in it overlaps requests that arrived in steady state, and holds at least `min_measured` arrivals.
+- Drain: arrivals continue for one more lifetime, so the measured requests finish under the same load
+  instead of on an emptying engine. Those late arrivals are sent but not judged.
+
+Whether a window really was steady is checked afterwards from the timings: the mean number of requests in
+flight in its first and second half (`occupancy`). A growing queue (the rate is above what the shape
+serves) shows as a second half well above the first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+# A window whose second half holds this much more in flight than its first is "growing", not steady
+# (plus GROWTH_SLACK requests, so Poisson noise on small occupancies is not flagged).
+GROWTH_LIMIT = 1.2
+GROWTH_SLACK = 2.0
+
+
+@dataclass(frozen=True)
+class Window:
+    """One rate's arrival span and its measured part (seconds after the rate starts)."""
+
+    span_s: float  # arrivals stop here
+    start_s: float  # measured: arrivals at start_s <= t < end_s
+    end_s: float
+    lifetime_s: float  # the request lifetime the window was sized with
+    max_requests: int  # arrivals beyond this many are not sent (the window shrinks: see plan_window)
+
+    @property
+    def lifetimes(self) -> float:
+        """The window's length in request lifetimes."""
+        return (self.end_s - self.start_s) / self.lifetime_s if self.lifetime_s > 0 else math.inf
+
+    def measured(self, scheduled_s: float) -> bool:
+        """True when a request arriving at `scheduled_s` is judged."""
+        return self.start_s <= scheduled_s < self.end_s
+
+
+def plan_window(
+    rate: float, lifetime_s: float, lifetimes: float, min_measured: int, max_requests: int
+) -> Window:
+    """The arrival span and measured window of one rate (module docstring); when `max_requests` arrivals
+    cannot fill it, warm-up and drain keep one lifetime each where they can and the window takes the rest."""
+    lifetime_s = max(lifetime_s, 1e-3)
+    window = max(lifetimes * lifetime_s, min_measured / rate)
+    span = lifetime_s + window + lifetime_s
+    cap = max_requests / rate  # the expected span max_requests arrivals cover
+    if span <= cap:
+        return Window(span, lifetime_s, lifetime_s + window, lifetime_s, max_requests)
+    edge = min(lifetime_s, cap / 4)
+    return Window(cap, edge, cap - edge, lifetime_s, max_requests)
+
+
+class Span(Protocol):
+    """What occupancy needs of one request."""
+
+    @property
+    def sent_s(self) -> float: ...
+
+    @property
+    def latency_s(self) -> float | None: ...
+
+
+def occupancy(requests: Sequence[Span], start_s: float, end_s: float, until_s: float) -> tuple[float, float]:
+    """Mean requests in flight over the first and the second half of [start_s, end_s] (a request is in
+    flight from its send to its end; one that never ended counts until `until_s`, the rate's end)."""
+    mid = (start_s + end_s) / 2
+
+    def mean_in_flight(a: float, b: float) -> float:
+        if b <= a:
+            return 0.0
+        busy = 0.0
+        for r in requests:
+            lo = r.sent_s
+            hi = lo + r.latency_s if r.latency_s is not None else until_s
+            busy += max(0.0, min(hi, b) - max(lo, a))
+        return busy / (b - a)
+
+    return mean_in_flight(start_s, mid), mean_in_flight(mid, end_s)
+
+
+def is_steady(first: float, second: float) -> bool:
+    """False when the in-flight count grew across the window (a queue building up)."""
+    return second <= first * GROWTH_LIMIT + GROWTH_SLACK
