@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="ProxyConfig JSON file")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    # JSON integers of thousands of digits cost quadratic time to parse and print; no request needs more
+    # than 640 digits (Python's floor for this limit), so a client cannot stall the event loop with them
+    sys.set_int_max_str_digits(640)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)

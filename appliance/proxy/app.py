@@ -105,8 +105,7 @@ class Proxy:
         assert runner.server is not None
         # our own listener instead of web.TCPSite: its protocol factory answers 503 past the connection cap
         server = await asyncio.get_running_loop().create_server(
-            capped(runner.server, max_connections), host, port, backlog=min(1024, max_connections),
-            reuse_address=True,
+            capped(runner.server, max_connections), host, port, backlog=1024, reuse_address=True,
         )
         self._runners.append(runner)
         self._servers.append(server)

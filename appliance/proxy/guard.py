@@ -15,12 +15,13 @@ from aiohttp import web
 log = logging.getLogger("appliance.proxy")
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_INNERMOST = re.compile(rb"\[\]|\{\}")
+# keep only brackets, and make every { a [ and every } a ]: nesting depth does not depend on the kind
+_SQUARE = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _OPENERS = bytes(b for b in range(256) if b not in b"[{")
 # Descriptors one client connection can hold at once: its socket, a prefill leg and a decode leg.
 _FDS_PER_CONNECTION = 3
-_FD_RESERVE = 64  # listeners, the ZMQ socket, health probes, log files
+_FD_RESERVE = 128  # listeners, the ZMQ socket, health probes, log files, refused connections still lingering
 
 
 def bearer_matches(header: str | None, secret: str) -> bool:
@@ -40,17 +41,21 @@ def bearer_matches(header: str | None, secret: str) -> bool:
 def json_too_deep(raw: bytes, limit: int) -> bool:
     """True when the JSON text nests arrays/objects more than `limit` deep; decided without parsing it.
 
-    Strings are cut out, then innermost `[]`/`{}` pairs are removed one level per pass, all in C (re, bytes):
-    a body of a few brackets costs one translate() whatever its size. Unbalanced text is left to the parser.
+    Strings are cut out and the rest reduced to brackets; each pass of bytes.replace then removes the
+    innermost pairs, one level, all in C: a body of few brackets costs one translate() whatever its size.
+    Unbalanced text is left to the parser, which says what is wrong with it.
     """
     if len(raw.translate(None, _OPENERS)) <= limit:
         return False
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
+    brackets = _STRING.sub(b"", raw).translate(_SQUARE, _NOT_BRACKET)
+    if b"[" * (limit + 1) in brackets:
+        return True
     for _ in range(limit):
-        brackets, removed = _INNERMOST.subn(b"", brackets)
-        if not brackets or not removed:
+        shorter = brackets.replace(b"[]", b"")
+        if not shorter or len(shorter) == len(brackets):
             return False
-    return bool(brackets)
+        brackets = shorter
+    return True
 
 
 _BUSY_BODY = json.dumps({"error": {"message": "the proxy has too many open connections; retry shortly",
@@ -60,19 +65,29 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\
 
 
 class _Refused(asyncio.Protocol):
-    """A connection over the cap: answered 503 at once, closed after the client's first bytes or 1 s."""
+    """A connection over the cap: answered 503 at once; closed once the client's request is read (then the
+    503 is followed by a FIN, not a reset that could drop it), after 1 s, or at once when many linger."""
+
+    lingering = 0  # refused connections still open, across the process
+    MAX_LINGERING = 64
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport: asyncio.Transport = transport  # type: ignore[assignment]
         self.transport.write(_BUSY)
+        self.timer: asyncio.TimerHandle | None = None
+        if _Refused.lingering >= _Refused.MAX_LINGERING:
+            self.transport.close()
+            return
+        _Refused.lingering += 1
         self.timer = asyncio.get_running_loop().call_later(1.0, self.transport.close)
 
     def data_received(self, data: bytes) -> None:
-        # the request was read: closing now sends a FIN after the 503, not a reset that could drop it
         self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.timer.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
+            _Refused.lingering -= 1
 
 
 def capped(server: web.Server, max_connections: int) -> Callable[[], asyncio.BaseProtocol]:
@@ -90,14 +105,13 @@ def fit_to_descriptors(max_connections: int, what: str) -> int:
     """The connection cap this process can honour: raises RLIMIT_NOFILE towards what the cap needs, or
     lowers the cap (with a warning) so a full house still leaves descriptors for the engine legs."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    # a connection, its legs, and one accept batch (the backlog, at most the cap) over the cap
-    need = (_FDS_PER_CONNECTION + 1) * max_connections + _FD_RESERVE
+    need = _FDS_PER_CONNECTION * max_connections + _FD_RESERVE
     if soft != resource.RLIM_INFINITY and soft < need:
         raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
         soft = raised
     if soft != resource.RLIM_INFINITY and soft < need:
-        fitted = max(1, (soft - _FD_RESERVE) // (_FDS_PER_CONNECTION + 1))
+        fitted = max(1, (soft - _FD_RESERVE) // _FDS_PER_CONNECTION)
         log.warning("%s: max_connections %d needs %d file descriptors, the limit is %d: serving at most %d "
                     "connections (raise LimitNOFILE)", what, max_connections, need, soft, fitted)
         return fitted

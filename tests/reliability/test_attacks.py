@@ -5,6 +5,7 @@ expected failures. Each test reproduced its finding before the fix; docs/threat-
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -157,25 +158,31 @@ def test_json_nesting_is_bounded_before_the_engine_sees_it(keyed: Node) -> None:
 
 
 def test_connection_cap_and_idle_timeout(tmp_path: Path) -> None:
-    """More idle sockets than the cap: the extra ones get a 503 at once (descriptors stay bounded), the idle
-    ones are closed after idle_timeout_s, and then /health answers again."""
-    with colocated_node(tmp_path, *ENGINE, limits={"max_connections": 64, "idle_timeout_s": 1.5}) as node:
-        idle = [socket.create_connection(("127.0.0.1", node.proxy_port), timeout=10) for _ in range(64)]
+    """More idle sockets than the proxy has descriptors for (RLIMIT_NOFILE 256): it lowers its cap to fit, the
+    extra sockets get a 503 at once, the idle ones are closed after idle_timeout_s, and then it serves again."""
+    with colocated_node(tmp_path, *ENGINE, launcher=("prlimit", "--nofile=256:256"),
+                        limits={"idle_timeout_s": 3.0}) as node:
+        log = next(p for p in node.procs if p.name == "proxy").output()
+        assert "serving at most 42 connections" in log, log
+        flood = [socket.create_connection(("127.0.0.1", node.proxy_port), timeout=10) for _ in range(300)]
         try:
-            time.sleep(0.3)
-            extra = [socket.create_connection(("127.0.0.1", node.proxy_port), timeout=10) for _ in range(20)]
-            answers = []
-            for sock in extra:
-                answers.append(sock.recv(4096))
-                sock.close()
-            assert all(a.startswith(b"HTTP/1.1 503 ") for a in answers), answers[:3]
-            assert b"connections" in answers[0]
+            # every refused socket has its 503 waiting to be read; the held ones have nothing (until idle_timeout_s)
+            deadline = time.monotonic() + 2.5
+            while True:
+                answered = set(select.select(flood, [], [], 0.05)[0])
+                if len(answered) >= 258 or time.monotonic() > deadline:
+                    break
+            held = [sock for sock in flood if sock not in answered]
+            refused = [sock.recv(4096) for sock in answered]
+            assert len(held) == 42 and len(refused) == 258, (len(held), len(refused), refused[:3])
+            assert all(a.startswith(b"HTTP/1.1 503 ") and b"connections" in a for a in refused), refused[:2]
             started = time.monotonic()
-            closed = [sock.recv(1) for sock in idle]  # the proxy closes each idle socket: recv returns b""
-            waited = time.monotonic() - started
-            assert closed == [b""] * 64 and waited < 10, waited
+            for sock in held:
+                sock.settimeout(10)
+            closed = [sock.recv(1) for sock in held]  # the proxy closes each idle socket: recv returns b""
+            assert closed == [b""] * 42 and time.monotonic() - started < 10
         finally:
-            for sock in idle:
+            for sock in flood:
                 sock.close()
         assert http_status(node.proxy_url + "/health") == 200
         assert http(node.proxy_port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
