@@ -177,15 +177,17 @@ def amd_rows(inventory: Inventory) -> list[Finding]:
     else:
         rows.append(Finding("partition", "ok" if modes == ["SPX"] else "warn", f"{'/'.join(modes)} on {len(groups)} GPUs",
                             "" if modes == ["SPX"] else "amdsmi did not report the compute partition mode"))
-    indices = sorted(g.index for g in inventory.gpus)
+    # Partitions share their physical GPU's links: the matrix that matters is the physical GPUs'.
+    indices = [group[0] for group in groups]
     pairs = [(a, b) for n, a in enumerate(indices) for b in indices[n + 1:]]
     if not pairs:
         return rows
+    what = "physical GPUs" if inventory.partitioned else "GPUs"
     slow = [f"{a}-{b} {kind}" for a, b in pairs if (kind := inventory.link(a, b)) != "XGMI"]
     hops = sorted({link.hops for link in inventory.links if link.type == "XGMI" and link.hops is not None})
     hop_text = f", {'/'.join(map(str, hops))} hop{'s' if hops != [1] else ''}" if hops else ""
     if not slow:
-        rows.append(Finding("xgmi", "ok", f"all {len(pairs)} pairs of {len(indices)} GPUs on XGMI{hop_text}"))
+        rows.append(Finding("xgmi", "ok", f"all {len(pairs)} pairs of {len(indices)} {what} on XGMI{hop_text}"))
     else:
         rows.append(Finding("xgmi", "warn", f"{len(pairs) - len(slow)} of {len(pairs)} pairs on XGMI; not: "
                             + ", ".join(slow[:6]) + (f" (+{len(slow) - 6} more)" if len(slow) > 6 else ""),
@@ -193,15 +195,27 @@ def amd_rows(inventory: Inventory) -> list[Finding]:
     return rows
 
 
+def _gpus_row(inventory: Inventory) -> Finding:
+    bad = [g.index for g in inventory.gpus if not g.healthy]
+    return Finding("gpus", "fail" if bad else "ok",
+                   f"{len(inventory.gpus)} x {inventory.gpus[0].name} via {inventory.source}"
+                   + (f"; unhealthy: {bad}" if bad else ""),
+                   "check the driver (amd-smi / nvidia-smi) for the listed GPUs" if bad else "")
+
+
+def refused_findings(inventory: Inventory, error: PdctlError) -> list[Finding]:
+    """The node's own rows when no plan can be made for it, and the planner's refusal as the last row."""
+    rows = [_gpus_row(inventory)] if inventory.gpus else []
+    if inventory.vendor == "amd":
+        rows.extend(amd_rows(inventory))
+    return [*rows, Finding("plan", "fail", error.message, error.fix or "")]
+
+
 def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout: float = 180.0) -> list[Finding]:
     """All doctor checks for this node and plan."""
     findings: list[Finding] = []
     if inventory.gpus:
-        bad = [g.index for g in inventory.gpus if not g.healthy]
-        findings.append(Finding("gpus", "fail" if bad else "ok",
-                                f"{len(inventory.gpus)} x {inventory.gpus[0].name} via {inventory.source}"
-                                + (f"; unhealthy: {bad}" if bad else ""),
-                                "check the driver (amd-smi / nvidia-smi) for the listed GPUs" if bad else ""))
+        findings.append(_gpus_row(inventory))
     else:
         why = "; ".join(inventory.notes[:2])
         findings.append(Finding("gpus", "ok", f"no GPUs ({why}): CPU layout with the {p.connector} connector"))

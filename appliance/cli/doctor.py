@@ -8,8 +8,10 @@ from typing import Any
 import click
 from rich.table import Table
 
-from appliance.cli.common import console, obtain_plan, overrides_from, plan_options
-from appliance.doctor import as_json, run_checks, summary_exit_code
+from appliance.cli.common import console, obtain, overrides_from, plan_options
+from appliance.doctor import as_json, refused_findings, run_checks, summary_exit_code
+from appliance.errors import PlanError
+from appliance.plan import plan
 
 STYLE = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[red]FAIL[/red]"}
 
@@ -20,8 +22,14 @@ STYLE = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[r
 @click.pass_context
 def doctor(ctx: click.Context, as_json_: bool, **options: Any) -> None:
     """Check GPUs, vLLM, the connector library, RDMA, memlock, ports, model, disk and memory."""
-    settings, inventory, p = obtain_plan(ctx, overrides_from(options))
-    findings = run_checks(settings, inventory, p)
+    settings, inventory = obtain(ctx, overrides_from(options))
+    try:
+        findings = run_checks(settings, inventory, plan(settings, inventory))
+    except PlanError as exc:
+        # A partitioned AMD node has no plan, but its rows (partition mode, XGMI) say what to change.
+        if not inventory.partitioned:
+            raise
+        findings = refused_findings(inventory, exc)
     if as_json_:
         click.echo(as_json(findings))
     else:

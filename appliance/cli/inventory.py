@@ -64,18 +64,27 @@ def gpu_table(inventory: Inventory) -> Table:
 
 
 def link_matrix(inventory: Inventory) -> Table:
-    """GPU-to-GPU link types (XGMI, NVLINK, PCIE) as a square matrix, like `nvidia-smi topo -m`."""
-    indices = sorted(g.index for g in inventory.gpus)
-    table = Table(title="Links", title_justify="left")
+    """GPU-to-GPU link types (XGMI, NVLINK, PCIE) as a square matrix, like `nvidia-smi topo -m`. Compute
+    partitions share their physical GPU's links: a partitioned node shows the matrix of physical GPUs, each
+    through its first partition."""
+    if inventory.partitioned:
+        groups = inventory.physical_gpus()
+        indices = [group[0] for group in groups]
+        labels = {group[0]: f"GPU{n} ({group[0]}-{group[-1]})" for n, group in enumerate(groups)}
+        table = Table(title="Links between physical GPUs (their partitions)", title_justify="left")
+    else:
+        indices = sorted(g.index for g in inventory.gpus)
+        labels = {i: f"GPU{i}" for i in indices}
+        table = Table(title="Links", title_justify="left")
     table.add_column("")
     for b in indices:
-        table.add_column(f"GPU{b}", justify="center")
+        table.add_column(labels[b].split(" ")[0], justify="center")
     for a in indices:
         cells = []
         for b in indices:
             kind = "X" if a == b else inventory.link(a, b)
             cells.append(kind if a == b else f"[{_LINK_STYLE[kind]}]{kind}[/]")
-        table.add_row(f"GPU{a}", *cells)
+        table.add_row(labels[a], *cells)
     return table
 
 

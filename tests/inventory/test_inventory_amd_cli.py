@@ -61,7 +61,7 @@ def test_plan_has_no_false_pcie_warnings(
     assert not [w for w in plan["warnings"] if "PCIe" in w]
 
 
-@pytest.mark.parametrize("scenario", ["cpx-64", "cpx-63"])
+@pytest.mark.parametrize("scenario", ["cpx-63"])  # cpx-64: test_doctor_on_a_cpx_node_shows_its_rows_and_the_refusal
 def test_plan_of_a_saved_cpx_inventory_refuses_with_the_fix(scenario: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PDCTL_", "ROCM_"))}
     env.update(amdsmi_env(scenario))
@@ -97,6 +97,24 @@ def test_inventory_table_shows_partitions(amdsmi: AmdSmi, capsys: pytest.Capture
     assert f"GPUs (amdsmi, amdsmi {LATEST} (library 25.3.0))" in out
     assert out.count("CPX of GPU 0") == 8 and out.count("CPX of GPU 7") == 7
     assert "0000:05:00.7" in out and "PCIE" not in out
+    matrix = out[out.index("Links between physical GPUs") :]
+    assert "GPU0 (0-7)" in matrix and "GPU7 (56-62)" in matrix and matrix.count("XGMI") == 56
+
+
+def test_doctor_on_a_cpx_node_shows_its_rows_and_the_refusal(
+    amdsmi: AmdSmi, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    amdsmi("cpx-64", "6.4.4")
+    code, out, err = run_main(capsys, "doctor", "--json", "--engine", "sim")
+    assert code == 1, err
+    rows = [(f["check"], f["status"], f["detail"]) for f in json.loads(out)]
+    assert rows[:4] == [
+        ("gpus", "ok", "64 x AMD Instinct MI300X via amdsmi"),
+        ("amdsmi", "ok", "amdsmi 6.4.4 (library 25.3.0)"),
+        ("partition", "fail", "CPX: 64 partitions of 8 physical GPUs"),
+        ("xgmi", "ok", "all 28 pairs of 8 physical GPUs on XGMI, 1 hop"),
+    ]
+    assert rows[4][:2] == ("plan", "fail") and rows[4][2].startswith("the 64 GPUs are CPX compute partitions")
 
 
 def test_doctor_rows_spx(amdsmi: AmdSmi) -> None:
