@@ -11,10 +11,12 @@ the stand-in's source changes:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -131,53 +134,67 @@ def _stubs(wrapper: Path) -> str:
 
 def _gcc(out: Path, sources: list[Path], include: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        "gcc",
-        "-shared",
-        "-fPIC",
-        "-O1",
-        "-Wall",
-        "-Werror",
-        f"-I{include}",
-        "-o",
-        str(out),
-        *map(str, sources),
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    _run(
+        [
+            "gcc",
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            f"-I{include}",
+            "-o",
+            str(out),
+            *map(str, sources),
+        ]
+    )
+
+
+def _run(cmd: list[str], **kwargs: Any) -> str:
+    """`cmd`'s output; a failure raises with what the command said (pip without the index, gcc errors)."""
+    result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    if result.returncode != 0:
+        said = (result.stderr or result.stdout).strip()[-2000:]
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed: {said}")
+    return result.stdout
 
 
 def prepare(version: str, root: Path | None = None) -> Release:
     """Install release `version` and build its stand-in, unless the cache already holds both."""
     base = (root or cache_root()) / version
+    base.mkdir(parents=True, exist_ok=True)
     release = Release(version, base / "site", base / "rocm")
     stamp = base / "stamp"
     want = _source_stamp(version)
-    if stamp.is_file() and stamp.read_text() == want and release.library.is_file():
-        return release
-    if not (release.site / "amdsmi" / "amdsmi_wrapper.py").is_file():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-             "--target", str(release.site), f"amdsmi=={version}"],
-            check=True, capture_output=True, text=True,
-        )  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        stubs = work / "stubs.c"
-        stubs.write_text(_stubs(release.site / "amdsmi" / "amdsmi_wrapper.py"))
-        # Stage 1: stubs only, enough for the package to import and show its structure layouts.
-        _gcc(work / "stage1" / "lib" / "libamd_smi.so", [stubs], work)
-        env = {**os.environ, "ROCM_PATH": str(work / "stage1"), "PYTHONPATH": str(release.site)}
-        probe = subprocess.run(
-            [sys.executable, "-c", _LAYOUT_PROBE, json.dumps(_STRUCTS)],
-            check=True, capture_output=True, text=True, env=env, cwd=work,
-        )  # fmt: skip
-        layout = json.loads(probe.stdout.splitlines()[-1])
-        lines = [f"#define PROCESS_LIST_HANDLES {int(layout.pop('handles'))}"]
-        lines += [f"#define {key} {value}" for key, value in sorted(layout.items())]
-        (work / "layout.h").write_text("\n".join(lines) + "\n")
-        # Stage 2: the stand-in's calls override the weak stubs.
-        _gcc(release.library, [HERE / "libamd_smi.c", stubs], work)
-    stamp.write_text(want)
+    with (base / "lock").open("w") as lock:
+        # scripts/test, a pytest run and a second pytest run may prepare the same release at once.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.is_file() and stamp.read_text() == want and release.library.is_file():
+            return release
+        if not release.site.is_dir():
+            partial = base / "site.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            _run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                  "--target", str(partial), f"amdsmi=={version}"])  # fmt: skip
+            partial.rename(release.site)
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            stubs = work / "stubs.c"
+            stubs.write_text(_stubs(release.site / "amdsmi" / "amdsmi_wrapper.py"))
+            # Stage 1: stubs only, enough for the package to import and show its structure layouts.
+            _gcc(work / "stage1" / "lib" / "libamd_smi.so", [stubs], work)
+            env = {**os.environ, "ROCM_PATH": str(work / "stage1"), "PYTHONPATH": str(release.site)}
+            probe = _run([sys.executable, "-c", _LAYOUT_PROBE, json.dumps(_STRUCTS)], env=env, cwd=work)
+            layout = json.loads(probe.splitlines()[-1])
+            lines = [f"#define PROCESS_LIST_HANDLES {int(layout.pop('handles'))}"]
+            lines += [f"#define {key} {value}" for key, value in sorted(layout.items())]
+            (work / "layout.h").write_text("\n".join(lines) + "\n")
+            # Stage 2: the stand-in's calls override the weak stubs. Replaced in one step: a process that
+            # has the old library loaded keeps it.
+            _gcc(work / "libamd_smi.so", [HERE / "libamd_smi.c", stubs], work)
+            release.library.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(work / "libamd_smi.so", release.library)
+        stamp.write_text(want)
     return release
 
 
