@@ -14,6 +14,7 @@ from typing import Literal
 
 import psutil
 
+from appliance.connector import get_connector
 from appliance.errors import PdctlError
 from appliance.heads import read_heads
 from appliance.inventory import Inventory
@@ -26,28 +27,23 @@ Status = Literal["ok", "warn", "fail"]
 # Run in the engine's Python: report vLLM's version and whether the connector's library loads.
 # Every exception counts: mori raises OSError without ROCm, amdsmi KeyError, a broken wheel anything.
 _PROBE = r"""
-import json, sys
+import importlib, json, sys
 out = {}
 try:
     import vllm
     out["vllm"] = getattr(vllm, "__version__", "unknown")
 except BaseException as exc:
     out["vllm_error"] = f"{type(exc).__name__}: {exc}"
-lib = sys.argv[1]
-if lib:
+probe = sys.argv[1]
+if probe:
     try:
-        if lib == "mori":
-            from mori.io import IOEngine  # noqa: F401
-        elif lib == "nixl":
-            from nixl._api import nixl_agent  # noqa: F401
+        module, _, attr = probe.partition(":")
+        getattr(importlib.import_module(module), attr)
         out["connector"] = "ok"
     except BaseException as exc:
         out["connector_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
 print(json.dumps(out))
 """
-
-CONNECTOR_LIBRARY = {"moriio": "mori", "nixl": "nixl"}
-
 
 @dataclass
 class Finding:
@@ -66,10 +62,11 @@ def engine_python(settings: Settings) -> str:
 
 def probe_engine(python: str, connector: str, timeout: float = 180.0) -> dict[str, str]:
     """Import vLLM and the connector library in the engine's Python; never raises."""
+    library = get_connector(connector).library
     if not (Path(python).exists() or shutil.which(python)):
         return {"vllm_error": f"{python} does not exist"}
     try:
-        r = subprocess.run([python, "-c", _PROBE, CONNECTOR_LIBRARY.get(connector, "")], capture_output=True,
+        r = subprocess.run([python, "-c", _PROBE, library.probe if library else ""], capture_output=True,
                            text=True, timeout=timeout, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     except subprocess.TimeoutExpired:
         return {"vllm_error": f"importing vLLM took longer than {timeout:.0f} s"}
@@ -214,6 +211,7 @@ def refused_findings(inventory: Inventory, error: PdctlError) -> list[Finding]:
 def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout: float = 180.0) -> list[Finding]:
     """All doctor checks for this node and plan."""
     findings: list[Finding] = []
+    connector = get_connector(p.connector)
     if inventory.gpus:
         findings.append(_gpus_row(inventory))
     else:
@@ -233,24 +231,22 @@ def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout:
         else:
             findings.append(Finding("vllm", "fail", f"vLLM is not importable by {python}: {result.get('vllm_error')}",
                                     "run ./install.sh, or set engine.python to the Python that has vLLM"))
-        if p.connector in CONNECTOR_LIBRARY:
-            lib = CONNECTOR_LIBRARY[p.connector]
+        lib = connector.library
+        if lib is not None:
             if result.get("connector") == "ok":
-                findings.append(Finding("connector", "ok", f"{lib} loads for the {p.connector} connector"))
+                findings.append(Finding("connector", "ok", f"{lib.label} loads for the {p.connector} connector"))
             else:
-                pkg = {"mori": "amd-mori (needs ROCm)", "nixl": "nixl"}[lib]
                 findings.append(Finding("connector", "fail",
-                                        f"{lib} does not load: {result.get('connector_error', 'vLLM missing')}",
-                                        f"install {pkg} into the engine's environment"))
-    if p.connector in ("moriio", "nixl"):
+                                        f"{lib.label} does not load: {result.get('connector_error', 'vLLM missing')}",
+                                        f"install {lib.install} into the engine's environment"))
+    need = connector.rdma(settings.connector.moriio_backend)
+    if need is not None:
         rdma = sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
-        needs_rdma = p.connector == "moriio" and settings.connector.moriio_backend == "rdma"
         if rdma:
             findings.append(Finding("rdma", "ok", f"RDMA devices: {', '.join(rdma)}"))
         else:
-            findings.append(Finding("rdma", "fail" if needs_rdma else "warn", "no RDMA devices in /sys/class/infiniband",
-                                    "use connector.moriio_backend = \"xgmi\" on one node, or load the RDMA driver"
-                                    if needs_rdma else "NIXL falls back to NVLink/TCP within one node"))
+            findings.append(Finding("rdma", "fail" if need.required else "warn",
+                                    "no RDMA devices in /sys/class/infiniband", need.fix))
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         unlimited = soft == resource.RLIM_INFINITY
         findings.append(Finding("memlock", "ok" if unlimited else "warn",

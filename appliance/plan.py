@@ -14,7 +14,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from appliance.connector import InstanceContext, Platform, get_connector, resolve_name
+from appliance.connector import (
+    DEFAULT_FOR_PLATFORM,
+    Connector,
+    InstanceContext,
+    Platform,
+    get_connector,
+    names,
+    resolve_name,
+)
+from appliance.connector.base import PLATFORMS
 from appliance.engine.command import engine_command
 from appliance.errors import PlanError
 from appliance.inventory.models import Gpu, Inventory
@@ -134,7 +143,9 @@ def _usable(gpu: Gpu) -> bool:
 
 
 def _roles(settings: Settings) -> list[Role]:
-    return ["both"] if settings.connector.name == "none" else ["prefill", "decode"]
+    # "auto" always stands for a disaggregating connector
+    name = settings.connector.name
+    return ["prefill", "decode"] if name == "auto" or get_connector(name).disaggregated else ["both"]
 
 
 def _sizes(settings: Settings, roles: list[Role], available: int) -> dict[Role, int]:
@@ -296,23 +307,36 @@ def _fast_island(inventory: Inventory, gpus: list[int]) -> bool:
     return all(inventory.link(a, b) in ("XGMI", "NVLINK") for a in gpus for b in gpus if a < b)
 
 
+_PLATFORM_WORDS: dict[str, tuple[str, str]] = {
+    "rocm": ("AMD GPUs", "AMD"), "cuda": ("NVIDIA GPUs", "NVIDIA"), "cpu": ("a CPU-only node", "CPU"),
+}
+
+
+def _check_connector(connector: Connector, mode: str, platform: Platform) -> None:
+    """The connector has the transfer mode and runs on this platform; otherwise a PlanError naming the way out."""
+    try:
+        connector.check_mode(mode)
+    except ValueError as exc:
+        other = "read" if mode == "write" else "write"
+        having = [n for n in names() if (c := get_connector(n)).disaggregated and mode in c.modes]
+        raise PlanError(str(exc), fix=f"use --mode {other}, or a connector with a {mode} mode ({', '.join(having)})") from None
+    if platform not in connector.platforms:
+        needs = " or ".join(_PLATFORM_WORDS[p][0] for p in PLATFORMS if p in connector.platforms)
+        ways = [f"'{DEFAULT_FOR_PLATFORM[p]}' on {_PLATFORM_WORDS[p][1]}" for p in PLATFORMS if p not in connector.platforms]
+        raise PlanError(
+            f"connector '{connector.name}' needs {needs}, and this node is {platform}",
+            fix=f"use connector {', '.join(ways)}, or 'auto'",
+        )
+
+
 def plan(settings: Settings, inventory: Inventory) -> Plan:
     """Turn settings and an inventory into a full Plan, or raise PlanError saying what to change."""
     platform = platform_of(inventory)
     connector_name = resolve_name(settings.connector.name, platform)
     connector = get_connector(connector_name)
     mode = settings.connector.mode
-    if mode not in connector.modes:
-        raise PlanError(
-            f"connector '{connector_name}' has no {mode} mode (it supports {', '.join(sorted(connector.modes))})",
-            fix="use --mode read, or a connector with a write mode (moriio)",
-        )
-    if connector_name == "moriio" and platform != "rocm":
-        raise PlanError(
-            f"connector 'moriio' needs AMD GPUs, and this node is {platform}",
-            fix="use connector 'nixl' on NVIDIA, 'example' on CPU, or 'auto'",
-        )
-    colocated = connector_name == "none"
+    _check_connector(connector, mode, platform)
+    colocated = not connector.disaggregated
     allocation = _allocate(settings, inventory, platform)
     gpu_numa = {g.index: g.numa_node for g in inventory.gpus}
     state_dir = PurePosixPath(settings.state_dir)
@@ -353,7 +377,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
             if dp > 1:
                 ports["dp_rpc"] = [rs.dp_rpc_port + index]
             kv_config = connector.kv_transfer_config(ctx)
-            argv, env = engine_command(settings, ctx, model, kv_config, gpus, connector.env(ctx), ports)
+            argv, env = engine_command(settings, ctx, model, connector, kv_config, gpus, ports)
             numa = sorted({n for g in gpus if (n := gpu_numa.get(g)) is not None})
             name = f"{role}-{index}"
             if len(numa) > 1:
@@ -384,7 +408,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
 
     used = [g for inst in instances for g in inst.gpus]
     checks.append(Check(name="gpus-disjoint", ok=len(used) == len(set(used)), detail=f"{len(used)} GPU(s) assigned"))
-    proxy = _proxy_plan(settings, connector_name, mode)
+    proxy = _proxy_plan(settings, connector, mode)
     if settings.proxy.host not in _LOOPBACK and not settings.proxy.api_key_file:
         warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file is set")
     _check_ports(instances, proxy)
@@ -420,7 +444,7 @@ def _url_host(host: str) -> str:
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _proxy_plan(settings: Settings, connector: str, mode: Literal["read", "write"]) -> ProxyPlan:
+def _proxy_plan(settings: Settings, connector: Connector, mode: Literal["read", "write"]) -> ProxyPlan:
     p = settings.proxy
     if p.admin_host not in _LOOPBACK and not p.admin_token_file:
         # The proxy refuses to start like this; say so before anything is written.
@@ -433,9 +457,9 @@ def _proxy_plan(settings: Settings, connector: str, mode: Literal["read", "write
         port=p.port,
         url=f"http://{_url_host(p.host)}:{p.port}",
         mode=mode,
-        connector=connector,
+        connector=connector.name,
         routing=p.routing,
-        registration_enabled=connector == "moriio",
+        registration_enabled=connector.registers_with_proxy,
         registration_host=p.registration_host,
         ping_port=p.ping_port,
         allowed_hosts=p.allowed_hosts,

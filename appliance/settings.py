@@ -23,6 +23,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from appliance.connector import check_name
 from appliance.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -34,7 +35,6 @@ DEFAULT_CONFIG_PATH = Path("/etc/pdctl/pdctl.toml")
 EMBEDDED_MODEL = "embedded:tiny-qwen3"
 
 Role = Literal["prefill", "decode", "both"]
-ConnectorName = Literal["auto", "moriio", "nixl", "example", "none"]
 Mode = Literal["read", "write"]
 Port = int
 
@@ -91,12 +91,17 @@ class EngineSettings(Section):
 class ConnectorSettings(Section):
     """The KV connector that hands the KV cache from prefill to decode."""
 
-    name: ConnectorName = Field(default="auto", description="auto: moriio on AMD, nixl on NVIDIA, example on CPU")
+    name: str = Field(default="auto", description="a registered connector; auto: moriio on AMD, nixl on NVIDIA, example on CPU")
     mode: Mode = "read"
     moriio_backend: Literal["rdma", "xgmi"] = "rdma"
     kv_buffer_device: Literal["cuda", "cpu"] | None = Field(default=None, description="NIXL: where KV is staged")
     shared_storage_path: str = Field(default="", description="ExampleConnector: default <state_dir>/kv-store")
     extra_config: dict[str, Any] = Field(default_factory=dict, description="Merged into kv_connector_extra_config")
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        return check_name(value, allow_auto=True)
 
 
 class RoleSettings(Section):

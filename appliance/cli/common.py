@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
+from appliance.cli.choices import ConnectorChoice
 from appliance.inventory import Inventory, load_inventory
 from appliance.plan import Plan, plan
 from appliance.settings import Settings, env_data, load_settings
@@ -33,7 +34,7 @@ def plan_options(func: F) -> F:
     """The flags that reshape a plan without editing the settings file."""
     options = [
         click.option("--mode", type=click.Choice(["read", "write"]), help="KV transfer mode."),
-        click.option("--connector", type=click.Choice(["auto", "moriio", "nixl", "example", "none"]),
+        click.option("--connector", type=ConnectorChoice(allow_auto=True),
                      help="KV connector (none: colocated)."),
         click.option("--engine", type=click.Choice(["vllm", "sim"]), help="Real vLLM or the simulated engine."),
         click.option("--prefill-gpus", type=click.IntRange(min=1), help="Number of prefill GPUs (one instance)."),

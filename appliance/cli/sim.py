@@ -10,6 +10,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
+from appliance.cli.choices import ConnectorChoice
 from appliance.errors import ConfigError
 
 
@@ -32,9 +33,7 @@ def _config(options: dict[str, Any]) -> Any:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind and advertise.")
 @click.option("--port", type=int, default=8000, show_default=True, help="HTTP port (0 = any free port).")
 @click.option("--role", type=click.Choice(["prefill", "decode", "both"]), default="both", show_default=True)
-@click.option(
-    "--connector", type=click.Choice(["moriio", "nixl", "example", "none"]), default="none", show_default=True
-)
+@click.option("--connector", type=ConnectorChoice(), default="none", show_default=True)
 @click.option("--mode", type=click.Choice(["read", "write"]), default="read", show_default=True)
 @click.option("--model", default="sim-model", show_default=True, help="Served model name.")
 @click.option("--instance-name", default="", help="Instance name, e.g. prefill-0 (logs only).")

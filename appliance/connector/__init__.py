@@ -1,13 +1,21 @@
-"""KV connector registry: a name maps to a lazily imported module, like vLLM's own connector factory."""
+"""KV connector registry: a name maps to a lazily imported class, like vLLM's own connector factory.
+
+Every list of connector names (settings, CLI choices, the proxy's and the simulated engine's validators) reads
+this registry; adding a connector is one module under appliance/connector/ and one line here.
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
-from appliance.connector.base import Connector, InstanceContext, Platform
+from appliance.connector.base import Connector, HandoffError, InstanceContext, Peer, Platform
 from appliance.errors import PlanError
 
-__all__ = ["Connector", "InstanceContext", "Platform", "get_connector", "names", "resolve_name"]
+__all__ = [
+    "Connector", "HandoffError", "InstanceContext", "Peer", "Platform",
+    "check_name", "get_connector", "load_object", "names", "register", "resolve_name",
+]
 
 _REGISTRY: dict[str, str] = {
     "moriio": "appliance.connector.moriio:MoriioConnector",
@@ -25,9 +33,28 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
+def register(name: str, target: str) -> None:
+    """Add (or replace) a connector: `target` is "module:Class", imported when the connector is first asked for."""
+    _REGISTRY[name] = target
+
+
 def resolve_name(name: str, platform: Platform) -> str:
     """The connector 'auto' stands for on this platform, or the name itself."""
     return DEFAULT_FOR_PLATFORM[platform] if name == "auto" else name
+
+
+def check_name(name: str, allow_auto: bool = False) -> str:
+    """`name` when it is registered (or "auto" where allowed); otherwise ValueError listing the names."""
+    if name in _REGISTRY or (allow_auto and name == "auto"):
+        return name
+    known = (["auto"] if allow_auto else []) + names()
+    raise ValueError(f"unknown connector: should be one of {', '.join(repr(n) for n in known)}")
+
+
+def load_object(target: str) -> Any:
+    """The object a "module:attribute" string names, its module imported now."""
+    module_name, attr = target.split(":")
+    return getattr(importlib.import_module(module_name), attr)
 
 
 def get_connector(name: str) -> Connector:
@@ -36,6 +63,5 @@ def get_connector(name: str) -> Connector:
         target = _REGISTRY[name]
     except KeyError:
         raise PlanError(f"unknown connector '{name}'", fix=f"use one of {', '.join(_REGISTRY)}") from None
-    module_name, cls_name = target.split(":")
-    cls: type[Connector] = getattr(importlib.import_module(module_name), cls_name)
+    cls: type[Connector] = load_object(target)
     return cls()

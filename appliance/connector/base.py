@@ -1,13 +1,36 @@
-"""What every KV connector module provides: the vLLM flags, environment and ports of one instance."""
+"""What every KV connector module provides: its engine side (vLLM flags, environment, ports), its simulated
+engine (arguments and flow), and its proxy side (request ids and the bodies of the two legs)."""
 
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 Platform = Literal["rocm", "cuda", "cpu"]
 InstanceRole = Literal["prefill", "decode", "both"]
+Mode = Literal["read", "write"]
+
+PLATFORMS: tuple[Platform, ...] = ("rocm", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class Library:
+    """The Python library a connector needs in the engine's environment (checked by `pdctl doctor`)."""
+
+    label: str  # what doctor calls it
+    probe: str  # "module:attribute" whose import fails when the library cannot work
+    install: str  # what to install when it does not load
+
+
+@dataclass(frozen=True)
+class RdmaNeed:
+    """How a connector depends on RDMA devices: without them it fails (required) or only slows (not)."""
+
+    required: bool
+    fix: str
 
 
 @dataclass(frozen=True)
@@ -22,7 +45,7 @@ class InstanceContext:
     http_port: int
     handshake_port: int
     notify_port: int
-    mode: Literal["read", "write"]
+    mode: Mode
     platform: Platform
     proxy_host: str
     proxy_ping_port: int
@@ -42,14 +65,69 @@ class InstanceContext:
         return {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[self.role]
 
 
+class Peer(Protocol):
+    """An engine instance as the proxy sees it: what a connector may read to address it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dp_size(self) -> int: ...
+
+    @property
+    def tp_size(self) -> int: ...
+
+    @property
+    def kv(self) -> Mapping[str, Any]: ...
+
+
+class SimOptions(Protocol):
+    """The simulated engine's settings a connector checks (appliance.engine.sim.config.SimConfig)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def handshake_port(self) -> int | None: ...
+
+    @property
+    def notify_port(self) -> int | None: ...
+
+    @property
+    def side_channel_port(self) -> int | None: ...
+
+    @property
+    def shared_storage(self) -> str | None: ...
+
+
+class HandoffError(Exception):
+    """A request's KV handoff cannot go ahead; the client gets `status` (502/503/504) with the message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
 class Connector(ABC):
-    """One KV connector: the single place that knows its vLLM class, flags, ports and proxy protocol."""
+    """One KV connector: the single place that knows its vLLM class, flags, ports, simulation and proxy protocol."""
 
     name: ClassVar[str]
     vllm_class: ClassVar[str | None]
     modes: ClassVar[frozenset[str]]
-    summary: ClassVar[str]
+    platforms: ClassVar[frozenset[Platform]] = frozenset(PLATFORMS)
+    # False: no KV handoff; the proxy sends whole requests to role "both" instances (colocated).
+    disaggregated: ClassVar[bool] = True
+    # True: instances announce themselves to the proxy's registration socket (the proxy listens for them).
+    registers_with_proxy: ClassVar[bool] = False
+    # True: switching read/write needs the engines restarted (the mode is in their flags).
+    mode_fixed_at_start: ClassVar[bool] = False
+    # The simulated engine's flow for this connector, "module:Class", imported only when a sim engine runs it.
+    sim_flow: ClassVar[str]
+    # The library vLLM loads for this connector, if any.
+    library: ClassVar[Library | None] = None
 
+    # ---- the engine side ------------------------------------------------------------------------
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
         """Every port (by purpose) that some rank of the instance binds for this connector."""
         return {}
@@ -66,6 +144,54 @@ class Connector(ABC):
         """What the proxy needs to address this instance for the connector's protocol."""
         return {}
 
-    def mode_fixed_at_start(self) -> bool:
-        """True when switching read/write needs the engines restarted (the mode is in their flags)."""
-        return False
+    def rdma(self, moriio_backend: str) -> RdmaNeed | None:
+        """Whether the transfer uses RDMA devices (None: never), given the configured MORI-IO backend."""
+        return None
+
+    def check_mode(self, mode: str) -> None:
+        """Raise ValueError when the connector has no such transfer mode (the one rule every validator uses)."""
+        if mode not in self.modes:
+            raise ValueError(f"connector '{self.name}' has no {mode} mode (it supports {', '.join(sorted(self.modes))})")
+
+    # ---- the simulated engine -------------------------------------------------------------------
+    def sim_args(self, ctx: InstanceContext) -> list[str]:
+        """The simulated engine's connector flags for this instance (same ports as the real engine)."""
+        return []
+
+    def check_sim(self, options: SimOptions) -> None:
+        """Raise ValueError when a simulated engine lacks a setting this connector's flow needs."""
+        return None
+
+    # ---- the proxy side -------------------------------------------------------------------------
+    def request_id(self, prefill: Peer, decode: Peer) -> str:
+        """The X-Request-Id both legs of one request carry."""
+        return uuid.uuid4().hex
+
+    def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
+        """The prefill leg: one token, not streamed; `handoff` is state shared with the decode leg of the request."""
+        leg = dict(body)
+        leg["stream"] = False
+        leg["max_tokens"] = 1
+        if "max_completion_tokens" in leg:
+            leg["max_completion_tokens"] = 1
+        leg.pop("stream_options", None)
+        # a 1-token leg cannot honour a minimum length; the decode leg keeps it
+        leg.pop("min_tokens", None)
+        leg.pop("min_completion_tokens", None)
+        return leg
+
+    def decode_body(
+        self,
+        body: dict[str, Any],
+        prefill: Peer,
+        decode: Peer,
+        prefill_rank: int | None,
+        prefill_kv: dict[str, Any] | None,
+        handoff: dict[str, Any],
+    ) -> dict[str, Any]:
+        """The decode leg: the client's request plus what the decode needs from the prefill.
+
+        `prefill_kv` is the prefill's returned kv_transfer_params in READ mode, None in WRITE mode (both legs
+        start together).
+        """
+        return body

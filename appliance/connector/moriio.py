@@ -1,15 +1,79 @@
-"""AMD MORI-IO (vLLM's MoRIIOConnector): RDMA or XGMI KV transfer in READ (pull) or WRITE (push) mode."""
+"""AMD MORI-IO (vLLM's MoRIIOConnector): RDMA or XGMI KV transfer in READ (pull) or WRITE (push) mode.
+
+The peer address ("host:IP,handshake:PORT,notify:PORT") is built and parsed here only: instances announce it
+when they register with the proxy, the proxy embeds both peers' addresses in the request id, and the engines
+(the simulated one here, vLLM's moriio_common in real ones) read it back out of that id.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+import uuid
+from typing import Any, NamedTuple
 
-from appliance.connector.base import Connector, InstanceContext
+from appliance.connector.base import (
+    Connector,
+    HandoffError,
+    InstanceContext,
+    Library,
+    Peer,
+    RdmaNeed,
+    SimOptions,
+)
+
+# vLLM's MoRIIO router request id: "___prefill_addr_{zmq}___decode_addr_{zmq}_{32 hex}"; vLLM may append
+# "-<seq>-<hex>" (moriio_common._PREFILL_ZMQ_RE / _DECODE_ZMQ_RE parse the same shape).
+_PREFILL_ADDR_RE = re.compile(r"___prefill_addr_(.+?)___decode_addr_")
+_DECODE_ADDR_RE = re.compile(r"___decode_addr_(.+)_[0-9a-f]{32}(?:-.*)?$")
+
+
+class PeerAddress(NamedTuple):
+    """One MORI-IO instance's ZMQ endpoints (rank 0's handshake and notify ports)."""
+
+    host: str
+    handshake: int
+    notify: int
 
 
 def zmq_address(host: str, handshake_port: int, notify_port: int) -> str:
-    """The peer address MORI-IO embeds in request ids: 'host:IP,handshake:PORT,notify:PORT'."""
+    """The peer address MORI-IO registers and embeds in request ids: 'host:IP,handshake:PORT,notify:PORT'."""
     return f"host:{host},handshake:{handshake_port},notify:{notify_port}"
+
+
+def parse_zmq_address(value: str) -> PeerAddress:
+    """Split 'host:IP,handshake:PORT,notify:PORT' (first colon per pair, so IPv6 works); ValueError if malformed."""
+    parts: dict[str, str] = {}
+    for segment in value.split(","):
+        key, _, val = segment.partition(":")
+        parts[key.strip()] = val.strip()
+    try:
+        return PeerAddress(parts["host"], int(parts["handshake"]), int(parts["notify"]))
+    except (KeyError, ValueError):
+        raise ValueError(f"{value!r} is not 'host:IP,handshake:PORT,notify:PORT'") from None
+
+
+def router_request_id(prefill_zmq: str, decode_zmq: str) -> str:
+    """The request id carrying both peers' addresses, in the shape vLLM's MoRIIO connector parses."""
+    return f"___prefill_addr_{prefill_zmq}___decode_addr_{decode_zmq}_{uuid.uuid4().hex}"
+
+
+def peer_in_request_id(request_id: str, want: str) -> str | None:
+    """The prefill's or decode's zmq address embedded in a router request id, or None when it has none."""
+    match = (_PREFILL_ADDR_RE if want == "prefill" else _DECODE_ADDR_RE).search(request_id)
+    return match.group(1) if match is not None else None
+
+
+def _zmq(peer: Peer) -> str:
+    address = peer.kv.get("zmq_address")
+    if not address:
+        raise HandoffError(503, f"instance {peer.name} has no MORI-IO zmq_address (not registered yet?)")
+    return str(address)
+
+
+def _transfer_id(handoff: dict[str, Any]) -> str:
+    # one id ties the two legs (and MORI-IO's notifications) of one request together
+    transfer_id: str = handoff.setdefault("transfer_id", f"tx-{uuid.uuid4()}")
+    return transfer_id
 
 
 class MoriioConnector(Connector):
@@ -18,7 +82,15 @@ class MoriioConnector(Connector):
     name = "moriio"
     vllm_class = "MoRIIOConnector"
     modes = frozenset({"read", "write"})
-    summary = "AMD MORI-IO over RDMA or XGMI (MI300X); READ pull or WRITE layer-by-layer push"
+    platforms = frozenset({"rocm"})
+    registers_with_proxy = True
+    mode_fixed_at_start = True
+    sim_flow = "appliance.engine.sim.connectors:MoriioSim"
+    library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
+
+    def rdma(self, moriio_backend: str) -> RdmaNeed:
+        return RdmaNeed(required=moriio_backend == "rdma",
+                        fix='use connector.moriio_backend = "xgmi" on one node, or load the RDMA driver')
 
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
         # vLLM versions differ: handshake is offset by dp_rank + tp_rank, notify by dp_rank * tp_size + tp_rank
@@ -53,5 +125,57 @@ class MoriioConnector(Connector):
     def proxy_kv(self, ctx: InstanceContext) -> dict[str, str | int]:
         return {"zmq_address": zmq_address(ctx.host, ctx.handshake_port, ctx.notify_port)}
 
-    def mode_fixed_at_start(self) -> bool:
-        return True
+    def sim_args(self, ctx: InstanceContext) -> list[str]:
+        return ["--proxy-ping", f"{ctx.proxy_host}:{ctx.proxy_ping_port}",
+                "--handshake-port", str(ctx.handshake_port), "--notify-port", str(ctx.notify_port)]
+
+    def check_sim(self, options: SimOptions) -> None:
+        if options.handshake_port is None or options.notify_port is None:
+            raise ValueError("connector 'moriio' needs --handshake-port and --notify-port")
+
+    def request_id(self, prefill: Peer, decode: Peer) -> str:
+        return router_request_id(_zmq(prefill), _zmq(decode))
+
+    def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
+        leg = super().prefill_body(body, prefill, decode, handoff)
+        leg["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "transfer_id": _transfer_id(handoff),
+            "remote_dp_size": decode.dp_size,
+            "remote_tp_size": decode.tp_size,
+        }
+        return leg
+
+    def decode_body(
+        self,
+        body: dict[str, Any],
+        prefill: Peer,
+        decode: Peer,
+        prefill_rank: int | None,
+        prefill_kv: dict[str, Any] | None,
+        handoff: dict[str, Any],
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "transfer_id": _transfer_id(handoff),
+        }
+        if prefill_kv is not None:
+            # READ: copy what the prefill returned (remote_engine_id, remote_block_ids, transfer_id, ...)
+            if not prefill_kv.get("remote_block_ids") and "remote_engine_id" not in prefill_kv:
+                raise HandoffError(502, f"prefill instance {prefill.name} returned unusable kv_transfer_params")
+            params.update(prefill_kv)
+            params["do_remote_decode"] = False
+            params["do_remote_prefill"] = True
+        params["remote_dp_size"] = prefill.dp_size
+        params["remote_tp_size"] = prefill.tp_size
+        if prefill_rank is not None:
+            params["remote_dp_rank"] = prefill_rank
+        leg = dict(body)
+        leg["kv_transfer_params"] = params
+        return leg

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.connector.base import Connector, InstanceContext
+from appliance.connector.base import (
+    Connector,
+    HandoffError,
+    InstanceContext,
+    Library,
+    Peer,
+    RdmaNeed,
+    SimOptions,
+)
 
 
 class NixlConnector(Connector):
@@ -13,7 +21,11 @@ class NixlConnector(Connector):
     name = "nixl"
     vllm_class = "NixlConnector"
     modes = frozenset({"read"})
-    summary = "NIXL over UCX (NVLink/RDMA on NVIDIA; host buffers on CPU); decode pulls KV"
+    sim_flow = "appliance.engine.sim.connectors:NixlSim"
+    library = Library("nixl", "nixl._api:nixl_agent", "nixl")
+
+    def rdma(self, moriio_backend: str) -> RdmaNeed:
+        return RdmaNeed(required=False, fix="NIXL falls back to NVLink/TCP within one node")
 
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
         # The side channel sits at VLLM_NIXL_SIDE_CHANNEL_PORT + dp_rank * tp_size (+ tp_rank in older
@@ -34,3 +46,37 @@ class NixlConnector(Connector):
             "VLLM_NIXL_SIDE_CHANNEL_HOST": ctx.host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ctx.handshake_port),
         }
+
+    def sim_args(self, ctx: InstanceContext) -> list[str]:
+        return ["--side-channel-port", str(ctx.handshake_port)]
+
+    def check_sim(self, options: SimOptions) -> None:
+        if options.role in ("prefill", "both") and options.side_channel_port is None:
+            raise ValueError("connector 'nixl' on a prefill engine needs --side-channel-port")
+
+    def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
+        leg = super().prefill_body(body, prefill, decode, handoff)
+        leg["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+        return leg
+
+    def decode_body(
+        self,
+        body: dict[str, Any],
+        prefill: Peer,
+        decode: Peer,
+        prefill_rank: int | None,
+        prefill_kv: dict[str, Any] | None,
+        handoff: dict[str, Any],
+    ) -> dict[str, Any]:
+        if not prefill_kv:
+            raise HandoffError(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
+        leg = dict(body)
+        leg["kv_transfer_params"] = prefill_kv
+        return leg

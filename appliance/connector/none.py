@@ -13,7 +13,8 @@ class NoConnector(Connector):
     name = "none"
     vllm_class = None
     modes = frozenset({"read", "write"})
-    summary = "colocated: each instance prefills and decodes (baseline)"
+    disaggregated = False
+    sim_flow = "appliance.engine.sim.connectors:ConnectorSim"
 
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any] | None:
         return None

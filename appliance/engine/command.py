@@ -6,7 +6,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from appliance.connector.base import InstanceContext
+from appliance.connector.base import Connector, InstanceContext
 
 if TYPE_CHECKING:
     from appliance.plan import ModelPlan
@@ -62,12 +62,12 @@ def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_con
     return argv
 
 
-def sim_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, connector: str | None,
+def sim_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, connector: Connector,
              name: str) -> list[str]:
     """The simulated engine's arguments: same ports and connector flow, a time model instead of a GPU."""
     sim = settings.engine.sim
     argv = [sys.executable, "-m", "appliance.engine.sim", "--host", ctx.host, "--port", str(ctx.http_port),
-            "--role", ctx.role, "--connector", connector or "none", "--mode", ctx.mode,
+            "--role", ctx.role, "--connector", connector.name, "--mode", ctx.mode,
             "--model", model.served_name, "--instance-name", name,
             "--dp-size", str(ctx.dp), "--tp-size", str(ctx.tp),
             "--prefill-us-per-token", str(sim.prefill_us_per_token),
@@ -81,14 +81,7 @@ def sim_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, connect
         argv += ["--chunk-tokens", str(rs.max_num_batched_tokens)]
     if settings.model.max_model_len:
         argv += ["--max-model-len", str(settings.model.max_model_len)]
-    if connector == "moriio":
-        argv += ["--proxy-ping", f"{ctx.proxy_host}:{ctx.proxy_ping_port}",
-                 "--handshake-port", str(ctx.handshake_port), "--notify-port", str(ctx.notify_port)]
-    elif connector == "nixl":
-        argv += ["--side-channel-port", str(ctx.handshake_port)]
-    elif connector == "example":
-        argv += ["--shared-storage", ctx.shared_storage_path]
-    return argv + list(sim.extra_args)
+    return argv + connector.sim_args(ctx) + list(sim.extra_args)
 
 
 def cpu_env(host: str) -> dict[str, str]:
@@ -103,8 +96,8 @@ def cpu_env(host: str) -> dict[str, str]:
     }
 
 
-def engine_command(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_config: dict[str, Any] | None,
-                   gpus: list[int], connector_env: dict[str, str],
+def engine_command(settings: Settings, ctx: InstanceContext, model: ModelPlan, connector: Connector,
+                   kv_config: dict[str, Any] | None, gpus: list[int],
                    ports: dict[str, list[int]]) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of one instance: GPU pinning, platform and connector environment, then the user's."""
     env: dict[str, str] = {}
@@ -125,11 +118,9 @@ def engine_command(settings: Settings, ctx: InstanceContext, model: ModelPlan, k
             # The embedded model is local: never reach for a model hub.
             env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     if settings.engine.kind == "sim":
-        connector = (kv_config or {}).get("kv_connector")
-        name = {"MoRIIOConnector": "moriio", "NixlConnector": "nixl", "ExampleConnector": "example"}.get(str(connector))
-        argv = sim_argv(settings, ctx, model, name, f"{ctx.role}-{ctx.index}")
+        argv = sim_argv(settings, ctx, model, connector, f"{ctx.role}-{ctx.index}")
     else:
-        env.update(connector_env)
+        env.update(connector.env(ctx))
         argv = vllm_argv(settings, ctx, model, kv_config, ports)
     env.update(settings.engine.env)
     env.update(settings.role(ctx.role).env)

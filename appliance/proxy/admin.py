@@ -87,16 +87,16 @@ async def post_mode(request: web.Request) -> web.Response:
     mode = body.get("mode") if isinstance(body, dict) else None
     if mode not in ("read", "write"):
         return _error(400, f"'mode' must be 'read' or 'write', got {mode!r}")
-    if not proxy.adapter.disaggregated:
-        return _error(400, "connector 'none' (colocated) has no transfer mode")
-    if mode not in proxy.adapter.modes:
-        return _error(400, f"connector {proxy.config.connector!r} supports only {', '.join(proxy.adapter.modes)}")
+    if not proxy.connector.disaggregated:
+        return _error(400, f"connector {proxy.config.connector!r} (colocated) has no transfer mode")
+    if mode not in proxy.connector.modes:
+        return _error(400, f"connector {proxy.config.connector!r} supports only {', '.join(sorted(proxy.connector.modes))}")
     previous, proxy.mode = proxy.mode, mode
     return web.json_response({
         "mode": mode,
         "previous": previous,
-        # MORI-IO fixes read_mode when the engine starts: its engines must be restarted in the new mode
-        "engines_restart_required": proxy.config.connector == "moriio" and previous != mode,
+        # a connector that fixes the mode when the engine starts (MORI-IO) needs its engines restarted
+        "engines_restart_required": proxy.connector.mode_fixed_at_start and previous != mode,
     })
 
 

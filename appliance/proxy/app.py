@@ -11,9 +11,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
+from appliance.connector import HandoffError, get_connector
 from appliance.proxy import admin
 from appliance.proxy.config import ProxyConfig, read_secret
-from appliance.proxy.connectors import adapter_for
 from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors, json_too_deep
 from appliance.proxy.legs import OUTCOME, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE, ProxyMetrics
@@ -44,13 +44,14 @@ class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.mode: str = config.mode
-        self.adapter = adapter_for(config.connector)
+        self.connector = get_connector(config.connector)
         self.api_key = read_secret(config.api_key_file)
         self.admin_token = read_secret(config.admin.token_file)
         self.metrics = ProxyMetrics(lambda: self.registry)
         self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
         self.health = HealthChecker(self.registry, config.health)
-        self.router = Router(self.registry, config.routing, lambda: self.mode, checks_mode=config.connector == "moriio")
+        self.router = Router(self.registry, config.routing, lambda: self.mode,
+                             checks_mode=self.connector.mode_fixed_at_start)
         self.listener: RegistrationListener | None = None
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.AbstractServer] = []
@@ -65,7 +66,7 @@ class Proxy:
 
     # lifecycle
     async def start(self) -> None:
-        """Bind the API, the admin API and (moriio) the registration socket; start probing."""
+        """Bind the API, the admin API and (connectors that register) the registration socket; start probing."""
         server_log = logging.getLogger("aiohttp.server")
         if not any(isinstance(f, _OneLineBadRequests) for f in server_log.filters):
             server_log.addFilter(_OneLineBadRequests())
@@ -130,7 +131,7 @@ class Proxy:
         counts = {
             role: sum(1 for i in insts if i.healthy and not i.draining) for role, insts in self.registry.by_role.items()
         }
-        needed = ("prefill", "decode") if self.adapter.disaggregated else ("both",)
+        needed = ("prefill", "decode") if self.connector.disaggregated else ("both",)
         return all(counts[r] > 0 for r in needed), counts
 
     def hold_active(self) -> bool:
@@ -138,7 +139,7 @@ class Proxy:
         return self.hold_wait_s > 0 and time.monotonic() < self.hold_until
 
     def _missing_roles(self) -> bool:
-        needed = ("prefill", "decode") if self.adapter.disaggregated else ("both",)
+        needed = ("prefill", "decode") if self.connector.disaggregated else ("both",)
         routable = self.router.routable
         return not all(any(routable(i) for i in self.registry.by_role[role]) for role in needed)
 
@@ -180,7 +181,7 @@ class Proxy:
         return await self._generate(request, "/v1/chat/completions", chat=True)
 
     async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
-        mode_label = self.mode if self.adapter.disaggregated else "colocated"
+        mode_label = self.mode if self.connector.disaggregated else "colocated"
         status: str = "500"
         try:
             if (denied := self._unauthorized(request)) is not None:
@@ -196,7 +197,7 @@ class Proxy:
             response = await handle_completion(self, request, path, body)
             status = request.get(OUTCOME, str(response.status))
             return response
-        except LegFailure as exc:
+        except HandoffError as exc:
             status = str(exc.status)
             return _failure_response(exc)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -264,13 +265,13 @@ class Proxy:
         return body, None
 
 
-def _failure_response(exc: LegFailure) -> web.Response:
+def _failure_response(exc: HandoffError) -> web.Response:
     """The client's answer for a failed leg; an engine's own 4xx body is passed on with its content type.
 
     The engine's header value may carry parameters ("application/json; charset=utf-8"), which aiohttp refuses
     in content_type=, so it goes in as a header as it is.
     """
-    if exc.body is not None:
+    if isinstance(exc, LegFailure) and exc.body is not None:
         return web.Response(status=exc.status, body=exc.body,
                             headers={"Content-Type": exc.content_type or "application/json"})
     return error_response(exc.status, exc.message)

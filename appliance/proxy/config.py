@@ -12,13 +12,13 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from appliance.connector import check_name, get_connector
 from appliance.errors import ConfigError
 
 log = logging.getLogger("appliance.proxy")
 
 Role = Literal["prefill", "decode", "both"]
 Mode = Literal["read", "write"]
-Connector = Literal["moriio", "nixl", "example", "none"]
 Routing = Literal["round_robin", "least_outstanding"]
 
 
@@ -113,7 +113,7 @@ class ProxyConfig(_Model):
     host: str = "127.0.0.1"
     port: int = Field(default=10001, ge=0, le=65535)
     mode: Mode = "read"
-    connector: Connector
+    connector: str
     routing: Routing = "least_outstanding"
     model: str = Field(min_length=1)
     api_key_file: str | None = None
@@ -125,6 +125,17 @@ class ProxyConfig(_Model):
     backends: list[Backend] = Field(default_factory=list)
     client_max_size: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_tokens_limit: int = Field(default=1_000_000, ge=1)
+
+    @field_validator("connector")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        return check_name(value)
+
+    @model_validator(mode="after")
+    def _connector_has_mode(self) -> ProxyConfig:
+        # the one check of the transfer mode against the connector; the request flows trust it
+        get_connector(self.connector).check_mode(self.mode)
+        return self
 
     @model_validator(mode="after")
     def _admin_exposed_needs_token(self) -> ProxyConfig:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import HttpVersion11, web
 
-from appliance.proxy.connectors import LegError
+from appliance.connector import HandoffError
 from appliance.proxy.registry import Instance
 from appliance.proxy.routing import acquire, release
 from appliance.proxy.upstream import Connection, Unchunked, UpstreamError
@@ -56,20 +56,13 @@ def _engine_message(answer: bytes) -> str:
         return answer[:300].decode("utf-8", "replace")
 
 
-class LegFailure(Exception):
+class LegFailure(HandoffError):
     """A leg failed in a way the client should hear about as `status` with `message`."""
 
     def __init__(self, status: int, message: str, body: bytes | None = None, content_type: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+        super().__init__(status, message)
         self.body = body  # an engine's own 4xx answer, passed through as it is
         self.content_type = content_type
-
-    def response(self) -> web.Response:
-        if self.body is not None:
-            return web.Response(status=self.status, body=self.body, content_type=self.content_type or "application/json")
-        return error_response(self.status, self.message)
 
 
 def _content_type(conn: Connection) -> str:
@@ -298,7 +291,7 @@ async def run_decode(
             error = relay.error or exc
             if isinstance(error, ConnectionResetError):
                 raise error from None
-            status = error.status if isinstance(error, (LegFailure, LegError)) else 502
+            status = error.status if isinstance(error, HandoffError) else 502
             message = error.message if isinstance(error, LegFailure) else f"decode leg on {inst.name} failed: {error}"
             if not isinstance(error, LegFailure):
                 proxy.metrics.leg_failures.labels("decode", getattr(error, "reason", "stream")).inc()
@@ -336,9 +329,9 @@ async def handle_completion(proxy: Proxy, request: web.Request, path: str, body:
     auth = request.headers.get("Authorization")
     if auth is not None:
         headers.append(("Authorization", auth))
-    adapter = proxy.adapter
+    connector = proxy.connector
     router = proxy.router
-    if not adapter.disaggregated:
+    if not connector.disaggregated:
         inst = router.pick("both")
         if inst is None:
             raise LegFailure(503, "no healthy engine instance is available; try again shortly")
@@ -354,23 +347,16 @@ async def handle_completion(proxy: Proxy, request: web.Request, path: str, body:
         raise LegFailure(503, f"no healthy {missing} instance is available; try again shortly")
     prefill_rank = router.pick_dp_rank(prefill)
     decode_rank = router.pick_dp_rank(decode)
-    ctx: dict[str, Any] = {}
-    try:
-        rid = adapter.request_id(prefill, decode)
-        prefill_body = adapter.prefill_body(body, prefill, decode, ctx)
-    except LegError as exc:
-        raise LegFailure(exc.status, str(exc)) from None
+    handoff: dict[str, Any] = {}  # what the connector carries from one leg of this request to the other
+    rid = connector.request_id(prefill, decode)
+    prefill_body = connector.prefill_body(body, prefill, decode, handoff)
     headers.append(("X-Request-Id", rid))
-    mode = proxy.mode if proxy.mode in adapter.modes else "read"
-    if mode == "read":
+    if proxy.mode == "read":
         kv = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers)
-        try:
-            decode_body = adapter.decode_body(body, prefill, decode, prefill_rank, kv, ctx)
-        except LegError as exc:
-            raise LegFailure(exc.status, str(exc)) from None
+        decode_body = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
         return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started)
 
-    decode_body = adapter.decode_body(body, prefill, decode, prefill_rank, None, ctx)
+    decode_body = connector.decode_body(body, prefill, decode, prefill_rank, None, handoff)
     prefill_task = asyncio.ensure_future(run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers))
     # its failure is reported through the decode leg (or not at all when the decode leg failed first)
     prefill_task.add_done_callback(_retrieve)

@@ -14,6 +14,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from appliance.connector.moriio import parse_zmq_address
+from appliance.connector.moriio import zmq_address as zmq_address_of
 from appliance.proxy.config import Backend, RegistrationConfig
 from appliance.proxy.upstream import UpstreamPool
 
@@ -62,11 +64,6 @@ class Instance:
         self.last_seen: float | None = None  # wall clock of the last registration ping
         self.last_seen_mono: float | None = None
         self.removed = False
-
-    @property
-    def zmq_address(self) -> str | None:
-        value = self.kv.get("zmq_address")
-        return str(value) if value is not None else None
 
     def set_dp_size(self, dp_size: int) -> None:
         if dp_size != self.dp_size:
@@ -221,19 +218,15 @@ class RegistrationError(ValueError):
     """A registration message that cannot be used (logged, counted, ignored)."""
 
 
-def parse_zmq_address(value: str) -> tuple[str, int, int]:
-    """Split MORI-IO's "host:IP,handshake:PORT,notify:PORT" (first colon per pair, so IPv6 works)."""
-    parts: dict[str, str] = {}
-    for segment in value.split(","):
-        key, _, val = segment.partition(":")
-        parts[key.strip()] = val.strip()
+def _zmq_host(value: str) -> str:
+    """The host of a MORI-IO zmq_address, which must also name two ports from 1 to 65535."""
     try:
-        host, handshake, notify = parts["host"], int(parts["handshake"]), int(parts["notify"])
-    except (KeyError, ValueError):
-        raise RegistrationError(f"zmq_address {value!r} is not 'host:IP,handshake:PORT,notify:PORT'") from None
+        host, handshake, notify = parse_zmq_address(value)
+    except ValueError as exc:
+        raise RegistrationError(f"zmq_address {exc}") from None
     if not host or not (0 < handshake < 65536 and 0 < notify < 65536):
         raise RegistrationError(f"zmq_address {value!r} has no host or a port outside 1-65535")
-    return host, handshake, notify
+    return host
 
 
 def _positive_int(data: dict[str, Any], key: str) -> int:
@@ -275,7 +268,7 @@ def normalize_registration(data: Any) -> dict[str, Any] | None:
         if not parts.hostname or parts.port is None:
             raise RegistrationError(f"request_address {data['request_address']!r} has no host:port")
         http_address = f"{parts.hostname}:{parts.port}"
-        zmq_address = f"host:{parts.hostname},handshake:{data['handshake_port']},notify:{data['notify_port']}"
+        zmq_address = zmq_address_of(parts.hostname, data["handshake_port"], data["notify_port"])
     else:
         raise RegistrationError(f"unknown message type {kind!r}")
     if not isinstance(http_address, str) or not isinstance(zmq_address, str):
@@ -285,7 +278,7 @@ def normalize_registration(data: Any) -> dict[str, Any] | None:
         raise RegistrationError(f"http_address {http_address!r} is not HOST:PORT with a port from 1 to 65535")
     if any(c in host for c in "/?#@ ") or not host.isprintable():
         raise RegistrationError(f"http_address {http_address!r} has an unusable host")
-    zmq_host, _, _ = parse_zmq_address(zmq_address)
+    zmq_host = _zmq_host(zmq_address)
     mode = str(data.get("transfer_mode", "")).lower()
     if mode not in ("read", "write"):
         raise RegistrationError(f"transfer_mode must be READ or WRITE, got {data.get('transfer_mode')!r}")

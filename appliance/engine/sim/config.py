@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from appliance.connector import check_name, get_connector, names
 
 Role = Literal["prefill", "decode", "both"]
-Connector = Literal["moriio", "nixl", "example", "none"]
 Mode = Literal["read", "write"]
 
 
@@ -31,7 +32,7 @@ class SimConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     role: Role = "both"
-    connector: Connector = "none"
+    connector: str = "none"
     mode: Mode = "read"
     model: str = "sim-model"
     instance_name: str = ""
@@ -68,22 +69,21 @@ class SimConfig(BaseModel):
 
     faults: FaultConfig = Field(default_factory=FaultConfig)
 
+    @field_validator("connector")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        return check_name(value)
+
     @model_validator(mode="after")
     def _connector_needs(self) -> SimConfig:
-        if self.role in ("prefill", "decode") and self.connector == "none":
-            raise ValueError(f"role {self.role!r} needs a KV connector (moriio, nixl or example), not 'none'")
-        if self.connector == "moriio" and (self.handshake_port is None or self.notify_port is None):
-            raise ValueError("connector 'moriio' needs --handshake-port and --notify-port")
-        if self.connector == "nixl":
-            if self.mode != "read":
-                raise ValueError("connector 'nixl' is simulated in read (pull) mode only")
-            if self.role in ("prefill", "both") and self.side_channel_port is None:
-                raise ValueError("connector 'nixl' on a prefill engine needs --side-channel-port")
-        if self.connector == "example":
-            if self.mode != "read":
-                raise ValueError("connector 'example' is serial (read) only")
-            if not self.shared_storage:
-                raise ValueError("connector 'example' needs --shared-storage PATH")
+        connector = get_connector(self.connector)
+        if self.role in ("prefill", "decode") and not connector.disaggregated:
+            disaggregated = [n for n in names() if get_connector(n).disaggregated]
+            raise ValueError(
+                f"role {self.role!r} needs a KV connector ({', '.join(disaggregated)}), not {self.connector!r}"
+            )
+        connector.check_mode(self.mode)
+        connector.check_sim(self)
         if self.proxy_ping is not None:
             host, _, port = self.proxy_ping.rpartition(":")
             if not host or not port.isdigit():

@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import uuid
 from array import array
 from collections import Counter
@@ -22,6 +21,8 @@ from typing import Any
 
 import msgpack
 
+from appliance.connector import get_connector, load_object
+from appliance.connector.moriio import PeerAddress, parse_zmq_address, peer_in_request_id, zmq_address
 from appliance.engine.sim.config import SimConfig
 from appliance.engine.sim.engine import Engine, KVTransferError, Sequence
 from appliance.engine.sim.transport import Transport
@@ -33,46 +34,36 @@ POP_DONE_RECV = b"pop_done_recv"
 SIM_READ = b"sim_read"  # stands in for the one-sided RDMA read of the held blocks
 SIM_NOTIF = b"sim_notif"  # stands in for NIXL's agent notification "done reading, free the blocks"
 
-# The MoRIIO router embeds both zmq_addresses in the request id:
-#   "___prefill_addr_{zmq}___decode_addr_{zmq}_{32 hex}"; vLLM may append "-<seq>-<hex>".
-_PREFILL_ADDR_RE = re.compile(r"___prefill_addr_(.+?)___decode_addr_")
-_DECODE_ADDR_RE = re.compile(r"___decode_addr_(.+)_[0-9a-f]{32}(?:-.*)?$")
 
 
 class BadKVParams(ValueError):
     """kv_transfer_params the connector cannot use; the request gets a 400."""
 
 
-def parse_moriio_zmq_address(address: str) -> tuple[str, int, int]:
+def parse_moriio_zmq_address(address: str) -> PeerAddress:
     """Parse "host:IP,handshake:PORT,notify:PORT" into (host, handshake_port, notify_port)."""
-    parts: dict[str, str] = {}
-    for segment in address.split(","):
-        key, _, value = segment.partition(":")
-        parts[key.strip()] = value.strip()
     try:
-        return parts["host"], int(parts["handshake"]), int(parts["notify"])
-    except (KeyError, ValueError) as exc:
+        return parse_zmq_address(address)
+    except ValueError:
         raise BadKVParams(
             f"malformed MoRIIO zmq_address {address!r}: expected 'host:IP,handshake:PORT,notify:PORT'"
-        ) from exc
+        ) from None
 
 
-def peer_address_from_request_id(request_id: str, want: str) -> tuple[str, int, int]:
+def peer_address_from_request_id(request_id: str, want: str) -> PeerAddress:
     """The prefill's or decode's (host, handshake, notify) embedded in a MoRIIO router request id."""
-    match = (_PREFILL_ADDR_RE if want == "prefill" else _DECODE_ADDR_RE).search(request_id)
-    if match is None:
+    address = peer_in_request_id(request_id, want)
+    if address is None:
         raise BadKVParams(
             f"cannot find the {want} zmq_address in request id {request_id!r}: MoRIIO expects "
             "X-Request-Id '___prefill_addr_{P zmq}___decode_addr_{D zmq}_{32 hex}' or remote_host/ports "
             "in kv_transfer_params"
         )
-    return parse_moriio_zmq_address(match.group(1))
+    return parse_moriio_zmq_address(address)
 
 
 class ConnectorSim:
     """The connector-less engine (connector "none"); subclasses add the KV handoff."""
-
-    name = "none"
 
     def __init__(self, cfg: SimConfig, engine: Engine, transport: Transport) -> None:
         self.cfg = cfg
@@ -107,6 +98,11 @@ class ConnectorSim:
 
     def on_abort(self, seq: Sequence) -> None:
         """A request was aborted (client gone) or failed before it finished."""
+
+    @property
+    def name(self) -> str:
+        """The registered connector name this flow runs for."""
+        return self.cfg.connector
 
     def info(self) -> dict[str, Any]:
         """Ports and ids for /sim/state."""
@@ -146,8 +142,6 @@ def _is_prefill_leg(seq: Sequence) -> bool:
 
 class NixlSim(ConnectorSim):
     """NixlConnector, pull (READ) flow: the decode reads the prefill's held blocks, then notifies it."""
-
-    name = "nixl"
 
     def __init__(self, cfg: SimConfig, engine: Engine, transport: Transport) -> None:
         super().__init__(cfg, engine, transport)
@@ -276,8 +270,6 @@ def _flat_block_ids(value: Any) -> list[int]:
 class MoriioSim(ConnectorSim):
     """MoRIIOConnector: proxy registration; READ (decode pulls, then releases) or WRITE (prefill pushes)."""
 
-    name = "moriio"
-
     def __init__(self, cfg: SimConfig, engine: Engine, transport: Transport) -> None:
         super().__init__(cfg, engine, transport)
         self.handshake_port = 0
@@ -292,7 +284,7 @@ class MoriioSim(ConnectorSim):
 
     @property
     def zmq_address(self) -> str:
-        return f"host:{self.cfg.host},handshake:{self.handshake_port},notify:{self.notify_port}"
+        return zmq_address(self.cfg.host, self.handshake_port, self.notify_port)
 
     @property
     def transfer_mode(self) -> str:
@@ -552,8 +544,6 @@ class ExampleSim(ConnectorSim):
     """ExampleConnector: the producer saves KV files under a folder named by a hash of the prompt
     tokens; a consumer that finds the folder loads them (serial flow, no kv_transfer_params)."""
 
-    name = "example"
-
     def _folder(self, tokens: list[int]) -> str:
         digest = hashlib.md5(array("q", tokens).tobytes(), usedforsecurity=False).hexdigest()
         assert self.cfg.shared_storage is not None
@@ -597,11 +587,6 @@ class ExampleSim(ConnectorSim):
 
 
 def make_connector(cfg: SimConfig, engine: Engine, transport: Transport) -> ConnectorSim:
-    """The connector simulation for ``cfg.connector``."""
-    classes: dict[str, type[ConnectorSim]] = {
-        "none": ConnectorSim,
-        "nixl": NixlSim,
-        "moriio": MoriioSim,
-        "example": ExampleSim,
-    }
-    return classes[cfg.connector](cfg, engine, transport)
+    """The connector simulation for ``cfg.connector``: the flow its connector module names."""
+    flow: type[ConnectorSim] = load_object(get_connector(cfg.connector).sim_flow)
+    return flow(cfg, engine, transport)
