@@ -232,7 +232,8 @@ def _release(amdsmi: ModuleType, errors: tuple[type[BaseException], ...]) -> str
             package = importlib.metadata.version("amdsmi")  # 6.0 has no __version__
         except importlib.metadata.PackageNotFoundError:
             package = "(release unknown)"
-    version = _queries(errors).get("library version", amdsmi.amdsmi_get_lib_version)
+    # Looked up inside get(): a package without the call raises AttributeError there, which only loses the field.
+    version = _queries(errors).get("library version", lambda: amdsmi.amdsmi_get_lib_version())
     if isinstance(version, dict) and all(
         isinstance(version.get(k), int) for k in ("major", "minor", "release")
     ):

@@ -215,3 +215,12 @@ def test_unexpected_library_error_becomes_a_note_and_still_shuts_down(
 def test_name_from_the_device_id_hex_string() -> None:
     assert amd._name({"market_name": "N/A", "device_id": "0x74a1"}) == "AMD GPU 0x74a1"
     assert amd._name({"market_name": "", "device_id": "N/A"}) == "AMD GPU"
+
+
+def test_library_version_unknown_loses_only_that(amdsmi: AmdSmi, monkeypatch: pytest.MonkeyPatch) -> None:
+    amdsmi("mi300x-8")
+    import amdsmi as real
+
+    monkeypatch.delattr(real, "amdsmi_get_lib_version")
+    result = amd.detect()
+    assert result.library == f"amdsmi {LATEST}" and len(result.gpus) == 8
