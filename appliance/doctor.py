@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from typing import Literal
 import psutil
 
 from appliance.connector import get_connector
+from appliance.connector.base import RdmaNeed
 from appliance.errors import PdctlError
 from appliance.heads import read_heads
 from appliance.inventory import Inventory
@@ -208,6 +210,81 @@ def refused_findings(inventory: Inventory, error: PdctlError) -> list[Finding]:
     return [*rows, Finding("plan", "fail", error.message, error.fix or "")]
 
 
+def check_rdma(connector: str, need: RdmaNeed | None, sysfs: Path = Path("/sys/class/infiniband")) -> Finding:
+    """RDMA devices and their port states, judged by how the connector depends on them (`need`)."""
+    devices = []
+    active = 0
+    for dev in sorted(sysfs.iterdir()) if sysfs.is_dir() else []:
+        states = []
+        for state in sorted(dev.glob("ports/*/state")):
+            try:
+                states.append(state.read_text().split(":")[-1].strip())  # "4: ACTIVE"
+            except OSError:
+                states.append("unreadable")
+        active += states.count("ACTIVE")
+        devices.append(f"{dev.name} ({', '.join(states) or 'no ports'})")
+    if active:
+        return Finding("rdma", "ok", f"{active} active port(s): {', '.join(devices)}")
+    where = f"{', '.join(devices)} in {sysfs}, none ACTIVE" if devices else f"no RDMA devices in {sysfs}"
+    if need is None:
+        return Finding("rdma", "ok", f"{where}; the {connector} connector does not use RDMA")
+    return Finding("rdma", "fail" if need.required else "warn", where, need.fix)
+
+
+def _limit_text(value: int) -> str:
+    return "unlimited" if value == resource.RLIM_INFINITY else f"{value // 1024} KiB"
+
+
+def engine_memlock(settings: Settings, p: Plan) -> tuple[int | None, str]:
+    """The locked-memory limit the engines get (None: unlimited) and where it comes from."""
+    from appliance.render.common import instance_unit, template
+
+    recorded = Path(p.state_dir) / "manager"
+    kind = recorded.read_text().strip() if recorded.is_file() else settings.manager
+    if kind == "auto":
+        from appliance.manager import systemd_is_pid1
+
+        kind = "systemd" if systemd_is_pid1() else "supervisor"
+    if kind == "systemd":
+        unit = Path(settings.unit_dir) / f"{instance_unit(p.instances[0])}.service" if p.instances else None
+        text, where = (unit.read_text(), str(unit)) if unit and unit.is_file() else (
+            template("pd-engine.service.in").template, "the units pdctl up renders")
+        match = re.search(r"^LimitMEMLOCK=(\S+)", text, re.MULTILINE)
+        if not match:
+            soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+            return (None if soft == resource.RLIM_INFINITY else soft), f"systemd's default ({where} sets none)"
+        value = match.group(1).split(":")[0]
+        return (None if value == "infinity" else _systemd_bytes(value)), f"LimitMEMLOCK={value} in {where}"
+    from appliance.manager.supervisor import can_raise_limits
+
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    if hard == resource.RLIM_INFINITY or can_raise_limits():
+        return None, "supervisord, which pdctl starts with memlock raised"
+    return hard, "supervisord, capped at this shell's hard limit (pdctl cannot raise it without CAP_SYS_RESOURCE)"
+
+
+def _systemd_bytes(value: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        return int(value[:-1]) * units[value[-1].upper()] if value[-1:].upper() in units else int(value)
+    except ValueError:
+        return 0
+
+
+def check_memlock(settings: Settings, p: Plan, pins_memory: bool) -> Finding:
+    """RLIMIT_MEMLOCK in this shell and for the engines: RDMA/NIXL register (pin) the KV cache's memory."""
+    shell = _limit_text(resource.getrlimit(resource.RLIMIT_MEMLOCK)[0])
+    limit, source = engine_memlock(settings, p)
+    engines = "unlimited" if limit is None else _limit_text(limit)
+    detail = f"engines: {engines} ({source}); this shell (ulimit -l): {shell}"
+    if limit is None:
+        return Finding("memlock", "ok", detail)
+    if pins_memory and settings.engine.kind == "vllm":
+        return Finding("memlock", "fail", detail, "run pdctl as root, or raise memlock's hard limit "
+                       "(/etc/security/limits.conf: * hard memlock unlimited) and log in again")
+    return Finding("memlock", "ok", f"{detail}; the {p.connector} connector pins no memory")
+
+
 def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout: float = 180.0) -> list[Finding]:
     """All doctor checks for this node and plan."""
     findings: list[Finding] = []
@@ -240,18 +317,8 @@ def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout:
                                         f"{lib.label} does not load: {result.get('connector_error', 'vLLM missing')}",
                                         f"install {lib.install} into the engine's environment"))
     need = connector.rdma(settings.connector.moriio_backend)
-    if need is not None:
-        rdma = sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
-        if rdma:
-            findings.append(Finding("rdma", "ok", f"RDMA devices: {', '.join(rdma)}"))
-        else:
-            findings.append(Finding("rdma", "fail" if need.required else "warn",
-                                    "no RDMA devices in /sys/class/infiniband", need.fix))
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        unlimited = soft == resource.RLIM_INFINITY
-        findings.append(Finding("memlock", "ok" if unlimited else "warn",
-                                "unlimited" if unlimited else f"{soft // 1024} KiB in this shell",
-                                "" if unlimited else "the units set LimitMEMLOCK=infinity; for manual runs: ulimit -l unlimited"))
+    findings.append(check_rdma(p.connector, need))
+    findings.append(check_memlock(settings, p, pins_memory=need is not None))
     findings.append(check_ports(p))
     findings.extend(check_model(settings, p))
     findings.extend(check_tp(p))

@@ -354,3 +354,30 @@ def load_settings(path: str | os.PathLike[str] | None = None, overrides: dict[st
         raise ConfigError(first + more) from None
     settings._origins = origins
     return settings
+
+
+# The keys that say where a deployment lives: enough for `status` and `doctor` to look at what runs.
+LOCATING_KEYS = ("state_dir", "manager", "unit_dir")
+
+
+def load_settings_despite_errors(path: str | os.PathLike[str] | None = None) -> tuple[Settings, ConfigError | None]:
+    """For commands that report on what runs: the settings, or when they do not validate, the defaults with
+    whichever of state_dir / manager / unit_dir the file and PDCTL_* still give validly, and the error."""
+    try:
+        return load_settings(path), None
+    except ConfigError as exc:
+        error = exc
+    found: dict[str, Any] = {}
+    for source in (lambda: read_toml(config_path(path)), env_data):
+        try:
+            data = source()
+        except Exception:  # the broken part is already in `error`; what is readable is used below
+            continue
+        for key in LOCATING_KEYS:
+            if key in data:
+                try:
+                    Settings.model_validate({key: data[key]})
+                except ValidationError:
+                    continue
+                found[key] = data[key]
+    return Settings.model_validate(found), error

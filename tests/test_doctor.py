@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.doctor import Finding, summary_exit_code
+from appliance.connector import get_connector
+from appliance.doctor import Finding, check_rdma, summary_exit_code
 from appliance.ports import free_ports, port_free
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
@@ -50,7 +51,7 @@ def test_nonexistent_engine_python(tmp_path: Path) -> None:
 def test_simulated_engine_needs_no_vllm(tmp_path: Path) -> None:
     rc, findings = doctor(tmp_path, sys.executable, "--engine", "sim")
     assert rc == 0, findings
-    assert {f["check"] for f in findings} >= {"gpus", "engine", "ports", "model"}
+    assert {f["check"] for f in findings} >= {"gpus", "engine", "rdma", "memlock", "ports", "model"}
 
 
 @pytest.mark.vllm
@@ -76,3 +77,42 @@ def test_busy_port_is_a_failure(tmp_path: Path) -> None:
 def test_exit_code_follows_failures() -> None:
     assert summary_exit_code([Finding("a", "ok", ""), Finding("b", "warn", "")]) == 0
     assert summary_exit_code([Finding("a", "fail", "")]) == 1
+
+
+def test_memlock_row_reads_the_installed_units_limit(tmp_path: Path) -> None:
+    """On systemd the engines get the unit's LimitMEMLOCK: a unit that caps it fails NIXL's check, with a fix."""
+    units = tmp_path / "units"
+    units.mkdir()
+    (units / "pd-prefill-0.service").write_text("[Service]\nExecStart=/bin/true\nLimitMEMLOCK=64K\n")
+    cfg = tmp_path / "pdctl.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}/state"\nmanager = "systemd"\nunit_dir = "{units}"\n'
+                   f'[engine]\npython = "{sys.executable}"\n[connector]\nname = "nixl"\n'
+                   f"[proxy]\nport = {PROXY}\nadmin_port = {ADMIN}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
+    r = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "--inventory", "sim:h200-8", "doctor",
+                        "--json"], capture_output=True, text=True, env=env, timeout=300)
+    memlock = next(f for f in json.loads(r.stdout) if f["check"] == "memlock")
+    assert memlock["status"] == "fail" and "engines: 64 KiB (LimitMEMLOCK=64K in " in memlock["detail"], memlock
+    assert "ulimit -l" in memlock["detail"] and memlock["fix"]
+    # without an installed unit, the one `pdctl up` would render sets it unlimited
+    (units / "pd-prefill-0.service").unlink()
+    r = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "--inventory", "sim:h200-8", "doctor",
+                        "--json"], capture_output=True, text=True, env=env, timeout=300)
+    memlock = next(f for f in json.loads(r.stdout) if f["check"] == "memlock")
+    assert memlock["status"] == "ok" and "LimitMEMLOCK=infinity in the units pdctl up renders" in memlock["detail"]
+
+
+def test_rdma_row_reads_port_states(tmp_path: Path) -> None:
+    """The sysfs layout of /sys/class/infiniband (we have no RDMA NIC): a device counts when a port is ACTIVE."""
+    sysfs = tmp_path / "infiniband"
+    for dev, state in (("mlx5_0", "1: DOWN"), ("mlx5_1", "4: ACTIVE")):
+        (sysfs / dev / "ports" / "1").mkdir(parents=True)
+        (sysfs / dev / "ports" / "1" / "state").write_text(state + "\n")
+    moriio_rdma = get_connector("moriio").rdma("rdma")
+    assert check_rdma("moriio", moriio_rdma, sysfs) == Finding(
+        "rdma", "ok", "1 active port(s): mlx5_0 (DOWN), mlx5_1 (ACTIVE)")
+    (sysfs / "mlx5_1" / "ports" / "1" / "state").write_text("1: DOWN\n")
+    down = check_rdma("moriio", moriio_rdma, sysfs)
+    assert down.status == "fail" and "none ACTIVE" in down.detail and "xgmi" in down.fix
+    assert check_rdma("nixl", get_connector("nixl").rdma("rdma"), tmp_path / "absent").status == "warn"
+    assert check_rdma("example", get_connector("example").rdma("rdma"), tmp_path / "absent").status == "ok"

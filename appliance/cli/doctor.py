@@ -9,9 +9,31 @@ import click
 from rich.table import Table
 
 from appliance.cli.common import console, obtain, overrides_from, plan_options
-from appliance.doctor import as_json, refused_findings, run_checks, summary_exit_code
-from appliance.errors import PlanError
+from appliance.cli.lifecycle import installed_plan
+from appliance.doctor import Finding, as_json, refused_findings, run_checks, summary_exit_code
+from appliance.errors import ConfigError, PlanError
+from appliance.inventory import load_inventory
 from appliance.plan import plan
+from appliance.settings import example_settings, load_settings_despite_errors
+
+
+def _despite_broken_settings(ctx: click.Context, error: ConfigError) -> list[Finding]:
+    """The settings do not validate: report that first, then check what runs (the deployed plan), or what the
+    defaults would run, so a typo in pdctl.toml does not hide the node's state."""
+    obj = ctx.find_root().obj or {}
+    settings, _ = load_settings_despite_errors(obj.get("config_path"))
+    inventory = load_inventory(ctx.params.get("inventory_source") or obj.get("inventory_source"))
+    p = installed_plan(settings.state_dir)
+    what = "the deployed plan" if p else "the default settings"
+    if p is None:
+        p = plan(settings, inventory)
+    elif p.engine == "vllm" and p.instances:
+        settings.engine.python = p.instances[0].argv[0]  # the deployed engines' Python
+    settings.engine.kind = p.engine
+    first = Finding("settings", "fail", f"{error.message}; the checks below use {what}",
+                    error.fix or f"correct it (every key: {example_settings()})")
+    return [first, *run_checks(settings, inventory, p)]
+
 
 STYLE = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[red]FAIL[/red]"}
 
@@ -22,14 +44,18 @@ STYLE = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[r
 @click.pass_context
 def doctor(ctx: click.Context, as_json_: bool, **options: Any) -> None:
     """Check GPUs, vLLM, the connector library, RDMA, memlock, ports, model, disk and memory."""
-    settings, inventory = obtain(ctx, overrides_from(options))
     try:
-        findings = run_checks(settings, inventory, plan(settings, inventory))
-    except PlanError as exc:
-        # A partitioned AMD node has no plan, but its rows (partition mode, XGMI) say what to change.
-        if not inventory.partitioned:
-            raise
-        findings = refused_findings(inventory, exc)
+        settings, inventory = obtain(ctx, overrides_from(options))
+    except ConfigError as exc:
+        findings = _despite_broken_settings(ctx, exc)
+    else:
+        try:
+            findings = run_checks(settings, inventory, plan(settings, inventory))
+        except PlanError as exc:
+            # A partitioned AMD node has no plan, but its rows (partition mode, XGMI) say what to change.
+            if not inventory.partitioned:
+                raise
+            findings = refused_findings(inventory, exc)
     if as_json_:
         click.echo(as_json(findings))
     else:

@@ -100,9 +100,11 @@ def manager_for(settings: Settings, plan: Plan, choice: str | None) -> ServiceMa
     return choose_manager(plan, kind, settings.unit_dir, render_options(settings), prefix=_prefix())
 
 
-def deployed(ctx: click.Context, manager: str | None) -> tuple[Settings, Plan, ServiceManager]:
-    """Settings, the installed plan and its manager; a one-line error when nothing was deployed."""
-    settings, _ = obtain(ctx)
+def deployed(ctx: click.Context, manager: str | None,
+             settings: Settings | None = None) -> tuple[Settings, Plan, ServiceManager]:
+    """Settings (given, or read), the installed plan and its manager; a one-line error when nothing was deployed."""
+    if settings is None:
+        settings, _ = obtain(ctx)
     plan = installed_plan(settings.state_dir)
     if plan is None:
         raise NotDeployed(f"nothing is deployed here ({settings.state_dir}/plan.json is missing)",
@@ -184,19 +186,46 @@ def progress_table(plan: Plan, snap: Snapshot, elapsed: float) -> Table:
     return table
 
 
-def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: Console, live: bool) -> Snapshot:
-    """Poll until ready, a unit fails, or time runs out; the last snapshot either way."""
+def progress_lines(plan: Plan, snap: Snapshot, elapsed: float, seen: dict[str, str]) -> list[str]:
+    """The `pdctl up` progress for a pipe or a log: one line per unit whose state or health changed."""
+    rows = [(instance_unit(i), snap.units[instance_unit(i)], "healthy" if snap.health.get(i.name) else "waiting")
+            for i in plan.instances]
+    rows.append((PROXY_UNIT, snap.units[PROXY_UNIT], "ready" if snap.proxy and snap.proxy.get("ready") else "waiting"))
+    out = []
+    for unit, st, health in rows:
+        now = f"{st.detail or st.state}, {health}"
+        if seen.get(unit) != now:
+            seen[unit] = now
+            out.append(f"{elapsed:5.0f}s  {unit}: {now}")
+    return out
+
+
+def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: Console, live: bool,
+               lines: bool = False) -> Snapshot:
+    """Poll until ready, a unit fails, or time runs out; the last snapshot either way. Progress: a live table
+    (`live`, a terminal) or a line per change (`lines`, a pipe: flushed at once, so a log shows it as it goes)."""
     start = time.monotonic()
     snap = snapshot(plan, manager)
     view = Live(progress_table(plan, snap, 0), console=console, transient=True, auto_refresh=False) if live else None
+    seen: dict[str, str] = {}
+
+    def report() -> None:
+        elapsed = time.monotonic() - start
+        if view:
+            view.update(progress_table(plan, snap, elapsed), refresh=True)
+        elif lines:
+            for line in progress_lines(plan, snap, elapsed, seen):
+                console.print(line, markup=False, highlight=False)
+            console.file.flush()
+
     try:
         if view:
             view.start()
+        report()
         while not snap.ready(plan) and not snap.failed() and time.monotonic() - start < timeout_s:
             time.sleep(0.5)
             snap = snapshot(plan, manager)
-            if view:
-                view.update(progress_table(plan, snap, time.monotonic() - start), refresh=True)
+            report()
     finally:
         if view:
             view.stop()
@@ -320,7 +349,8 @@ def up(ctx: click.Context, manager: str | None, timeout_s: float | None, no_wait
             click.echo(json.dumps({"healthy": None, "manager": mgr.name, "started_or_restarted": restart + started}))
         return
     limit = timeout_s if timeout_s is not None else settings.engine.health_timeout_s + 60
-    snap = wait_ready(plan, mgr, limit, console, live=console.is_terminal and not as_json)
+    snap = wait_ready(plan, mgr, limit, console, live=console.is_terminal and not as_json,
+                      lines=not console.is_terminal and not as_json)
     if as_json:
         click.echo(json.dumps(_summary(plan, mgr, snap, restart + started), indent=2))
     if snap.ready(plan):
@@ -337,15 +367,20 @@ def up(ctx: click.Context, manager: str | None, timeout_s: float | None, no_wait
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.pass_context
 def down(ctx: click.Context, manager: str | None, as_json: bool) -> None:
-    """Stop every engine and the proxy (and the supervisord pdctl started)."""
+    """Stop every engine and the proxy (and the supervisord pdctl started). Exit 3 when nothing was running."""
     try:
         _, plan, mgr = deployed(ctx, manager)
     except NotDeployed:
         click.echo(json.dumps({"stopped": []}) if as_json else "nothing is deployed; nothing to stop")
-        return
-    mgr.down()
-    units = mgr.units()
-    click.echo(json.dumps({"stopped": units, "manager": mgr.name}) if as_json else f"stopped {', '.join(units)}")
+        sys.exit(EXIT_DOWN)
+    running = [unit for unit, st in mgr.status().items() if st.state in ACTIVE]
+    mgr.down()  # also when nothing runs: supervisord itself stops, and a half-stopped node is cleaned up
+    if as_json:
+        click.echo(json.dumps({"stopped": running, "manager": mgr.name}))
+    else:
+        click.echo(f"stopped {', '.join(running)}" if running else f"nothing was running ({mgr.name}); nothing to stop")
+    if not running:
+        sys.exit(EXIT_DOWN)
 
 
 @click.command()
@@ -369,7 +404,8 @@ def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, t
     # Give the manager a moment to take the stop: a unit still "running" must not pass as restarted.
     time.sleep(0.5)
     limit = timeout_s if timeout_s is not None else settings.engine.health_timeout_s + 60
-    snap = wait_ready(plan, mgr, limit, console, live=console.is_terminal and not as_json)
+    snap = wait_ready(plan, mgr, limit, console, live=console.is_terminal and not as_json,
+                      lines=not console.is_terminal and not as_json)
     if as_json:
         click.echo(json.dumps(_summary(plan, mgr, snap, units), indent=2))
     elif snap.ready(plan):

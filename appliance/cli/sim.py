@@ -77,6 +77,8 @@ def _config(options: dict[str, Any]) -> Any:
 @click.option(
     "--speed", type=float, default=1.0, show_default=True, help="Run the time model this much faster."
 )
+@click.option("--load-s", type=float, default=0.0, show_default=True,
+              help="Seconds spent 'loading the model' before listening (like vLLM).")
 @click.option(
     "--fault-crash-after-tokens", type=int, default=None, help="Exit hard after N generated tokens."
 )

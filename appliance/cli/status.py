@@ -18,6 +18,7 @@ engines themselves report them.
     warnings[]      GPUs reported failed or held by a process outside pdctl (new plans leave them out)
     gpus[]          index, name, utilization_pct|null, memory_used_mib, memory_total_mib, role|null,
                     instance|null; gpu_source: where the figures come from (amdsmi, nvml, none, sim:...)
+    config_error    the settings file's (or PDCTL_*'s) error, or null: status still shows what runs
 
 Exit codes: 0 healthy, 1 degraded, 3 down (nothing running or nothing deployed), 2 a user mistake.
 """
@@ -51,6 +52,7 @@ from appliance.inventory import Inventory, load_inventory
 from appliance.manager import ServiceManager
 from appliance.plan import Plan, _usable
 from appliance.render.common import PROXY_UNIT, instance_unit
+from appliance.settings import load_settings_despite_errors
 
 SCHEMA_VERSION = 1
 
@@ -230,20 +232,27 @@ def status(ctx: click.Context, as_json: bool, manager: str | None) -> None:
 
     Exit code 0 healthy, 1 degraded, 3 down.
     """
+    # A broken settings file must not hide what runs: status reads the installed plan, and says what is wrong.
+    settings, config_error = load_settings_despite_errors((ctx.find_root().obj or {}).get("config_path"))
     try:
-        _, plan, mgr = deployed(ctx, manager)
+        _, plan, mgr = deployed(ctx, manager, settings)
     except NotDeployed as exc:
         if as_json:
             click.echo(json.dumps({"schema_version": SCHEMA_VERSION, "healthy": False, "state": "down",
-                                   "detail": str(exc)}))
+                                   "detail": str(exc), "config_error": str(config_error) if config_error else None}))
             sys.exit(EXIT_DOWN)
+        if config_error:
+            raise config_error from None
         raise
     snap = snapshot(plan, mgr)
     source = (ctx.find_root().obj or {}).get("inventory_source")
     doc = status_document(plan, mgr, snap, source)
+    doc["config_error"] = str(config_error) if config_error else None
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
         render_status(doc, console())
+        if config_error:
+            click.echo(f"pdctl: error: {config_error} (status shows the deployed plan)", err=True)
     if doc["state"] != "healthy":
         sys.exit(EXIT_UNHEALTHY if doc["state"] == "degraded" else EXIT_DOWN)

@@ -46,7 +46,7 @@ def test_status_and_restart_when_nothing_is_deployed(tmp_path: Path) -> None:
     done = _pdctl(config, "restart", "decode")
     assert done.returncode == 3 and "nothing is deployed" in done.stderr and "Traceback" not in done.stderr
     done = _pdctl(config, "down")
-    assert done.returncode == 0 and "nothing to stop" in done.stdout
+    assert done.returncode == 3 and "nothing to stop" in done.stdout
 
 
 def test_unknown_restart_target_names_the_known_ones(tmp_path: Path) -> None:
@@ -58,3 +58,48 @@ def test_unknown_restart_target_names_the_known_ones(tmp_path: Path) -> None:
     (state / "plan.json").write_text(plan.stdout)
     done = _pdctl(config, "restart", "decode-7")
     assert done.returncode == 2 and "no instance 'decode-7'" in done.stderr and "decode-0" in done.stderr
+
+
+def test_a_first_run_on_a_pipe(tmp_path: Path) -> None:
+    """`pdctl up` on a pipe prints a progress line per change as it goes; status and doctor still report a
+    deployment whose settings file broke later; `down` says when nothing was running (exit 3)."""
+    config = _config(tmp_path, _free_port())
+    # Engines that take 5 s to "load", as vLLM does: up is still waiting when its first lines must arrive.
+    config.write_text(config.read_text() + '[engine.sim]\nextra_args = ["--load-s", "5"]\n')
+    env = dict(os.environ, PDCTL_INVENTORY="sim:cpu")
+    up = subprocess.Popen([sys.executable, "-m", "appliance", "--config", str(config), "up"], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert up.stdout is not None
+        first = up.stdout.readline()
+        assert up.poll() is None, "the first progress line came only when `pdctl up` ended"
+        assert "pd-prefill-0:" in first and "waiting" in first, first
+        rest, err = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 0, err
+    lines = [first, *rest.splitlines()]
+    assert any("pd-proxy: RUNNING, ready" in line for line in lines), lines
+    assert lines[-1].startswith("healthy"), lines
+
+    good = config.read_text()
+    config.write_text(good + "[bogus]\nx = 1\n")
+    try:
+        status = _pdctl(config, "status", "--json")
+        doc = json.loads(status.stdout)
+        assert status.returncode == 0 and doc["state"] == "healthy", status.stderr
+        assert "unknown setting 'bogus'" in doc["config_error"]
+        text = _pdctl(config, "status")
+        assert "prefill-0" in text.stdout and "pdctl: error:" in text.stderr and "bogus" in text.stderr
+        doctor = _pdctl(config, "doctor", "--json")
+        rows = {f["check"]: f for f in json.loads(doctor.stdout)}
+        assert doctor.returncode == 1 and rows["settings"]["status"] == "fail", doctor.stdout
+        assert "the checks below use the deployed plan" in rows["settings"]["detail"]
+        assert rows["ports"]["status"] == "ok" and {"rdma", "memlock", "model"} <= rows.keys()
+    finally:
+        config.write_text(good)
+        down = _pdctl(config, "down")
+    assert down.returncode == 0 and down.stdout.startswith("stopped "), down.stdout + down.stderr
+    again = _pdctl(config, "down")
+    assert again.returncode == 3 and "nothing was running" in again.stdout

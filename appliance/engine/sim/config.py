@@ -66,6 +66,8 @@ class SimConfig(BaseModel):
     num_blocks: int = Field(default=8192, ge=1)
     block_size: int = Field(default=16, ge=1)
     speed: float = Field(default=1.0, gt=0)
+    # Seconds "loading the model" before anything listens: vLLM binds its HTTP port only once loaded.
+    load_s: float = Field(default=0.0, ge=0)
 
     faults: FaultConfig = Field(default_factory=FaultConfig)
 

@@ -222,6 +222,7 @@ class SimServer:
 
     async def start(self) -> None:
         """Bind the side channels, then the HTTP port; /health answers 200 once this returns."""
+        await asyncio.sleep(self.cfg.load_s)
         await self.connector.start()
         self.engine.start()
         # handler_cancellation: a client disconnect cancels the handler, which aborts the request.
