@@ -1,21 +1,48 @@
-"""`pdctl plan --suggest`: rank prefill:decode splits for a workload with a small analytic model.
+"""`pdctl plan --suggest`: rank colocated shapes and disaggregated splits together with a small analytic model.
 
-Profile (per GPU): prefill costs prefill_us_per_token microseconds per prompt token on one GPU; a decode
-step costs decode_step_ms + decode_step_ms_per_seq x batch. TP t divides both by t x 0.9^log2(t) (TP is
-never free). Sources: a `pdctl bench` result measured on this node (--profile FILE: TTFT per prompt token
-and ITL at its lowest rate, for the node's shape when it ran), else the simulated engine's time model.
-For a split, prefill is an M/M/1-like queue per instance (TTFT = service / (1 - utilisation)) and decode a
-batch whose size follows Little's law (batch = rate x output_len x step time / instances); the predicted
-goodput is the highest rate at which both the TTFT and the ITL SLO hold.
+Candidates: every colocated shape (N instances x TP over the usable GPUs, each with a chunked-prefill
+budget B = max_num_batched_tokens from BUDGETS and the engine's default) and every prefill:decode split
+(instances x TP per role) that the planner accepts and the model's heads allow.
+
+The engine step (continuous batching): a step costs `step(n) = base + per_seq x n` for n running
+sequences, plus `prefill_us_per_token x c` when it carries a prefill chunk of c tokens. TP t divides a
+cost by eff(t) = t x factor^log2(t) (a factor for prefill and one for decode: TP is never free).
+
+- Colocated instance (rate r per instance): each prompt is computed in k = ceil(P / B) chunks, one per
+  step; a step with a chunk is slow by D = min(B, P) x prefill_us_per_token. Prefill takes the fraction
+  u = r x P x prefill_us_per_token of the engine's time, so the mean gap is step(n) / (1 - u).
+- Disaggregated: the prefill instance is an M/D/1 queue (service P x prefill_us_per_token + base);
+  the KV hand-off posts d = layers x 2 x ceil(P / block_size) descriptors (the decode step stalls for
+  the post: D = d x post_us) and transfers them (d x transfer_us + P x kv_bytes_per_token / link);
+  the decode's mean gap is step(n) / (1 - r x D).
+- Running sequences per decode-capable instance follow Little's law, n = r x O x gap, solved exactly
+  (gap depends on n). n is bounded by the KV cache: (GPU memory x gpu_memory_utilization - weights / TP
+  - reserve) x TP / kv_bytes_per_token tokens, each running sequence holding P + O/2 tokens on average;
+  and by max_num_seqs. Above either bound requests queue without end: the shape is saturated.
+- TTFT p90 = overhead + service + 2.3 x the M/D/1 mean wait (+ hand-off + one decode step).
+- ITL judgements: `mean`: the mean gap. `p99` / `max`: a request's O - 1 gaps include X slow ones, X
+  Poisson with mean q x (O - 1), q = r x gap (the share of steps that carry a joining request). When the
+  slow gap exceeds the target the request fails once X exceeds what the judgement tolerates (`max`: 0;
+  `p99`: the gaps above numpy's 99th-percentile rank, ~10 of 999), so attainment = P(X <= m).
+- Goodput under a judgement: the highest rate with TTFT p90 <= target, attainment >= slo.attainment,
+  and no saturation (bisection).
+
+Profiles (the constants; every figure's source is in docs/operations.md and below):
+- `sim`: the simulated engine's time model (settings engine.sim); it ignores TP (factor 0.5: eff = 1).
+- `h200`: calibrated on 2 x H200 (vLLM 0.24.0, Qwen3-32B shape, dummy weights; results/gpu-h200x2 and
+  issue 14's table), scaled to another model by its config.json (FLOPs per token, weight and KV bytes).
+- a `pdctl bench` result (--profile FILE): prefill and step costs measured at its lowest rate.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from appliance.errors import PdctlError
 from appliance.heads import Heads
@@ -24,6 +51,94 @@ from appliance.plan import _usable, plan
 from appliance.settings import Settings
 
 TP_SIZES = (1, 2, 4, 8)
+BUDGETS = (256, 512, 2048)  # the chunked-prefill budgets colocated candidates are tried with (as bench)
+JUDGEMENTS = ("p99", "max", "mean")
+GIB = 1024**3
+
+# --- h200: calibrated constants (Qwen3-32B shape: 32.8 B params, 64 layers x 8 KV heads x 128, bf16) ---
+# Prefill compute: 80 us/token on one GPU, from the colocated ITL p99 with chunked prefill (issue 14 table:
+# budget 256 -> 41 ms, 512 -> 66 ms, default (whole 2000-token prompt) -> 181 ms, minus a ~21 ms step:
+# 78, 88, 80 us/token), i.e. 2 x 32.8e9 FLOP / 80 us = 820 TFLOP/s effective.
+H200_PREFILL_TFLOPS = 820.0
+# Decode base step: ~20 ms for 65.5 GB of weights (mean TPOT 21.3-22.6 ms at 1-3 req/s with ~10-20
+# running, results/gpu-h200x2) = 3.3 TB/s effective weight streaming.
+H200_WEIGHT_TBPS = 3.3
+# Per running sequence: its KV read each step, at 4.8 TB/s (H200 HBM3e peak): with 64-80 running
+# (issue 14) this puts the step at ~30 ms, the measured ITL p99 32-37 ms minus the ~8 ms join stall.
+H200_KV_TBPS = 4.8
+# TTFT outside the prefill step (HTTP, proxy, scheduling, sampling): colocated-2's TTFT p50 241 ms minus
+# its ~180 ms prefill step (results/gpu-h200x2).
+H200_TTFT_OVERHEAD_MS = 60.0
+# TP2 on one node: decode 1.51x (colocated-1 TPOT 14.2 ms vs colocated-2 21.5 ms), prefill 1.72x (TTFT
+# 140 vs 241 ms): per doubling eff(2) / 2.
+H200_DECODE_TP_FACTOR = 0.757
+H200_PREFILL_TP_FACTOR = 0.86
+# NIXL READ hand-off, from the decode's "KV Transfer metrics" (issue 14): 16,000 descriptors (block 16)
+# -> 54-61 ms post, 75-141 ms transfer; 2,048 (block 128) -> 6-10 ms post, 20-30 ms transfer. Post:
+# 3.7 us/descriptor; transfer: 5.9 us/descriptor + bytes at 39 GB/s (the two mid-points solved).
+H200_POST_US_PER_DESCRIPTOR = 3.7
+H200_TRANSFER_US_PER_DESCRIPTOR = 5.9
+H200_LINK_GBPS = 39.0
+# Memory vLLM keeps outside weights and KV (activations, CUDA graphs): assumed, not measured.
+H200_RESERVE_GIB = 4.0
+# vLLM 0.24's max_num_batched_tokens when unset, for an API server on a >= 70 GiB GPU (assumed; the
+# table's default row stalls for the whole 2000-token prompt, so it is >= 2000).
+VLLM_GPU_DEFAULT_BUDGET = 8192
+VLLM_DEFAULT_BLOCK_SIZE = 16  # CUDA
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the model's config.json says about its cost: parameters, and KV bytes per token."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    params_total: float
+    params_active: float  # per token (MoE: the experts a token visits)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """layers x kv_heads x head_dim x 2 (K and V) x dtype bytes."""
+        return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        """All weights, at the model's dtype."""
+        return self.params_total * self.dtype_bytes
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
+
+
+def read_model_shape(path: str | Path) -> ModelShape | None:
+    """The cost-relevant shape of a local model directory's config.json; None when it is not one."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    try:
+        hidden, layers, heads = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        vocab = int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    dtype = _DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
+    attention = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2  # q, o; k, v
+    experts, per_token = int(cfg.get("num_experts") or 0), int(cfg.get("num_experts_per_tok") or 0)
+    if experts and per_token:
+        expert = 3 * hidden * int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        mlp_total, mlp_active = experts * expert, per_token * expert
+    else:
+        mlp_total = mlp_active = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden)
+    embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    return ModelShape(layers, kv, head_dim, dtype, layers * (attention + mlp_total) + embed,
+                      layers * (attention + mlp_active) + embed)
 
 
 @dataclass(frozen=True)
@@ -35,6 +150,19 @@ class Profile:
     decode_step_ms_per_seq: float
     max_num_seqs: int
     source: str
+    prefill_tp_factor: float = 0.9
+    decode_tp_factor: float = 0.9
+    kv_read_tbps: float | None = None  # per running sequence: its KV (P + O/2 tokens) read each step
+    ttft_overhead_ms: float = 0.0
+    post_us_per_descriptor: float = 0.0
+    transfer_us_per_descriptor: float = 0.0
+    transfer_us_per_token: float = 0.0
+    link_gbps: float | None = None
+    kv_bytes_per_token: int | None = None
+    layers: int = 1
+    block_size: int = VLLM_DEFAULT_BLOCK_SIZE
+    kv_tokens_per_gpu: Callable[[int], float | None] = field(default=lambda tp: None, compare=False, repr=False)
+    default_budget: int = 2048
 
 
 @dataclass(frozen=True)
@@ -46,6 +174,7 @@ class Shape:
 
     @property
     def gpus(self) -> int:
+        """GPUs the role takes."""
         return self.instances * self.tp
 
     def __str__(self) -> str:
@@ -53,31 +182,114 @@ class Shape:
 
 
 @dataclass(frozen=True)
-class Prediction:
-    """One split's predicted behaviour at the asked rate, and its goodput."""
+class Candidate:
+    """One deployment: a colocated shape with its chunked-prefill budget, or a prefill:decode split."""
 
-    prefill: Shape
-    decode: Shape
-    goodput_rps: float
+    layout: Literal["colocated", "disaggregated"]
+    prefill: Shape | None = None
+    decode: Shape | None = None
+    colocated: Shape | None = None
+    budget: int | None = None  # colocated max_num_batched_tokens; None: the engine's default
+
+    def __str__(self) -> str:
+        if self.colocated is not None:
+            return f"colocated {self.colocated}" + (f" mbt{self.budget}" if self.budget else "")
+        return f"{self.prefill} : {self.decode}"
+
+    @property
+    def bench_name(self) -> str:
+        """The `pdctl bench --compare` shape name this candidate corresponds to (on its own GPUs)."""
+        if self.colocated is not None:
+            return f"colocated-{self.colocated.instances}" + (f"-mbt{self.budget}" if self.budget else "")
+        return "disagg-read"
+
+
+@dataclass(frozen=True)
+class State:
+    """A candidate at one rate."""
+
+    ttft_ms: float | None  # p90; None: saturated
+    gap_ms: float | None  # mean gap
+    slow_gap_ms: float | None  # a gap with a prefill chunk or a join stall in it
+    running: float | None  # sequences per decode-capable instance
+    capacity: float | None  # the most it can hold (KV cache, max_num_seqs)
+    attainment: dict[str, float]  # ITL attainment under each judgement (TTFT apart)
+    limit: str  # what binds: "-", "prefill (TTFT)", "decode (ITL)", "KV cache", ...
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One candidate's predicted behaviour at the asked rate, and its goodput under each judgement."""
+
+    candidate: Candidate
+    goodput_rps: float  # under the run's judgement
+    goodput: dict[str, float]
     ttft_ms: float | None
-    itl_ms: float | None
+    itl_ms: float | None  # the run's judgement at the asked rate
+    running: float | None
+    capacity: float | None
     meets_slo: bool
     bottleneck: str
 
+    @property
+    def prefill(self) -> Shape | None:
+        """The prefill role (disaggregated only)."""
+        return self.candidate.prefill
 
-def _eff(tp: int) -> float:
-    return tp * 0.9 ** math.log2(tp)
+    @property
+    def decode(self) -> Shape | None:
+        """The decode role (disaggregated only)."""
+        return self.candidate.decode
+
+    @property
+    def layout(self) -> str:
+        """colocated | disaggregated."""
+        return self.candidate.layout
+
+
+def _eff(tp: int, factor: float = 0.9) -> float:
+    return tp * factor ** math.log2(tp)
 
 
 def sim_profile(settings: Settings) -> Profile:
-    """The simulated engine's time model as a profile."""
+    """The simulated engine's time model as a profile (its KV pool: num_blocks x block_size per engine)."""
     sim = settings.engine.sim
+    tokens = float(sim.num_blocks * sim.block_size)
     return Profile(sim.prefill_us_per_token, sim.decode_step_ms, sim.decode_step_ms_per_seq,
-                   settings.decode.max_num_seqs or 256, "the simulated engine's time model (settings engine.sim)")
+                   settings.decode.max_num_seqs or 256, "the simulated engine's time model (settings engine.sim)",
+                   prefill_tp_factor=0.5, decode_tp_factor=0.5, transfer_us_per_token=1.0,
+                   kv_tokens_per_gpu=lambda tp: tokens / tp, default_budget=2048, block_size=sim.block_size)
+
+
+def h200_profile(settings: Settings, inventory: Inventory, model: ModelShape, block_size: int) -> Profile:
+    """The H200-calibrated constants, scaled to `model` (module constants say where each comes from)."""
+    gpu = next((g for g in inventory.gpus if _usable(g)), None)
+    mem = (gpu.memory_total_mib if gpu else 143_771) * 2**20
+    util = settings.decode.gpu_memory_utilization or 0.9
+    kvb = model.kv_bytes_per_token
+
+    def kv_tokens(tp: int) -> float:
+        return max(0.0, mem * util - model.weight_bytes / tp - H200_RESERVE_GIB * GIB) / kvb
+
+    name = gpu.name if gpu else "no GPU"
+    note = "" if "H200" in name else f" (this node has {name}: uncalibrated there)"
+    return Profile(
+        prefill_us_per_token=2 * model.params_active / (H200_PREFILL_TFLOPS * 1e12) * 1e6,
+        decode_step_ms=model.weight_bytes / (H200_WEIGHT_TBPS * 1e12) * 1e3,
+        decode_step_ms_per_seq=0.0,
+        max_num_seqs=settings.decode.max_num_seqs or 1024,
+        source="constants calibrated on 2 x H200 (vLLM 0.24.0, Qwen3-32B shape), scaled by config.json" + note,
+        prefill_tp_factor=H200_PREFILL_TP_FACTOR, decode_tp_factor=H200_DECODE_TP_FACTOR,
+        kv_read_tbps=H200_KV_TBPS, ttft_overhead_ms=H200_TTFT_OVERHEAD_MS,
+        post_us_per_descriptor=H200_POST_US_PER_DESCRIPTOR,
+        transfer_us_per_descriptor=H200_TRANSFER_US_PER_DESCRIPTOR, link_gbps=H200_LINK_GBPS,
+        kv_bytes_per_token=kvb, layers=model.layers, block_size=block_size,
+        kv_tokens_per_gpu=kv_tokens, default_budget=VLLM_GPU_DEFAULT_BUDGET)
 
 
 def bench_profile(path: Path, prefill_tp: int, decode_tp: int, fallback: Profile) -> Profile:
-    """Costs measured by `pdctl bench` (lowest rate of its first shape), per GPU for the TPs it ran with."""
+    """Costs measured by `pdctl bench` (lowest rate of its first shape), per GPU for the TPs it ran with;
+    everything it cannot measure (hand-off, KV capacity, TP factors) comes from `fallback`."""
     from appliance.bench.results import read_result
 
     result = read_result(path)
@@ -88,90 +300,247 @@ def bench_profile(path: Path, prefill_tp: int, decode_tp: int, fallback: Profile
     ok = [q for q in low.requests if q.error is None and q.chunk_times_s and q.prompt_tokens]
     if not ok:
         raise PdctlError(f"{path}: no successful request with timings at rate {low.rate}")
-    ttft_per_token = statistics.median((q.chunk_times_s[0] - q.sent_s) / q.prompt_tokens for q in ok)  # type: ignore[operator]
+    ttft_per_token = statistics.median(q.chunk_times_s[0] / q.prompt_tokens for q in ok)  # type: ignore[operator]
     gaps = [b - a for q in ok for a, b in zip(q.chunk_times_s, q.chunk_times_s[1:], strict=False)]
     itl_ms = statistics.median(gaps) * 1000 if gaps else fallback.decode_step_ms
     # At the lowest rate the batch is small: the step is mostly its base cost.
-    return Profile(ttft_per_token * 1e6 * _eff(prefill_tp), itl_ms * _eff(decode_tp),
-                   fallback.decode_step_ms_per_seq, fallback.max_num_seqs, f"pdctl bench result {path}")
+    return replace(fallback, prefill_us_per_token=ttft_per_token * 1e6 * _eff(prefill_tp, fallback.prefill_tp_factor),
+                   decode_step_ms=itl_ms * _eff(decode_tp, fallback.decode_tp_factor), ttft_overhead_ms=0.0,
+                   source=f"pdctl bench result {path} (hand-off and KV capacity: {fallback.source})")
 
 
-def _predict(p: Profile, pre: Shape, dec: Shape, rate: float, input_len: int, output_len: int,
-             ttft_slo_ms: float, itl_slo_ms: float) -> tuple[float | None, float | None]:
-    """(TTFT ms, ITL ms) at `rate`, or None where the role is saturated."""
-    service_s = input_len * p.prefill_us_per_token / _eff(pre.tp) / 1e6
-    util = rate / pre.instances * service_s
-    ttft = service_s / (1 - util) * 1000 if util < 1 else None
-    base = p.decode_step_ms / _eff(dec.tp)
-    per_seq = p.decode_step_ms_per_seq / _eff(dec.tp)
-    k = rate * output_len / dec.instances / 1000  # sequences per ms of step time
-    itl = base / (1 - per_seq * k) if per_seq * k < 1 else None
-    if itl is not None and k * itl > p.max_num_seqs:
-        itl = None  # the batch would exceed max_num_seqs: requests queue without bound
-    return ttft, itl
+def block_size_of(settings: Settings, inventory: Inventory) -> int:
+    """The KV block size the disaggregated plan renders (its decode's --block-size), else vLLM's default."""
+    if settings.engine.kind == "sim":
+        return settings.engine.sim.block_size
+    try:
+        data = settings.model_dump()
+        if data["connector"]["name"] == "none":
+            data["connector"]["name"] = "auto"
+        deployed = plan(Settings.model_validate(data), inventory)
+    except (PdctlError, ValueError):
+        return VLLM_DEFAULT_BLOCK_SIZE
+    for inst in deployed.role_instances("decode"):
+        if "--block-size" in inst.argv:
+            return int(inst.argv[inst.argv.index("--block-size") + 1])
+    return VLLM_DEFAULT_BLOCK_SIZE
 
 
-def predict(p: Profile, pre: Shape, dec: Shape, rate: float, input_len: int, output_len: int,
-            ttft_slo_ms: float, itl_slo_ms: float) -> Prediction:
-    """A split's latencies at `rate` and the highest rate that meets both SLOs (bisection)."""
-    def ok(r: float) -> bool:
-        ttft, itl = _predict(p, pre, dec, r, input_len, output_len, ttft_slo_ms, itl_slo_ms)
-        return ttft is not None and itl is not None and ttft <= ttft_slo_ms and itl <= itl_slo_ms
+def default_profile(settings: Settings, inventory: Inventory, model: ModelShape | None) -> Profile:
+    """The sim engine's time model, or (real vLLM, a readable config.json) the H200-calibrated one."""
+    if settings.engine.kind == "sim" or model is None:
+        return sim_profile(settings)
+    return h200_profile(settings, inventory, model, block_size_of(settings, inventory))
+
+
+# ---- the model --------------------------------------------------------------------------------------------
+
+def _poisson_cdf(m: int, lam: float) -> float:
+    if lam <= 0:
+        return 1.0
+    term = total = math.exp(-lam)
+    for k in range(1, m + 1):
+        term *= lam / k
+        total += term
+    return min(1.0, total)
+
+
+def _tolerated(judgement: str, gaps: int, gap: float, slow: float, slo_ms: float) -> int:
+    """Slow gaps a request may have and still pass: `max` none; `p99` those above numpy's 99th-percentile
+    rank (linear interpolation: one more when the interpolated value stays under the target)."""
+    if judgement == "max" or gaps < 2:
+        return 0
+    pos = (gaps - 1) * 0.99
+    lo = math.floor(pos)
+    edge = gap + (pos - lo) * (slow - gap) <= slo_ms  # only the rank above lo is slow
+    return gaps - lo - (1 if edge else 2)
+
+
+def _itl_attainment(judgement: str, gap: float, slow: float, q: float, output_len: int, slo_ms: float) -> float:
+    if judgement == "mean":
+        return 1.0 if gap <= slo_ms else 0.0
+    if slow <= slo_ms:
+        return 1.0
+    if gap > slo_ms:
+        return 0.0
+    gaps = max(0, output_len - 1)
+    return _poisson_cdf(_tolerated(judgement, gaps, gap, slow, slo_ms), min(1.0, q) * gaps)
+
+
+def _decode(rate: float, output_len: int, base: float, per_seq: float, stall: float) -> tuple[float, float] | None:
+    """(mean gap ms, running sequences) of a decoding engine at `rate` whose time share `stall` goes to
+    other work (prefill chunks, join stalls): n = rate x O x gap, gap = (base + per_seq x n) / (1 - stall)."""
+    free = 1.0 - stall
+    if free <= 0:
+        return None
+    a = rate * output_len / 1000 / free
+    if a * per_seq >= 1:
+        return None
+    n = a * base / (1 - a * per_seq)
+    return (base + per_seq * n) / free, n
+
+
+def _wait(util: float, service_ms: float) -> float | None:
+    """M/D/1 mean wait; None when saturated."""
+    return None if util >= 1 else util / (2 * (1 - util)) * service_ms
+
+
+def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: int, itl_slo_ms: float) -> State:
+    """A candidate's TTFT p90, gaps, occupancy and ITL attainment at `rate` (module docstring)."""
+    context = input_len + output_len / 2  # tokens a running sequence holds, on average
+    per_seq_gpu = p.decode_step_ms_per_seq + (
+        context * p.kv_bytes_per_token / (p.kv_read_tbps * 1e12) * 1e3 if p.kv_read_tbps and p.kv_bytes_per_token else 0.0)
+    role = cand.colocated if cand.colocated is not None else cand.decode
+    assert role is not None
+    r = rate / role.instances
+    dec_eff = _eff(role.tp, p.decode_tp_factor)
+    base, per_seq = p.decode_step_ms / dec_eff, per_seq_gpu / dec_eff
+    kv_tokens = p.kv_tokens_per_gpu(role.tp)
+    capacity = min(p.max_num_seqs, kv_tokens * role.tp / context) if kv_tokens is not None else float(p.max_num_seqs)
+    if cand.colocated is not None:
+        pus = p.prefill_us_per_token / _eff(role.tp, p.prefill_tp_factor)
+        budget = cand.budget or p.default_budget
+        chunks, chunk = math.ceil(input_len / budget), min(budget, input_len)
+        extra = chunk * pus / 1000  # a step's prefill chunk, ms
+        util = r * input_len * pus / 1e6
+        solved = _decode(r, output_len, base, per_seq, util)
+        if solved is None:
+            return State(None, None, None, None, capacity, {j: 0.0 for j in JUDGEMENTS}, "engine throughput")
+        gap, n = solved
+        step = base + per_seq * n
+        service = chunks * (step + extra)
+        wait = _wait(util, service)
+        ttft = None if wait is None else p.ttft_overhead_ms + service + 2.3 * wait
+        slow, q = step + extra, r * chunks * gap / 1000
+    else:
+        pre = cand.prefill
+        assert pre is not None
+        service = input_len * p.prefill_us_per_token / _eff(pre.tp, p.prefill_tp_factor) / 1000 + p.decode_step_ms / _eff(pre.tp, p.decode_tp_factor)
+        wait = _wait(rate / pre.instances * service / 1000, service)
+        descriptors = p.layers * 2 * math.ceil(input_len / p.block_size)
+        post = descriptors * p.post_us_per_descriptor / 1000 / dec_eff
+        transfer = descriptors * p.transfer_us_per_descriptor / 1000 + input_len * p.transfer_us_per_token / 1000
+        if p.link_gbps and p.kv_bytes_per_token:
+            transfer += input_len * p.kv_bytes_per_token / (p.link_gbps * 1e9) * 1000
+        solved = _decode(r, output_len, base, per_seq, r * post / 1000)
+        if solved is None:
+            return State(None, None, None, None, capacity, {j: 0.0 for j in JUDGEMENTS}, "decode throughput")
+        gap, n = solved
+        step = base + per_seq * n
+        ttft = None if wait is None else p.ttft_overhead_ms + service + 2.3 * wait + post + transfer + step
+        slow, q = step + post, r * gap / 1000
+    att = {j: _itl_attainment(j, gap, slow, q, output_len, itl_slo_ms) for j in JUDGEMENTS}
+    limit = "KV cache" if n > capacity else "-"
+    return State(ttft, gap, slow, n, capacity, att, limit)
+
+
+def _meets(s: State, judgement: str, ttft_slo_ms: float, target: float) -> bool:
+    return (s.ttft_ms is not None and s.ttft_ms <= ttft_slo_ms and s.limit == "-"
+            and s.attainment[judgement] >= target)
+
+
+def goodput(p: Profile, cand: Candidate, input_len: int, output_len: int, ttft_slo_ms: float, itl_slo_ms: float,
+            judgement: str, target: float = 0.9) -> float:
+    """The highest rate at which the candidate meets both SLOs under `judgement` (0 when none does)."""
+    def ok(rate: float) -> bool:
+        return _meets(state(p, cand, rate, input_len, output_len, itl_slo_ms), judgement, ttft_slo_ms, target)
 
     lo, hi = 0.0, 1.0
-    if ok(1e-9):
-        while ok(hi) and hi < 1e6:
-            lo, hi = hi, hi * 2
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    ttft, itl = _predict(p, pre, dec, rate, input_len, output_len, ttft_slo_ms, itl_slo_ms)
-    ttft_bad = ttft is None or ttft > ttft_slo_ms
-    itl_bad = itl is None or itl > itl_slo_ms
-    bottleneck = "prefill (TTFT)" if ttft_bad and not itl_bad else "decode (ITL)" if itl_bad and not ttft_bad \
-        else "both" if ttft_bad else "-"
-    return Prediction(pre, dec, lo, ttft, itl, not (ttft_bad or itl_bad), bottleneck)
+    if not ok(1e-6):
+        return 0.0
+    while ok(hi) and hi < 1e5:
+        lo, hi = hi, hi * 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
+
+def predict(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: int, settings: Settings) -> Prediction:
+    """One candidate at `rate`, and its goodput under every judgement."""
+    slo = settings.slo
+    s = state(p, cand, rate, input_len, output_len, slo.itl_ms)
+    good = {j: goodput(p, cand, input_len, output_len, slo.ttft_ms, slo.itl_ms, j, slo.attainment) for j in JUDGEMENTS}
+    j = slo.itl_judgement
+    itl = None if s.gap_ms is None else s.gap_ms if j == "mean" else s.slow_gap_ms
+    meets = _meets(s, j, slo.ttft_ms, slo.attainment)
+    if meets:
+        why = "-"
+    elif s.limit != "-":
+        why = s.limit
+    elif s.ttft_ms is None or s.ttft_ms > slo.ttft_ms:
+        why = "prefill (TTFT)"
+    else:
+        why = "decode (ITL)"
+    return Prediction(cand, good[j], good, s.ttft_ms, itl, s.running, s.capacity, meets, why)
+
+
+# ---- candidates ----------------------------------------------------------------------------------------
 
 def _shapes(gpus: int, heads: Heads | None) -> list[Shape]:
     return [Shape(gpus // tp, tp) for tp in TP_SIZES
             if tp <= gpus and gpus % tp == 0 and (heads is None or heads.tp_problem(tp) is None)]
 
 
-def candidates(settings: Settings, inventory: Inventory, heads: Heads | None = None) -> list[tuple[Shape, Shape]]:
-    """Every P:D GPU count and TP shape on the usable GPUs that the planner accepts (and, given the model's
-    `heads`, that vLLM can start)."""
+def _accepted(settings: Settings, overrides: dict[str, Any]) -> Settings | None:
+    data = settings.model_dump()
+    for key, values in overrides.items():
+        if isinstance(data.get(key), dict) and isinstance(values, dict):
+            data[key].update(values)
+        else:
+            data[key] = values
+    try:
+        return Settings.model_validate(data)
+    except ValueError:
+        return None
+
+
+def candidates(settings: Settings, inventory: Inventory, heads: Heads | None = None) -> list[Candidate]:
+    """Every colocated shape (x budgets) and P:D split on the usable GPUs that the planner accepts (and,
+    given the model's `heads`, that vLLM can start)."""
     usable = sum(1 for g in inventory.gpus if _usable(g))
-    out = []
+    out: list[Candidate] = []
+    for shape in _shapes(usable, heads):
+        s = _accepted(settings, {"connector": {"name": "none"}, "colocated": {
+            "gpu_count": None, "gpus": None, "instances": shape.instances, "tp": shape.tp, "dp": 1}})
+        if s is not None and _plans(s, inventory):
+            out += [Candidate("colocated", colocated=shape, budget=b) for b in (None, *BUDGETS)]
     for p_gpus in range(1, usable):
         for pre in _shapes(p_gpus, heads):
             for dec in _shapes(usable - p_gpus, heads):
-                overrides: dict[str, Any] = {
-                    role: {"gpu_count": None, "gpus": None, "instances": s.instances, "tp": s.tp, "dp": 1}
-                    for role, s in (("prefill", pre), ("decode", dec))}
-                data = settings.model_dump()
-                for role, values in overrides.items():
-                    data[role].update(values)
-                try:
-                    plan(Settings.model_validate(data), inventory)
-                except (PdctlError, ValueError):
-                    continue
-                out.append((pre, dec))
+                roles = {role: {"gpu_count": None, "gpus": None, "instances": sh.instances, "tp": sh.tp, "dp": 1}
+                         for role, sh in (("prefill", pre), ("decode", dec))}
+                name = settings.connector.name if settings.connector.name != "none" else "auto"
+                s = _accepted(settings, {**roles, "connector": {"name": name}})
+                if s is not None and _plans(s, inventory):
+                    out.append(Candidate("disaggregated", prefill=pre, decode=dec))
     return out
+
+
+def _plans(settings: Settings, inventory: Inventory) -> bool:
+    try:
+        plan(settings, inventory)
+    except (PdctlError, ValueError):
+        return False
+    return True
 
 
 def suggest(settings: Settings, inventory: Inventory, profile: Profile, input_len: int, output_len: int,
             rate: float, heads: Heads | None = None) -> list[Prediction]:
-    """Candidate splits ranked: meeting the SLOs at `rate` first, then by predicted goodput, fewer instances.
+    """Colocated shapes and splits ranked together: meeting the SLOs at `rate` first, then by predicted
+    goodput under the run's judgement, then fewer instances.
 
     `heads`: the model's head counts when known; shapes whose TP the model cannot take are left out."""
     if not inventory.gpus:
         raise PdctlError("this node has no GPUs to split", fix="plan for a GPU node with --inventory sim:mi300x-8")
-    slo = settings.slo
-    preds = [predict(profile, pre, dec, rate, input_len, output_len, slo.ttft_ms, slo.itl_ms)
-             for pre, dec in candidates(settings, inventory, heads)]
+    preds = [predict(profile, c, rate, input_len, output_len, settings)
+             for c in candidates(settings, inventory, heads)]
     if not preds:
         why = f" for a model with {heads.attention} attention heads" if heads else ""
-        raise PdctlError(f"the planner accepts no prefill/decode split on this inventory{why}")
-    return sorted(preds, key=lambda x: (not x.meets_slo, -round(x.goodput_rps, 6),
-                                        x.prefill.instances + x.decode.instances))
+        raise PdctlError(f"the planner accepts no colocated shape or prefill/decode split on this inventory{why}")
+
+    def instances(x: Prediction) -> int:
+        c = x.candidate
+        return c.colocated.instances if c.colocated else (c.prefill.instances + c.decode.instances)  # type: ignore[union-attr]
+
+    return sorted(preds, key=lambda x: (not x.meets_slo, -round(x.goodput_rps, 6), instances(x)))

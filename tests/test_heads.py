@@ -12,7 +12,7 @@ from pathlib import Path
 from appliance.heads import Heads, read_heads
 from appliance.inventory import load_inventory
 from appliance.settings import Settings
-from appliance.suggest import sim_profile, suggest
+from appliance.suggest import Prediction, sim_profile, suggest
 
 # config.json head counts of real models (from their published configs)
 QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": 64, "num_key_value_heads": 8}
@@ -56,8 +56,12 @@ def test_suggest_leaves_out_tps_the_model_cannot_take() -> None:
     inv = load_inventory("sim:mi300x-8")
     free = suggest(settings, inv, sim_profile(settings), 1024, 256, 4)
     small = suggest(settings, inv, sim_profile(settings), 1024, 256, 4, Heads(14, 2))
-    assert any(4 in (p.prefill.tp, p.decode.tp) for p in free)
-    assert small and all(p.prefill.tp in (1, 2) and p.decode.tp in (1, 2) for p in small)
+    def tps(ranked: list[Prediction]) -> set[int]:
+        c = [p.candidate for p in ranked]
+        return {s.tp for x in c for s in (x.prefill, x.decode, x.colocated) if s is not None}
+
+    assert 4 in tps(free)
+    assert small and tps(small) == {1, 2}
 
 
 def _pdctl(tmp_path: Path, model: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -90,5 +94,7 @@ def test_plan_suggest_reads_the_model(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "model: 14 attention heads: TP 1, 2 can start" in r.stdout
     r = _pdctl(tmp_path, model, "plan", "--suggest", "--json", "--inventory", "sim:mi300x-8", "--connector", "moriio")
-    shapes = {(s["prefill"], s["decode"]) for s in json.loads(r.stdout)["suggestions"]}
+    rows = json.loads(r.stdout)["suggestions"]
+    shapes = {(s["prefill"], s["decode"]) for s in rows if s["layout"] == "disaggregated"}
     assert ("4xTP1", "2xTP2") in shapes and not any("TP4" in p + d for p, d in shapes)
+    assert {s["colocated"] for s in rows if s["layout"] == "colocated"} == {"8xTP1", "4xTP2"}

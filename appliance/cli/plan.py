@@ -42,7 +42,9 @@ def render_plan(p: Plan, console: Console) -> None:
 @click.command()
 @plan_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (stable schema_version 1).")
-@click.option("--suggest", is_flag=True, help="Rank prefill:decode splits for a workload (see --input-len).")
+@click.option("--suggest", is_flag=True,
+              help="Rank colocated shapes (with their chunked-prefill budget) and prefill:decode splits together "
+              "for a workload (see --input-len).")
 @click.option("--input-len", type=click.IntRange(min=1), default=1024, show_default=True, help="--suggest: prompt tokens.")
 @click.option("--output-len", type=click.IntRange(min=1), default=256, show_default=True, help="--suggest: output tokens.")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
@@ -50,13 +52,22 @@ def render_plan(p: Plan, console: Console) -> None:
 @click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), help="--suggest: TTFT SLO [slo.ttft_ms].")
 @click.option("--itl-ms", type=click.FloatRange(min=0, min_open=True), help="--suggest: ITL SLO [slo.itl_ms].")
 @click.option("--profile", type=click.Path(dir_okay=False, exists=True),
-              help="--suggest: a `pdctl bench` result measured on this node [default: <state_dir>/bench/bench.json].")
+              help="--suggest: step costs from a `pdctl bench` result measured on this node [default: the "
+              "simulated engine's model, or on real vLLM the H200-calibrated constants scaled by config.json].")
+@click.option("--check", "check", type=click.Path(dir_okay=False, exists=True),
+              help="--suggest: print the predictions next to this `pdctl bench` result, shape by shape "
+              "(its workload and SLOs; pass the inventory it ran on).")
 @click.pass_context
 def plan(ctx: click.Context, as_json: bool, suggest: bool, input_len: int, output_len: int, rate: float,
-         ttft_ms: float | None, itl_ms: float | None, profile: str | None, **options: Any) -> None:
+         ttft_ms: float | None, itl_ms: float | None, profile: str | None, check: str | None, **options: Any) -> None:
     """Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."""
     from appliance.rebalance.layout import with_layout
 
+    if check:
+        from appliance.cli.suggest import print_check
+
+        print_check(ctx, check, profile, as_json)
+        return
     if suggest:
         from appliance.cli.suggest import print_suggestions
 

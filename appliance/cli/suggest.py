@@ -1,74 +1,224 @@
-"""The output of `pdctl plan --suggest`: ranked splits with the reasoning behind them."""
+"""The output of `pdctl plan --suggest`: colocated shapes and splits ranked together, with the reasoning;
+and `--check bench.json`: the model's predictions next to a measured sweep's figures, shape by shape."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import click
+from rich.console import Console
 from rich.table import Table
 
-from appliance.cli.common import console as cli_console
+from appliance.cli.common import console as rich_console
 from appliance.cli.common import obtain
 from appliance.cli.lifecycle import installed_plan
 from appliance.heads import Heads, read_heads
-from appliance.settings import EMBEDDED_MODEL
-from appliance.suggest import Profile, _eff, bench_profile, sim_profile, suggest
+from appliance.inventory.models import Inventory
+from appliance.settings import EMBEDDED_MODEL, Settings
+from appliance.suggest import (
+    JUDGEMENTS,
+    Candidate,
+    ModelShape,
+    Prediction,
+    Profile,
+    Shape,
+    bench_profile,
+    default_profile,
+    predict,
+    read_model_shape,
+    state,
+    suggest,
+)
+
+WITHIN = 0.25  # issue 14's target: predicted goodput within 25 % of measured
 
 
-def _profile(settings, explicit: str | None) -> Profile:  # type: ignore[no-untyped-def]
-    fallback = sim_profile(settings)
-    path = Path(explicit) if explicit else Path(settings.state_dir) / "bench" / "bench.json"
-    if not path.is_file():
+def _profile(settings: Settings, inventory: Inventory, model: ModelShape | None, explicit: str | None) -> Profile:
+    fallback = default_profile(settings, inventory, model)
+    if not explicit:
         return fallback
     deployed = installed_plan(settings.state_dir)
     tp = {r: (deployed.role_instances(r)[0].tp if deployed and deployed.role_instances(r) else 1)  # type: ignore[arg-type]
           for r in ("prefill", "decode")}
-    return bench_profile(path, tp["prefill"], tp["decode"], fallback)
+    return bench_profile(Path(explicit), tp["prefill"], tp["decode"], fallback)
+
+
+def _model(settings: Settings) -> tuple[Heads | None, ModelShape | None]:
+    if settings.model.path == EMBEDDED_MODEL:
+        return None, None
+    return read_heads(settings.model.path), read_model_shape(settings.model.path)
+
+
+def _row(p: Prediction) -> dict[str, Any]:
+    c = p.candidate
+    return {"layout": c.layout, "shape": str(c), "bench_shape": c.bench_name,
+            "prefill": str(c.prefill) if c.prefill else None, "decode": str(c.decode) if c.decode else None,
+            "colocated": str(c.colocated) if c.colocated else None, "max_num_batched_tokens": c.budget,
+            "prefill_gpus": c.prefill.gpus if c.prefill else 0, "decode_gpus": c.decode.gpus if c.decode else 0,
+            "goodput_rps": p.goodput_rps, "goodput": p.goodput, "ttft_ms": p.ttft_ms, "itl_ms": p.itl_ms,
+            "running": p.running, "capacity": p.capacity, "meets_slo": p.meets_slo, "bottleneck": p.bottleneck}
+
+
+def _describe(console: Console, prof: Profile, settings: Settings, inventory: Inventory, model: ModelShape | None,
+              heads: Heads | None, input_len: int, output_len: int, rate: float) -> None:
+    console.print(f"profile: {prof.source}")
+    console.print(f"  prefill per GPU: {1e6 / prof.prefill_us_per_token:,.0f} prompt tokens/s "
+                  f"({prof.prefill_us_per_token:.3g} us/token); demand {rate * input_len:,.0f} tokens/s")
+    console.print(f"  decode step per GPU: {prof.decode_step_ms:.3g} ms + {prof.decode_step_ms_per_seq:g} ms/seq"
+                  + (f" + each sequence's KV read at {prof.kv_read_tbps:g} TB/s" if prof.kv_read_tbps else ""))
+    console.print(f"  TP t: prefill x{prof.prefill_tp_factor:g}^log2(t), decode x{prof.decode_tp_factor:g}^log2(t) "
+                  "per doubling")
+    if model is not None:
+        console.print(f"  model shape: {model.params_total / 1e9:.1f} B params ({model.weight_bytes / 2**30:.1f} GiB), "
+                      f"KV {model.kv_bytes_per_token / 1024:g} KiB/token ({model.layers} layers x {model.kv_heads} "
+                      f"KV heads x {model.head_dim} x 2 x {model.dtype_bytes} B)")
+        tokens = prof.kv_tokens_per_gpu(1)
+        if tokens is not None:
+            console.print(f"  KV cache per GPU at TP1: {tokens:,.0f} tokens = {tokens / (input_len + output_len / 2):,.0f} "
+                          f"running sequences of {input_len} + {output_len}/2 tokens")
+    if prof.post_us_per_descriptor:
+        d = prof.layers * 2 * -(-input_len // prof.block_size)
+        console.print(f"  KV hand-off: block size {prof.block_size}: {d:,} descriptors per prompt; the decode stalls "
+                      f"{d * prof.post_us_per_descriptor / 1000:.1f} ms for each joining request")
+    if heads is not None:
+        console.print(f"  model: {heads.attention} attention heads: TP {', '.join(map(str, heads.fitting(len(inventory.gpus))))} "
+                      "can start (others are left out)")
 
 
 def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate: float, ttft_ms: float | None,
                       itl_ms: float | None, profile_path: str | None, as_json: bool) -> None:
-    """Rank the splits for the workload and say why."""
+    """Rank the colocated shapes and splits for the workload and say why."""
     overrides = {"slo": {k: v for k, v in (("ttft_ms", ttft_ms), ("itl_ms", itl_ms)) if v is not None}}
     settings, inventory = obtain(ctx, overrides)
-    prof = _profile(settings, profile_path)
-    heads: Heads | None = None if settings.model.path == EMBEDDED_MODEL else read_heads(settings.model.path)
+    heads, model = _model(settings)
+    prof = _profile(settings, inventory, model, profile_path)
     ranked = suggest(settings, inventory, prof, input_len, output_len, rate, heads)
+    slo = settings.slo
     if as_json:
-        click.echo(json.dumps({"profile": asdict(prof), "workload": {"input_len": input_len, "output_len": output_len,
-                               "rate": rate, "ttft_ms": settings.slo.ttft_ms, "itl_ms": settings.slo.itl_ms},
-                               "suggestions": [{**asdict(p), "prefill": str(p.prefill), "decode": str(p.decode),
-                                                "prefill_gpus": p.prefill.gpus, "decode_gpus": p.decode.gpus}
-                                               for p in ranked]}, indent=2))
+        profile = {k: v for k, v in asdict(prof).items() if k != "kv_tokens_per_gpu"}
+        click.echo(json.dumps({"profile": profile, "workload": {"input_len": input_len, "output_len": output_len,
+                               "rate": rate, "ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms,
+                               "itl_judgement": slo.itl_judgement}, "suggestions": [_row(p) for p in ranked]}, indent=2))
         return
-    console = cli_console()
+    console = rich_console()
     console.print(f"workload: {input_len} prompt + {output_len} output tokens at {rate:g} req/s; SLO TTFT "
-                  f"{settings.slo.ttft_ms:g} ms, ITL {settings.slo.itl_ms:g} ms; {len(inventory.gpus)} GPUs "
+                  f"{slo.ttft_ms:g} ms, ITL {slo.itl_ms:g} ms ({slo.itl_judgement}); {len(inventory.gpus)} GPUs "
                   f"({inventory.source})")
-    console.print(f"profile: {prof.source}")
-    console.print(f"  prefill per GPU: {1e6 / prof.prefill_us_per_token:,.0f} prompt tokens/s "
-                  f"({prof.prefill_us_per_token:g} us/token); demand {rate * input_len:,.0f} tokens/s")
-    batch = 64
-    step = prof.decode_step_ms + prof.decode_step_ms_per_seq * batch
-    console.print(f"  decode per GPU: step {prof.decode_step_ms:g} ms + {prof.decode_step_ms_per_seq:g} ms/seq "
-                  f"(batch {batch}: {batch * 1000 / step:,.0f} tokens/s); demand {rate * output_len:,.0f} tokens/s")
-    if heads is not None:
-        console.print(f"  model: {heads.attention} attention heads: TP {', '.join(map(str, heads.fitting(len(inventory.gpus))))} "
-                      "can start (others are left out)")
-    console.print(f"  TP t speeds an instance up by t x 0.9^log2(t) (TP2 {_eff(2):.2f}x, TP4 {_eff(4):.2f}x)")
+    _describe(console, prof, settings, inventory, model, heads, input_len, output_len, rate)
     table = Table(show_header=True, header_style="bold")
-    for col in ("rank", "prefill", "decode", "P:D GPUs", "goodput req/s", f"TTFT ms @{rate:g}",
-                f"ITL ms @{rate:g}", "SLO", "limited by"):
+    for col in ("rank", "shape", "goodput req/s", *(f"goodput {j}" for j in JUDGEMENTS), f"TTFT p90 @{rate:g}",
+                f"ITL {slo.itl_judgement} @{rate:g}", "running / cap", "SLO", "limited by"):
         table.add_column(col)
-    for n, p in enumerate(ranked[:12], 1):
-        table.add_row(str(n), str(p.prefill), str(p.decode), f"{p.prefill.gpus}:{p.decode.gpus}",
-                      f"{p.goodput_rps:.2f}", f"{p.ttft_ms:.0f}" if p.ttft_ms is not None else "saturated",
-                      f"{p.itl_ms:.1f}" if p.itl_ms is not None else "saturated",
+    for n, p in enumerate(ranked[:16], 1):
+        cap = f"{p.running:.0f} / {p.capacity:.0f}" if p.running is not None and p.capacity is not None else "-"
+        table.add_row(str(n), str(p.candidate), f"{p.goodput_rps:.2f}", *(f"{p.goodput[j]:.2f}" for j in JUDGEMENTS),
+                      f"{p.ttft_ms:.0f}" if p.ttft_ms is not None else "saturated",
+                      f"{p.itl_ms:.1f}" if p.itl_ms is not None else "saturated", cap,
                       "[green]met[/green]" if p.meets_slo else "[red]missed[/red]", p.bottleneck)
     console.print(table)
     best = ranked[0]
-    console.print(f"best: prefill {best.prefill}, decode {best.decode}: predicted goodput {best.goodput_rps:.2f} req/s"
-                  f"{'' if best.meets_slo else ' (no split meets the SLOs at this rate)'}")
-    console.print(f"apply: pdctl rebalance --prefill {best.prefill} --decode {best.decode}")
+    console.print(f"best: {best.candidate}: predicted goodput {best.goodput_rps:.2f} req/s ({slo.itl_judgement})"
+                  f"{'' if best.meets_slo else ' (nothing meets the SLOs at this rate)'}")
+    for layout in ("colocated", "disaggregated"):
+        top = next((p for p in ranked if p.layout == layout), None)
+        if top is not None and top is not best:
+            console.print(f"best {layout}: {top.candidate}: {top.goodput_rps:.2f} req/s")
+    c = best.candidate
+    if c.colocated is not None:
+        mbt = f" PDCTL_COLOCATED__MAX_NUM_BATCHED_TOKENS={c.budget}" if c.budget else ""
+        console.print(f"apply:{mbt} PDCTL_COLOCATED__INSTANCES={c.colocated.instances} pdctl up --connector none")
+    else:
+        console.print(f"apply: pdctl rebalance --prefill {c.prefill} --decode {c.decode}")
+
+
+# ---- --check: predictions against a measured sweep ---------------------------------------------------------
+
+def _candidate(name: str, settings: Settings, inventory: Inventory) -> Candidate | None:
+    """The candidate a bench shape name stands for on this inventory (disaggregated: the planner's split)."""
+    from appliance.bench.families import parse_name
+    from appliance.plan import plan
+
+    parsed = parse_name(name)
+    if parsed is None:
+        return None
+    if parsed.family == "colocated":
+        gpus = len(inventory.gpus) or parsed.instances or 1
+        n = parsed.instances or 1
+        return Candidate("colocated", colocated=Shape(n, max(1, gpus // n)), budget=parsed.budget)
+    data = settings.model_dump()
+    data["connector"]["name"] = "auto" if data["connector"]["name"] == "none" else data["connector"]["name"]
+    deployed = plan(Settings.model_validate(data), inventory)
+    pre, dec = deployed.role_instances("prefill"), deployed.role_instances("decode")
+    return Candidate("disaggregated", prefill=Shape(len(pre), pre[0].tp), decode=Shape(len(dec), dec[0].tp))
+
+
+def _verdict(predicted: float, measured: float | None, lowest: float, capped: bool) -> str:
+    if measured is None:  # missed even at its lowest rate
+        return "consistent (< lowest)" if predicted < lowest * (1 + WITHIN) else "predicts too high"
+    if capped:  # passed at its highest rate: the measurement is a lower bound
+        return "consistent (>= bound)" if predicted >= measured * (1 - WITHIN) else "predicts too low"
+    error = predicted / measured - 1 if measured else float("inf")
+    return f"{'within' if abs(error) <= WITHIN else 'off'} ({error:+.0%})"
+
+
+def print_check(ctx: click.Context, bench_path: str, profile_path: str | None, as_json: bool) -> None:
+    """Predicted vs measured goodput (every judgement) and per-rate TTFT p90 / mean gap, per measured shape."""
+    from appliance.bench.analysis import JUDGEMENTS as BENCH_JUDGEMENTS
+    from appliance.bench.families import capped
+    from appliance.bench.results import read_result
+
+    result = read_result(Path(bench_path))
+    w, slo = result.workload, result.slo
+    settings, inventory = obtain(ctx, {"slo": slo.model_dump()})
+    heads, model = _model(settings)
+    prof = _profile(settings, inventory, model, profile_path)
+    rows: list[dict[str, Any]] = []
+    rates: list[dict[str, Any]] = []
+    for shape in result.shapes:
+        measured = [r for r in shape.rates if not r.partial]
+        cand = _candidate(shape.name, settings, inventory) if measured else None
+        if cand is None:
+            continue
+        pred = predict(prof, cand, measured[0].rate, w.input_len, w.output_len, settings)
+        lowest = min(r.rate for r in measured)
+        for j in BENCH_JUDGEMENTS:
+            good = shape.goodput.get(j)
+            rows.append({"shape": shape.name, "candidate": str(cand), "judgement": j, "predicted": pred.goodput[j],
+                         "measured": good, "bound": ">=" if capped(shape, j) else "<" if good is None else "",
+                         "verdict": _verdict(pred.goodput[j], good, lowest, capped(shape, j))})
+        for r in measured:
+            s = state(prof, cand, r.rate, w.input_len, w.output_len, slo.itl_ms)
+            rates.append({"shape": shape.name, "rate": r.rate, "ttft_p90_predicted": s.ttft_ms,
+                          "ttft_p90_measured": r.summary.ttft_ms.get("p90"), "gap_predicted": s.gap_ms,
+                          "gap_measured": r.summary.tpot_ms.get("mean"), "running_predicted": s.running,
+                          "capacity": s.capacity})
+    if as_json:
+        click.echo(json.dumps({"bench": bench_path, "profile": prof.source, "goodput": rows, "rates": rates}, indent=2))
+        return
+    console = rich_console()
+    console.print(f"check: {bench_path} ({result.engine}, {w.input_len} + {w.output_len} tokens, SLO TTFT "
+                  f"{slo.ttft_ms:g} ms, ITL {slo.itl_ms:g} ms) against {inventory.source}")
+    console.print(f"profile: {prof.source}")
+    table = Table("shape", "modelled as", "judgement", "predicted req/s", "measured req/s", "verdict",
+                  title=f"goodput: predicted vs measured (target: within {WITHIN:.0%})", title_justify="left")
+    for row in rows:
+        m = row["measured"]
+        shown = f"< {min(r['rate'] for r in rates if r['shape'] == row['shape']):g}" if m is None else f"{row['bound']} {m:g}".strip()
+        table.add_row(row["shape"], row["candidate"], row["judgement"], f"{row['predicted']:.2f}", shown, row["verdict"])
+    console.print(table)
+    per_rate = Table("shape", "req/s", "TTFT p90 pred", "TTFT p90 meas", "mean gap pred", "mean gap meas (TPOT)",
+                     "running pred / cap", title="per rate (ms)", title_justify="left")
+
+    def ms(x: float | None) -> str:
+        return "saturated" if x is None else f"{x:.1f}"
+
+    for row in rates:
+        run = "-" if row["running_predicted"] is None else f"{row['running_predicted']:.0f} / {row['capacity']:.0f}"
+        per_rate.add_row(row["shape"], f"{row['rate']:g}", ms(row["ttft_p90_predicted"]), ms(row["ttft_p90_measured"]),
+                         ms(row["gap_predicted"]), ms(row["gap_measured"]), run)
+    console.print(per_rate)
+    if not rows:
+        console.print("no shape in the file has a bench shape name (disagg-read, colocated-N[-mbtB]) with a measured rate")

@@ -10,7 +10,7 @@ from appliance.plan import plan
 from appliance.rebalance.layout import merge, parse_role, pinned, role_overrides
 from appliance.rebalance.schedule import schedule
 from appliance.settings import Settings
-from appliance.suggest import sim_profile, suggest
+from appliance.suggest import Prediction, sim_profile, suggest
 
 INV = load_inventory("sim:mi300x-8")
 BASE = {"engine": {"kind": "sim"}, "connector": {"name": "moriio"}}
@@ -69,12 +69,16 @@ def test_schedule_makes_before_it_breaks_when_gpus_are_free() -> None:
 def test_suggest_prefers_prefill_gpus_for_long_prompts() -> None:
     settings = Settings.model_validate(BASE)
     prof = sim_profile(settings)
-    heavy_prefill = suggest(settings, INV, prof, input_len=8000, output_len=32, rate=6)
-    heavy_decode = suggest(settings, INV, prof, input_len=128, output_len=1024, rate=6)
+    def splits(ranked: list[Prediction]) -> list[Prediction]:
+        return [p for p in ranked if p.layout == "disaggregated"]
+
+    heavy_prefill = splits(suggest(settings, INV, prof, input_len=8000, output_len=32, rate=6))
+    heavy_decode = splits(suggest(settings, INV, prof, input_len=128, output_len=1024, rate=6))
+    assert heavy_prefill[0].prefill and heavy_decode[0].prefill
     assert heavy_prefill[0].prefill.gpus > heavy_decode[0].prefill.gpus
     assert heavy_prefill[0].meets_slo and heavy_decode[0].meets_slo
     # the reference's 4+4 split is one candidate among the ranked ones, not an assumption
-    shapes = {(p.prefill.gpus, p.decode.gpus) for p in heavy_prefill}
+    shapes = {(p.prefill.gpus, p.decode.gpus) for p in heavy_prefill if p.prefill and p.decode}
     assert (4, 4) in shapes and len(shapes) == 7
     assert heavy_prefill[0].goodput_rps >= max(p.goodput_rps for p in heavy_prefill if p.meets_slo)
 
@@ -82,7 +86,10 @@ def test_suggest_prefers_prefill_gpus_for_long_prompts() -> None:
 def test_suggest_leaves_out_unhealthy_gpus() -> None:
     sick = INV.model_copy(update={"gpus": [g.model_copy(update={"healthy": g.index != 7}) for g in INV.gpus]})
     ranked = suggest(Settings.model_validate(BASE), sick, sim_profile(Settings.model_validate(BASE)), 1024, 256, 2)
-    assert all(p.prefill.gpus + p.decode.gpus == 7 for p in ranked)
+    splits = [p.candidate for p in ranked if p.layout == "disaggregated"]
+    colocated = [p.candidate.colocated for p in ranked if p.layout == "colocated"]
+    assert splits and all(c.prefill.gpus + c.decode.gpus == 7 for c in splits if c.prefill and c.decode)
+    assert colocated and all(c.gpus == 7 for c in colocated if c)
 
 
 def test_status_warns_about_failed_and_occupied_gpus() -> None:
