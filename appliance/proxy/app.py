@@ -26,6 +26,29 @@ _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "min_tokens")
 _FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 
 
+
+# The OpenAI endpoints an engine has but a prefill/decode split cannot serve: what to use instead.
+_NOT_SPLIT = {
+    "/v1/responses": "the Responses API is not served through the prefill/decode split; "
+                     "use /v1/chat/completions or /v1/completions",
+}
+
+
+@web.middleware
+async def _json_route_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Unknown paths and methods answer OpenAI-shaped JSON (clients such as `openai` parse it), not text."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPNotFound:
+        why = _NOT_SPLIT.get(request.path.rstrip("/"), "no such endpoint; pdctl serves /v1/chat/completions, "
+                             "/v1/completions and /v1/models")
+        return error_response(404, f"{request.path}: {why}")
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return error_response(405, f"{request.method} {request.path} is not allowed (use {allowed})")
+
+
 class _OneLineBadRequests(logging.Filter):
     """aiohttp logs each unparsable request (a client's mistake) with a traceback; make it one warning line."""
 
@@ -70,7 +93,8 @@ class Proxy:
         server_log = logging.getLogger("aiohttp.server")
         if not any(isinstance(f, _OneLineBadRequests) for f in server_log.filters):
             server_log.addFilter(_OneLineBadRequests())
-        api = web.Application(client_max_size=self.config.client_max_size, handler_args={"max_field_size": 16384})
+        api = web.Application(client_max_size=self.config.client_max_size, handler_args={"max_field_size": 16384},
+                              middlewares=[_json_route_errors])
         api.router.add_post("/v1/completions", self._completions)
         api.router.add_post("/v1/chat/completions", self._chat)
         api.router.add_get("/v1/models", self._models)

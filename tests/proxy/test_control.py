@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import msgpack
 import pytest
 import zmq
@@ -275,5 +276,23 @@ def test_proxy_process_serves_and_rejects_a_bad_config(tmp_path: Path) -> None:
                 proc.terminate()
                 rest = await asyncio.wait_for(proc.stdout.read(), 30)
                 assert await asyncio.wait_for(proc.wait(), 30) == 0, rest
+
+    asyncio.run(scenario())
+
+
+def test_unserved_endpoints_answer_openai_style_json() -> None:
+    """`openai`'s responses.create (and any unknown path or method) gets a parseable JSON error, not text."""
+    async def scenario() -> None:
+        async with engines("both") as (e,), running_proxy(proxy_config("none", [backend("both-0", "both", e)])) as px:
+            got, raw, headers = await post(px.api_port, "/v1/responses", {"model": "m", "input": "hi"})
+            error = json.loads(raw)["error"]
+            assert got == 404 and headers["Content-Type"].startswith("application/json")
+            assert error["type"] == "NotFoundError" and "/v1/chat/completions" in error["message"]
+            got, raw, _ = await post(px.api_port, "/v1/nothing", {})
+            assert got == 404 and "no such endpoint" in json.loads(raw)["error"]["message"]
+            async with aiohttp.ClientSession() as session, session.get(
+                    f"http://127.0.0.1:{px.api_port}/v1/completions") as resp:
+                assert resp.status == 405 and "use POST" in (await resp.json())["error"]["message"]
+            assert not e.requests
 
     asyncio.run(scenario())
