@@ -73,7 +73,8 @@ def test_shape_settings_file_reads_back_as_the_same_settings() -> None:
         }
     )
     text = to_toml(_drop_none(settings.model_dump(mode="json")))
-    assert Settings.model_validate(tomllib.loads(text)) == settings
+    # Values only: a settings object also remembers where each value came from (flag, file), which differs.
+    assert Settings.model_validate(tomllib.loads(text)).model_dump() == settings.model_dump()
 
 
 def _two_free_in_a_row() -> int:
