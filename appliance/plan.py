@@ -303,6 +303,38 @@ def _partitioned(inventory: Inventory) -> PlanError:
     )
 
 
+def _extra_block_size(args: list[str]) -> int | None:
+    """A --block-size the user put in a role's extra_args (either spelling), or None."""
+    for n, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--block-size=") else None
+        if arg == "--block-size" and n + 1 < len(args):
+            value = args[n + 1]
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise PlanError(f"--block-size {value!r} in extra_args is not a number") from None
+    return None
+
+
+def _block_sizes(settings: Settings, roles: list[Role], default: int | None) -> dict[Role, int | None]:
+    """Each role's KV block size; the disaggregated roles must agree, since the hand-off copies whole blocks."""
+    sizes: dict[Role, int | None] = {}
+    for role in roles:
+        sizes[role] = _extra_block_size(settings.role(role).extra_args) or settings.connector.block_size or default
+    named = {size for size in sizes.values() if size is not None}
+    if len(named) == 1:
+        # one role names a size: the other gets it too rather than vLLM's default (which may differ)
+        return {role: next(iter(named)) for role in roles}
+    if len(named) > 1:
+        said = " and ".join(f"{r} {sizes[r]}" for r in roles)
+        raise PlanError(
+            f"prefill and decode must use the same KV block size, but they use {said}",
+            fix="set connector.block_size (both roles), or the same --block-size in both roles' extra_args",
+        )
+    return sizes
+
+
 def _fast_island(inventory: Inventory, gpus: list[int]) -> bool:
     return all(inventory.link(a, b) in ("XGMI", "NVLINK") for a in gpus for b in gpus if a < b)
 
@@ -344,6 +376,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     model_path = str(state_dir / "models" / "tiny-qwen3") if generate else settings.model.path
     model = ModelPlan(path=model_path, served_name=settings.model.name, generate=generate)
     shared = settings.connector.shared_storage_path or str(state_dir / "kv-store")
+    block_sizes = _block_sizes(settings, list(allocation), connector.default_block_size(platform))
 
     checks: list[Check] = []
     warnings: list[str] = []
@@ -370,6 +403,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
                 moriio_backend=settings.connector.moriio_backend,
                 kv_buffer_device=settings.connector.kv_buffer_device,
                 extra_config=settings.connector.extra_config,
+                block_size=block_sizes[role],
             )
             ports: dict[str, list[int]] = {"http": [ctx.http_port]}
             for purpose, span in connector.port_ranges(ctx).items():
@@ -408,6 +442,8 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
 
     used = [g for inst in instances for g in inst.gpus]
     checks.append(Check(name="gpus-disjoint", ok=len(used) == len(set(used)), detail=f"{len(used)} GPU(s) assigned"))
+    block = next(iter(block_sizes.values()))
+    checks.append(Check(name="block-size", ok=True, detail=f"KV block size {block or 'vLLM default'} on every role"))
     proxy = _proxy_plan(settings, connector, mode)
     if settings.proxy.host not in _LOOPBACK and not settings.proxy.api_key_file:
         warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file is set")

@@ -97,6 +97,9 @@ class ConnectorSettings(Section):
     kv_buffer_device: Literal["cuda", "cpu"] | None = Field(default=None, description="NIXL: where KV is staged")
     shared_storage_path: str = Field(default="", description="ExampleConnector: default <state_dir>/kv-store")
     extra_config: dict[str, Any] = Field(default_factory=dict, description="Merged into kv_connector_extra_config")
+    block_size: int | None = Field(
+        default=None, gt=0, description="KV cache block size (tokens) of both roles; default: the connector's"
+    )
 
     @field_validator("name")
     @classmethod

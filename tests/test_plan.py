@@ -69,6 +69,25 @@ def test_cpu_node_uses_example_connector_and_no_gpus() -> None:
     assert p.model.generate
 
 
+def _block_size(argv: list[str]) -> str | None:
+    return argv[argv.index("--block-size") + 1] if "--block-size" in argv else None
+
+
+def test_kv_block_size_per_connector_and_platform() -> None:
+    # NIXL on NVIDIA: 128-token blocks on both roles (16 posts 8x more descriptors per request)
+    nixl = plan(make({"connector": {"name": "nixl"}}), load_inventory("sim:h200-8"))
+    assert [_block_size(i.argv) for i in nixl.instances] == ["128", "128"]
+    assert next(c for c in nixl.checks if c.name == "block-size").detail == "KV block size 128 on every role"
+    # the CPU default and colocated shapes keep vLLM's own default, unless the setting names one
+    assert all(_block_size(i.argv) is None for i in plan(make(), load_inventory("sim:cpu")).instances)
+    coloc = plan(make({"connector": {"name": "none", "block_size": 64}}), load_inventory("sim:h200-8"))
+    assert {_block_size(i.argv) for i in coloc.instances} == {"64"}
+    # a role's own --block-size wins and is not rendered twice
+    both = {"extra_args": ["--block-size=32"]}
+    mine = plan(make({"connector": {"name": "nixl"}, "prefill": both, "decode": both}), load_inventory("sim:h200-8"))
+    assert all(_block_size(i.argv) is None and "--block-size=32" in i.argv for i in mine.instances)
+
+
 def test_colocated_layout() -> None:
     p = plan(make({"connector": {"name": "none"}, "colocated": {"instances": 2}}), load_inventory("sim:h200-8"))
     assert p.layout == "colocated"
@@ -91,7 +110,8 @@ def test_proxy_config_lists_every_instance() -> None:
         ({"prefill": {"gpu_count": 6}, "decode": {"gpu_count": 6}}, "sim:mi300x-8", "needs prefill 6 + decode 6 = 12"),
         ({"prefill": {"gpu_count": 4, "tp": 3}}, "sim:mi300x-8", "TP 3 (from the settings) x DP 1 = 3 GPUs, but each instance has 4"),
         ({"prefill": {"gpu_count": 3, "instances": 2}}, "sim:mi300x-8", "cannot be split into 2 equal"),
-        ({"connector": {"name": "nixl", "mode": "write"}}, "sim:h200-8", "has no write mode"),
+        ({"connector": {"name": "nixl"}, "decode": {"extra_args": ["--block-size", "16"]}}, "sim:h200-8",
+         "prefill and decode must use the same KV block size, but they use prefill 128 and decode 16"),
         ({"connector": {"name": "example", "mode": "write"}}, "sim:cpu", "has no write mode"),
         ({"connector": {"name": "moriio"}}, "sim:h200-8", "needs AMD GPUs"),
         ({"prefill": {"gpu_count": 2}}, "sim:cpu", "this node has none"),

@@ -53,6 +53,7 @@ class InstanceContext:
     moriio_backend: str = "rdma"
     kv_buffer_device: str | None = None
     extra_config: dict[str, Any] = field(default_factory=dict)
+    block_size: int | None = None
 
     @property
     def ranks(self) -> int:
@@ -86,6 +87,9 @@ class SimOptions(Protocol):
 
     @property
     def role(self) -> str: ...
+
+    @property
+    def mode(self) -> str: ...
 
     @property
     def handshake_port(self) -> int | None: ...
@@ -122,6 +126,8 @@ class Connector(ABC):
     registers_with_proxy: ClassVar[bool] = False
     # True: switching read/write needs the engines restarted (the mode is in their flags).
     mode_fixed_at_start: ClassVar[bool] = False
+    # True: in WRITE mode too the decode leg needs the prefill's answer, so the legs run one after the other.
+    write_waits_for_prefill: ClassVar[bool] = False
     # The simulated engine's flow for this connector, "module:Class", imported only when a sim engine runs it.
     sim_flow: ClassVar[str]
     # The library vLLM loads for this connector, if any.
@@ -131,6 +137,10 @@ class Connector(ABC):
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
         """Every port (by purpose) that some rank of the instance binds for this connector."""
         return {}
+
+    def default_block_size(self, platform: Platform) -> int | None:
+        """The KV cache block size (tokens) the hand-off is fastest with here; None: vLLM's own default."""
+        return None
 
     @abstractmethod
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any] | None:
@@ -192,6 +202,6 @@ class Connector(ABC):
         """The decode leg: the client's request plus what the decode needs from the prefill.
 
         `prefill_kv` is the prefill's returned kv_transfer_params in READ mode, None in WRITE mode (both legs
-        start together).
+        start together) unless write_waits_for_prefill; handoff["mode"] is the proxy's mode.
         """
         return body

@@ -1,4 +1,4 @@
-"""NVIDIA NIXL (vLLM's NixlConnector): decode pulls the KV blocks prefill returned in kv_transfer_params."""
+"""NVIDIA NIXL (vLLM's NixlConnector / NixlPushConnector): READ (decode pulls) or WRITE (prefill pushes)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,29 @@ from appliance.connector.base import (
     InstanceContext,
     Library,
     Peer,
+    Platform,
     RdmaNeed,
     SimOptions,
 )
 
+# Hand-off settings measured on 2 x H200 (NV18 NVLink), Qwen3-32B, 2000-token prompts (results/gpu-h200x2):
+# vLLM's default 16-token blocks post 16,000 descriptors per request (55 ms post, which stalls the decode
+# step); 128-token blocks post 2,048. Cross-layer blocks put every layer of a block in one contiguous
+# region, so a request is one descriptor per block (16 for 2000 tokens) instead of blocks x layers x K/V.
+GPU_BLOCK_SIZE = 128
+GPU_EXTRA_CONFIG: dict[str, Any] = {"enable_cross_layers_blocks": True}
+
 
 class NixlConnector(Connector):
-    """NixlConnector: READ (pull) flow; prefill's kv_transfer_params go to decode unchanged."""
+    """NixlConnector (READ: decode pulls) or NixlPushConnector (WRITE: decode registers, prefill writes)."""
 
     name = "nixl"
     vllm_class = "NixlConnector"
-    modes = frozenset({"read"})
+    modes = frozenset({"read", "write"})
+    # vLLM 0.24+ ships the push flow as its own class: the mode is in the engines' flags.
+    mode_fixed_at_start = True
+    # WRITE: the decode names the prefill's engine id, which only the prefill's answer carries.
+    write_waits_for_prefill = True
     sim_flow = "appliance.engine.sim.connectors:NixlSim"
     library = Library("nixl", "nixl._api:nixl_agent", "nixl")
 
@@ -32,13 +44,19 @@ class NixlConnector(Connector):
         # versions, + dp_index in newer ones): DP x TP ports from the base cover all of them.
         return {"side_channel": range(ctx.handshake_port, ctx.handshake_port + ctx.ranks)}
 
+    def default_block_size(self, platform: Platform) -> int | None:
+        return GPU_BLOCK_SIZE if platform == "cuda" else None
+
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any]:
-        config: dict[str, Any] = {"kv_connector": self.vllm_class, "kv_role": ctx.kv_role}
+        cls = "NixlPushConnector" if ctx.mode == "write" else self.vllm_class
+        config: dict[str, Any] = {"kv_connector": cls, "kv_role": ctx.kv_role}
         device = ctx.kv_buffer_device or ("cpu" if ctx.platform == "cpu" else None)
         if device:
             config["kv_buffer_device"] = device
-        if ctx.extra_config:
-            config["kv_connector_extra_config"] = dict(ctx.extra_config)
+        extra: dict[str, Any] = dict(GPU_EXTRA_CONFIG) if device in (None, "cuda") else {}
+        extra.update(ctx.extra_config)
+        if extra:
+            config["kv_connector_extra_config"] = extra
         return config
 
     def env(self, ctx: InstanceContext) -> dict[str, str]:
@@ -51,8 +69,11 @@ class NixlConnector(Connector):
         return ["--side-channel-port", str(ctx.handshake_port)]
 
     def check_sim(self, options: SimOptions) -> None:
-        if options.role in ("prefill", "both") and options.side_channel_port is None:
-            raise ValueError("connector 'nixl' on a prefill engine needs --side-channel-port")
+        # READ: the decode pulls from the prefill's side channel. WRITE: the prefill also reaches the decode's
+        # (the reverse handshake and the "written" notification), so both need one.
+        needs = ("prefill", "both") if options.mode == "read" else ("prefill", "decode", "both")
+        if options.role in needs and options.side_channel_port is None:
+            raise ValueError(f"connector 'nixl' ({options.mode}) on a {options.role} engine needs --side-channel-port")
 
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         leg = super().prefill_body(body, prefill, decode, handoff)
@@ -78,5 +99,22 @@ class NixlConnector(Connector):
         if not prefill_kv:
             raise HandoffError(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
         leg = dict(body)
-        leg["kv_transfer_params"] = prefill_kv
+        if handoff.get("mode") != "write":
+            leg["kv_transfer_params"] = prefill_kv
+            return leg
+        missing = [k for k in ("remote_engine_id", "remote_host", "remote_port") if prefill_kv.get(k) is None]
+        if missing:
+            raise HandoffError(502, f"prefill instance {prefill.name} returned no {', '.join(missing)} for a NIXL push")
+        # vLLM's NixlPushConnector: no remote_block_ids; the decode allocates its own blocks, registers them
+        # with this prefill engine over NIXL (both legs share the X-Request-Id it matches them by) and waits
+        # for the prefill to write the KV into them.
+        leg["kv_transfer_params"] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": prefill_kv["remote_engine_id"],
+            "remote_request_id": prefill_kv.get("remote_request_id"),
+            "remote_host": prefill_kv["remote_host"],
+            "remote_port": prefill_kv["remote_port"],
+            "tp_size": prefill_kv.get("tp_size", prefill.tp_size),
+        }
         return leg

@@ -58,6 +58,8 @@ def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_con
         argv.append("--enable-prefix-caching" if rs.enable_prefix_caching else "--no-enable-prefix-caching")
     if kv_config is not None:
         argv.extend(["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))])
+    if not any(a == "--block-size" or a.startswith("--block-size=") for a in rs.extra_args):
+        _flag(argv, "--block-size", ctx.block_size)
     argv.extend(rs.extra_args)
     return argv
 

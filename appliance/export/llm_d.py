@@ -47,6 +47,10 @@ def _kv_and_env(plan: Plan, shape: RoleShape, vllm_port: int) -> tuple[dict[str,
         kv["kv_connector_extra_config"]["http_port"] = str(vllm_port)
         env.append({"name": "VLLM_HOST_IP", **POD_IP})
     elif plan.connector == "nixl":
+        if plan.mode == "write":
+            # the sidecar's nixlv2 protocol hands the decode the prefill's block ids: a pull
+            raise ExportError("llm-d's routing sidecar drives NIXL in READ (pull) mode only",
+                              fix="export the plan with --mode read")
         env.append({"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", **POD_IP})
         env.append({"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(shape.ports["side_channel"][0])})
     else:

@@ -81,6 +81,9 @@ def _kv_config(plan: Plan, shape: RoleShape) -> tuple[dict[str, Any], dict[str, 
         experimental["MORI_HANDSHAKE_PORT_BASE"] = int(extra.pop("handshake_port", shape.ports["handshake"][0]))
         experimental["MORI_NOTIFY_PORT_BASE"] = int(extra.pop("notify_port", shape.ports["notify"][0]))
     elif plan.connector == "nixl":
+        if plan.mode == "write":
+            raise ExportError("Ray Serve LLM's P/D router drives NIXL in READ (pull) mode only",
+                              fix="export the plan with --mode read")
         # Ray's NIXL backend sets VLLM_NIXL_SIDE_CHANNEL_PORT = base + replica offset, and the host to the node IP.
         experimental["NIXL_SIDE_CHANNEL_PORT_BASE"] = shape.ports["side_channel"][0]
     elif plan.connector != "example":

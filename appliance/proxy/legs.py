@@ -347,11 +347,13 @@ async def handle_completion(proxy: Proxy, request: web.Request, path: str, body:
         raise LegFailure(503, f"no healthy {missing} instance is available; try again shortly")
     prefill_rank = router.pick_dp_rank(prefill)
     decode_rank = router.pick_dp_rank(decode)
-    handoff: dict[str, Any] = {}  # what the connector carries from one leg of this request to the other
+    # what the connector carries from one leg of this request to the other
+    handoff: dict[str, Any] = {"mode": proxy.mode}
     rid = connector.request_id(prefill, decode)
     prefill_body = connector.prefill_body(body, prefill, decode, handoff)
+    # Both legs carry the same id: connectors match the two halves of a request by it (NIXL push does).
     headers.append(("X-Request-Id", rid))
-    if proxy.mode == "read":
+    if proxy.mode == "read" or connector.write_waits_for_prefill:
         kv = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers)
         decode_body = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
         return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started)

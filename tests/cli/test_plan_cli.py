@@ -58,7 +58,7 @@ def test_bad_requests_exit_nonzero_with_one_line() -> None:
         ("plan", "--prefill-gpus", "6", "--decode-gpus", "6"),
         ("plan", "--prefill", "zero"),
         ("plan", "--inventory", "sim:nope"),
-        ("plan", "--connector", "nixl", "--mode", "write", "--inventory", "sim:h200-8"),
+        ("plan", "--connector", "example", "--mode", "write", "--inventory", "sim:cpu"),
     ]
     for args in cases:
         r = pdctl(*args, env={"PDCTL_INVENTORY": "sim:mi300x-8"})

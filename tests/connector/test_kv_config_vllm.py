@@ -35,6 +35,7 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
      {"connector": {"name": "moriio", "mode": "read"}, "decode": {"dp": 2, "tp": 2}}),
     ("nixl 1P1D", "sim:h200-8", {"connector": {"name": "nixl"}}),
     ("nixl DP2xTP2 decode", "sim:h200-8", {"connector": {"name": "nixl"}, "decode": {"dp": 2, "tp": 2}}),
+    ("nixl write 1P1D", "sim:h200-8", {"connector": {"name": "nixl", "mode": "write"}}),
     ("example 1P1D", "sim:cpu", {"connector": {"name": "example"}}),
 ]
 
@@ -55,7 +56,12 @@ def test_rendered_configs_have_the_shapes_vllm_reads() -> None:
     assert moriio["kv_connector"] == "MoRIIOConnector" and moriio["kv_role"] == "kv_consumer"
     assert moriio["kv_connector_extra_config"]["read_mode"] is True
     assert configs["moriio 1P1D prefill-0"]["kv_connector_extra_config"]["read_mode"] is False
-    assert configs["nixl 1P1D decode-0"] == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    # NVIDIA: cross-layer blocks (one NIXL descriptor per block); WRITE is vLLM's push class
+    fast = {"enable_cross_layers_blocks": True}
+    assert configs["nixl 1P1D decode-0"] == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+                                             "kv_connector_extra_config": fast}
+    assert configs["nixl write 1P1D prefill-0"] == {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer",
+                                                    "kv_connector_extra_config": fast}
     assert configs["example 1P1D prefill-0"]["kv_connector_extra_config"]["shared_storage_path"]
 
 

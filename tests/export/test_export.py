@@ -140,7 +140,10 @@ def test_xpyd_nvidia_plan_to_both_targets() -> None:
     prefill, decode = args["prefill_config"], args["decode_config"]
     assert prefill["deployment_config"] == {"num_replicas": 2} and decode["deployment_config"] == {"num_replicas": 1}
     assert prefill["engine_kwargs"]["tensor_parallel_size"] == 2 and decode["engine_kwargs"]["tensor_parallel_size"] == 4
-    assert prefill["engine_kwargs"]["kv_transfer_config"] == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    assert prefill["engine_kwargs"]["kv_transfer_config"] == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"enable_cross_layers_blocks": True}}
+    assert prefill["engine_kwargs"]["block_size"] == decode["engine_kwargs"]["block_size"] == 128
     assert prefill["experimental_configs"] == {"NIXL_SIDE_CHANNEL_PORT_BASE": p.instances[0].ports["side_channel"][0]}
     assert decode["runtime_env"]["env_vars"]["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp"
     assert not any(k.startswith("VLLM_NIXL") for k in decode["runtime_env"]["env_vars"])

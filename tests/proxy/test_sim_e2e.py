@@ -408,6 +408,42 @@ def test_nixl_read_flow() -> None:
         run(scenario())
 
 
+async def _labelled(sim: Sim, name: str) -> float:
+    """A labelled sample of the engine's /metrics (vLLM's vllm:nixl_* carry model_name and engine)."""
+    async with aiohttp.ClientSession() as s, s.get(sim.url + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in {sim.name}'s /metrics")
+
+
+def test_nixl_write_flow() -> None:
+    """NixlPushConnector: the proxy sends the decode only the prefill's coordinates; the decode registers its
+    blocks, the prefill writes them, and the transfer figures appear where vLLM puts them (the writer)."""
+    with cluster() as c:
+        p = c.sim("prefill-0", "prefill", "nixl", "--mode", "write", "--side-channel-port", "0")
+        d = c.sim("decode-0", "decode", "nixl", "--mode", "write", "--side-channel-port", "0")
+        c.ready()
+        c.start_proxy(proxy_config("nixl", mode="write", backends=static_backends(("prefill-0", "prefill", p),
+                                                                                  ("decode-0", "decode", d))))
+        c.ready()
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            await check_flow(c, d, p)
+            # every decode waited for a push, the prefill wrote each KV once and freed its held blocks
+            assert (await sim_state(d))["stats"]["kv_pulls"] == 4
+            assert (await sim_state(p))["stats"]["kv_writes"] == 4
+            assert (await sim_state(p))["stats"]["kv_sends"] == 4
+            assert await _labelled(p, "vllm:nixl_xfer_time_seconds_count") == 4
+            assert await _labelled(p, "vllm:nixl_bytes_transferred_sum") > 0
+            assert await _labelled(d, "vllm:nixl_xfer_time_seconds_count") == 0  # it posted none itself
+            await check_no_max_tokens(c, p, d)
+
+        run(scenario())
+
+
 # ---- ExampleConnector (shared storage, serial) ---------------------------------------------------
 
 def test_example_connector_flow(tmp_path: Any) -> None:

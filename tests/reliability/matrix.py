@@ -37,6 +37,7 @@ FLOWS: dict[str, tuple[str, str, str]] = {
     "moriio-read": ("moriio", "read", "sim:mi300x-8"),
     "moriio-write": ("moriio", "write", "sim:mi300x-8"),
     "nixl-read": ("nixl", "read", "sim:h200-2"),
+    "nixl-write": ("nixl", "write", "sim:h200-2"),
     "example-read": ("example", "read", "sim:cpu"),
     "colocated": ("none", "read", "sim:cpu"),
 }

@@ -56,6 +56,9 @@ class SimConfig(BaseModel):
     kv_wait_timeout_s: float = Field(default=30.0, gt=0)  # MoRIIO transfer_timeout (WRITE wait)
     kv_connect_timeout_s: float = Field(default=5.0, gt=0)
     kv_transfer_us_per_token: float = Field(default=1.0, ge=0)
+    # What a real transfer of one prompt token moves (the vllm:nixl_bytes_transferred figures): Qwen3-32B
+    # bf16 is 64 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 262,144.
+    kv_bytes_per_token: int = Field(default=262144, ge=1)
 
     # Time model.
     prefill_us_per_token: float = Field(default=20.0, ge=0)

@@ -14,6 +14,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import time
 import uuid
 from array import array
 from collections import Counter
@@ -33,6 +35,16 @@ GET_META_MSG = b"get_meta_msg"  # vLLM's handshake request on the NIXL side chan
 POP_DONE_RECV = b"pop_done_recv"
 SIM_READ = b"sim_read"  # stands in for the one-sided RDMA read of the held blocks
 SIM_NOTIF = b"sim_notif"  # stands in for NIXL's agent notification "done reading, free the blocks"
+PUSH_REG = b"push_reg"  # NixlPushConnector: the decode registers its blocks with the prefill (a NIXL notif)
+PUSH_DONE = b"push_done"  # NixlPushConnector: the prefill's "written" notification to the decode
+
+# vLLM appends "-<8 hex>" to the engine request id; the push connector matches the legs without it.
+_RANDOM_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$")
+
+
+def base_request_id(request_id: str) -> str:
+    """The request id both legs share (vLLM's get_base_request_id)."""
+    return _RANDOM_SUFFIX_RE.sub("", request_id)
 
 
 
@@ -72,6 +84,9 @@ class ConnectorSim:
         self.stats: Counter[str] = Counter()
         self.faults = cfg.faults
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Set by the metrics registry: (transfer s, post s, bytes, descriptors) of each KV transfer this
+        # engine initiated, the figures vLLM's NIXL connector reports as vllm:nixl_* histograms.
+        self.on_transfer: Any = None
 
     async def start(self) -> None:
         """Bind side channels and start background work."""
@@ -113,6 +128,13 @@ class ConnectorSim:
         if delay > 0:
             await asyncio.sleep(delay)
 
+    def _record_transfer(self, started: float, tokens: int, blocks: int) -> None:
+        """One KV transfer this engine posted: its time, bytes and descriptors (one per block, as
+        vLLM's cross-layer blocks give), for the vllm:nixl_* metrics."""
+        if self.on_transfer is not None:
+            elapsed = time.monotonic() - started
+            self.on_transfer(elapsed, min(elapsed, 1e-5 * blocks), tokens * self.cfg.kv_bytes_per_token, blocks)
+
     async def _sim_read(self, host: str, port: int, key: str, block_ids: list[int]) -> None:
         reply = await self.transport.request(
             host,
@@ -141,13 +163,19 @@ def _is_prefill_leg(seq: Sequence) -> bool:
 
 
 class NixlSim(ConnectorSim):
-    """NixlConnector, pull (READ) flow: the decode reads the prefill's held blocks, then notifies it."""
+    """NixlConnector (READ: the decode reads the prefill's held blocks, then notifies it) and
+    NixlPushConnector (WRITE: the decode registers its blocks, the prefill writes them and notifies)."""
 
     def __init__(self, cfg: SimConfig, engine: Engine, transport: Transport) -> None:
         super().__init__(cfg, engine, transport)
         self.engine_id = str(uuid.uuid4())
         self.side_channel_port: int | None = None
         self._handshaken: set[tuple[str, int]] = set()
+        # WRITE, prefill side: registrations and finished prefills, matched by base request id.
+        self._registrations: dict[str, dict[str, Any]] = {}
+        self._finished: dict[str, Sequence] = {}
+        # WRITE, decode side: requests waiting for the prefill's "written" notification.
+        self._push_waiters: dict[str, asyncio.Future[None]] = {}
 
     async def start(self) -> None:
         if self.cfg.side_channel_port is not None:
@@ -183,11 +211,33 @@ class NixlSim(ConnectorSim):
             else:
                 log.warning("nixl notif for %s: no held blocks (already expired?)", req["request_id"])
             return [[b"", b"ok"]]
+        if kind == PUSH_REG:
+            reg = msgpack.unpackb(frames[1])
+            key = base_request_id(str(reg["request_id"]))
+            self._registrations[key] = reg
+            self._match(key)
+            return [[b"", b"ok"]]
+        if kind == PUSH_DONE:
+            done = msgpack.unpackb(frames[1])
+            waiter = self._push_waiters.get(str(done["request_id"]))
+            if waiter is not None and not waiter.done():
+                if done.get("ok", True):
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(KVTransferError(str(done.get("error"))))
+            return [[b"", b"ok"]]
         raise ValueError(f"unexpected side-channel message {kind!r}")
 
     def prepare(self, seq: Sequence) -> None:
         params = seq.kv_params
         if not params or not params.get("do_remote_prefill"):
+            return
+        if self.cfg.mode == "write":
+            # NixlPushConnector: no block ids; the prefill's coordinates to register with.
+            missing = [k for k in ("remote_engine_id", "remote_host", "remote_port") if params.get(k) is None]
+            if missing:
+                raise BadKVParams(f"NIXL push needs {', '.join(missing)} in kv_transfer_params")
+            seq.kv_source = self._await_push
             return
         if not params.get("remote_block_ids"):
             return  # nothing to pull: vLLM computes the prompt locally
@@ -196,17 +246,22 @@ class NixlSim(ConnectorSim):
             raise BadKVParams(f"NIXL remote prefill needs {', '.join(missing)} in kv_transfer_params")
         seq.kv_source = self._pull
 
+    async def _handshake(self, host: str, port: int) -> None:
+        if (host, port) not in self._handshaken:
+            await self.transport.request(host, port, [GET_META_MSG], 1, self.cfg.kv_connect_timeout_s)
+            self._handshaken.add((host, port))
+
     async def _pull(self, seq: Sequence) -> int:
         params = seq.kv_params or {}
         host, port = str(params["remote_host"]), int(params["remote_port"])
         key = str(params.get("remote_request_id") or seq.request_id)
         block_ids = _flat_block_ids(params["remote_block_ids"])
         try:
-            if (host, port) not in self._handshaken:
-                await self.transport.request(host, port, [GET_META_MSG], 1, self.cfg.kv_connect_timeout_s)
-                self._handshaken.add((host, port))
+            await self._handshake(host, port)
+            started = time.monotonic()
             await self._sim_read(host, port, key, block_ids)
             await self._transfer_delay(len(seq.prompt))
+            self._record_transfer(started, len(seq.prompt), len(block_ids))
             await self.transport.request(
                 host, port, [SIM_NOTIF, msgpack.packb({"request_id": key})], 1, self.cfg.kv_connect_timeout_s
             )
@@ -220,6 +275,58 @@ class NixlSim(ConnectorSim):
         self.stats["kv_pulls"] += 1
         return len(seq.prompt)
 
+    async def _await_push(self, seq: Sequence) -> int:
+        """Decode, WRITE: register the allocated blocks with the prefill, then wait for its write."""
+        params = seq.kv_params or {}
+        host, port = str(params["remote_host"]), int(params["remote_port"])
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._push_waiters[seq.request_id] = waiter
+        reg = {
+            "request_id": seq.request_id,
+            "decode_engine_id": self.engine_id,
+            "decode_host": self.cfg.host,
+            "decode_port": self.side_channel_port,
+            "local_block_ids": list(seq.block_ids),
+            "remote_engine_id": params["remote_engine_id"],
+        }
+        try:
+            await self._handshake(host, port)
+            await self.transport.request(host, port, [PUSH_REG, msgpack.packb(reg)], 1, self.cfg.kv_connect_timeout_s)
+            await asyncio.wait_for(waiter, self.cfg.kv_wait_timeout_s)
+        except (TimeoutError, KVTransferError) as exc:
+            self.stats["kv_pull_failures"] += 1
+            log.warning("nixl push for %s from %s:%s failed (%s); recomputing", seq.request_id, host, port, exc)
+            return 0
+        finally:
+            self._push_waiters.pop(seq.request_id, None)
+        self.stats["kv_pulls"] += 1
+        return len(seq.prompt)
+
+    def _match(self, key: str) -> None:
+        """Prefill, WRITE: once both the registration and the finished prefill are here, write."""
+        if key in self._registrations and key in self._finished:
+            self._spawn(self._write(self._finished.pop(key), self._registrations.pop(key)))
+
+    async def _write(self, seq: Sequence, reg: dict[str, Any]) -> None:
+        host, port = str(reg["decode_host"]), int(reg["decode_port"])
+        held = self.engine.held_blocks(seq.request_id)
+        done: dict[str, Any] = {"request_id": reg["request_id"], "ok": held is not None}
+        if held is None:
+            done["error"] = "the prefill's blocks expired before the decode registered"
+        try:
+            await self._handshake(host, port)  # vLLM's reverse handshake before the first WRITE
+            if held is not None:
+                started = time.monotonic()
+                await self._transfer_delay(len(seq.prompt))
+                self._record_transfer(started, len(seq.prompt), len(held))
+                self.stats["kv_writes"] += 1
+            await self.transport.request(host, port, [PUSH_DONE, msgpack.packb(done)], 1, self.cfg.kv_connect_timeout_s)
+        except TimeoutError as exc:
+            log.warning("nixl push of %s to %s:%s failed: %s", seq.request_id, host, port, exc)
+        finally:
+            if self.engine.release(seq.request_id):
+                self.stats["kv_sends"] += 1
+
     def on_finish(self, seq: Sequence) -> bool:
         if not _is_prefill_leg(seq) or seq.finish_reason not in ("length", "stop"):
             return False
@@ -227,6 +334,10 @@ class NixlSim(ConnectorSim):
         delay_free = bool(block_ids)
         if delay_free:
             self.engine.hold(seq.request_id, seq, self.cfg.kv_abort_timeout_s, self._expired(seq.request_id))
+            if self.cfg.mode == "write":
+                key = base_request_id(seq.request_id)
+                self._finished[key] = seq
+                self._match(key)
         seq.kv_result = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -242,6 +353,7 @@ class NixlSim(ConnectorSim):
 
     def _expired(self, key: str) -> Any:
         def warn() -> None:
+            self._finished.pop(base_request_id(key), None)
             log.warning(
                 "Releasing expired KV blocks for request %s which were not retrieved within %.1f s",
                 key,
@@ -253,6 +365,11 @@ class NixlSim(ConnectorSim):
     def on_abort(self, seq: Sequence) -> None:
         params = seq.kv_params or {}
         if seq.kv_source is not None and not seq.kv_loaded and params.get("remote_host"):
+            if self.cfg.mode == "write":
+                waiter = self._push_waiters.pop(seq.request_id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.cancel()
+                return
             # Like vLLM: an aborted remote-prefill request still notifies the prefill so its
             # blocks are not stranded until the abort timeout.
             key = str(params.get("remote_request_id") or seq.request_id)

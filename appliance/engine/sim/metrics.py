@@ -107,4 +107,30 @@ def make_registry(server: SimServer) -> CollectorRegistry:
         registry=registry,
     )
     server.engine.observe_step = step.observe
+    if server.cfg.connector == "nixl":
+        _nixl_metrics(server, registry)
     return registry
+
+
+def _nixl_metrics(server: SimServer, registry: CollectorRegistry) -> None:
+    """vLLM's NIXL transfer histograms (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py): same
+    names, labels and buckets, observed for each transfer this engine posts."""
+    labels = {"model_name": server.cfg.model, "engine": "0"}
+    times = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+    xfer = Histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.",
+                     list(labels), buckets=times[1:], registry=registry).labels(**labels)
+    post = Histogram("vllm:nixl_post_time_seconds", "Histogram of transfer post time for NIXL KV Cache transfers.",
+                     list(labels), buckets=times, registry=registry).labels(**labels)
+    size = Histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.",
+                     list(labels), buckets=[2 ** (10 + i) for i in range(1, 25, 2)], registry=registry).labels(**labels)
+    descs = Histogram("vllm:nixl_num_descriptors", "Histogram of number of descriptors per NIXL KV Cache transfers.",
+                      list(labels), buckets=(10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000),
+                      registry=registry).labels(**labels)
+
+    def observe(xfer_s: float, post_s: float, nbytes: int, ndescs: int) -> None:
+        xfer.observe(xfer_s)
+        post.observe(post_s)
+        size.observe(nbytes)
+        descs.observe(ndescs)
+
+    server.connector.on_transfer = observe
