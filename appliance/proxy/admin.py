@@ -1,4 +1,5 @@
-"""The admin API (loopback HTTP, JSON): state, mode switch, drain/undrain, live backend set."""
+"""The admin API (loopback HTTP, JSON): state, mode switch, drain/undrain, live backend set, holds and
+planned stops (restarts)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,12 @@ def state(proxy: Proxy) -> dict[str, Any]:
         "model": proxy.config.model,
         "ready": ready,
         "healthy": counts,
-        "hold_wait_s": proxy.hold_wait_s if proxy.hold_active() else 0.0,
+        "hold_wait_s": proxy.hold_wait(),
+        "holds": {
+            "requests": proxy.metrics.held_requests,
+            "max_wait_s": round(proxy.metrics.max_hold_s, 3),
+        },
+        "planned_stops": sorted(proxy.planned.active),
         "instances": [inst.state() for inst in proxy.registry.instances.values()],
     }
 
@@ -113,12 +119,12 @@ async def post_drain(request: web.Request) -> web.Response:
     inst.draining = True
     started = time.monotonic()
     deadline = started + float(timeout)
-    while inst.in_flight > 0 and time.monotonic() < deadline:
+    while inst.routed > 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     return web.json_response({
         "instance": name,
-        "drained": inst.in_flight == 0,
-        "in_flight": inst.in_flight,
+        "drained": inst.routed == 0,
+        "in_flight": inst.routed,
         "waited_s": round(time.monotonic() - started, 3),
     })
 
@@ -148,6 +154,54 @@ async def post_hold(request: web.Request) -> web.Response:
     return web.json_response({"hold_wait_s": proxy.hold_wait_s, "expires_in_s": values["expires_in_s"]})
 
 
+def _seconds(body: Any, key: str, default: float) -> float:
+    value = body.get(key, default) if isinstance(body, dict) else default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"'{key}' must be a non-negative number, got {value!r}"}),
+                                 content_type="application/json")
+    return float(value)
+
+
+async def post_stopping(request: web.Request) -> web.Response:
+    """A planned stop begins: no new requests to the instance, its role's requests wait (bounded) while it has
+    no other routable instance; answers once the instance's requests finished (or drain_timeout_s passed)."""
+    proxy = request.app[_PROXY_KEY]
+    body = await _json(request)
+    name = _instance_name(body)
+    hold_s = _seconds(body, "hold_s", 120.0)
+    drain_s = _seconds(body, "drain_timeout_s", 30.0)
+    expires = _seconds(body, "expires_in_s", 600.0)
+    inst = proxy.registry.get(name)
+    if inst is None:
+        return _error(404, f"no instance named {name!r}; known: {', '.join(sorted(proxy.registry.instances))}")
+    proxy.planned.begin(inst, hold_s, max(expires, drain_s))
+    started = time.monotonic()
+    deadline = started + drain_s
+    while inst.routed > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    others = [i.name for i in proxy.registry.by_role[inst.role] if proxy.router.routable(i)]
+    return web.json_response({
+        "instance": name,
+        "drained": inst.routed == 0,
+        "in_flight": inst.routed,
+        "waited_s": round(time.monotonic() - started, 3),
+        # with no other routable instance of its role, new requests wait (up to hold_s) instead of failing
+        "holding": not others,
+    })
+
+
+async def post_started(request: web.Request) -> web.Response:
+    """A planned stop is over (the instance answers /health again): probe it now and put it back in rotation."""
+    proxy = request.app[_PROXY_KEY]
+    name = _instance_name(await _json(request))
+    inst = proxy.registry.get(name)
+    if inst is None:
+        return _error(404, f"no instance named {name!r}")
+    healthy = await proxy.health.probe(inst)
+    ended = proxy.planned.end(name, "reported started")
+    return web.json_response({"instance": name, "healthy": healthy, "was_stopping": ended})
+
+
 async def post_instances(request: web.Request) -> web.Response:
     proxy = request.app[_PROXY_KEY]
     try:
@@ -174,4 +228,6 @@ def build_app(proxy: Proxy) -> web.Application:
     app.router.add_post("/admin/undrain", post_undrain)
     app.router.add_post("/admin/instances", post_instances)
     app.router.add_post("/admin/hold", post_hold)
+    app.router.add_post("/admin/stopping", post_stopping)
+    app.router.add_post("/admin/started", post_started)
     return app

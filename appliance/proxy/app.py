@@ -17,6 +17,7 @@ from appliance.proxy.config import ProxyConfig, read_secret
 from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors, json_too_deep
 from appliance.proxy.legs import OUTCOME, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from appliance.proxy.planned import PlannedStops
 from appliance.proxy.registry import InstanceRegistry, RegistrationListener
 from appliance.proxy.routing import HealthChecker, Router
 
@@ -75,6 +76,7 @@ class Proxy:
         self.health = HealthChecker(self.registry, config.health)
         self.router = Router(self.registry, config.routing, lambda: self.mode,
                              checks_mode=self.connector.mode_fixed_at_start)
+        self.planned = PlannedStops(self.registry, self.health)
         self.listener: RegistrationListener | None = None
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.AbstractServer] = []
@@ -139,6 +141,7 @@ class Proxy:
     async def stop(self) -> None:
         """Close every socket and pool."""
         await self.health.stop()
+        await self.planned.close()
         if self.listener is not None:
             await self.listener.stop()
         for server in self._servers:
@@ -158,20 +161,36 @@ class Proxy:
         needed = ("prefill", "decode") if self.connector.disaggregated else ("both",)
         return all(counts[r] > 0 for r in needed), counts
 
-    def hold_active(self) -> bool:
+    def admin_hold_active(self) -> bool:
         """True while an admin hold is in force (it lapses by itself, so a crashed pdctl cannot leave it on)."""
         return self.hold_wait_s > 0 and time.monotonic() < self.hold_until
+
+    def hold_wait(self) -> float:
+        """How long a new request may wait for a role with no routable instance now (0: it may not wait).
+
+        An admin hold (rebalance, mode) or a planned stop (restart) in force lets it wait; each lapses by itself.
+        """
+        wait = self.planned.hold_wait()
+        if self.admin_hold_active():
+            wait = max(wait, self.hold_wait_s)
+        return wait
 
     def _missing_roles(self) -> bool:
         needed = ("prefill", "decode") if self.connector.disaggregated else ("both",)
         routable = self.router.routable
         return not all(any(routable(i) for i in self.registry.by_role[role]) for role in needed)
 
-    async def _wait_for_instances(self) -> None:
+    async def _wait_for_instances(self, wait_s: float) -> None:
         """During a hold: wait until every needed role has a routable instance, or the hold's wait runs out."""
-        deadline = time.monotonic() + self.hold_wait_s
-        while self._missing_roles() and time.monotonic() < deadline and self.hold_active():
-            await asyncio.sleep(0.05)
+        if not self._missing_roles():
+            return
+        started = time.monotonic()
+        deadline = started + wait_s
+        try:
+            while self._missing_roles() and time.monotonic() < deadline and self.hold_wait() > 0:
+                await asyncio.sleep(0.05)
+        finally:
+            self.metrics.observe_hold(time.monotonic() - started)
 
     # handlers
     def _unauthorized(self, request: web.Request) -> web.Response | None:
@@ -216,8 +235,9 @@ class Proxy:
                 status = str(problem.status)
                 return problem
             assert body is not None
-            if self.hold_active():
-                await self._wait_for_instances()
+            wait_s = self.hold_wait()
+            if wait_s > 0:
+                await self._wait_for_instances(wait_s)
             response = await handle_completion(self, request, path, body)
             status = request.get(OUTCOME, str(response.status))
             return response

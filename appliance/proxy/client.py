@@ -77,6 +77,20 @@ class AdminClient:
         result: dict[str, Any] = self._call("POST", "/admin/undrain", {"instance": instance})
         return result
 
+    def stopping(self, instance: str, hold_s: float, drain_timeout_s: float, expires_in_s: float) -> dict[str, Any]:
+        """A planned stop of `instance` begins: drain it (bounded) and hold its role's requests while it is away."""
+        result: dict[str, Any] = self._call(
+            "POST", "/admin/stopping",
+            {"instance": instance, "hold_s": hold_s, "drain_timeout_s": drain_timeout_s, "expires_in_s": expires_in_s},
+            timeout=drain_timeout_s + self.timeout,
+        )
+        return result
+
+    def started(self, instance: str) -> dict[str, Any]:
+        """The planned stop of `instance` is over: it takes requests again (once the proxy's probe passes)."""
+        result: dict[str, Any] = self._call("POST", "/admin/started", {"instance": instance})
+        return result
+
     def set_instances(self, backends: list[dict[str, Any]]) -> dict[str, Any]:
         """Replace the static backend set (list of Backend dicts); returns the new state."""
         result: dict[str, Any] = self._call("POST", "/admin/instances", backends)

@@ -65,6 +65,14 @@ class LegFailure(HandoffError):
         self.content_type = content_type
 
 
+def upstream_failure(leg: str, inst: Instance, exc: Exception) -> LegFailure:
+    """The client's error for a leg the engine's connection failed; says so when the instance is being restarted."""
+    if inst.stopping:
+        return LegFailure(503, f"{leg} instance {inst.name} was stopped for a restart before it finished this "
+                               f"request ({exc}); send the request again")
+    return LegFailure(502, f"{leg} leg on {inst.name} failed: {exc}")
+
+
 def _content_type(conn: Connection) -> str:
     assert conn.head is not None
     return conn.head.headers.get("content-type", "application/json").split(";")[0].strip() or "application/json"
@@ -195,7 +203,7 @@ async def _prefill(
     except UpstreamError as exc:
         proxy.metrics.leg_failures.labels("prefill", exc.reason).inc()
         proxy.health.leg_failed(inst)
-        raise LegFailure(502, f"prefill leg on {inst.name} failed: {exc}") from None
+        raise upstream_failure("prefill", inst, exc) from None
     except BaseException:
         if conn is not None:
             conn.abort()
@@ -235,7 +243,7 @@ async def run_decode(
         except UpstreamError as exc:
             proxy.metrics.leg_failures.labels("decode", exc.reason).inc()
             proxy.health.leg_failed(inst)
-            raise LegFailure(502, f"decode leg on {inst.name} failed: {exc}") from None
+            raise upstream_failure("decode", inst, exc) from None
         assert conn.head_fut is not None and conn.first_fut is not None and conn.done_fut is not None
         try:
             head = await _race(conn.head_fut, supervisor, timeouts.first_token_s)
@@ -262,7 +270,7 @@ async def run_decode(
         except UpstreamError as exc:
             proxy.metrics.leg_failures.labels("decode", exc.reason).inc()
             proxy.health.leg_failed(inst)
-            raise LegFailure(502, f"decode leg on {inst.name} failed: {exc}") from None
+            raise upstream_failure("decode", inst, exc) from None
 
         response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         # HTTP/1.0 has no chunked encoding: its stream goes out unframed and ends when the connection closes
@@ -291,6 +299,11 @@ async def run_decode(
             error = relay.error or exc
             if isinstance(error, ConnectionResetError):
                 raise error from None
+            if isinstance(error, UpstreamError):
+                # the engine's connection ended mid-stream (e.g. the instance stopped): an error event, not a cut
+                proxy.metrics.leg_failures.labels("decode", error.reason).inc()
+                proxy.health.leg_failed(inst)
+                error = upstream_failure("decode", inst, error)
             status = error.status if isinstance(error, HandoffError) else 502
             message = error.message if isinstance(error, LegFailure) else f"decode leg on {inst.name} failed: {error}"
             if not isinstance(error, LegFailure):
@@ -338,13 +351,43 @@ async def handle_completion(proxy: Proxy, request: web.Request, path: str, body:
         rid = request.headers.get("X-Request-Id") or None
         if rid is not None:
             headers.append(("X-Request-Id", rid))
-        return await run_decode(proxy, request, inst, router.pick_dp_rank(inst), path, body, headers, started)
+        # counted from the pick, with no await in between: a drain that starts now waits for this request
+        inst.routed += 1
+        try:
+            return await run_decode(proxy, request, inst, router.pick_dp_rank(inst), path, body, headers, started)
+        finally:
+            inst.routed -= 1
 
     prefill = router.pick("prefill")
     decode = router.pick("decode")
     if prefill is None or decode is None:
         missing = " and ".join(r for r, i in (("prefill", prefill), ("decode", decode)) if i is None)
         raise LegFailure(503, f"no healthy {missing} instance is available; try again shortly")
+    # Both instances count the request from the pick (no await in between) until it ends: the decode leg
+    # starts only after the prefill leg in READ mode, and a drain of the decode instance in between must
+    # wait for it rather than let it be stopped under the request (a 502 "cannot connect").
+    prefill.routed += 1
+    decode.routed += 1
+    try:
+        return await _disaggregated(proxy, request, path, body, headers, started, prefill, decode)
+    finally:
+        prefill.routed -= 1
+        decode.routed -= 1
+
+
+async def _disaggregated(
+    proxy: Proxy,
+    request: web.Request,
+    path: str,
+    body: dict[str, Any],
+    headers: list[tuple[str, str]],
+    started: float,
+    prefill: Instance,
+    decode: Instance,
+) -> web.StreamResponse:
+    """The prefill and decode legs of one request on the instances picked for it."""
+    connector = proxy.connector
+    router = proxy.router
     prefill_rank = router.pick_dp_rank(prefill)
     decode_rank = router.pick_dp_rank(decode)
     # what the connector carries from one leg of this request to the other

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # registry -> upstream -> metrics: a runtime import here woul
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+HOLD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -71,6 +72,10 @@ class _LiveCollector(Collector):
             "pdctl_proxy_instance_healthy", "1 when the instance is routable by health", labels=["instance", "role"]
         )
         draining = GaugeMetricFamily("pdctl_proxy_instance_draining", "1 while draining", labels=["instance", "role"])
+        longest = GaugeMetricFamily("pdctl_proxy_hold_max_seconds",
+                                    "The longest any request waited in the proxy for a role with no routable instance")
+        longest.add_metric([], m.max_hold_s)
+        yield longest
         registry = m.registry_source()
         if registry is not None:
             for inst in list(registry.instances.values()):
@@ -110,10 +115,23 @@ class ProxyMetrics:
         self.tokens = Counter(
             "pdctl_proxy_streamed_chunks", "SSE chunks relayed to clients", registry=self.registry,
         )
+        self.held = Histogram(
+            "pdctl_proxy_hold_seconds",
+            "Time requests waited in the proxy for a role with no routable instance (a hold: restart, rebalance)",
+            buckets=HOLD_BUCKETS, registry=self.registry,
+        )
+        self.held_requests = 0
+        self.max_hold_s = 0.0
         self.itl = FastHistogram(ITL_BUCKETS)
         self.streamed_chunks = 0  # folded into `tokens` at scrape time (no per-token Counter call)
         self._tokens_reported = 0
         self.registry.register(_LiveCollector(self))
+
+    def observe_hold(self, waited_s: float) -> None:
+        """Record one request that waited in a hold."""
+        self.held.observe(waited_s)
+        self.held_requests += 1
+        self.max_hold_s = max(self.max_hold_s, waited_s)
 
     def render(self) -> bytes:
         """Prometheus text exposition."""

@@ -56,10 +56,17 @@ class Instance:
         self.pool = UpstreamPool(self.host, self.port, connect_timeout)
         self.healthy = False
         self.draining = False
-        self.in_flight = 0
+        self.stopping = False  # in a planned stop (appliance.proxy.planned): out of rotation until it is back
+        self.in_flight = 0  # legs running on this instance (what least-outstanding routing compares)
+        # Requests routed here and not finished, from the moment they were routed: a READ request counts
+        # against its decode instance while its prefill leg still runs, and against its prefill instance
+        # while the decode reads the KV. A drain waits for this, so a drained instance has no request left
+        # that will still connect to it.
+        self.routed = 0
         self.dp_in_flight = [0] * dp_size
         self.dp_next = 0
         self.failures = 0
+        self.failed_probes = 0  # health probes that failed, ever (a planned stop learns from it that it went down)
         self.transfer_mode: str | None = None  # as registered (moriio); None when unknown
         self.last_seen: float | None = None  # wall clock of the last registration ping
         self.last_seen_mono: float | None = None
@@ -80,7 +87,9 @@ class Instance:
             "source": self.source,
             "healthy": self.healthy,
             "draining": self.draining,
+            "stopping": self.stopping,
             "in_flight": self.in_flight,
+            "routed": self.routed,
             "last_seen": self.last_seen,
             "dp_size": self.dp_size,
             "tp_size": self.tp_size,

@@ -25,8 +25,8 @@ class Router:
         self._rr: dict[str, int] = {"prefill": 0, "decode": 0, "both": 0}
 
     def routable(self, inst: Instance) -> bool:
-        """Healthy, not draining, and (moriio) running the proxy's transfer mode."""
-        if not inst.healthy or inst.draining:
+        """Healthy, not draining or in a planned stop, and (moriio) running the proxy's transfer mode."""
+        if not inst.healthy or inst.draining or inst.stopping:
             return False
         return not (self.checks_mode and inst.transfer_mode is not None and inst.transfer_mode != self.mode())
 
@@ -133,6 +133,8 @@ class HealthChecker:
         inst.healthy = ok
         if ok:
             inst.failures = 0
+        else:
+            inst.failed_probes += 1
         return ok
 
     async def _get_health(self, inst: Instance) -> bool:
