@@ -112,9 +112,14 @@ def _colocated_shape(
 ) -> Shape:
     """A colocated shape over the disaggregated plan's GPUs; skipped when the planner refuses it."""
     n = parsed.instances or 1
-    colocated: dict[str, Any] = {"gpus": gpus or None, "gpu_count": None, "tp": None, "instances": n}
-    if parsed.budget is not None:
-        colocated["max_num_batched_tokens"] = parsed.budget
+    # No budget in the name: the engine's own default, whatever the settings file says (None = unset).
+    colocated: dict[str, Any] = {
+        "gpus": gpus or None,
+        "gpu_count": None,
+        "tp": None,
+        "instances": n,
+        "max_num_batched_tokens": parsed.budget,
+    }
     # round_robin: the reference's colocated baseline is identical instances behind a round-robin.
     overrides = {
         "connector": {"name": "none", "mode": "read"},

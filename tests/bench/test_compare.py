@@ -46,6 +46,10 @@ def test_shapes_on_an_amd_node_split_the_same_eight_gpus() -> None:
     argvs = [i.argv for i in shape_plan(settings, inventory, tuned)[1].instances]
     assert len(argvs) == 2 and all(a[a.index("--chunk-tokens") + 1] == "512" for a in argvs)
     assert "--chunk-tokens" not in plans["colocated-2"].instances[0].argv
+    # A name without a budget means the engine's default, even when the settings file sets one.
+    tuned_file = load_settings(overrides={"engine": {"kind": "sim"}, "colocated": {"max_num_batched_tokens": 999}})
+    (untuned,) = shapes(tuned_file, inventory, ["colocated-2"])
+    assert "--chunk-tokens" not in shape_plan(tuned_file, inventory, untuned)[1].instances[0].argv
 
 
 def test_write_is_skipped_where_the_connector_has_none() -> None:
