@@ -234,6 +234,11 @@ class RateRun:
     window: Window | None = None
 
 
+def request_count(run: RateRun) -> int:
+    """How many requests `run_rate` will send for `run` (the same seeded draw)."""
+    return len(_schedule(run, random.Random(rate_seed(run.seed, run.rate))))
+
+
 def _schedule(run: RateRun, rng: random.Random) -> list[float]:
     if run.window is None:
         return arrivals(run.rate, run.num_requests, rng)

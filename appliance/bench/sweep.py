@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import signal
 import statistics
 from collections.abc import Callable, Iterator
@@ -16,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from appliance.bench.analysis import Slo
-from appliance.bench.client import RateRun, Target, probe_lifetime, run_rate, warm_up
+from appliance.bench.client import RateRun, Target, probe_lifetime, request_count, run_rate, warm_up
 from appliance.bench.results import RateResult, RequestResult, ShapeResult, shape_goodput
 from appliance.bench.schedule import RateSchedule
 from appliance.bench.steady import plan_window
@@ -140,8 +139,7 @@ async def sweep(
         done = {r.rate: r.summary.attainment_by_judgement for r in shape.rates if not r.partial}
         while not stopper.stopped and (rate := plan.schedule.next(done)) is not None:
             run = _rate_run(plan, shape, rate)
-            total = min(run.window.max_requests, math.ceil(rate * run.window.span_s)) if run.window else run.num_requests
-            counter = _RateProgress(progress, f"{shape.name} {rate:g} req/s", total)
+            counter = _RateProgress(progress, f"{shape.name} {rate:g} req/s", request_count(run))
             result = await run_rate(session, target, run, slo, stopper.event, counter.advance)
             shape.rates.append(result)
             shape.rates.sort(key=lambda r: r.rate)  # adaptive rates come out of order
