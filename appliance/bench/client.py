@@ -32,7 +32,7 @@ import aiohttp
 
 from appliance.bench.analysis import Slo
 from appliance.bench.results import RateResult, RequestResult, SteadyWindow, summarize
-from appliance.bench.steady import Window, is_steady, occupancy
+from appliance.bench.steady import Window, is_steady, occupancy, ttft_trend
 from appliance.bench.workload import PromptKind, arrivals, arrivals_until, prompt, rate_seed
 from appliance.errors import PdctlError
 
@@ -311,6 +311,7 @@ def _steady_window(planned: Window, results: list[RequestResult], duration: floa
     last = max((r.scheduled_s for r in results), default=0.0)
     end = max(planned.start_s, min(planned.end_s, last)) if len(results) >= planned.max_requests else planned.end_s
     first, second = occupancy(results, planned.start_s, end, duration)
+    ttft = ttft_trend(results, planned.start_s, end)
     return SteadyWindow(
         start_s=planned.start_s,
         end_s=end,
@@ -318,7 +319,8 @@ def _steady_window(planned: Window, results: list[RequestResult], duration: floa
         lifetime_s=planned.lifetime_s,
         lifetimes=(end - planned.start_s) / planned.lifetime_s,
         in_flight=(round(first, 2), round(second, 2)),
-        steady=is_steady(first, second),
+        ttft_ms=(round(ttft[0], 1), round(ttft[1], 1)) if ttft else None,
+        steady=is_steady((first, second), ttft),
     )
 
 

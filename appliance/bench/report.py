@@ -63,7 +63,7 @@ def rates_table(result: BenchResult) -> Table:
             )
     table.caption = (
         "latencies in ms; arrived/s = the Poisson draw's realized rate; sent = measured requests; window = its "
-        "length in request lifetimes, mean in flight first->second half (! = grew: not steady); "
+        "length in request lifetimes, mean in flight first->second half (! = in flight or TTFT grew: not steady); "
         "* = interrupted rate (not used for goodput)"
     )
     return table
@@ -167,7 +167,10 @@ def method_lines(result: BenchResult) -> list[str]:
         )
         unsteady = [f"{s.name}@{r.rate:g}" for s in result.shapes for r in s.rates if r.window and not r.window.steady]
         if unsteady:
-            lines.append("in-flight count grew across the window (over capacity, not steady): " + ", ".join(unsteady))
+            lines.append(
+                "in-flight count or TTFT grew across the window (over capacity: a longer run would miss more): "
+                + ", ".join(unsteady)
+            )
     else:
         lines.append(f"every one of the {w.num_requests} requests per rate is judged (no steady window).")
     return lines

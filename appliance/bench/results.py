@@ -87,7 +87,10 @@ class SteadyWindow(Record):
     lifetime_s: float = Field(description="The request lifetime the window was sized with")
     lifetimes: float = Field(description="The window's length in request lifetimes")
     in_flight: tuple[float, float] = Field(description="Mean requests in flight, first and second half")
-    steady: bool = Field(description="False when the in-flight count grew across the window")
+    ttft_ms: tuple[float, float] | None = Field(
+        default=None, description="Median TTFT of the arrivals in the first and in the second half"
+    )
+    steady: bool = Field(description="False when the in-flight count or the TTFT grew across the window")
 
 
 class RateResult(Record):

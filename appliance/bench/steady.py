@@ -15,13 +15,15 @@ parts, all on one Poisson arrival stream:
   instead of on an emptying engine. Those late arrivals are sent but not judged.
 
 Whether a window really was steady is checked afterwards from the timings: the mean number of requests in
-flight in its first and second half (`occupancy`). A growing queue (the rate is above what the shape
-serves) shows as a second half well above the first.
+flight in its first and second half (`occupancy`), and the median TTFT of the requests that arrived in
+each half (`ttft_trend`). A growing queue (the rate is above what the shape serves) shows as a second half
+well above the first in either; a longer run at that rate would miss more.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +32,9 @@ from typing import Protocol
 # (plus GROWTH_SLACK requests, so Poisson noise on small occupancies is not flagged).
 GROWTH_LIMIT = 1.2
 GROWTH_SLACK = 2.0
+# The same for the median TTFT of each half's arrivals, with 50 ms of slack for small TTFTs.
+TTFT_LIMIT = 1.5
+TTFT_SLACK_MS = 50.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,32 @@ def occupancy(requests: Sequence[Span], start_s: float, end_s: float, until_s: f
     return mean_in_flight(start_s, mid), mean_in_flight(mid, end_s)
 
 
-def is_steady(first: float, second: float) -> bool:
-    """False when the in-flight count grew across the window (a queue building up)."""
-    return second <= first * GROWTH_LIMIT + GROWTH_SLACK
+class Timed(Span, Protocol):
+    """What ttft_trend needs of one request."""
+
+    @property
+    def scheduled_s(self) -> float: ...
+
+    @property
+    def ttft_s(self) -> float | None: ...
+
+
+def ttft_trend(requests: Sequence[Timed], start_s: float, end_s: float) -> tuple[float, float] | None:
+    """Median TTFT (ms) of the requests that arrived in the first and in the second half of the window;
+    None when a half has no request with a first token."""
+    mid = (start_s + end_s) / 2
+    halves: tuple[list[float], list[float]] = ([], [])
+    for r in requests:
+        if start_s <= r.scheduled_s < end_s and r.ttft_s is not None:
+            halves[r.scheduled_s >= mid].append(r.ttft_s * 1000)
+    if not halves[0] or not halves[1]:
+        return None
+    return statistics.median(halves[0]), statistics.median(halves[1])
+
+
+def is_steady(in_flight: tuple[float, float], ttft_ms: tuple[float, float] | None) -> bool:
+    """False when the in-flight count or the TTFT grew across the window (a queue building up)."""
+    first, second = in_flight
+    if second > first * GROWTH_LIMIT + GROWTH_SLACK:
+        return False
+    return ttft_ms is None or ttft_ms[1] <= ttft_ms[0] * TTFT_LIMIT + TTFT_SLACK_MS

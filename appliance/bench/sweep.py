@@ -160,7 +160,7 @@ def _rate_status(result: RateResult) -> str:
     if w is not None:
         a, b = w.in_flight
         text += f", {result.summary.sent} measured over {w.lifetimes:.1f} lifetimes, in flight {a:.0f}->{b:.0f}"
-        text += "" if w.steady else " (growing)"
+        text += "" if w.steady else " (growing: not steady)"
     return text
 
 
