@@ -237,10 +237,11 @@ def _limit_text(value: int) -> str:
 
 def engine_memlock(settings: Settings, p: Plan) -> tuple[int | None, str]:
     """The locked-memory limit the engines get (None: unlimited) and where it comes from."""
-    from appliance.render.common import instance_unit, template
+    from appliance.node import Node
+    from appliance.render.names import instance_unit
+    from appliance.render.templates import template
 
-    recorded = Path(p.state_dir) / "manager"
-    kind = recorded.read_text().strip() if recorded.is_file() else settings.manager
+    kind = Node(settings).manager_kind()
     if kind == "auto":
         from appliance.manager import systemd_is_pid1
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,10 +26,11 @@ from appliance.connector.base import PLATFORMS
 from appliance.engine.command import engine_command
 from appliance.errors import PlanError
 from appliance.inventory.models import Gpu, Inventory
-from appliance.settings import EMBEDDED_MODEL, Role, Settings
+from appliance.roles import Role
+from appliance.settings import EMBEDDED_MODEL, Settings
+from appliance.statedir import StateDir
 
 SCHEMA_VERSION = 1
-InstanceRole = Literal["prefill", "decode", "both"]
 
 
 class Frozen(BaseModel):
@@ -43,7 +43,7 @@ class Instance(Frozen):
     """One engine process group (one vLLM server, possibly DP x TP ranks) of a role."""
 
     name: str = Field(description="role-index, e.g. prefill-0")
-    role: InstanceRole
+    role: Role
     index: int
     service: str = Field(description="Service of the role: pd-prefill, pd-decode or pd-colocated")
     gpus: list[int] = Field(description="GPU indices (empty on a CPU-only node)")
@@ -117,7 +117,7 @@ class Plan(Frozen):
     checks: list[Check]
     warnings: list[str]
 
-    def role_instances(self, role: InstanceRole) -> list[Instance]:
+    def role_instances(self, role: Role) -> list[Instance]:
         """The instances of one role, in index order."""
         return [i for i in self.instances if i.role == role]
 
@@ -371,11 +371,11 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     colocated = not connector.disaggregated
     allocation = _allocate(settings, inventory, platform)
     gpu_numa = {g.index: g.numa_node for g in inventory.gpus}
-    state_dir = PurePosixPath(settings.state_dir)
+    state = StateDir.at(settings.state_dir)
     generate = settings.model.path == EMBEDDED_MODEL
-    model_path = str(state_dir / "models" / "tiny-qwen3") if generate else settings.model.path
+    model_path = str(state.tiny_model) if generate else settings.model.path
     model = ModelPlan(path=model_path, served_name=settings.model.name, generate=generate)
-    shared = settings.connector.shared_storage_path or str(state_dir / "kv-store")
+    shared = settings.connector.shared_storage_path or str(state.kv_store)
     block_sizes = _block_sizes(settings, list(allocation), connector.default_block_size(platform))
 
     checks: list[Check] = []
@@ -461,7 +461,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
         mode=mode,
         model=model,
         inventory_source=inventory.source,
-        state_dir=str(state_dir),
+        state_dir=str(state.root),
         instances=instances,
         proxy=proxy,
         checks=checks,

@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from appliance.connector import check_name
 from appliance.errors import ConfigError
+from appliance.roles import Role
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,7 +35,6 @@ else:  # pragma: no cover
 DEFAULT_CONFIG_PATH = Path("/etc/pdctl/pdctl.toml")
 EMBEDDED_MODEL = "embedded:tiny-qwen3"
 
-Role = Literal["prefill", "decode", "both"]
 Mode = Literal["read", "write"]
 Port = int
 
@@ -271,11 +271,12 @@ def env_name(key: str) -> str:
     return "PDCTL_" + "__".join(key.split(".")).upper()
 
 
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`: tables merge key by key, any other value in `top` replaces the one below."""
     out = dict(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -342,7 +343,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, overrides: dict[st
         env = env_data()
     except Exception as exc:  # pydantic-settings raises SettingsError for unparsable JSON values
         raise ConfigError(f"a PDCTL_* environment variable cannot be read: {exc}") from None
-    merged = _deep_merge(_deep_merge(data, env), overrides or {})
+    merged = deep_merge(deep_merge(data, env), overrides or {})
     origins = {key: str(file) for key in _leaves(data)}
     origins.update({key: env_name(key) for key in _leaves(env)})
     named = override_origins or {}

@@ -10,38 +10,33 @@ Shapes (settings overrides on top of the user's settings; the planner checks eac
 On a node without GPUs (the CPU and the simulated engine) the shapes are instance counts: 1 prefill +
 1 decode, 2 or 1 colocated.
 
-Each shape is brought up, measured and torn down before the next, by a Deployer: `pdctl up`/`pdctl down`
-(the service manager, as in production), or `processes` (bench starts the plan's own engine and proxy
-command lines as child processes; no service manager needed: tests and laptop demos).
+Each shape is brought up, measured and torn down before the next by `pdctl up` / `pdctl down`, so the
+service manager runs it as in production: the manager `pdctl up` would pick, or (`--deploy processes`) a
+supervisord that pdctl starts itself, for machines whose service manager pdctl may not use.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import tomli_w
 
 from appliance.bench.families import DEFAULT_BUDGETS, ShapeName, expand, parse_budgets, parse_name
 from appliance.connector import get_connector, resolve_name
 from appliance.errors import PdctlError
 from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
-from appliance.plan import Plan, plan, platform_of, proxy_config
-from appliance.settings import EMBEDDED_MODEL, Settings
+from appliance.plan import Plan, plan, platform_of
+from appliance.settings import EMBEDDED_MODEL, Settings, deep_merge
 
 DEFAULT_SHAPES = "disagg-read,disagg-write,colocated"
 
@@ -136,17 +131,8 @@ def _colocated_shape(
     return shape
 
 
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = (
-            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        )
-    return out
-
-
 def _with(settings: Settings, overrides: dict[str, Any]) -> Settings:
-    return Settings.model_validate(_merge(settings.model_dump(), overrides))
+    return Settings.model_validate(deep_merge(settings.model_dump(), overrides))
 
 
 def shape_plan(settings: Settings, inventory: Inventory, shape: Shape) -> tuple[Settings, Plan]:
@@ -160,46 +146,17 @@ def _drop_none(data: dict[str, Any]) -> dict[str, Any]:
     return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in data.items() if v is not None}
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {value!r} as TOML")
+def to_toml(settings: Settings) -> str:
+    """The settings as a settings file that reads back as the same settings."""
+    return tomli_w.dumps(_drop_none(settings.model_dump(mode="json")))
 
 
-def _key(name: str) -> str:
-    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
-
-
-def to_toml(data: dict[str, Any], prefix: str = "") -> str:
-    """Settings data as TOML: a table's plain keys under its header, then its sub-tables."""
-    lines: list[str] = []
-    plain = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
-    if prefix and (plain or not tables):
-        lines.append(f"[{prefix}]")
-    lines.extend(f"{_key(k)} = {_toml_value(v)}" for k, v in plain.items())
-    for key, table in tables.items():
-        lines.append("")
-        lines.append(to_toml(table, f"{prefix}.{_key(key)}" if prefix else _key(key)).rstrip("\n"))
-    return "\n".join(lines) + "\n"
-
-
-async def wait_ready(url: str, model: str, timeout_s: float, proc_alive: Any = None) -> None:
+async def wait_ready(url: str, model: str, timeout_s: float) -> None:
     """Poll `url`/v1/models until it lists `model` and a one-token completion answers; PdctlError on timeout."""
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         while time.monotonic() < deadline:
-            if proc_alive is not None and (dead := proc_alive()):
-                raise PdctlError(f"{dead} exited while starting", fix="see its output above or `pdctl logs`")
             try:
                 async with session.get(url + "/v1/models") as resp:
                     if resp.status == 200 and model in json.dumps(await resp.json()):
@@ -218,27 +175,17 @@ async def wait_ready(url: str, model: str, timeout_s: float, proc_alive: Any = N
     )
 
 
-class Deployer(ABC):
-    """Brings one shape up and takes it down again."""
+class PdctlDeployer:
+    """Brings one shape up with `pdctl up` and takes it down with `pdctl down`, as subprocesses.
 
-    @abstractmethod
-    async def up(self, settings: Settings, plan_: Plan, shape: Shape) -> str:
-        """Start the shape; return the proxy's base URL once it serves."""
-
-    @abstractmethod
-    async def down(self) -> None:
-        """Stop whatever up() started (safe to call twice)."""
-
-
-class PdctlDeployer(Deployer):
-    """`pdctl up` / `pdctl down` as subprocesses (the production path: the service manager runs the shape).
-
-    The shape's effective settings go to a settings file under the output folder, passed with --config.
+    The shape's effective settings go to a settings file in `work_dir`, passed with --config; `manager`
+    (None: what `pdctl up` would pick) is passed as --manager.
     """
 
-    def __init__(self, inventory_source: str | None, work_dir: Path) -> None:
+    def __init__(self, inventory_source: str | None, work_dir: Path, manager: str | None = None) -> None:
         self.inventory_source = inventory_source
         self.work_dir = work_dir
+        self.manager = manager
         self._config: Path | None = None
 
     @staticmethod
@@ -250,7 +197,7 @@ class PdctlDeployer(Deployer):
         found = shutil.which("pdctl")
         if found is None:
             raise PdctlError(
-                "the pdctl command is not on PATH", fix="install pdctl, or use --deploy processes"
+                "the pdctl command is not on PATH", fix="install pdctl (its console script)"
             )
         return [found]
 
@@ -258,100 +205,26 @@ class PdctlDeployer(Deployer):
         argv = [*self._pdctl(), "--config", str(config)]
         if self.inventory_source:
             argv += ["--inventory", self.inventory_source]
-        done = subprocess.run([*argv, verb], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        argv.append(verb)
+        if verb == "up" and self.manager:
+            argv += ["--manager", self.manager]
+        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if done.returncode != 0:
             tail = " | ".join(done.stdout.strip().splitlines()[-3:])
             raise PdctlError(f"`pdctl {verb}` failed (exit {done.returncode}): {tail}")
 
     async def up(self, settings: Settings, plan_: Plan, shape: Shape) -> str:
+        """Start the shape; return the proxy's base URL once it serves."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._config = self.work_dir / f"{shape.name}.toml"
         # The shape's whole effective settings (file, environment, flags, shape), so `up` plans what we planned.
-        self._config.write_text(to_toml(_drop_none(settings.model_dump(mode="json"))))
+        self._config.write_text(to_toml(settings))
         await asyncio.to_thread(self._run, "up", self._config)
         await wait_ready(plan_.proxy.url, plan_.model.served_name, settings.engine.health_timeout_s)
         return plan_.proxy.url
 
     async def down(self) -> None:
+        """Stop whatever up() started (safe to call twice)."""
         if self._config is not None:
             config, self._config = self._config, None
             await asyncio.to_thread(self._run, "down", config)
-
-
-class ProcessDeployer(Deployer):
-    """Starts the plan's engine and proxy command lines as child processes (no service manager).
-
-    Output goes to files under `log_dir` so a failed start can be diagnosed.
-    """
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_dir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(
-                argv,
-                env={**os.environ, **env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        self.procs.append((name, proc))
-
-    def _dead(self) -> str | None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                return f"{name} (exit {proc.returncode}, log {self.log_dir / (name + '.log')})"
-        return None
-
-    async def up(self, settings: Settings, plan_: Plan, shape: Shape) -> str:
-        if plan_.engine != "sim" and plan_.model.generate:
-            raise PdctlError(
-                "the processes deployer cannot generate the embedded model",
-                fix="use --deploy pdctl, or a model path",
-            )
-        self._tmp = tempfile.TemporaryDirectory(prefix="pdctl-bench-")
-        cfg = proxy_config(plan_)
-        cfg_path = Path(self._tmp.name) / "proxy.json"
-        cfg_path.write_text(json.dumps(cfg))
-        for inst in plan_.instances:
-            if plan_.connector == "example":
-                Path(settings.connector.shared_storage_path or Path(plan_.state_dir) / "kv-store").mkdir(
-                    parents=True, exist_ok=True
-                )
-            self._spawn(f"{shape.name}-{inst.name}", inst.argv, inst.env)
-        self._spawn(
-            f"{shape.name}-proxy",
-            [sys.executable, "-m", "appliance.proxy", "--config", str(cfg_path), "--log-level", "WARNING"],
-            {},
-        )
-        try:
-            await wait_ready(
-                plan_.proxy.url, plan_.model.served_name, settings.engine.health_timeout_s, self._dead
-            )
-        except BaseException:
-            await self.down()
-            raise
-        return plan_.proxy.url
-
-    async def down(self) -> None:
-        procs, self.procs = self.procs, []
-        for _, proc in reversed(procs):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for _, proc in procs:
-            while proc.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None

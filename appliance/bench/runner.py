@@ -12,7 +12,7 @@ from rich.console import Console
 
 from appliance.bench.analysis import Slo
 from appliance.bench.client import Target
-from appliance.bench.compare import Deployer, Shape, shape_plan
+from appliance.bench.compare import PdctlDeployer, Shape, shape_plan
 from appliance.bench.families import best_record
 from appliance.bench.plots import plot_attainment, plot_latency
 from appliance.bench.results import BenchResult, ShapeResult, write_result
@@ -77,7 +77,7 @@ async def run_compare(
     settings: Settings,
     inventory: Inventory,
     shapes: list[Shape],
-    deployer: Deployer,
+    deployer: PdctlDeployer,
     template: Target,
     plan: SweepPlan,
     slo: Slo,

@@ -5,18 +5,23 @@ from __future__ import annotations
 import asyncio
 import shlex
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from appliance.cli.common import obtain
+from appliance.cli.options import obtain
 from appliance.errors import PdctlError
+from appliance.statedir import StateDir
 
 if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
+    from rich.console import Console
+
     from appliance.bench.analysis import Slo
     from appliance.bench.compare import Shape
+    from appliance.bench.results import BenchResult
     from appliance.bench.sweep import SweepPlan
     from appliance.inventory.models import Inventory
     from appliance.settings import Settings
@@ -56,7 +61,7 @@ def _read_key(path: str | None) -> str | None:
     type=click.Choice(["pdctl", "processes"]),
     default="pdctl",
     show_default=True,
-    help="With --compare: `pdctl up/down` (service manager) or plain child processes.",
+    help="With --compare: `pdctl up/down` with the host's service manager, or with a supervisord pdctl starts.",
 )
 @click.option(
     "--engine",
@@ -193,15 +198,6 @@ def _read_key(path: str | None) -> str | None:
 @click.pass_context
 def bench(ctx: click.Context, **opts: Any) -> None:
     """Sweep request rates with Poisson arrivals and report SLO attainment, latencies and goodput."""
-    from rich.console import Console
-
-    from appliance.bench.analysis import Slo
-    from appliance.bench.client import Target, discover_model
-    from appliance.bench.compare import PdctlDeployer, ProcessDeployer
-    from appliance.bench.report import print_report
-    from appliance.bench.results import BenchResult, Workload
-    from appliance.bench.runner import run_compare, run_url, write_plots
-    from appliance.bench.sweep import Stopper
     from appliance.bench.workload import parse_token_range
 
     if opts["from_json"]:
@@ -216,23 +212,84 @@ def bench(ctx: click.Context, **opts: Any) -> None:
     token_range = parse_token_range(opts["token_range"])
     overrides: dict[str, Any] = {"engine": {"kind": opts["engine"]}} if opts["engine"] else {}
     settings, inventory = obtain(ctx, overrides)
+    slo = _slo(opts, settings)
+    stamp = datetime.now(timezone.utc)
+    out_dir = Path(opts["out_dir"] or f"bench-{stamp:%Y%m%d-%H%M%S}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sweep = _sweep_plan(opts, slo)
+    api_key = _read_key(opts["api_key_file"]) or _read_key(settings.proxy.api_key_file if not opts["url"] else None)
+    work = _Workload(sweep, slo, token_range, api_key)
+    result = asyncio.run(_measure(ctx, opts, settings, inventory, work, stamp, out_dir))
+    _report(result, opts, out_dir)
+
+
+@dataclass(frozen=True)
+class _Workload:
+    """What every shape is measured with: the sweep, the SLO, the prompt tokens' range and the API key."""
+
+    sweep: SweepPlan
+    slo: Slo
+    token_range: tuple[int, int]
+    api_key: str | None
+
+
+def _console() -> Console:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console = Console(stderr=True, width=160)  # logs and pipes: keep the table's columns readable
+    return console
+
+
+def _slo(opts: dict[str, Any], settings: Settings) -> Slo:
+    """The SLO: the command line's targets over the settings'."""
+    from appliance.bench.analysis import Slo
+
     s = settings.slo
-    slo = Slo(
+    return Slo(
         ttft_ms=opts["ttft_ms"] or s.ttft_ms,
         itl_ms=opts["itl_ms"] or s.itl_ms,
         itl_judgement=opts["itl_judgement"] or s.itl_judgement,
         attainment=opts["attainment"] or s.attainment,
     )
-    stamp = datetime.now(timezone.utc)
-    out_dir = Path(opts["out_dir"] or f"bench-{stamp:%Y%m%d-%H%M%S}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        console = Console(stderr=True, width=160)  # logs and pipes: keep the table's columns readable
-    plan = _sweep_plan(opts, slo)
-    api_key = _read_key(opts["api_key_file"]) or _read_key(
-        settings.proxy.api_key_file if not opts["url"] else None
+
+
+def _empty_result(opts: dict[str, Any], work: _Workload, engine: str, model: str, stamp: datetime) -> BenchResult:
+    """The result document before any shape is measured: the command, the workload and the SLO."""
+    from appliance.bench.results import BenchResult, Workload
+
+    plan = work.sweep
+    return BenchResult(
+        created=stamp.isoformat(timespec="seconds"),
+        command=shlex.join(["pdctl", *sys.argv[1:]]),
+        engine=engine,
+        workload=Workload(
+            model=model,
+            input_len=opts["input_len"],
+            output_len=opts["output_len"],
+            num_requests=opts["num_requests"],
+            rates=list(plan.schedule.rates),
+            rate_spec=opts["rates"],
+            seed=opts["seed"],
+            prompt=opts["prompt_kind"],
+            warmup=opts["warmup"],
+            lifetimes=plan.lifetimes,
+            stop_on=list(plan.schedule.stop_on),
+        ),
+        slo=work.slo,
+        shapes=[],
     )
+
+
+async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings, inventory: Inventory,
+                   work: _Workload, stamp: datetime, out_dir: Path) -> BenchResult:
+    """Sweep the --url (or the deployment's proxy), or with --compare every shape; what was measured so far
+    when interrupted (first Ctrl-C)."""
+    from appliance.bench.client import Target, discover_model
+    from appliance.bench.compare import PdctlDeployer
+    from appliance.bench.runner import run_compare, run_url
+    from appliance.bench.sweep import Stopper
 
     if opts["compare"]:
         chosen = _chosen_shapes(settings, inventory, opts)
@@ -242,74 +299,46 @@ def bench(ctx: click.Context, **opts: Any) -> None:
         base_url = opts["url"] or f"http://{_loopback(settings.proxy.host)}:{settings.proxy.port}"
         engine = opts["engine"] or ("unknown" if opts["url"] else settings.engine.kind)
         model = opts["model"]
+    console = _console()
+    stopper = Stopper()
+    with stopper.installed():
+        if model is None:
+            import aiohttp
 
-    async def main() -> BenchResult:
-        stopper = Stopper()
-        with stopper.installed():
-            nonlocal model
-            if model is None:
-                import aiohttp
-
-                async with aiohttp.ClientSession() as session:
-                    model = await discover_model(session, base_url, api_key)
-            target = Target(
-                base_url=base_url,
-                model=model,
-                input_len=opts["input_len"],
-                output_len=opts["output_len"],
-                prompt_kind=opts["prompt_kind"],
-                token_range=token_range,
-                api_key=api_key,
-                request_timeout_s=opts["request_timeout"],
+            async with aiohttp.ClientSession() as session:
+                model = await discover_model(session, base_url, work.api_key)
+        target = Target(
+            base_url=base_url,
+            model=model,
+            input_len=opts["input_len"],
+            output_len=opts["output_len"],
+            prompt_kind=opts["prompt_kind"],
+            token_range=work.token_range,
+            api_key=work.api_key,
+            request_timeout_s=opts["request_timeout"],
+        )
+        result = _empty_result(opts, work, engine, model, stamp)
+        if opts["compare"]:
+            root = ctx.find_root().obj or {}
+            deployer = PdctlDeployer(
+                opts["inventory_source"] or root.get("inventory_source"),
+                Path(StateDir.at(settings.state_dir).bench),
+                # processes: a supervisord pdctl starts itself, whatever runs the host
+                manager="supervisor" if opts["deploy"] == "processes" else None,
             )
-            result = BenchResult(
-                created=stamp.isoformat(timespec="seconds"),
-                command=shlex.join(["pdctl", *sys.argv[1:]]),
-                engine=engine,
-                workload=Workload(
-                    model=model,
-                    input_len=opts["input_len"],
-                    output_len=opts["output_len"],
-                    num_requests=opts["num_requests"],
-                    rates=list(plan.schedule.rates),
-                    rate_spec=opts["rates"],
-                    seed=opts["seed"],
-                    prompt=opts["prompt_kind"],
-                    warmup=opts["warmup"],
-                    lifetimes=plan.lifetimes,
-                    stop_on=list(plan.schedule.stop_on),
-                ),
-                slo=slo,
-                shapes=[],
-            )
-            if opts["compare"]:
-                root = ctx.find_root().obj or {}
-                deployer = (
-                    PdctlDeployer(
-                        opts["inventory_source"] or root.get("inventory_source"),
-                        Path(settings.state_dir) / "bench",
-                    )
-                    if opts["deploy"] == "pdctl"
-                    else ProcessDeployer(out_dir / "logs")
-                )
-                await run_compare(
-                    settings,
-                    inventory,
-                    chosen,
-                    deployer,
-                    target,
-                    plan,
-                    slo,
-                    result,
-                    out_dir,
-                    console,
-                    stopper,
-                )
-            else:
-                await run_url(target, plan, slo, result, out_dir, console, stopper, opts["label"])
-            return result
+            await run_compare(settings, inventory, chosen, deployer, target, work.sweep, work.slo, result, out_dir,
+                              console, stopper)
+        else:
+            await run_url(target, work.sweep, work.slo, result, out_dir, console, stopper, opts["label"])
+        return result
 
-    result = asyncio.run(main())
+
+def _report(result: BenchResult, opts: dict[str, Any], out_dir: Path) -> None:
+    """The tables on stderr; bench.json's and the figures' paths on stdout; exit 130 when interrupted."""
+    from appliance.bench.report import print_report
+    from appliance.bench.runner import write_plots
+
+    console = _console()
     print_report(result, console)
     written = [out_dir / "bench.json"]
     if opts["plots"] and any(sh.rates for sh in result.shapes):
@@ -355,8 +384,6 @@ def _chosen_shapes(settings: Settings, inventory: Inventory, opts: dict[str, Any
 def _replay(paths: list[Path], opts: dict[str, Any]) -> None:
     """Tables and figures of saved results, their shapes merged in order (figures go next to the first
     unless --out says elsewhere; with several files the merged result is written there as bench.json)."""
-    from rich.console import Console
-
     from appliance.bench.families import best_record
     from appliance.bench.report import print_report
     from appliance.bench.results import read_result
@@ -372,9 +399,7 @@ def _replay(paths: list[Path], opts: dict[str, Any]) -> None:
 
         Path(opts["out_dir"]).mkdir(parents=True, exist_ok=True)
         write_result(result, Path(opts["out_dir"]) / "bench.json")
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        console = Console(stderr=True, width=160)
+    console = _console()
     print_report(result, console)
     if opts["plots"]:
         out_dir = Path(opts["out_dir"]) if opts["out_dir"] else path.parent

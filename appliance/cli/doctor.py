@@ -8,11 +8,11 @@ from typing import Any
 import click
 from rich.table import Table
 
-from appliance.cli.common import console, obtain, overrides_from, plan_options
-from appliance.cli.lifecycle import installed_plan
+from appliance.cli.options import console, obtain, overrides_from, plan_options
 from appliance.doctor import Finding, as_json, refused_findings, run_checks, summary_exit_code
 from appliance.errors import ConfigError, PlanError
 from appliance.inventory import load_inventory
+from appliance.node import Node
 from appliance.plan import plan
 from appliance.settings import example_settings, load_settings_despite_errors
 
@@ -23,7 +23,7 @@ def _despite_broken_settings(ctx: click.Context, error: ConfigError) -> list[Fin
     obj = ctx.find_root().obj or {}
     settings, _ = load_settings_despite_errors(obj.get("config_path"))
     inventory = load_inventory(ctx.params.get("inventory_source") or obj.get("inventory_source"))
-    p = installed_plan(settings.state_dir)
+    p = Node(settings).installed()
     what = "the deployed plan" if p else "the default settings"
     if p is None:
         p = plan(settings, inventory)

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from appliance.cli.common import obtain_plan, overrides_from, plan_options
+from appliance.cli.options import obtain_plan, overrides_from, plan_options
 from appliance.export import TARGETS, ExportOptions, build_export, write_files
 
 

@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from appliance.cli.common import console as cli_console
+from appliance.cli.options import console as cli_console
 from appliance.inventory import Inventory, load_inventory
 
 _LINK_STYLE = {"XGMI": "green", "NVLINK": "green", "PCIE": "yellow", "UNKNOWN": "dim"}

@@ -9,15 +9,9 @@ Exit codes: 0 healthy / done; 1 started but not healthy (the failing unit's last
 from __future__ import annotations
 
 import json
-import os
-import shlex
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import click
@@ -26,96 +20,28 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from appliance.cli.common import console as cli_console
-from appliance.cli.common import obtain, obtain_plan, overrides_from, plan_options
-from appliance.errors import PdctlError
-from appliance.manager import ServiceManager, UnitStatus, choose_manager
-from appliance.manager.base import write_atomic
-from appliance.plan import Plan, busy_ports, proxy_config
-from appliance.ports import port_free
-from appliance.render.common import PROXY_UNIT, TARGET, RenderOptions, instance_unit, role_service
+from appliance.cli.options import console as cli_console
+from appliance.cli.options import obtain, obtain_plan, overrides_from, plan_options
+from appliance.manager import ACTIVE, ServiceManager, UnitStatus
+from appliance.node import EXIT_DOWN, Node, NotDeployed, http_answer, proxy_state
+from appliance.plan import Plan
+from appliance.render.names import PROXY_UNIT, TARGET, instance_unit, role_service
 from appliance.settings import Settings
 
-ACTIVE = ("running", "starting", "restarting")
-EXIT_UNHEALTHY, EXIT_DOWN = 1, 3
+EXIT_UNHEALTHY = 1
 MANAGER_CHOICE = click.Choice(["auto", "systemd", "supervisor"])
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def http_answer(url: str, timeout: float = 2.0) -> int | None:
-    """The HTTP status `url` answers with, or None when nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except (OSError, ValueError):
-        return None
-
-
-def _loopback(host: str) -> str:
-    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
-
-
-def admin_url(plan: Plan) -> str:
-    """The proxy's admin API base URL."""
-    return f"http://{_loopback(plan.proxy.admin_host)}:{plan.proxy.admin_port}"
-
-
-def proxy_state(plan: Plan) -> dict[str, Any] | None:
-    """The proxy's /admin/state, or None when it does not answer."""
-    from appliance.proxy.client import AdminClient, ProxyAdminError
-
-    try:
-        return AdminClient(admin_url(plan), token_file=plan.proxy.admin_token_file, timeout=3).state()
-    except (ProxyAdminError, OSError):
-        return None
-
-
-def render_options(settings: Settings) -> RenderOptions:
-    """Renderer options from the settings."""
-    return RenderOptions(python=sys.executable, health_timeout_s=settings.engine.health_timeout_s)
-
-
-def _prefix() -> list[str]:
-    # For driving a systemd that is not this namespace's PID 1 (the tests boot one with unshare).
-    return shlex.split(os.environ.get("PDCTL_SYSTEMD_PREFIX", ""))
-
-
-def installed_plan(state_dir: str) -> Plan | None:
-    """The plan `pdctl up` last applied (<state_dir>/plan.json), or None."""
-    path = Path(state_dir) / "plan.json"
-    try:
-        return Plan.model_validate_json(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise PdctlError(f"{path} cannot be read ({exc})", fix="run `pdctl up` to write it again") from None
-
-
-def manager_for(settings: Settings, plan: Plan, choice: str | None) -> ServiceManager:
-    """The manager: --manager, else the one `pdctl up` used, else the setting (auto)."""
-    recorded = Path(plan.state_dir) / "manager"
-    kind = choice or (recorded.read_text().strip() if recorded.exists() else settings.manager)
-    return choose_manager(plan, kind, settings.unit_dir, render_options(settings), prefix=_prefix())
-
-
 def deployed(ctx: click.Context, manager: str | None,
              settings: Settings | None = None) -> tuple[Settings, Plan, ServiceManager]:
-    """Settings (given, or read), the installed plan and its manager; a one-line error when nothing was deployed."""
+    """Settings (given, or read), the installed plan and its manager (--manager, else the one `pdctl up` used,
+    else the setting); a one-line error (exit 3) when nothing was deployed."""
     if settings is None:
         settings, _ = obtain(ctx)
-    plan = installed_plan(settings.state_dir)
-    if plan is None:
-        raise NotDeployed(f"nothing is deployed here ({settings.state_dir}/plan.json is missing)",
-                          fix="run `pdctl up`")
-    return settings, plan, manager_for(settings, plan, manager)
-
-
-class NotDeployed(PdctlError):
-    """No plan was ever applied in this state_dir."""
-
-    exit_code = EXIT_DOWN
+    node = Node(settings)
+    plan = node.deployed()
+    return settings, plan, node.manager(plan, manager)
 
 
 def resolve_targets(plan: Plan, words: tuple[str, ...]) -> list[str]:
@@ -244,39 +170,6 @@ def report_failure(plan: Plan, manager: ServiceManager, snap: Snapshot, console:
         console.print(escape(manager.logs([unit], 20).rstrip() or "(no log lines)"), highlight=False)
 
 
-def ensure_model(plan: Plan, settings: Settings) -> None:
-    """Write the embedded tiny model before vLLM starts (Plan.model.generate); the sim needs none."""
-    if not plan.model.generate or plan.engine != "vllm":
-        return
-    from appliance.engine import tinymodel
-
-    try:
-        tinymodel.write_tiny_model(Path(plan.model.path))
-        return
-    except ImportError:
-        pass
-    # pdctl's own environment lacks the model libraries: the engine's Python has them. The generator is one
-    # self-contained file, run isolated (-I) so neither pdctl's packages nor PYTHONPATH shadow the engine's.
-    python = settings.engine.python or sys.executable
-    done = subprocess.run([python, "-I", tinymodel.__file__, plan.model.path], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise PdctlError(f"cannot generate the tiny model: {done.stderr.strip()}",
-                         fix="set engine.python to the Python that has vLLM")
-
-
-def prepare_state(plan: Plan) -> bool:
-    """Create the state directory, plan.json and proxy.json (atomically); True when proxy.json changed."""
-    state = Path(plan.state_dir)
-    state.mkdir(parents=True, exist_ok=True)
-    for inst in plan.instances:
-        store = (inst.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("shared_storage_path")
-        if store:
-            Path(store).mkdir(parents=True, exist_ok=True)
-    changed = write_atomic(state / "proxy.json", json.dumps(proxy_config(plan), indent=2) + "\n")
-    write_atomic(state / "plan.json", plan.model_dump_json(indent=2) + "\n")
-    return changed
-
-
 def _exit_for(snap: Snapshot, plan: Plan) -> int:
     if snap.ready(plan):
         return 0
@@ -309,53 +202,30 @@ def up(ctx: click.Context, manager: str | None, timeout_s: float | None, no_wait
     Idempotent: units already running with an unchanged definition are left alone, so a second `pdctl up`
     with nothing changed only reports health.
     """
-    from appliance.rebalance.layout import with_layout
-
+    settings, _ = obtain(ctx)
+    node = Node(settings)
     # A layout `pdctl rebalance` recorded stays in force until `pdctl rebalance --reset`.
-    settings, _, plan = obtain_plan(ctx, with_layout(ctx, overrides_from(options)))
+    settings, _, plan = obtain_plan(ctx, node.with_layout(overrides_from(options)))
     console = cli_console(stderr=as_json)
-    previous = installed_plan(plan.state_dir)
-    mgr = choose_manager(plan, manager or settings.manager, settings.unit_dir, render_options(settings),
-                         prefix=_prefix())
+    mgr = node.manager(plan, manager, recorded=False)
     if render_only:
-        prepare_state(plan)
-        write_atomic(Path(plan.state_dir) / "manager", mgr.name + "\n")
-        changed = sorted(mgr.apply(previous))
-        where = settings.unit_dir if mgr.name == "systemd" else f"{plan.state_dir}/supervisor"
+        changed = sorted(node.apply(plan, mgr, node.installed()).units)
+        where = settings.unit_dir if mgr.name == "systemd" else str(node.state.supervisor)
         click.echo(json.dumps({"rendered": where, "changed": changed}) if as_json else f"rendered into {where}")
         return
-    before = mgr.status()
-    mine = {inst.name for inst in plan.instances if before[instance_unit(inst)].state in ACTIVE}
-    if before[PROXY_UNIT].state in ACTIVE:
-        mine.add("proxy")
-    problems = busy_ports(plan, port_free, skip=mine)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise PdctlError(problems[0] + more, fix="stop what holds it, or move the port in pdctl.toml")
-    ensure_model(plan, settings)
-    proxy_changed = prepare_state(plan)
-    write_atomic(Path(plan.state_dir) / "manager", mgr.name + "\n")
-    changed = mgr.apply(previous)
-    if proxy_changed:
-        changed.add(PROXY_UNIT)
-    now = mgr.status()
-    restart = [u for u in mgr.units() if u in changed and now[u].state in ACTIVE]
-    if restart:
-        mgr.restart(restart)
-    started = [u for u in mgr.units() if now[u].state not in ACTIVE]
-    mgr.start([TARGET])
+    begun = node.up(plan, mgr)
     if no_wait:
         if as_json:
-            click.echo(json.dumps({"healthy": None, "manager": mgr.name, "started_or_restarted": restart + started}))
+            click.echo(json.dumps({"healthy": None, "manager": mgr.name, "started_or_restarted": begun}))
         return
     limit = timeout_s if timeout_s is not None else settings.engine.health_timeout_s + 60
     snap = wait_ready(plan, mgr, limit, console, live=console.is_terminal and not as_json,
                       lines=not console.is_terminal and not as_json)
     if as_json:
-        click.echo(json.dumps(_summary(plan, mgr, snap, restart + started), indent=2))
+        click.echo(json.dumps(_summary(plan, mgr, snap, begun), indent=2))
     if snap.ready(plan):
         if not as_json:
-            what = ", ".join(restart + started) or "nothing to start"
+            what = ", ".join(begun) or "nothing to start"
             console.print(f"[green]healthy[/green] ({mgr.name}; {what}); proxy {plan.proxy.url}")
         return
     report_failure(plan, mgr, snap, cli_console(stderr=True), limit)

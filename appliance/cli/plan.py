@@ -8,7 +8,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from appliance.cli.common import console, obtain_plan, overrides_from, plan_options
+from appliance.cli.options import console, obtain, obtain_plan, overrides_from, plan_options
+from appliance.node import Node
 from appliance.plan import Plan
 
 
@@ -61,8 +62,6 @@ def render_plan(p: Plan, console: Console) -> None:
 def plan(ctx: click.Context, as_json: bool, suggest: bool, input_len: int, output_len: int, rate: float,
          ttft_ms: float | None, itl_ms: float | None, profile: str | None, check: str | None, **options: Any) -> None:
     """Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."""
-    from appliance.rebalance.layout import with_layout
-
     if check:
         from appliance.cli.suggest import print_check
 
@@ -73,7 +72,8 @@ def plan(ctx: click.Context, as_json: bool, suggest: bool, input_len: int, outpu
 
         print_suggestions(ctx, input_len, output_len, rate, ttft_ms, itl_ms, profile, as_json)
         return
-    _, _, p = obtain_plan(ctx, with_layout(ctx, overrides_from(options)))
+    settings, _ = obtain(ctx)
+    _, _, p = obtain_plan(ctx, Node(settings).with_layout(overrides_from(options)))
     if as_json:
         click.echo(p.model_dump_json(indent=2))
     else:

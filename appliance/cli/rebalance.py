@@ -14,20 +14,22 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from appliance.cli.common import console as cli_console
-from appliance.cli.common import obtain
-from appliance.cli.lifecycle import MANAGER_CHOICE, admin_url, deployed, http_answer
+from appliance.cli.lifecycle import MANAGER_CHOICE, deployed
+from appliance.cli.options import console as cli_console
+from appliance.cli.options import obtain
 from appliance.errors import PdctlError
+from appliance.node import Node, admin_client, http_answer, layered, pinned
 from appliance.plan import Instance, Plan, plan
 from appliance.proxy.client import AdminClient
 from appliance.rebalance.apply import Options, Rebalancer, busy_new_ports
-from appliance.rebalance.layout import merge, pinned, role_overrides, write_layout
+from appliance.rebalance.restart import can_roll, switch_mode
 from appliance.rebalance.schedule import Schedule, schedule
 from appliance.settings import Settings
+from appliance.shapes import role_overrides
 
 
 def _admin(p: Plan) -> AdminClient:
-    return AdminClient(admin_url(p), token_file=p.proxy.admin_token_file, timeout=10)
+    return admin_client(p, timeout=10)
 
 
 def _shape(inst: Instance | None) -> str:
@@ -154,13 +156,14 @@ def rebalance(ctx: click.Context, reset: bool, dry_run: bool, yes: bool, allow_d
     """
     console = cli_console()
     settings, old, _ = deployed(ctx, manager)
+    node = Node(settings)
     asked = role_overrides(options)
     if not asked and not reset:
         raise PdctlError("say what to change", fix="e.g. --prefill-gpus 2 --decode-gpus 6, --prefill 0,1 "
                          "--decode 2-7, --prefill 2xTP2 --decode 1xTP4, or --reset")
     if reset and asked:
         raise PdctlError("--reset and a new shape both given", fix="use one of them")
-    overrides = {"connector": {"mode": old.mode}} if reset else merge(pinned(old), asked)
+    overrides = {"connector": {"mode": old.mode}} if reset else layered(pinned(old), asked)
     new_settings, inventory = obtain(ctx, overrides)
     new = plan(new_settings, inventory)
     _same_frame(old, new)
@@ -172,7 +175,7 @@ def rebalance(ctx: click.Context, reset: bool, dry_run: bool, yes: bool, allow_d
     if sched.noop:
         console.print("nothing to change: every instance keeps running")
         if not dry_run:
-            write_layout(old.state_dir, None if reset else pinned(new))
+            node.record_layout(None if reset else new)
         return
     if sched.gaps and not allow_downtime:
         raise _gap_error(sched, old)
@@ -185,10 +188,10 @@ def rebalance(ctx: click.Context, reset: bool, dry_run: bool, yes: bool, allow_d
         click.confirm("apply this rebalance?", abort=True)
     admin = _admin(old)
     admin.state()  # the proxy must answer before anything stops
-    runner = Rebalancer(settings, old, new, admin, console.print, _options(settings, drain_timeout, hold_s, timeout_s),
+    runner = Rebalancer(node, old, new, admin, console.print, _options(settings, drain_timeout, hold_s, timeout_s),
                         manager)
     runner.run(sched.steps)
-    write_layout(old.state_dir, None if reset else pinned(new))
+    node.record_layout(None if reset else new)
     view = admin.state()
     names = ", ".join(f"{i['name']}({i['role']})" for i in view.get("instances", []))
     console.print(f"[green]rebalanced[/green]: {len(new.instances)} instance(s); proxy ready={view.get('ready')}; "
@@ -208,11 +211,12 @@ def mode(ctx: click.Context, new_mode: str | None, yes: bool, allow_downtime: bo
     """
     console = cli_console()
     settings, old, _ = deployed(ctx, manager)
+    node = Node(settings)
     admin = _admin(old)
     if new_mode is None:
         console.print(f"mode {admin.state().get('mode')} (plan: {old.mode}, connector {old.connector})")
         return
-    new_settings, inventory = obtain(ctx, merge(pinned(old), {"connector": {"mode": new_mode}}))
+    new_settings, inventory = obtain(ctx, layered(pinned(old), {"connector": {"mode": new_mode}}))
     new = plan(new_settings, inventory)  # the planner refuses a mode the connector lacks
     current = admin.state().get("mode")
     sched = schedule(old.instances, new.instances)
@@ -220,17 +224,15 @@ def mode(ctx: click.Context, new_mode: str | None, yes: bool, allow_downtime: bo
     if current == new_mode and old.mode == new_mode:
         console.print(f"mode is already {new_mode}")
         return
+    runner = Rebalancer(node, old, new, admin, console.print, _options(settings, drain_timeout, hold_s, timeout_s),
+                        manager)
     if not changed:
         admin.set_mode(new_mode)
-        runner = Rebalancer(settings, old, new, admin, console.print, _options(settings, drain_timeout, hold_s,
-                                                                               timeout_s), manager)
         runner.run([])
-        write_layout(old.state_dir, pinned(new))
+        node.record_layout(new)
         console.print(f"[green]mode {new_mode}[/green] (no engine restart needed)")
         return
-    roles = {i.role for i in old.instances}
-    rolling = all(len(old.role_instances(r)) >= 2 for r in roles)  # type: ignore[arg-type]
-    if rolling:
+    if can_roll(old):
         console.print(f"{old.connector} fixes the mode at engine start: restarting engines one at a time, "
                       "switching the proxy when each role has one in the new mode")
     else:
@@ -243,36 +245,8 @@ def mode(ctx: click.Context, new_mode: str | None, yes: bool, allow_downtime: bo
                                  "takes less than --hold)")
     if not yes:
         click.confirm(f"switch to {new_mode}?", abort=True)
-    runner = Rebalancer(settings, old, new, admin, console.print, _options(settings, drain_timeout, hold_s, timeout_s),
-                        manager)
-    wanted = {i.name: i for i in new.instances}
-
-    def roll() -> None:
-        first = [i for r in sorted(roles) for i in old.role_instances(r)[:-1]]  # type: ignore[arg-type]
-        last = [i for r in sorted(roles) for i in old.role_instances(r)[-1:]]  # type: ignore[arg-type]
-        for inst in first:
-            runner.stop(inst, None)
-            runner.start([wanted[inst.name]], parked=True)
-        # The switch and the admission are two calls: a request arriving between them waits in the hold.
-        runner.hold(True)
-        admin.set_mode(new_mode)
-        runner.admit([wanted[i.name] for i in first])
-        runner.hold(False)
-        console.print(f"proxy switched to {new_mode}")
-        for inst in last:
-            runner.stop(inst, None)
-            runner.start([wanted[inst.name]])
-
-    def all_at_once() -> None:
-        runner.hold(True)
-        admin.set_mode(new_mode)
-        console.print(f"proxy switched to {new_mode}; holding new requests")
-        for inst in changed:
-            runner.stop(inst, inst.role)
-        runner.start([wanted[i.name] for i in changed])
-
-    runner.run([], body=roll if rolling else all_at_once, restore=lambda: admin.set_mode(old.mode))
-    write_layout(old.state_dir, pinned(new))
+    switch_mode(runner, new_mode, changed)
+    node.record_layout(new)
     console.print(f"[green]mode {new_mode}[/green]: restarted {', '.join(i.name for i in changed)}")
 
 

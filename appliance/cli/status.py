@@ -36,22 +36,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from appliance.cli.common import console
-from appliance.cli.lifecycle import (
-    ACTIVE,
-    EXIT_DOWN,
-    EXIT_UNHEALTHY,
-    MANAGER_CHOICE,
-    NotDeployed,
-    Snapshot,
-    admin_url,
-    deployed,
-    snapshot,
-)
+from appliance.cli.lifecycle import EXIT_UNHEALTHY, MANAGER_CHOICE, Snapshot, deployed, snapshot
+from appliance.cli.options import console
 from appliance.inventory import Inventory, load_inventory
-from appliance.manager import ServiceManager
+from appliance.manager import ACTIVE, ServiceManager
+from appliance.node import EXIT_DOWN, NotDeployed, admin_url
 from appliance.plan import Plan, _usable
-from appliance.render.common import PROXY_UNIT, instance_unit
+from appliance.render.names import PROXY_UNIT, instance_unit
 from appliance.settings import load_settings_despite_errors
 
 SCHEMA_VERSION = 1

@@ -12,11 +12,12 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from appliance.cli.common import console as rich_console
-from appliance.cli.common import obtain
-from appliance.cli.lifecycle import installed_plan
+from appliance.cli.options import console as rich_console
+from appliance.cli.options import obtain
 from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
+from appliance.node import Node
+from appliance.roles import Role
 from appliance.settings import EMBEDDED_MODEL, Settings
 from appliance.suggest import (
     JUDGEMENTS,
@@ -40,9 +41,9 @@ def _profile(settings: Settings, inventory: Inventory, model: ModelShape | None,
     fallback = default_profile(settings, inventory, model)
     if not explicit:
         return fallback
-    deployed = installed_plan(settings.state_dir)
-    tp = {r: (deployed.role_instances(r)[0].tp if deployed and deployed.role_instances(r) else 1)  # type: ignore[arg-type]
-          for r in ("prefill", "decode")}
+    deployed = Node(settings).installed()
+    roles: tuple[Role, ...] = ("prefill", "decode")
+    tp = {r: (deployed.role_instances(r)[0].tp if deployed and deployed.role_instances(r) else 1) for r in roles}
     return bench_profile(Path(explicit), tp["prefill"], tp["decode"], fallback)
 
 

@@ -9,8 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
+from appliance.roles import Role
+
 Platform = Literal["rocm", "cuda", "cpu"]
-InstanceRole = Literal["prefill", "decode", "both"]
 Mode = Literal["read", "write"]
 
 PLATFORMS: tuple[Platform, ...] = ("rocm", "cuda", "cpu")
@@ -37,7 +38,7 @@ class RdmaNeed:
 class InstanceContext:
     """Everything a connector needs to know about one engine instance of the plan."""
 
-    role: InstanceRole
+    role: Role
     index: int
     tp: int
     dp: int

@@ -4,15 +4,30 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from appliance.connector.base import Connector, InstanceContext
 
 if TYPE_CHECKING:
-    from appliance.plan import ModelPlan
     from appliance.settings import Settings
 
 VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
+
+
+class ModelPlan(Protocol):
+    """What an engine's command line needs of the plan's model (appliance.plan.ModelPlan has it)."""
+
+    @property
+    def path(self) -> str:
+        """Where the engine loads the model from."""
+
+    @property
+    def served_name(self) -> str:
+        """The name clients ask for."""
+
+    @property
+    def generate(self) -> bool:
+        """True for the embedded tiny model."""
 
 
 def _flag(argv: list[str], name: str, value: object | None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from appliance.export.common import (
+from appliance.export.cluster import (
     ExportError,
     ExportResult,
     Target,

@@ -13,7 +13,7 @@ import math
 import posixpath
 from typing import Any
 
-from appliance.export.common import (
+from appliance.export.cluster import (
     ExportError,
     ExportResult,
     RoleShape,

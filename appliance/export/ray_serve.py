@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.export.common import (
+from appliance.export.cluster import (
     ExportError,
     ExportResult,
     Replicas,

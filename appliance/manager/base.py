@@ -7,19 +7,19 @@ gates on /health itself so both backends report progress the same way.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 from appliance.errors import PdctlError
 from appliance.plan import Plan
-from appliance.render.common import PROXY_UNIT, TARGET, RenderOptions, instance_unit, services
+from appliance.render.names import PROXY_UNIT, TARGET, instance_unit, services
+from appliance.render.templates import RenderOptions
 
 State = Literal["running", "starting", "stopping", "stopped", "failed", "restarting", "unknown"]
+# States in which a unit has (or is about to have) a process.
+ACTIVE: tuple[State, ...] = ("running", "starting", "restarting")
 
 
 @dataclass
@@ -32,10 +32,6 @@ class UnitStatus:
     started_at: float | None = None  # epoch seconds the current process started
     restarts: int = 0  # automatic restarts after failures
     detail: str = ""  # the manager's own words, e.g. "active/running" or "BACKOFF"
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data for --json."""
-        return asdict(self)
 
 
 class ServiceManager(ABC):
@@ -101,50 +97,3 @@ class ServiceManager(ABC):
     @abstractmethod
     def follow(self, names: list[str], lines: int = 10) -> Iterator[str]:
         """Log lines as they come (for `pdctl logs -f`); ends when interrupted."""
-
-
-def systemd_is_pid1() -> bool:
-    """True when systemd runs this machine (sd_booted(): /run/systemd/system exists and PID 1 is systemd)."""
-    if not Path("/run/systemd/system").is_dir():
-        return False
-    try:
-        return Path("/proc/1/comm").read_text().strip() == "systemd"
-    except OSError:
-        return False
-
-
-def choose_manager(plan: Plan, setting: str, unit_dir: str, opts: RenderOptions | None = None,
-                   prefix: list[str] | None = None) -> ServiceManager:
-    """The manager for `setting` (auto: systemd when it is PID 1, else supervisord)."""
-    kind = setting
-    if kind == "auto":
-        kind = "systemd" if systemd_is_pid1() else "supervisor"
-    if kind == "systemd":
-        from appliance.manager.systemd import SystemdManager
-
-        return SystemdManager(plan, opts, unit_dir=unit_dir, prefix=prefix)
-    from appliance.manager.supervisor import SupervisorManager
-
-    return SupervisorManager(plan, opts)
-
-
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> bool:
-    """Write `text` to `path` via a temporary file and rename (never half-written); False if unchanged."""
-    try:
-        if path.read_text() == text and (path.stat().st_mode & 0o777) == mode:
-            return False
-    except (FileNotFoundError, UnicodeDecodeError):
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return True

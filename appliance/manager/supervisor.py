@@ -25,10 +25,11 @@ from typing import Any
 from supervisor.xmlrpc import SupervisorTransport
 
 from appliance.errors import PdctlError
-from appliance.manager.base import ServiceManager, State, UnitStatus, write_atomic
+from appliance.manager.base import ServiceManager, State, UnitStatus
 from appliance.plan import Plan
-from appliance.render.common import RenderOptions
 from appliance.render.supervisor import CONF_NAME, render_supervisor, socket_path
+from appliance.render.templates import RenderOptions
+from appliance.statedir import StateDir, write_atomic
 
 GROUP = "pd"
 _STATES: dict[str, State] = {
@@ -83,7 +84,9 @@ class SupervisorManager(ServiceManager):
     def __init__(self, plan: Plan, opts: RenderOptions | None = None) -> None:
         super().__init__(plan, opts)
         self.opts = replace(self.opts, minfds=reachable_minfds(self.opts.minfds))
-        self.dir = Path(plan.state_dir) / "supervisor"
+        state = StateDir.at(plan.state_dir)
+        self.dir = Path(state.supervisor)
+        self.log_dir = Path(state.supervisor_logs)
         self.conf = self.dir / CONF_NAME
         self.socket = Path(socket_path(plan.state_dir))
 
@@ -112,7 +115,7 @@ class SupervisorManager(ServiceManager):
             raise PdctlError(f"cannot reach supervisord at {self.socket}: {exc}", fix="run `pdctl up`") from None
 
     def _launch(self) -> None:
-        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.socket.exists():
             self.socket.unlink()  # a stale socket from a killed supervisord would make it refuse to start
@@ -272,7 +275,7 @@ class SupervisorManager(ServiceManager):
         units = self.expand(names)
         parts = []
         for unit in units:
-            text = self._tail(self.dir / "logs" / f"{unit}.log", lines)
+            text = self._tail(self.log_dir / f"{unit}.log", lines)
             parts.append(text if len(units) == 1 else "".join(f"{unit} | {line}" for line in text.splitlines(True)))
         return "".join(parts)
 
@@ -281,13 +284,13 @@ class SupervisorManager(ServiceManager):
         single = len(units) == 1
         offsets: dict[str, int] = {}
         for unit in units:
-            for line in self._tail(self.dir / "logs" / f"{unit}.log", lines).splitlines(True):
+            for line in self._tail(self.log_dir / f"{unit}.log", lines).splitlines(True):
                 yield line if single else f"{unit} | {line}"
-            path = self.dir / "logs" / f"{unit}.log"
+            path = self.log_dir / f"{unit}.log"
             offsets[unit] = path.stat().st_size if path.exists() else 0
         while True:
             for unit in units:
-                path = self.dir / "logs" / f"{unit}.log"
+                path = self.log_dir / f"{unit}.log"
                 try:
                     size = path.stat().st_size
                 except FileNotFoundError:

@@ -11,10 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from appliance.errors import PdctlError
-from appliance.manager.base import ServiceManager, State, UnitStatus, write_atomic
+from appliance.manager.base import ServiceManager, State, UnitStatus
 from appliance.plan import Plan
-from appliance.render.common import PROXY_UNIT, TARGET, RenderOptions, services
+from appliance.render.names import PROXY_UNIT, TARGET, services
 from appliance.render.systemd import render_systemd
+from appliance.render.templates import RenderOptions
+from appliance.statedir import StateDir, write_atomic
 
 _MARK = "# Rendered by pdctl"
 _PROPS = "Id,ActiveState,SubState,MainPID,NRestarts,ExecMainStartTimestamp,Result"
@@ -81,13 +83,14 @@ class SystemdManager(ServiceManager):
         for f in rendered.units:
             if write_atomic(self.unit_dir / f.name, f.text, f.mode):
                 changed.add(f.name.rsplit(".", 1)[0])
-        state_dir = Path(self.plan.state_dir)
-        secret_names = {f.name for f in rendered.private}
+        state = StateDir.at(self.plan.state_dir)
+        secret_paths = {Path(state.root / f.name) for f in rendered.private}
         for f in rendered.private:
-            if write_atomic(state_dir / f.name, f.text, f.mode):
+            if write_atomic(state.root / f.name, f.text, f.mode):
                 changed.add(Path(f.name).stem)
-        for old in (state_dir / "env").glob("*.env") if (state_dir / "env").is_dir() else []:
-            if f"env/{old.name}" not in secret_names:
+        env_dir = Path(state.env_dir)
+        for old in env_dir.glob("*.env") if env_dir.is_dir() else []:
+            if old not in secret_paths:
                 old.unlink()
                 changed.add(old.stem)
         for p in stale:

@@ -14,10 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from appliance.connector import check_name, get_connector
 from appliance.errors import ConfigError
+from appliance.roles import Role
 
 log = logging.getLogger("appliance.proxy")
 
-Role = Literal["prefill", "decode", "both"]
 Mode = Literal["read", "write"]
 Routing = Literal["round_robin", "least_outstanding"]
 

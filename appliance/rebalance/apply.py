@@ -16,15 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.cli.lifecycle import ACTIVE, http_answer, manager_for, prepare_state
 from appliance.errors import PdctlError
-from appliance.manager import ServiceManager
+from appliance.manager import ACTIVE, ServiceManager
+from appliance.node import Node, http_answer
 from appliance.plan import Instance, Plan, proxy_config
 from appliance.ports import port_free
 from appliance.proxy.client import AdminClient
 from appliance.rebalance.schedule import Schedule, Step, order, schedule
-from appliance.render.common import instance_unit
-from appliance.settings import Settings
+from appliance.render.names import instance_unit
 
 
 class StepFailed(PdctlError):
@@ -86,9 +85,9 @@ def kv_in_use(url: str) -> float | None:
 class Rebalancer:
     """Moves the node from `old` to `new` step by step; `say` reports progress to the user."""
 
-    def __init__(self, settings: Settings, old: Plan, new: Plan, admin: AdminClient, say: Callable[[str], None],
+    def __init__(self, node: Node, old: Plan, new: Plan, admin: AdminClient, say: Callable[[str], None],
                  options: Options, manager: str | None = None) -> None:
-        self.settings = settings
+        self.node = node
         self.old = old
         self.new = new
         self.admin = admin
@@ -104,12 +103,12 @@ class Rebalancer:
         return self.new.model_copy(update={"instances": order(list(self.running.values()))})
 
     def _manager(self, plan: Plan) -> ServiceManager:
-        return manager_for(self.settings, plan, self.manager_choice)
+        return self.node.manager(plan, self.manager_choice)
 
     def _publish(self, before: Plan) -> ServiceManager:
         """plan.json, proxy.json and the units for the current mix; the proxy's instance set follows."""
         now = self.mix()
-        prepare_state(now)
+        self.node.write(now)
         mgr = self._manager(now)
         mgr.apply(before)
         self.admin.set_instances(backends(now))
@@ -219,7 +218,7 @@ class Rebalancer:
                     self.hold(False)
 
     def run(self, steps: list[Step], body: Callable[[], None] | None = None,
-            restore: Callable[[], None] | None = None) -> None:
+            restore: Callable[[], object] | None = None) -> None:
         """Carry out the schedule (or `body`); on failure `restore`, then roll back to the old plan."""
         try:
             if body is not None:
@@ -258,7 +257,7 @@ class Rebalancer:
 
     def _finish(self, target: Plan) -> None:
         before = self.mix()
-        prepare_state(target)
+        self.node.write(target)
         self._manager(target).apply(before)
         self.admin.set_instances(backends(target))
         self.running = {i.name: i for i in target.instances}

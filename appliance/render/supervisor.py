@@ -14,29 +14,18 @@ from pathlib import PurePosixPath
 
 from appliance.errors import PdctlError
 from appliance.plan import Plan
-from appliance.render.common import (
-    PROXY_UNIT,
-    RenderedFile,
-    RenderOptions,
-    check_env_name,
-    instance_unit,
-    services,
-    template,
-)
+from appliance.render.names import PROXY_UNIT, instance_unit, services
+from appliance.render.templates import RenderedFile, RenderOptions, check_env_name, proxy_argv, template
+from appliance.statedir import StateDir
 
 CONF_NAME = "supervisord.conf"
 _ROLE_RANK = {"prefill": 0, "both": 0, "decode": 1}
 SOCKET_NAME = "supervisor.sock"
 
 
-def supervisor_dir(plan_state_dir: str) -> PurePosixPath:
-    """Where supervisord's config, socket, pid file and logs live."""
-    return PurePosixPath(plan_state_dir) / "supervisor"
-
-
 def socket_path(plan_state_dir: str) -> PurePosixPath:
     """supervisord's unix socket: in the state dir, unless that path is too long for AF_UNIX (108 bytes)."""
-    path = supervisor_dir(plan_state_dir) / SOCKET_NAME
+    path = StateDir.at(plan_state_dir).supervisor / SOCKET_NAME
     if len(str(path).encode()) <= 100:
         return path
     digest = hashlib.sha256(plan_state_dir.encode()).hexdigest()[:16]
@@ -90,8 +79,9 @@ def _program(name: str, argv: list[str], env: dict[str, str], workdir: str, logd
 def render_supervisor(plan: Plan, opts: RenderOptions | None = None) -> list[RenderedFile]:
     """supervisord.conf for the plan (mode 0600: environments may hold secrets)."""
     opts = opts or RenderOptions()
-    sdir = supervisor_dir(plan.state_dir)
-    logdir = sdir / "logs"
+    state = StateDir.at(plan.state_dir)
+    sdir = state.supervisor
+    logdir = state.supervisor_logs
     programs: list[str] = []
     names: list[str] = []
     for service in services(plan):
@@ -101,9 +91,8 @@ def render_supervisor(plan: Plan, opts: RenderOptions | None = None) -> list[Ren
             # By role, not by position: a plan without a role (mid-rebalance) must not change the others' config.
             priority = 100 + _ROLE_RANK[inst.role]
             programs.append(_program(name, inst.argv, inst.env, plan.state_dir, logdir, priority, 60))
-    proxy_argv = [opts.python, "-m", "appliance.proxy", "--config", str(PurePosixPath(plan.state_dir) / "proxy.json")]
     names.append(PROXY_UNIT)
-    programs.append(_program(PROXY_UNIT, proxy_argv, {}, plan.state_dir, logdir, 900, 30))
+    programs.append(_program(PROXY_UNIT, proxy_argv(plan, opts), {}, plan.state_dir, logdir, 900, 30))
     text = template("supervisord.conf.in").substitute(
         layout=plan.layout,
         connector=plan.connector,

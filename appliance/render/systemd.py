@@ -9,21 +9,20 @@ PartOf= it: `systemctl restart pd-decode` restarts every decode instance and ret
 from __future__ import annotations
 
 import re
-from pathlib import PurePosixPath
 
 from appliance.errors import PdctlError
 from appliance.plan import Instance, Plan
-from appliance.render.common import (
-    PROXY_UNIT,
+from appliance.render.names import PROXY_UNIT, instance_unit, role_of_service, services
+from appliance.render.templates import (
     RenderedFile,
     RenderOptions,
     check_env_name,
-    instance_unit,
-    role_of_service,
+    proxy_argv,
+    ready_argv,
     secret_env,
-    services,
     template,
 )
+from appliance.statedir import StateDir
 
 _PLAIN = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
 _C_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
@@ -99,15 +98,11 @@ def _path_value(path: str, what: str) -> str:
     return specifiers(path)
 
 
-def _ready_argv(python: str, url: str, timeout_s: float, any_answer: bool = False) -> list[str]:
-    argv = [python, "-m", "appliance", "wait-healthy", url, "--timeout", f"{timeout_s:g}"]
-    return argv + (["--any-answer"] if any_answer else [])
-
-
 def _engine_unit(plan: Plan, inst: Instance, opts: RenderOptions) -> tuple[RenderedFile, RenderedFile | None]:
     unit = instance_unit(inst)
     plain, secret = secret_env(inst.env)
-    env_file = str(PurePosixPath(plan.state_dir) / "env" / f"{unit}.env")
+    state = StateDir.at(plan.state_dir)
+    env_file = str(state.env_file(unit))
     environment = "".join(environment_line(k, v) + "\n" for k, v in sorted(plain.items()))
     gpus = ",".join(map(str, inst.gpus)) or "cpu"
     text = template("pd-engine.service.in").substitute(
@@ -121,11 +116,11 @@ def _engine_unit(plan: Plan, inst: Instance, opts: RenderOptions) -> tuple[Rende
         env_file=_path_value(env_file, "the environment file"),
         workdir=_path_value(plan.state_dir, "state_dir"),
         exec_start=exec_line(inst.argv),
-        exec_ready=exec_line(_ready_argv(opts.python, inst.url + "/health", opts.health_timeout_s)),
+        exec_ready=exec_line(ready_argv(opts, inst.url + "/health", opts.health_timeout_s)),
         # ExecStartPost counts against TimeoutStartSec: leave the health wait room to report first.
         start_timeout=f"{int(opts.health_timeout_s) + 60}s",
     )
-    private = RenderedFile(f"env/{unit}.env", env_file_text(secret), 0o600) if secret else None
+    private = RenderedFile(str(state.env_file(unit).relative_to(state.root)), env_file_text(secret), 0o600) if secret else None
     return RenderedFile(f"{unit}.service", text), private
 
 
@@ -151,7 +146,6 @@ def render_systemd(plan: Plan, opts: RenderOptions | None = None) -> Rendered:
             if secret_file:
                 private.append(secret_file)
     engines = " ".join(f"{s}.service" for s in groups)
-    proxy_argv = [opts.python, "-m", "appliance.proxy", "--config", str(PurePosixPath(plan.state_dir) / "proxy.json")]
     admin = f"http://{plan.proxy.admin_host}:{plan.proxy.admin_port}/admin/state"
     units.append(
         RenderedFile(
@@ -161,11 +155,11 @@ def render_systemd(plan: Plan, opts: RenderOptions | None = None) -> Rendered:
                 connector=plan.connector,
                 mode=plan.mode,
                 engines=engines,
-                env_file=_path_value(str(PurePosixPath(plan.state_dir) / "env" / f"{PROXY_UNIT}.env"), "env file"),
+                env_file=_path_value(str(StateDir.at(plan.state_dir).env_file(PROXY_UNIT)), "env file"),
                 workdir=_path_value(plan.state_dir, "state_dir"),
-                exec_start=exec_line(proxy_argv),
+                exec_start=exec_line(proxy_argv(plan, opts)),
                 # The admin API answers as soon as the proxy listens, whatever the engines' health.
-                exec_ready=exec_line(_ready_argv(opts.python, admin, opts.proxy_ready_timeout_s, any_answer=True)),
+                exec_ready=exec_line(ready_argv(opts, admin, opts.proxy_ready_timeout_s, any_answer=True)),
             ),
         )
     )

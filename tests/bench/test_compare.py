@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from appliance.bench.compare import _drop_none, shape_plan, shapes, to_toml
+from appliance.bench.compare import shape_plan, shapes, to_toml
 from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
 from appliance.ports import free_ports
@@ -77,7 +77,7 @@ def test_shape_settings_file_reads_back_as_the_same_settings() -> None:
             "colocated": {"gpus": [0, 1]},
         }
     )
-    text = to_toml(_drop_none(settings.model_dump(mode="json")))
+    text = to_toml(settings)
     # Values only: a settings object also remembers where each value came from (flag, file), which differs.
     assert Settings.model_validate(tomllib.loads(text)).model_dump() == settings.model_dump()
 

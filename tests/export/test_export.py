@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from appliance.export import ExportError, ExportOptions, build_export
-from appliance.export.common import (
+from appliance.export.cluster import (
     argv_from_engine_kwargs,
     engine_kwargs_from_argv,
     parse_replicas,

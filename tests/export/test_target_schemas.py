@@ -173,7 +173,7 @@ def test_exported_app_serves_on_a_local_ray_head(tmp_path: Path) -> None:
 
 def test_example_connector_export_refuses_unequal_block_sizes(tmp_path: Path) -> None:
     """ExampleConnector's folder names hash block-aligned prompt tokens: unequal block sizes never match."""
-    from appliance.export.common import ExportError
+    from appliance.export.cluster import ExportError
 
     base = {
         "state_dir": str(tmp_path / "state"),
@@ -197,7 +197,7 @@ def test_example_connector_export_refuses_unequal_block_sizes(tmp_path: Path) ->
 def test_human_readable_vllm_integers_become_engine_kwargs_integers() -> None:
     """vLLM's CLI takes '256M' for --kv-cache-memory-bytes; EngineArgs (Ray's engine_kwargs) needs the integer."""
     from appliance.engine.command import VLLM_ENTRYPOINT
-    from appliance.export.common import ExportError, engine_kwargs_from_argv
+    from appliance.export.cluster import ExportError, engine_kwargs_from_argv
 
     kwargs = engine_kwargs_from_argv(["python", "-m", VLLM_ENTRYPOINT, "--kv-cache-memory-bytes", "256M",
                                       "--max-model-len=25.6k", "--max-num-batched-tokens", "2048", "--dtype", "float32"])

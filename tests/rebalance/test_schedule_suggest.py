@@ -6,10 +6,11 @@ import pytest
 
 from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
+from appliance.node import layered, pinned
 from appliance.plan import plan
-from appliance.rebalance.layout import merge, parse_role, pinned, role_overrides
 from appliance.rebalance.schedule import schedule
 from appliance.settings import Settings
+from appliance.shapes import parse_role, role_overrides
 from appliance.suggest import Prediction, sim_profile, suggest
 
 INV = load_inventory("sim:mi300x-8")
@@ -17,7 +18,7 @@ BASE = {"engine": {"kind": "sim"}, "connector": {"name": "moriio"}}
 
 
 def _plan(overrides: dict):
-    return plan(Settings.model_validate(merge(BASE, overrides)), INV)
+    return plan(Settings.model_validate(layered(BASE, overrides)), INV)
 
 
 def test_parse_role_shapes_and_sets() -> None:
@@ -37,13 +38,13 @@ def test_pinned_reproduces_the_plan() -> None:
 
 def test_schedule_example_and_unchanged_instances_keep_running() -> None:
     a = _plan({})
-    b = _plan(merge(pinned(a), role_overrides({"prefill_gpus": 2, "decode_gpus": 6})))
+    b = _plan(layered(pinned(a), role_overrides({"prefill_gpus": 2, "decode_gpus": 6})))
     first = schedule(a.instances, b.instances)
     assert first.actions == {"prefill-0": "restart", "decode-0": "restart"}
     assert [(s.kind, s.names, s.gap) for s in first.steps] == [
         ("stop", ("prefill-0",), "prefill"), ("start", ("prefill-0",), None),
         ("stop", ("decode-0",), "decode"), ("start", ("decode-0",), None)]
-    c = _plan(merge(pinned(b), role_overrides({"prefill_set": "2xTP2", "decode_set": "1xTP4"})))
+    c = _plan(layered(pinned(b), role_overrides({"prefill_set": "2xTP2", "decode_set": "1xTP4"})))
     second = schedule(b.instances, c.instances)
     assert second.actions == {"prefill-0": "keep", "prefill-1": "start", "decode-0": "restart"}
     assert [(s.kind, s.names) for s in second.steps] == [("stop", ("decode-0",)), ("start", ("prefill-1", "decode-0"))]

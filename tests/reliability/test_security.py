@@ -23,10 +23,10 @@ import zmq
 import zmq.asyncio
 
 from appliance.errors import ConfigError
-from appliance.manager.base import write_atomic
 from appliance.proxy.app import Proxy
 from appliance.proxy.config import ProxyConfig, load_config, read_secret
 from appliance.settings import Settings
+from appliance.statedir import write_atomic
 from tests.reliability.procs import ROOT
 
 PACKAGE = ROOT / "appliance"
@@ -255,9 +255,9 @@ def test_rendered_secrets_are_private(tmp_path: Path) -> None:
     names the key file but never holds the key."""
     from appliance.inventory import load_inventory
     from appliance.plan import plan, proxy_config
-    from appliance.render.common import RenderOptions
     from appliance.render.supervisor import render_supervisor
     from appliance.render.systemd import render_systemd
+    from appliance.render.templates import RenderOptions
 
     key = _secret(tmp_path, "api.key", "sup3r-secret")
     settings = Settings.model_validate({

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from appliance.cli.lifecycle import prepare_state, render_options
 from appliance.inventory import load_inventory
-from appliance.manager.base import write_atomic
+from appliance.node import Node
 from appliance.plan import plan as make_plan
 from appliance.render import render_systemd
 from appliance.render.systemd import exec_line
 from appliance.settings import load_settings
+from appliance.statedir import write_atomic
 from tests.manager.deploy import pdctl, status, try_complete, wait_until, write_config
 from tests.systemd.nsboot import NamespacedSystemd, why_not
 
@@ -34,10 +34,11 @@ def booted(tmp_path: Path):
     config = write_config(tmp_path, state, manager="systemd")
     settings = load_settings(config)
     p = make_plan(settings, load_inventory("sim:cpu"))
-    rendered = render_systemd(p, render_options(settings))
+    node = Node(settings)
+    rendered = render_systemd(p, node.render_options())
     for f in rendered.units:
         write_atomic(units / f.name, f.text, f.mode)
-    prepare_state(p)
+    node.write(p)
     (state / "manager").write_text("systemd\n")
     echo = [sys.executable, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))", *AWKWARD]
     (units / "argv-echo.service").write_text(

@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from appliance.connector import check_name, get_connector, names
+from appliance.roles import Role
 
-Role = Literal["prefill", "decode", "both"]
 Mode = Literal["read", "write"]
 
 

@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: settings, inventory and plan from the global options, and the plan-shaping flags."""
+"""The options commands share: the plan-shaping flags, and the settings, inventory and plan that the global
+--config / --inventory options and those flags resolve to."""
 
 from __future__ import annotations
 

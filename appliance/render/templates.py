@@ -1,4 +1,5 @@
-"""What both renderers share: naming, options, the template loader and the secret/plain env split."""
+"""What both renderers build from: their options, the unit templates, the command lines of the proxy
+and of the health wait, and the secret/plain environment split."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from appliance.errors import PdctlError
-from appliance.plan import Instance, Plan
-
-PROXY_UNIT = "pd-proxy"
-TARGET = "pd"
+from appliance.plan import Plan
+from appliance.statedir import StateDir
 
 # Variables whose names look like credentials never go into a unit file or the command line.
 _SECRET = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
@@ -37,31 +36,15 @@ class RenderOptions:
     minfds: int = 65536
 
 
-def role_service(plan: Plan, role: str) -> str:
-    """The group service of a role: pd-prefill, pd-decode or pd-colocated."""
-    for inst in plan.instances:
-        if inst.role == role:
-            return inst.service
-    raise PdctlError(f"the plan has no {role} instances", fix=f"roles here: {', '.join(services(plan))}")
+def proxy_argv(plan: Plan, opts: RenderOptions) -> list[str]:
+    """The proxy's command line: pdctl's Python running appliance.proxy on the state directory's proxy.json."""
+    return [opts.python, "-m", "appliance.proxy", "--config", str(StateDir.at(plan.state_dir).proxy_config)]
 
 
-def services(plan: Plan) -> list[str]:
-    """The group services of the plan in start order (prefill before decode), without the proxy."""
-    out: list[str] = []
-    for inst in plan.instances:
-        if inst.service not in out:
-            out.append(inst.service)
-    return out
-
-
-def role_of_service(plan: Plan, service: str) -> list[Instance]:
-    """The instances of a group service."""
-    return [i for i in plan.instances if i.service == service]
-
-
-def instance_unit(inst: Instance) -> str:
-    """The unit/program name of one instance, e.g. pd-decode-1 (pd-colocated-0 for role "both")."""
-    return f"{inst.service}-{inst.index}"
+def ready_argv(opts: RenderOptions, url: str, timeout_s: float, any_answer: bool = False) -> list[str]:
+    """`pdctl wait-healthy`'s command line: wait until `url` answers 200 (or anything, with any_answer)."""
+    argv = [opts.python, "-m", "appliance", "wait-healthy", url, "--timeout", f"{timeout_s:g}"]
+    return argv + (["--any-answer"] if any_answer else [])
 
 
 def secret_env(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:

@@ -1,0 +1,243 @@
+"""The deployed node: what is deployed in one state directory, and the service manager that runs it.
+
+`pdctl up` applies a plan here; `status`, `restart`, `logs`, `down`, `rebalance`, `mode` and `bench --compare`
+load what was applied from here. The files (appliance.statedir): plan.json is what is deployed; proxy.json
+is derived from it; `manager` records which service manager `up` used, so later commands drive the same
+one; layout.json keeps the shape a rebalance left, applied over pdctl.toml until `rebalance --reset`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from appliance.errors import PdctlError
+from appliance.manager import ACTIVE, ServiceManager, choose_manager
+from appliance.plan import Plan, busy_ports, proxy_config
+from appliance.ports import port_free
+from appliance.render.names import PROXY_UNIT, TARGET, instance_unit
+from appliance.render.templates import RenderOptions
+from appliance.roles import ROLES
+from appliance.settings import Settings, deep_merge
+from appliance.statedir import StateDir, write_atomic
+
+if TYPE_CHECKING:
+    from appliance.proxy.client import AdminClient
+
+EXIT_DOWN = 3
+# Sections of a layout that a command line naming the same role replaces whole (a shape, not a tweak).
+ROLE_SECTIONS = ("prefill", "decode", "colocated")
+
+
+class NotDeployed(PdctlError):
+    """No plan was ever applied in this state_dir."""
+
+    exit_code = EXIT_DOWN
+
+
+def http_answer(url: str, timeout: float = 2.0) -> int | None:
+    """The HTTP status `url` answers with, or None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return None
+
+
+def _loopback(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def admin_url(plan: Plan) -> str:
+    """The proxy's admin API base URL."""
+    return f"http://{_loopback(plan.proxy.admin_host)}:{plan.proxy.admin_port}"
+
+
+def admin_client(plan: Plan, timeout: float) -> AdminClient:
+    """A client of the proxy's admin API, with the plan's token."""
+    from appliance.proxy.client import AdminClient
+
+    return AdminClient(admin_url(plan), token_file=plan.proxy.admin_token_file, timeout=timeout)
+
+
+def proxy_state(plan: Plan) -> dict[str, Any] | None:
+    """The proxy's /admin/state, or None when it does not answer."""
+    from appliance.proxy.client import ProxyAdminError
+
+    try:
+        return admin_client(plan, timeout=3).state()
+    except (ProxyAdminError, OSError):
+        return None
+
+
+def pinned(plan: Plan) -> dict[str, Any]:
+    """The plan's roles as settings that reproduce it exactly (explicit GPUs, instances, TP, DP) and its mode."""
+    out: dict[str, Any] = {"connector": {"mode": plan.mode}}
+    for role in ROLES:
+        insts = plan.role_instances(role)
+        if not insts:
+            continue
+        key = "colocated" if role == "both" else role
+        gpus = [g for i in insts for g in i.gpus]
+        out[key] = {"gpus": gpus or None, "gpu_count": None, "instances": len(insts),
+                    "tp": insts[0].tp if gpus else None, "dp": insts[0].dp}
+    return out
+
+
+def layered(layout: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Command-line overrides over a layout: a role the command line names replaces the layout's."""
+    kept = {k: v for k, v in layout.items() if not (k in ROLE_SECTIONS and k in overrides)}
+    return deep_merge(kept, overrides)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What writing a plan changed: unit definitions, and whether the proxy's configuration did."""
+
+    units: set[str]
+    proxy_config: bool
+
+    def to_restart(self) -> set[str]:
+        """Units whose running process is out of date (the proxy reads proxy.json only at start)."""
+        return self.units | ({PROXY_UNIT} if self.proxy_config else set())
+
+
+class Node:
+    """The node that `settings.state_dir` describes."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.state = StateDir.at(settings.state_dir)
+
+    # ------------------------------------------------------------------------------------------ reading
+    def installed(self) -> Plan | None:
+        """The plan `pdctl up` last applied, or None."""
+        path = Path(self.state.plan)
+        try:
+            return Plan.model_validate_json(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise PdctlError(f"{path} cannot be read ({exc})", fix="run `pdctl up` to write it again") from None
+
+    def deployed(self) -> Plan:
+        """The installed plan; NotDeployed (one line, exit 3) when nothing was deployed."""
+        plan = self.installed()
+        if plan is None:
+            raise NotDeployed(f"nothing is deployed here ({self.state.plan} is missing)", fix="run `pdctl up`")
+        return plan
+
+    def layout(self) -> dict[str, Any]:
+        """The overrides the last rebalance recorded, or {} when there are none."""
+        path = Path(self.state.layout)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise PdctlError(f"{path} cannot be read ({exc})",
+                             fix="delete it to return to pdctl.toml's layout") from None
+        return data.get("overrides", {}) if isinstance(data, dict) else {}
+
+    def with_layout(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """`overrides` on top of the recorded layout (if a rebalance wrote one)."""
+        layout = self.layout()
+        return layered(layout, overrides) if layout else overrides
+
+    # -------------------------------------------------------------------------------------- the manager
+    def render_options(self) -> RenderOptions:
+        """Renderer options from the settings."""
+        return RenderOptions(python=sys.executable, health_timeout_s=self.settings.engine.health_timeout_s)
+
+    def manager_kind(self, choice: str | None = None, *, recorded: bool = True) -> str:
+        """`choice`, else (with `recorded`) the manager `pdctl up` used, else the setting (may be "auto")."""
+        path = Path(self.state.manager)
+        return choice or (path.read_text().strip() if recorded and path.is_file() else self.settings.manager)
+
+    def manager(self, plan: Plan, choice: str | None = None, *, recorded: bool = True) -> ServiceManager:
+        """The manager: `choice`, else (with `recorded`) the one `pdctl up` used, else the setting (auto)."""
+        kind = self.manager_kind(choice, recorded=recorded)
+        # For driving a systemd that is not this namespace's PID 1 (the tests boot one with unshare).
+        prefix = shlex.split(os.environ.get("PDCTL_SYSTEMD_PREFIX", ""))
+        return choose_manager(plan, kind, self.settings.unit_dir, self.render_options(), prefix=prefix)
+
+    # ------------------------------------------------------------------------------------------ writing
+    def write(self, plan: Plan) -> bool:
+        """The state directory, plan.json and proxy.json (atomically), the KV store; True when proxy.json changed."""
+        Path(self.state.root).mkdir(parents=True, exist_ok=True)
+        for inst in plan.instances:
+            store = (inst.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("shared_storage_path")
+            if store:
+                Path(store).mkdir(parents=True, exist_ok=True)
+        changed = write_atomic(self.state.proxy_config, json.dumps(proxy_config(plan), indent=2) + "\n")
+        write_atomic(self.state.plan, plan.model_dump_json(indent=2) + "\n")
+        return changed
+
+    def apply(self, plan: Plan, manager: ServiceManager, previous: Plan | None) -> Applied:
+        """Write the state files and the manager's configuration for `plan`, and record the manager."""
+        proxy_changed = self.write(plan)
+        write_atomic(self.state.manager, manager.name + "\n")
+        return Applied(manager.apply(previous), proxy_changed)
+
+    def record_layout(self, plan: Plan | None) -> None:
+        """Record the layout `plan` runs (a rebalance's result), or with None drop it (back to pdctl.toml)."""
+        path = Path(self.state.layout)
+        if plan is None:
+            path.unlink(missing_ok=True)
+            return
+        doc = {"written_by": "pdctl rebalance", "overrides": pinned(plan)}
+        write_atomic(path, json.dumps(doc, indent=2) + "\n")
+
+    def ensure_model(self, plan: Plan) -> None:
+        """Write the embedded tiny model before vLLM starts (Plan.model.generate); the sim needs none."""
+        if not plan.model.generate or plan.engine != "vllm":
+            return
+        from appliance.engine import tinymodel
+
+        try:
+            tinymodel.write_tiny_model(Path(plan.model.path))
+            return
+        except ImportError:
+            pass
+        # pdctl's own environment lacks the model libraries: the engine's Python has them. The generator is one
+        # self-contained file, run isolated (-I) so neither pdctl's packages nor PYTHONPATH shadow the engine's.
+        python = self.settings.engine.python or sys.executable
+        done = subprocess.run([python, "-I", tinymodel.__file__, plan.model.path], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise PdctlError(f"cannot generate the tiny model: {done.stderr.strip()}",
+                             fix="set engine.python to the Python that has vLLM")
+
+    # ------------------------------------------------------------------------------------------- running
+    def up(self, plan: Plan, manager: ServiceManager) -> list[str]:
+        """Apply `plan` and start it: changed running units restart, stopped ones start; returns both, in order.
+
+        Refuses (before anything is written) when a port of the plan is held by something else.
+        """
+        previous = self.installed()
+        before = manager.status()
+        mine = {inst.name for inst in plan.instances if before[instance_unit(inst)].state in ACTIVE}
+        if before[PROXY_UNIT].state in ACTIVE:
+            mine.add("proxy")
+        problems = busy_ports(plan, port_free, skip=mine)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise PdctlError(problems[0] + more, fix="stop what holds it, or move the port in pdctl.toml")
+        self.ensure_model(plan)
+        changed = self.apply(plan, manager, previous).to_restart()
+        now = manager.status()
+        restart = [u for u in manager.units() if u in changed and now[u].state in ACTIVE]
+        if restart:
+            manager.restart(restart)
+        started = [u for u in manager.units() if now[u].state not in ACTIVE]
+        manager.start([TARGET])
+        return restart + started
