@@ -26,7 +26,12 @@ def pyplot():  # type: ignore[no-untyped-def]
 def _banner(result: BenchResult) -> str:
     w = result.workload
     sim = "SIMULATED ENGINE (time model, not hardware) - " if result.engine == "sim" else ""
-    return f"{sim}{w.input_len} in / {w.output_len} out tokens, {w.num_requests} requests per rate, Poisson"
+    per_rate = (
+        f">= {w.num_requests} measured per rate over >= {w.lifetimes:g} request lifetimes"
+        if w.lifetimes > 0
+        else f"{w.num_requests} requests per rate"
+    )
+    return f"{sim}{w.input_len} in / {w.output_len} out tokens, {per_rate}, Poisson"
 
 
 def plot_attainment(result: BenchResult, path: Path) -> Path:
@@ -101,7 +106,7 @@ def plot_latency(result: BenchResult, path: Path, rate: float | None = None) -> 
         at = _at(shape.rates, rate)
         if at is None:
             continue
-        ok = [r for r in at.requests if r.success]
+        ok = [r for r in at.requests if r.success and r.measured]
         ttfts = sorted(1000 * r.chunk_times_s[0] for r in ok)
         gaps = sorted(1000 * g for r in ok for g in token_gaps(r.chunk_times_s, r.chunk_tokens))
         for ax, values in ((ax_t, ttfts), (ax_i, gaps)):

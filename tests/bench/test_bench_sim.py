@@ -293,3 +293,5 @@ def test_steady_sweep_stops_at_the_ceiling_and_judges_only_the_window(deployment
         assert rate["summary"]["sent"] == len(measured) and rate["summary"]["unmeasured"] == len(reqs) - len(measured)
         assert rate["summary"]["attainment_by_judgement"]["mean"] == pytest.approx(mean[rates.index(rate)])
     assert sum(r["summary"]["unmeasured"] for r in rates) > 0  # warm-up arrivals were sent and left out
+    unmeasured = [q for r in rates for q in r["requests"] if not q["measured"]]
+    assert all(q["chunk_times_s"] == [] and q["latency_s"] > 0 for q in unmeasured if q["success"])
