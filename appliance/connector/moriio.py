@@ -123,7 +123,8 @@ class MoriioConnector(Connector):
         }
 
     def proxy_kv(self, ctx: InstanceContext) -> dict[str, str | int]:
-        return {"zmq_address": zmq_address(ctx.host, ctx.handshake_port, ctx.notify_port)}
+        # the proxy holds a planned instance to this address and mode whatever a registration says
+        return {"zmq_address": zmq_address(ctx.host, ctx.handshake_port, ctx.notify_port), "transfer_mode": ctx.mode}
 
     def sim_args(self, ctx: InstanceContext) -> list[str]:
         return ["--proxy-ping", f"{ctx.proxy_host}:{ctx.proxy_ping_port}",

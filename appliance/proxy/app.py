@@ -24,7 +24,7 @@ from appliance.proxy.routing import HealthChecker, Router
 log = logging.getLogger("appliance.proxy")
 
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "min_tokens")
-_FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+_CHECKED_HEADERS = ("Authorization", "X-Request-Id")
 
 
 
@@ -70,6 +70,7 @@ class Proxy:
         self.mode: str = config.mode
         self.connector = get_connector(config.connector)
         self.api_key = read_secret(config.api_key_file)
+        self.engine_key = read_secret(config.engine_api_key_file)
         self.admin_token = read_secret(config.admin.token_file)
         self.metrics = ProxyMetrics(lambda: self.registry)
         self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
@@ -264,13 +265,13 @@ class Proxy:
             slow = error_response(408, f"the request body did not arrive within {limits.body_timeout_s:g}s")
             slow.force_close()
             return None, slow
-        for name in _FORWARDED_HEADERS:
+        for name in _CHECKED_HEADERS:
             value = request.headers.get(name)
-            # forwarded to the engines as latin-1 HTTP: only printable ASCII can cross safely
+            # X-Request-Id is forwarded to the engines as latin-1 HTTP: only printable ASCII can cross safely
             if value is not None and (not value.isascii() or not value.isprintable() or len(value) > 1024):
                 return None, error_response(400, f"header {name} must be printable ASCII of at most 1024 characters")
         if json_too_deep(raw, limits.max_json_depth):
-            return None, error_response(400, f"request body is nested more than {limits.max_json_depth} deep")
+            return None, error_response(400, f"request body is nested too deeply (more than {limits.max_json_depth} levels)")
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:

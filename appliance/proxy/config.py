@@ -46,6 +46,12 @@ class RegistrationConfig(_Model):
     ping_interval_s: float = Field(default=5.0, gt=0)
     expire_after_missed: int = Field(default=3, ge=1)
     max_instances: int = Field(default=256, ge=1)  # registered instances; more is a runaway or an attack
+    # A registration may only claim its sender's own address; a sender that registers engines at other
+    # addresses (a NAT, a multi-homed host) is listed here: {"sender IP": ["claimed IP", ...]}.
+    peer_hosts: dict[str, list[str]] = Field(default_factory=dict)
+    # Registrations handled per second (engines ping every few seconds); a flood waits in ZMQ's bounded
+    # queues, fair-queued per sender, so it costs bounded CPU and cannot crowd out the engines' pings.
+    max_per_s: float = Field(default=1000.0, gt=0)
 
 
 class AdminConfig(_Model):
@@ -117,6 +123,8 @@ class ProxyConfig(_Model):
     routing: Routing = "least_outstanding"
     model: str = Field(min_length=1)
     api_key_file: str | None = None
+    # sent to the engines as their Bearer key (vLLM --api-key); the client's own key is never forwarded
+    engine_api_key_file: str | None = None
     registration: RegistrationConfig = Field(default_factory=RegistrationConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     timeouts: Timeouts = Field(default_factory=Timeouts)

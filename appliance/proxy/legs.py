@@ -338,10 +338,10 @@ async def run_decode(
 async def handle_completion(proxy: Proxy, request: web.Request, path: str, body: dict[str, Any]) -> web.StreamResponse:
     """Route one validated request through the legs its connector and mode call for."""
     started = time.monotonic()
+    # the engines' own key, when they have one; the client's key is never forwarded to an engine
     headers: list[tuple[str, str]] = []
-    auth = request.headers.get("Authorization")
-    if auth is not None:
-        headers.append(("Authorization", auth))
+    if proxy.engine_key is not None:
+        headers.append(("Authorization", f"Bearer {proxy.engine_key}"))
     connector = proxy.connector
     router = proxy.router
     if not connector.disaggregated:
@@ -396,6 +396,10 @@ async def _disaggregated(
     prefill_body = connector.prefill_body(body, prefill, decode, handoff)
     # Both legs carry the same id: connectors match the two halves of a request by it (NIXL push does).
     headers.append(("X-Request-Id", rid))
+    for name, value in headers:
+        # registration data reaches the request id: nothing may end a header line or leave latin-1 ASCII
+        if not (value.isascii() and value.isprintable()):
+            raise LegFailure(502, f"refusing to send an unsafe {name} header to the engines")
     if proxy.mode == "read" or connector.write_waits_for_prefill:
         kv = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers)
         decode_body = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)

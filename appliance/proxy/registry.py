@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -14,7 +16,6 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from appliance.connector.moriio import parse_zmq_address
 from appliance.connector.moriio import zmq_address as zmq_address_of
 from appliance.proxy.config import Backend, RegistrationConfig
 from appliance.proxy.upstream import UpstreamPool
@@ -25,6 +26,11 @@ _ROLE_BY_LETTER = {"P": "prefill", "D": "decode"}
 # A registration is a few hundred bytes; a bigger frame is garbage or an attempt to make us buffer it.
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_RANKS = 1024  # dp_size / tp_size beyond this are not a real engine (and would size per-rank tables)
+# MORI-IO's peer address, exactly; it ends up in the request ids (an HTTP header) the engines parse
+_ZMQ_ADDRESS = re.compile(r"host:([0-9A-Fa-f.:]{2,45}),handshake:([0-9]{1,5}),notify:([0-9]{1,5})")
+_HTTP_ADDRESS = re.compile(r"\[?([0-9A-Fa-f.:]{2,45}?)\]?:([0-9]{1,5})")
+_MAX_ADDRESS = 128
+LOG_EVERY_S = 10.0  # rejected registrations: one log line per this interval, with the count since the last
 
 
 class Instance:
@@ -55,6 +61,7 @@ class Instance:
         self.http_address = f"{self.host}:{self.port}"
         self.pool = UpstreamPool(self.host, self.port, connect_timeout)
         self.healthy = False
+        self.ever_healthy = False  # passed a probe once: kept when registrations crowd the registry
         self.draining = False
         self.stopping = False  # in a planned stop (appliance.proxy.planned): out of rotation until it is back
         self.in_flight = 0  # legs running on this instance (what least-outstanding routing compares)
@@ -67,7 +74,8 @@ class Instance:
         self.dp_next = 0
         self.failures = 0
         self.failed_probes = 0  # health probes that failed, ever (a planned stop learns from it that it went down)
-        self.transfer_mode: str | None = None  # as registered (moriio); None when unknown
+        # moriio: the mode the engine runs, from the plan (kv "transfer_mode") or its registration; None: unknown
+        self.transfer_mode: str | None = str(self.kv["transfer_mode"]) if "transfer_mode" in self.kv else None
         self.last_seen: float | None = None  # wall clock of the last registration ping
         self.last_seen_mono: float | None = None
         self.removed = False
@@ -105,6 +113,8 @@ class InstanceRegistry:
         self.connect_timeout = connect_timeout
         self.instances: dict[str, Instance] = {}
         self.by_role: dict[str, list[Instance]] = {"prefill": [], "decode": [], "both": []}
+        self._by_address: dict[tuple[str, str], Instance] = {}
+        self.registered = 0  # instances that came from registrations (registration.max_instances counts these)
         self.on_added = on_added
         self._retired_pools: list[UpstreamPool] = []
 
@@ -113,15 +123,15 @@ class InstanceRegistry:
         for inst in self.instances.values():
             by_role[inst.role].append(inst)
         self.by_role = by_role
+        # a registration looks its instance up in O(1): a flood of pings must not cost O(instances) each
+        self._by_address = {(i.role, i.http_address): i for i in self.instances.values()}
+        self.registered = sum(1 for i in self.instances.values() if i.source == "registered")
 
     def get(self, name: str) -> Instance | None:
         return self.instances.get(name)
 
     def find_by_address(self, role: str, http_address: str) -> Instance | None:
-        for inst in self.by_role.get(role, ()):
-            if inst.http_address == http_address:
-                return inst
-        return None
+        return self._by_address.get((role, http_address))
 
     def _remove(self, inst: Instance) -> None:
         inst.removed = True
@@ -141,6 +151,8 @@ class InstanceRegistry:
                 current.set_dp_size(backend.dp_size)
                 current.tp_size = backend.tp_size
                 current.kv.update(backend.kv)
+                if "transfer_mode" in backend.kv:
+                    current.transfer_mode = str(backend.kv["transfer_mode"])
                 continue
             if current is not None:
                 self._remove(current)
@@ -173,10 +185,11 @@ class InstanceRegistry:
         inst = self.find_by_address(role, http_address)
         created = inst is None
         if inst is None:
+            host, _, port = http_address.rpartition(":")
             inst = Instance(
                 self._free_name(role),
                 role,
-                f"http://{http_address}",
+                f"http://[{host}]:{port}" if ":" in host else f"http://{http_address}",
                 source="registered",
                 connect_timeout=self.connect_timeout,
                 dp_size=dp_size,
@@ -193,6 +206,17 @@ class InstanceRegistry:
         if created and self.on_added is not None:
             self.on_added(inst)
         return inst, created
+
+    def evict_for_newcomer(self) -> Instance | None:
+        """Make room for a new registration: drop the oldest registered instance that never passed a probe
+        (planned and once-healthy instances stay); None when every registered instance has been healthy."""
+        never = [i for i in self.instances.values() if i.source == "registered" and not i.ever_healthy]
+        if not never:
+            return None
+        oldest = min(never, key=lambda i: i.last_seen_mono or 0.0)
+        self._remove(oldest)
+        self._rebuild()
+        return oldest
 
     def expire(self, max_age_s: float) -> list[Instance]:
         """Remove registered instances whose pings stopped; static ones stay (probes judge them)."""
@@ -224,24 +248,55 @@ class InstanceRegistry:
 
 
 class RegistrationError(ValueError):
-    """A registration message that cannot be used (logged, counted, ignored)."""
+    """A registration message that cannot be used (logged, counted as `result`, ignored)."""
+
+    def __init__(self, message: str, result: str = "malformed") -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def _show(value: Any) -> str:
+    """A value as it may appear in a log line: repr (CR/LF and the like escaped), ASCII, cut short."""
+    text = ascii(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _ip(text: str, what: str) -> str:
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise RegistrationError(f"{what} host {_show(text)} is not an IP address") from None
+
+
+def _port(text: str, what: str) -> int:
+    port = int(text)  # ASCII digits only: the patterns allow nothing else
+    if not 0 < port < 65536:
+        raise RegistrationError(f"{what} port {port} is outside 1-65535")
+    return port
 
 
 def _zmq_host(value: str) -> str:
-    """The host of a MORI-IO zmq_address, which must also name two ports from 1 to 65535."""
-    try:
-        host, handshake, notify = parse_zmq_address(value)
-    except ValueError as exc:
-        raise RegistrationError(f"zmq_address {exc}") from None
-    if not host or not (0 < handshake < 65536 and 0 < notify < 65536):
-        raise RegistrationError(f"zmq_address {value!r} has no host or a port outside 1-65535")
-    return host
+    """The host of MORI-IO's "host:IP,handshake:PORT,notify:PORT", parsed strictly: an IP address, ports
+    1-65535, nothing else (it ends up in the request ids, an HTTP header, the engines parse)."""
+    match = _ZMQ_ADDRESS.fullmatch(value) if len(value) <= _MAX_ADDRESS else None
+    if match is None:
+        raise RegistrationError(f"zmq_address {_show(value)} is not 'host:IP,handshake:PORT,notify:PORT'")
+    _port(match.group(2), "zmq_address handshake")
+    _port(match.group(3), "zmq_address notify")
+    return _ip(match.group(1), "zmq_address")
+
+
+def _parse_http_address(value: str) -> tuple[str, int]:
+    match = _HTTP_ADDRESS.fullmatch(value) if len(value) <= _MAX_ADDRESS else None
+    if match is None:
+        raise RegistrationError(f"http_address {_show(value)} is not IP:PORT")
+    return _ip(match.group(1), "http_address"), _port(match.group(2), "http_address")
 
 
 def _positive_int(data: dict[str, Any], key: str) -> int:
     value = data.get(key, 1)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RANKS:
-        raise RegistrationError(f"{key} must be an integer from 1 to {MAX_RANKS}, got {value!r}")
+        raise RegistrationError(f"{key} must be an integer from 1 to {MAX_RANKS}, got {_show(value)}")
     return value
 
 
@@ -269,31 +324,32 @@ def normalize_registration(data: Any) -> dict[str, Any] | None:
     elif kind == "register":
         role_letter = data.get("role")
         if not isinstance(role_letter, str) or role_letter not in _ROLE_BY_LETTER:
-            raise RegistrationError(f"role must be P or D, got {role_letter!r}")
+            raise RegistrationError(f"role must be P or D, got {_show(role_letter)}")
         missing = {"request_address", "handshake_port", "notify_port"} - data.keys()
         if missing:
             raise RegistrationError(f"missing keys {sorted(missing)}")
-        parts = urlsplit(str(data["request_address"]))
-        if not parts.hostname or parts.port is None:
-            raise RegistrationError(f"request_address {data['request_address']!r} has no host:port")
-        http_address = f"{parts.hostname}:{parts.port}"
+        try:
+            parts = urlsplit(str(data["request_address"])[:_MAX_ADDRESS])
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None:
+            raise RegistrationError(f"request_address {_show(data['request_address'])} has no host:port")
+        http_address = f"{parts.hostname}:{port}"
         zmq_address = zmq_address_of(parts.hostname, data["handshake_port"], data["notify_port"])
     else:
-        raise RegistrationError(f"unknown message type {kind!r}")
+        raise RegistrationError(f"unknown message type {_show(kind)}")
     if not isinstance(http_address, str) or not isinstance(zmq_address, str):
         raise RegistrationError("http_address and zmq_address must be strings")
-    host, _, port = http_address.rpartition(":")
-    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
-        raise RegistrationError(f"http_address {http_address!r} is not HOST:PORT with a port from 1 to 65535")
-    if any(c in host for c in "/?#@ ") or not host.isprintable():
-        raise RegistrationError(f"http_address {http_address!r} has an unusable host")
+    host, port = _parse_http_address(http_address)
     zmq_host = _zmq_host(zmq_address)
-    mode = str(data.get("transfer_mode", "")).lower()
-    if mode not in ("read", "write"):
-        raise RegistrationError(f"transfer_mode must be READ or WRITE, got {data.get('transfer_mode')!r}")
+    mode = data.get("transfer_mode")
+    if mode not in ("READ", "WRITE", "read", "write"):
+        raise RegistrationError(f"transfer_mode must be READ or WRITE, got {_show(mode)}")
+    mode = mode.lower()
     return {
         "role": _ROLE_BY_LETTER[role_letter],
-        "http_address": http_address,
+        "http_address": f"{host}:{port}",
         "http_host": host,
         "zmq_address": zmq_address,
         "zmq_host": zmq_host,
@@ -321,6 +377,8 @@ class RegistrationListener:
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port = config.port
+        self._rejected = 0
+        self._next_log = 0.0
 
     def start(self) -> None:
         """Bind the ROUTER socket and start receiving and expiring."""
@@ -328,6 +386,8 @@ class RegistrationListener:
         sock.setsockopt(zmq.LINGER, 0)
         # a peer that sends a larger frame is disconnected by ZMQ before we buffer it
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # messages we have not handled yet wait here (per sender, fair-queued); beyond it ZMQ stops reading
+        sock.setsockopt(zmq.RCVHWM, 1000)
         port = "*" if self.config.port == 0 else str(self.config.port)
         sock.bind(f"tcp://{self.config.host}:{port}")
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
@@ -351,8 +411,16 @@ class RegistrationListener:
 
     async def _receive(self) -> None:
         assert self._sock is not None
+        rate = self.config.max_per_s
+        tokens, last = rate, time.monotonic()
         while True:
             frames = await self._sock.recv_multipart(copy=False)
+            # a token bucket (one second's worth): a flood is handled at max_per_s, the rest waits in ZMQ
+            now = time.monotonic()
+            tokens = min(rate, tokens + (now - last) * rate) - 1
+            last = now
+            if tokens < 0:
+                await asyncio.sleep(-tokens / rate)
             try:
                 # the address the TCP connection really comes from, not what the message claims
                 self.handle(frames[-1].bytes, frames[-1].get("Peer-Address"))
@@ -362,54 +430,86 @@ class RegistrationListener:
 
     def handle(self, payload: bytes, peer: str | None = None) -> str:
         """Apply one registration message from `peer` (its IP); returns the outcome (also counted by on_result)."""
-        result = self._handle(payload, peer)
+        try:
+            result = self._handle(payload, peer)
+        except RegistrationError as exc:
+            result = self._reject(exc.result, str(exc))
         self.on_result(result)
+        return result
+
+    def _reject(self, result: str, reason: str) -> str:
+        """One counted rejection; logged as one line at most every LOG_EVERY_S, with the count since the last."""
+        self._rejected += 1
+        now = time.monotonic()
+        if now >= self._next_log:
+            more = f" ({self._rejected - 1} more rejected since the last such line)" if self._rejected > 1 else ""
+            log.warning("ignored registration (%s): %s%s", result, reason, more)
+            self._rejected = 0
+            self._next_log = now + LOG_EVERY_S
         return result
 
     def _handle(self, payload: bytes, peer: str | None) -> str:
         allowed = self.config.allowed_hosts
         if peer is not None and peer not in allowed:
-            log.warning("ignored registration from %s: not in allowed_hosts", peer)
-            return "rejected"
+            raise RegistrationError(f"sender {_show(peer)} is not in allowed_hosts", "rejected")
         try:
-            data = msgpack.unpackb(payload, raw=False)
+            # a registration is a small map of short strings and ints: anything bigger is refused while unpacking
+            data = msgpack.unpackb(payload, raw=False, max_str_len=_MAX_ADDRESS * 2, max_bin_len=256,
+                                   max_array_len=16, max_map_len=32, max_ext_len=0)
         except Exception as exc:
-            log.warning("ignored registration: not msgpack (%s)", exc)
-            return "malformed"
-        try:
-            reg = normalize_registration(data)
-        except RegistrationError as exc:
-            log.warning("ignored registration: %s", exc)
-            return "malformed"
+            raise RegistrationError(f"not a msgpack registration ({_show(str(exc))})") from None
+        reg = normalize_registration(data)
         if reg is None:
             return "hello"
-        for key in ("http_host", "zmq_host"):
-            if reg[key] not in allowed:
-                log.warning("ignored registration from %s: host %s is not in allowed_hosts", reg["http_address"], reg[key])
-                return "rejected"
+        # bound to its sender: an engine registers its own addresses (or ones registration.peer_hosts gives it)
+        claimed = {reg["http_host"], reg["zmq_host"]}
+        if peer is not None and not claimed <= {peer, *self.config.peer_hosts.get(peer, ())}:
+            raise RegistrationError(f"sender {peer} claims {', '.join(sorted(claimed - {peer}))}", "spoofed")
+        if not claimed <= set(allowed):
+            raise RegistrationError(f"host {', '.join(sorted(claimed - set(allowed)))} is not in allowed_hosts",
+                                    "rejected")
+        known = self.registry.find_by_address(reg["role"], reg["http_address"])
+        if known is not None and known.source == "static":
+            return self._planned(known, reg)
         mode = self.current_mode()
         if reg["transfer_mode"] != mode:
-            known = self.registry.find_by_address(reg["role"], reg["http_address"])
             if known is not None:
                 # keep it out of routing until the proxy's mode matches what the engine runs
                 known.transfer_mode = reg["transfer_mode"]
-            log.warning(
-                "ignored registration of %s %s: it runs transfer_mode %s, the proxy runs %s",
-                reg["role"], reg["http_address"], reg["transfer_mode"], mode,
-            )
-            return "mismatched"
-        registered = sum(1 for i in self.registry.instances.values() if i.source == "registered")
-        known = self.registry.find_by_address(reg["role"], reg["http_address"])
-        if known is None and registered >= self.config.max_instances:
-            log.warning("ignored registration of %s %s: already %d registered instances (registration.max_instances)",
-                        reg["role"], reg["http_address"], registered)
-            return "rejected"
+            raise RegistrationError(f"{reg['role']} {reg['http_address']} runs transfer_mode "
+                                    f"{reg['transfer_mode']}, the proxy runs {mode}", "mismatched")
+        if known is None and self.registry.registered >= self.config.max_instances:
+            evicted = self.registry.evict_for_newcomer()
+            if evicted is None:
+                raise RegistrationError(f"{reg['role']} {reg['http_address']}: already {self.registry.registered} "
+                                        "registered instances, all healthy once (registration.max_instances)",
+                                        "rejected")
+            log.warning("dropped %s (%s), never healthy, to register %s", evicted.name, evicted.url,
+                        reg["http_address"])
         inst, created = self.registry.register(
             reg["role"], reg["http_address"], reg["zmq_address"], reg["dp_size"], reg["tp_size"], reg["transfer_mode"]
         )
         if created:
             log.info("registered %s %s (zmq %s)", inst.name, inst.url, reg["zmq_address"])
             return "accepted"
+        return "refreshed"
+
+    def _planned(self, inst: Instance, reg: dict[str, Any]) -> str:
+        """A ping for an instance the plan owns: it keeps its planned address, ranks and mode whatever it says."""
+        planned = inst.kv.get("zmq_address")
+        planned_zmq = str(planned) if planned is not None else None
+        if planned_zmq is not None and planned_zmq != reg["zmq_address"]:
+            raise RegistrationError(f"{inst.name} is planned at zmq {planned_zmq}; a registration said "
+                                    f"{reg['zmq_address']}", "conflict")
+        if inst.transfer_mode is not None and inst.transfer_mode != reg["transfer_mode"]:
+            raise RegistrationError(f"{inst.name} is planned in transfer_mode {inst.transfer_mode}; a registration "
+                                    f"said {reg['transfer_mode']}", "conflict")
+        if planned_zmq is None:  # a plan written before it carried the address: the first registration sets it
+            inst.kv["zmq_address"] = reg["zmq_address"]
+        if inst.transfer_mode is None and reg["transfer_mode"] != self.current_mode():
+            inst.transfer_mode = reg["transfer_mode"]  # nor its mode: keep it out of routing as before
+        inst.last_seen = time.time()
+        inst.last_seen_mono = time.monotonic()
         return "refreshed"
 
     async def _expire(self) -> None:

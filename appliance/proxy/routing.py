@@ -133,6 +133,7 @@ class HealthChecker:
         inst.healthy = ok
         if ok:
             inst.failures = 0
+            inst.ever_healthy = True
         else:
             inst.failed_probes += 1
         return ok

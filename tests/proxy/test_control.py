@@ -62,7 +62,7 @@ def test_registration_over_zmq_routes_then_expires_and_survives_garbage() -> Non
             metrics = px.metrics.render().decode()
             assert 'pdctl_proxy_registrations_total{result="malformed"} 3.0' in metrics
             assert 'pdctl_proxy_registrations_total{result="mismatched"} 1.0' in metrics
-            assert 'pdctl_proxy_registrations_total{result="rejected"} 1.0' in metrics
+            assert 'pdctl_proxy_registrations_total{result="spoofed"} 1.0' in metrics  # 10.9.9.9 claimed from 127.0.0.1
             # keep pinging decode only: prefill expires after 3 missed pings (0.2 s each)
             for _ in range(15):
                 await dealer.send(registration(d, "D"))
@@ -147,16 +147,20 @@ def test_client_mistakes_get_openai_style_errors(body: bytes, status: int, needl
 def test_api_key_models_health_and_metrics(tmp_path: Path) -> None:
     key = tmp_path / "key"
     key.write_text("s3cret\n")
+    engine_key = tmp_path / "engine-key"
+    engine_key.write_text("engine-s3cret\n")
 
     async def scenario() -> None:
         async with engines("both") as (e,), running_proxy(
-            proxy_config("none", [backend("both-0", "both", e)], api_key_file=str(key))
+            proxy_config("none", [backend("both-0", "both", e)], api_key_file=str(key),
+                         engine_api_key_file=str(engine_key))
         ) as px:
             assert (await post(px.api_port, "/v1/completions", {"prompt": "x"}))[0] == 401
             ok = await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2},
                             headers={"Authorization": "Bearer s3cret"})
             assert ok[0] == 200
-            assert e.requests[0]["headers"]["Authorization"] == "Bearer s3cret"
+            # the engine gets the engines' key, never the client's (issue 15, finding 2)
+            assert e.requests[0]["headers"]["Authorization"] == "Bearer engine-s3cret"
             import aiohttp
 
             async with aiohttp.ClientSession() as s:

@@ -14,8 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
+import zmq
 
+from appliance.ports import free_port
 from tests.reliability.procs import MODEL, Node, colocated_node, http_status, moriio_node
 
 API_KEY = "client-key-0123"
@@ -224,3 +227,162 @@ def test_write_mode_rejections_log_no_traceback(tmp_path: Path) -> None:
         assert http(node.proxy_port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
         time.sleep(0.5)  # asyncio reports an unretrieved task exception when the task is collected
         no_traceback(node)
+
+
+# ---- findings 1-4: the registration socket -------------------------------------------------------------------
+
+
+def _admin_state(node: Node) -> dict[str, Any]:
+    with urllib.request.urlopen(node.admin_url + "/admin/state", timeout=5) as resp:
+        return dict(json.loads(resp.read()))
+
+
+class Registrar:
+    """A DEALER on the proxy's registration socket, like an engine's (or an attacker's)."""
+
+    def __init__(self, node: Node) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{node.registration_port}")
+
+    def send(self, reg: dict[str, Any]) -> None:
+        self.sock.send(msgpack.packb(reg))
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _reg(http_address: str, zmq_address: str, role: str = "P", mode: str = "READ") -> dict[str, Any]:
+    return {"type": role, "http_address": http_address, "zmq_address": zmq_address, "dp_size": 1, "tp_size": 1,
+            "transfer_mode": mode}
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """A MORI-IO READ pair the plan owns (static backends with their zmq address and mode), pinging the proxy."""
+    node = Node(tmp_path_factory.mktemp("planned"))
+    try:
+        reg = free_port()
+        backends = []
+        for role in ("prefill", "decode"):
+            hs, nt = free_port(), free_port()
+            url = node.engine(f"{role}-0", role, "moriio", "--proxy-ping", f"127.0.0.1:{reg}", "--handshake-port",
+                              str(hs), "--notify-port", str(nt), "--ping-interval-s", "0.5", *ENGINE)
+            backends.append({"name": f"{role}-0", "role": role, "url": url, "kv": {
+                "zmq_address": f"host:127.0.0.1,handshake:{hs},notify:{nt}", "transfer_mode": "read"}})
+        node.proxy("moriio", backends, registration={"port": reg, "enabled": True, "ping_interval_s": 0.5},
+                   timeouts={"first_token_s": 10, "prefill_s": 10})
+        deadline = time.monotonic() + 60
+        while http_status(node.proxy_url + "/health") != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        yield node
+    finally:
+        node.stop()
+
+
+def test_registrations_cannot_rewrite_a_planned_instance(planned: Node) -> None:
+    """Pings for the planned prefill's HTTP address with another mode, bogus ports, a 60 KB address: the
+    instance keeps its planned address and mode, and every client request is served."""
+    before = {i["name"]: i for i in _admin_state(planned)["instances"]}
+    prefill = before["prefill-0"]
+    address = prefill["url"].removeprefix("http://")
+    attacks = [_reg(address, prefill["kv"]["zmq_address"], mode="WRITE"),
+               _reg(address, "host:127.0.0.1,handshake:1,notify:2"),
+               _reg(address, "host:127.0.0.1,handshake:1,notify:" + "9" * 60_000)]
+    attacker = Registrar(planned)
+    try:
+        codes = []
+        for i in range(200):
+            attacker.send(attacks[i % 3])
+            codes.append(http(planned.proxy_port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                              timeout=30)[0])
+    finally:
+        attacker.close()
+    assert codes.count(200) == 200, f"{200 - codes.count(200)}/200 failed: {sorted(set(codes))}"
+    after = {i["name"]: i for i in _admin_state(planned)["instances"]}
+    assert after["prefill-0"]["kv"] == prefill["kv"] and after["prefill-0"]["transfer_mode"] == "read"
+    assert 'registrations_total{result="conflict"}' in metrics(planned)
+    no_traceback(planned)
+
+
+def test_registration_values_never_reach_engine_headers_or_logs(planned: Node) -> None:
+    bad = ["host:127.0.0.1,handshake:7001,notify:7002\r\nX-Injected: 1", "host:127.0.0.1,handshake:7\u0663,notify:7",
+           "host:127.0.0.1\u2028,handshake:7001,notify:7002", "host:127.0.0.1,handshake:70000,notify:7002",
+           "host:evil.example,handshake:7001,notify:7002", "host:127.0.0.1,handshake:7001,notify:7002,x:1"]
+    attacker = Registrar(planned)
+    try:
+        for i, zmq_address in enumerate(bad):
+            attacker.send(_reg(f"127.0.0.1:{30000 + i}", zmq_address, role="D"))
+        time.sleep(1.0)
+    finally:
+        attacker.close()
+    state = _admin_state(planned)
+    assert sorted(i["name"] for i in state["instances"]) == ["decode-0", "prefill-0"], state["instances"]
+    assert http(planned.proxy_port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+    out = next(p for p in planned.procs if p.name == "proxy").output()
+    assert "X-Injected: 1" not in out.replace("\\r\\n", "") and "\u2028" not in out
+    assert all(line.isascii() for line in out.splitlines())
+    no_traceback(planned)
+
+
+def test_a_registration_is_bound_to_its_sender(tmp_path: Path) -> None:
+    """allowed_hosts lists two hosts; a sender at 127.0.0.1 may not register an engine at 127.0.0.2."""
+    node = Node(tmp_path)
+    try:
+        node.proxy("moriio", [], registration={"enabled": True, "port": free_port(), "ping_interval_s": 60.0,
+                                               "allowed_hosts": ["127.0.0.1", "127.0.0.2"]})
+        sender = Registrar(node)
+        try:
+            sender.send(_reg("127.0.0.2:20005", "host:127.0.0.2,handshake:6301,notify:6105"))
+            sender.send(_reg("127.0.0.1:20006", "host:127.0.0.2,handshake:6301,notify:6105"))
+            sender.send(_reg("127.0.0.1:20007", "host:127.0.0.1,handshake:6302,notify:6106"))
+            deadline = time.monotonic() + 10
+            while not _admin_state(node)["instances"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            sender.close()
+        urls = [i["url"] for i in _admin_state(node)["instances"]]
+        assert urls == ["http://127.0.0.1:20007"], urls
+        assert 'registrations_total{result="spoofed"} 2.0' in metrics(node)
+    finally:
+        node.stop()
+
+
+def test_a_registration_flood_is_bounded(tmp_path: Path) -> None:
+    """Fakes fill the registry and keep pinging, and a stream of garbage follows: a real new engine still gets
+    in (fakes that never passed a probe make room), and the rejections cost a few log lines, not one each."""
+    node = Node(tmp_path)
+    try:
+        node.proxy("moriio", [], registration={"enabled": True, "port": free_port(), "ping_interval_s": 60.0,
+                                               "max_instances": 8, "max_per_s": 2000})
+        fakes = Registrar(node)
+        try:
+            for port in range(31000, 31008):
+                fakes.send(_reg(f"127.0.0.1:{port}", f"host:127.0.0.1,handshake:{port},notify:{port + 100}"))
+            for i in range(3000):
+                fakes.send(_reg("127.0.0.1:1", f"host:127.0.0.1,handshake:{i},notify:x"))
+            hs, nt = free_port(), free_port()
+            node.engine("real", "decode", "moriio", "--proxy-ping", f"127.0.0.1:{node.registration_port}",
+                        "--handshake-port", str(hs), "--notify-port", str(nt), "--ping-interval-s", "0.5")
+            real = node.engines["real"]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                for port in range(31000, 31008):  # the fakes keep pinging
+                    fakes.send(_reg(f"127.0.0.1:{port}", f"host:127.0.0.1,handshake:{port},notify:{port + 100}"))
+                state = _admin_state(node)["instances"]
+                if any(i["url"] == real and i["healthy"] for i in state):
+                    break
+                time.sleep(0.2)
+        finally:
+            fakes.close()
+        state = _admin_state(node)["instances"]
+        assert any(i["url"] == real and i["healthy"] for i in state), state
+        assert len(state) <= 8
+        out = next(p for p in node.procs if p.name == "proxy").output()
+        assert out.count("ignored registration") <= 5, out[-2000:]
+        assert 'registrations_total{result="malformed"} 3000.0' in metrics(node)
+        no_traceback(node)
+    finally:
+        node.stop()
