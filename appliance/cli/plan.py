@@ -55,17 +55,18 @@ def render_plan(p: Plan, console: Console) -> None:
 @click.option("--profile", type=click.Path(dir_okay=False, exists=True),
               help="--suggest: step costs from a `pdctl bench` result measured on this node [default: the "
               "simulated engine's model, or on real vLLM the H200-calibrated constants scaled by config.json].")
-@click.option("--check", "check", type=click.Path(dir_okay=False, exists=True),
+@click.option("--check", "check", type=click.Path(dir_okay=False, exists=True), multiple=True,
               help="--suggest: print the predictions next to this `pdctl bench` result, shape by shape "
-              "(its workload and SLOs; pass the inventory it ran on).")
+              "(its workload and SLOs; pass the inventory it ran on). Repeat it to check the shapes of "
+              "several runs of the same workload together.")
 @click.pass_context
 def plan(ctx: click.Context, as_json: bool, suggest: bool, input_len: int, output_len: int, rate: float,
-         ttft_ms: float | None, itl_ms: float | None, profile: str | None, check: str | None, **options: Any) -> None:
+         ttft_ms: float | None, itl_ms: float | None, profile: str | None, check: tuple[str, ...], **options: Any) -> None:
     """Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."""
     if check:
         from appliance.cli.suggest import print_check
 
-        print_check(ctx, check, profile, as_json)
+        print_check(ctx, list(check), profile, as_json)
         return
     if suggest:
         from appliance.cli.suggest import print_suggestions

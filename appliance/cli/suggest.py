@@ -14,6 +14,7 @@ from rich.table import Table
 
 from appliance.cli.options import console as rich_console
 from appliance.cli.options import obtain
+from appliance.errors import PdctlError
 from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
 from appliance.node import Node
@@ -165,13 +166,23 @@ def _verdict(predicted: float, measured: float | None, lowest: float, capped: bo
     return f"{'within' if abs(error) <= WITHIN else 'off'} ({error:+.0%})"
 
 
-def print_check(ctx: click.Context, bench_path: str, profile_path: str | None, as_json: bool) -> None:
-    """Predicted vs measured goodput (every judgement) and per-rate TTFT p90 / mean gap, per measured shape."""
+def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | None, as_json: bool) -> None:
+    """Predicted vs measured goodput (every judgement) and per-rate TTFT p90 / mean gap, per measured shape
+    (several files: their shapes in order, judged with the first file's workload and SLOs)."""
     from appliance.bench.analysis import JUDGEMENTS as BENCH_JUDGEMENTS
     from appliance.bench.families import capped
     from appliance.bench.results import read_result
 
-    result = read_result(Path(bench_path))
+    result = read_result(Path(bench_paths[0]))
+    for extra in bench_paths[1:]:
+        more = read_result(Path(extra))
+        same = (more.workload.input_len, more.workload.output_len, more.slo) == (
+            result.workload.input_len, result.workload.output_len, result.slo)
+        if not same:
+            raise PdctlError(f"{extra} measured another workload or SLO than {bench_paths[0]}",
+                             fix="check runs of one workload together")
+        result.shapes.extend(more.shapes)
+    bench_path = ", ".join(bench_paths)
     w, slo = result.workload, result.slo
     settings, inventory = obtain(ctx, {"slo": slo.model_dump()})
     heads, model = _model(settings)

@@ -92,3 +92,11 @@ def test_check_prints_predictions_next_to_the_measured_sweep(tmp_path: Path) -> 
     assert rows[("colocated-1", "p99")]["candidate"] == "colocated 1xTP2"
     assert rows[("disagg-read", "p99")]["candidate"] == "1xTP1 : 1xTP1"
     assert len(out["rates"]) == sum(len(s["rates"]) for s in measured["shapes"])
+    # Runs of another workload cannot be checked together: one clear line, no traceback.
+    other = json.loads(bench.read_text())
+    other["workload"]["input_len"] = 8000
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "--inventory", "sim:h200-2",
+                           "plan", "--check", str(bench), "--check", str(tmp_path / "other.json")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "another workload" in done.stderr and "Traceback" not in done.stderr
