@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import sys
 
 import click
 
 from appliance import __version__
-from appliance.errors import PdctlError
+from appliance.errors import run_command
 
 # name -> "module:attribute"; modules are imported only when their command runs,
 # so `pdctl plan` does not pay for aiohttp, matplotlib or the vendor GPU libraries.
@@ -23,7 +22,7 @@ COMMANDS: dict[str, str] = {
     "logs": "appliance.cli.lifecycle:logs",
     "status": "appliance.cli.status:status",
     "wait-healthy": "appliance.cli.lifecycle:wait_healthy",
-    "sim-engine": "appliance.cli.sim:sim_engine",
+    "sim-engine": "appliance.engine.sim.cli:sim_engine",
     "doctor": "appliance.cli.doctor:doctor",
     "rebalance": "appliance.cli.rebalance:rebalance",
     "mode": "appliance.cli.rebalance:mode",
@@ -72,28 +71,7 @@ def cli(ctx: click.Context, config_path: str | None, inventory_source: str | Non
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry: user mistakes become one readable line and a non-zero exit code."""
-    try:
-        result = cli.main(args=argv, prog_name="pdctl", standalone_mode=False)
-        # Without standalone mode click returns ctx.exit()'s code instead of exiting.
-        return result if isinstance(result, int) else 0
-    except PdctlError as exc:
-        click.echo(f"pdctl: error: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        click.echo("pdctl: aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        # Usage mistakes (a bad flag value, an unknown option) read like every other error: one line.
-        where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx else "pdctl"
-        hint = f" (see `{where} --help`)" if isinstance(exc, click.UsageError) else ""
-        message = exc.format_message().rstrip(".")
-        click.echo(f"pdctl: error: {message[:1].lower()}{message[1:]}{hint}", err=True)
-        sys.exit(exc.exit_code)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("pdctl: interrupted", err=True)
-        sys.exit(130)
+    return run_command(cli, argv, "pdctl")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
-from appliance.cli.choices import ConnectorChoice
+from appliance.choices import ConnectorChoice
 from appliance.inventory import Inventory, load_inventory
 from appliance.plan import Plan, plan
 from appliance.settings import Settings, env_data, load_settings

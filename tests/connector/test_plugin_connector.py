@@ -21,10 +21,10 @@ from click.testing import CliRunner
 
 import appliance.connector as registry
 from appliance.cli.main import cli
-from appliance.cli.sim import _config, sim_engine
 from appliance.connector import Connector, HandoffError, InstanceContext, Peer, register
 from appliance.connector.base import SimOptions
 from appliance.engine.sim import SimServer
+from appliance.engine.sim.cli import _config, sim_engine
 from appliance.engine.sim.connectors import BadKVParams, ConnectorSim
 from appliance.engine.sim.engine import Sequence
 from appliance.inventory import load_inventory

@@ -1,6 +1,6 @@
 """`python -m appliance.engine.sim` == `pdctl sim-engine`."""
 
-from appliance.cli.sim import main
+from appliance.engine.sim.cli import main
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""`pdctl sim-engine`: run one simulated vLLM engine (prefill, decode or colocated)."""
+"""The simulated engine's command line: `python -m appliance.engine.sim` (the units run it) and `pdctl sim-engine`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from appliance.cli.choices import ConnectorChoice
-from appliance.errors import ConfigError
+from appliance.choices import ConnectorChoice
+from appliance.errors import ConfigError, run_command
 
 
 def _config(options: dict[str, Any]) -> Any:
@@ -102,7 +102,5 @@ def sim_engine(log_level: str, **options: Any) -> None:
 
 
 def main() -> None:
-    """Entry for `python -m appliance.engine.sim`, with pdctl's one-line errors."""
-    from appliance.cli.main import main as pdctl_main
-
-    pdctl_main(["sim-engine", *sys.argv[1:]])
+    """Entry for `python -m appliance.engine.sim` (what the engines' units run), with pdctl's one-line errors."""
+    run_command(sim_engine, sys.argv[1:], "pdctl sim-engine")
