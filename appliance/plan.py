@@ -22,7 +22,7 @@ from appliance.connector import (
     names,
     resolve_name,
 )
-from appliance.connector.base import PLATFORMS
+from appliance.connector.base import PLATFORMS, Mode
 from appliance.engine.command import engine_command
 from appliance.errors import PlanError
 from appliance.inventory.models import Gpu, Inventory
@@ -361,6 +361,83 @@ def _check_connector(connector: Connector, mode: str, platform: Platform) -> Non
         )
 
 
+def _model(settings: Settings, state: StateDir) -> ModelPlan:
+    """The model as the engines load it: the embedded tiny model lives in the state directory."""
+    generate = settings.model.path == EMBEDDED_MODEL
+    path = str(state.tiny_model) if generate else settings.model.path
+    return ModelPlan(path=path, served_name=settings.model.name, generate=generate)
+
+
+def _context(settings: Settings, role: Role, index: int, gpus: list[int], mode: Mode, platform: Platform,
+             shared: str, block_size: int | None) -> InstanceContext:
+    """What a connector and the engine command line know of one instance: its shape and its base ports,
+    each role's bases strided by the instance's DP x TP ranks so no two instances' port blocks overlap."""
+    rs = settings.role(role)
+    tp, dp = (len(gpus) // rs.dp, rs.dp) if gpus else (1, 1)
+    ranks = tp * dp
+    return InstanceContext(
+        role=role,
+        index=index,
+        tp=tp,
+        dp=dp,
+        host=rs.host,
+        http_port=rs.http_port + index,
+        handshake_port=rs.handshake_port + index * ranks,
+        notify_port=rs.notify_port + index * ranks,
+        mode=mode,
+        platform=platform,
+        proxy_host=settings.proxy.registration_host,
+        proxy_ping_port=settings.proxy.ping_port,
+        shared_storage_path=shared,
+        moriio_backend=settings.connector.moriio_backend,
+        kv_buffer_device=settings.connector.kv_buffer_device,
+        extra_config=settings.connector.extra_config,
+        block_size=block_size,
+    )
+
+
+def _instance(settings: Settings, inventory: Inventory, connector: Connector, ctx: InstanceContext,
+              gpus: list[int], model: ModelPlan, service: str) -> tuple[Instance, list[str]]:
+    """One instance: every port its ranks bind, its kv-transfer-config, command line and environment; and the
+    warnings its GPUs earn (NUMA nodes spanned, no XGMI/NVLink between them)."""
+    rs = settings.role(ctx.role)
+    ports: dict[str, list[int]] = {"http": [ctx.http_port]}
+    for purpose, span in connector.port_ranges(ctx).items():
+        ports[purpose] = list(span)
+    if ctx.dp > 1:
+        ports["dp_rpc"] = [rs.dp_rpc_port + ctx.index]
+    kv_config = connector.kv_transfer_config(ctx)
+    argv, env = engine_command(settings, ctx, model, connector, kv_config, gpus, ports)
+    gpu_numa = {g.index: g.numa_node for g in inventory.gpus}
+    numa = sorted({n for g in gpus if (n := gpu_numa.get(g)) is not None})
+    name = f"{ctx.role}-{ctx.index}"
+    warnings: list[str] = []
+    if len(numa) > 1:
+        warnings.append(f"{name}: GPUs {gpus} span NUMA nodes {numa}; expect slower host transfers")
+    if len(gpus) > 1 and not _fast_island(inventory, gpus):
+        warnings.append(f"{name}: GPUs {gpus} are not all linked by XGMI/NVLink; TP traffic crosses PCIe")
+    instance = Instance(
+        name=name,
+        role=ctx.role,
+        index=ctx.index,
+        service=service,
+        gpus=gpus,
+        numa_nodes=numa,
+        tp=ctx.tp,
+        dp=ctx.dp,
+        expert_parallel=rs.enable_expert_parallel,
+        host=rs.host,
+        http_port=ctx.http_port,
+        url=f"http://{_url_host(rs.host)}:{ctx.http_port}",
+        ports=ports,
+        kv_transfer_config=kv_config,
+        proxy_kv=connector.proxy_kv(ctx),
+        argv=argv,
+        env=env,
+    )
+    return instance, warnings
+
+
 def plan(settings: Settings, inventory: Inventory) -> Plan:
     """Turn settings and an inventory into a full Plan, or raise PlanError saying what to change."""
     platform = platform_of(inventory)
@@ -370,11 +447,8 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     _check_connector(connector, mode, platform)
     colocated = not connector.disaggregated
     allocation = _allocate(settings, inventory, platform)
-    gpu_numa = {g.index: g.numa_node for g in inventory.gpus}
     state = StateDir.at(settings.state_dir)
-    generate = settings.model.path == EMBEDDED_MODEL
-    model_path = str(state.tiny_model) if generate else settings.model.path
-    model = ModelPlan(path=model_path, served_name=settings.model.name, generate=generate)
+    model = _model(settings, state)
     shared = settings.connector.shared_storage_path or str(state.kv_store)
     block_sizes = _block_sizes(settings, list(allocation), connector.default_block_size(platform))
 
@@ -382,63 +456,12 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     warnings: list[str] = []
     instances: list[Instance] = []
     for role, sets in allocation.items():
-        rs = settings.role(role)
+        service = "pd-colocated" if colocated else f"pd-{role}"
         for index, gpus in enumerate(sets):
-            tp, dp = (len(gpus) // rs.dp, rs.dp) if gpus else (1, 1)
-            ranks = tp * dp
-            ctx = InstanceContext(
-                role=role,
-                index=index,
-                tp=tp,
-                dp=dp,
-                host=rs.host,
-                http_port=rs.http_port + index,
-                handshake_port=rs.handshake_port + index * ranks,
-                notify_port=rs.notify_port + index * ranks,
-                mode=mode,
-                platform=platform,
-                proxy_host=settings.proxy.registration_host,
-                proxy_ping_port=settings.proxy.ping_port,
-                shared_storage_path=shared,
-                moriio_backend=settings.connector.moriio_backend,
-                kv_buffer_device=settings.connector.kv_buffer_device,
-                extra_config=settings.connector.extra_config,
-                block_size=block_sizes[role],
-            )
-            ports: dict[str, list[int]] = {"http": [ctx.http_port]}
-            for purpose, span in connector.port_ranges(ctx).items():
-                ports[purpose] = list(span)
-            if dp > 1:
-                ports["dp_rpc"] = [rs.dp_rpc_port + index]
-            kv_config = connector.kv_transfer_config(ctx)
-            argv, env = engine_command(settings, ctx, model, connector, kv_config, gpus, ports)
-            numa = sorted({n for g in gpus if (n := gpu_numa.get(g)) is not None})
-            name = f"{role}-{index}"
-            if len(numa) > 1:
-                warnings.append(f"{name}: GPUs {gpus} span NUMA nodes {numa}; expect slower host transfers")
-            if len(gpus) > 1 and not _fast_island(inventory, gpus):
-                warnings.append(f"{name}: GPUs {gpus} are not all linked by XGMI/NVLink; TP traffic crosses PCIe")
-            instances.append(
-                Instance(
-                    name=name,
-                    role=role,
-                    index=index,
-                    service="pd-colocated" if colocated else f"pd-{role}",
-                    gpus=gpus,
-                    numa_nodes=numa,
-                    tp=tp,
-                    dp=dp,
-                    expert_parallel=rs.enable_expert_parallel,
-                    host=rs.host,
-                    http_port=ctx.http_port,
-                    url=f"http://{_url_host(rs.host)}:{ctx.http_port}",
-                    ports=ports,
-                    kv_transfer_config=kv_config,
-                    proxy_kv=connector.proxy_kv(ctx),
-                    argv=argv,
-                    env=env,
-                )
-            )
+            ctx = _context(settings, role, index, gpus, mode, platform, shared, block_sizes[role])
+            instance, noted = _instance(settings, inventory, connector, ctx, gpus, model, service)
+            instances.append(instance)
+            warnings.extend(noted)
 
     used = [g for inst in instances for g in inst.gpus]
     checks.append(Check(name="gpus-disjoint", ok=len(used) == len(set(used)), detail=f"{len(used)} GPU(s) assigned"))
