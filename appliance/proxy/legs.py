@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import HttpVersion11, web
 
 from appliance.connector import HandoffError
-from appliance.proxy.registry import Instance
+from appliance.proxy.registry import BackendState
 from appliance.proxy.routing import acquire, release
 from appliance.proxy.upstream import Connection, Unchunked, UpstreamError
 
@@ -65,7 +65,7 @@ class LegFailure(HandoffError):
         self.content_type = content_type
 
 
-def upstream_failure(leg: str, inst: Instance, exc: Exception) -> LegFailure:
+def upstream_failure(leg: str, inst: BackendState, exc: Exception) -> LegFailure:
     """The client's error for a leg the engine's connection failed; says so when the instance is being restarted."""
     if inst.stopping:
         return LegFailure(503, f"{leg} instance {inst.name} was stopped for a restart before it finished this "
@@ -100,7 +100,7 @@ class Relay:
 
     __slots__ = ("proxy", "conn", "inst", "error", "finished", "timer", "loop")
 
-    def __init__(self, proxy: Proxy, conn: Connection, inst: Instance) -> None:
+    def __init__(self, proxy: Proxy, conn: Connection, inst: BackendState) -> None:
         self.proxy = proxy
         self.conn = conn
         self.inst = inst
@@ -140,7 +140,7 @@ class Relay:
 
 
 async def run_prefill(
-    proxy: Proxy, inst: Instance, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
+    proxy: Proxy, inst: BackendState, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
 ) -> dict[str, Any] | None:
     """The prefill leg, bounded by timeouts.prefill_s; returns the engine's kv_transfer_params."""
     limit = proxy.config.timeouts.prefill_s
@@ -168,7 +168,7 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 
 
 async def _prefill(
-    proxy: Proxy, inst: Instance, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
+    proxy: Proxy, inst: BackendState, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
 ) -> dict[str, Any] | None:
     acquire(inst, rank)
     conn: Connection | None = None
@@ -220,7 +220,7 @@ def _sse_error(status: int, message: str) -> bytes:
 async def run_decode(
     proxy: Proxy,
     request: web.Request,
-    inst: Instance,
+    inst: BackendState,
     rank: int | None,
     path: str,
     body: dict[str, Any],
@@ -382,8 +382,8 @@ async def _disaggregated(
     body: dict[str, Any],
     headers: list[tuple[str, str]],
     started: float,
-    prefill: Instance,
-    decode: Instance,
+    prefill: BackendState,
+    decode: BackendState,
 ) -> web.StreamResponse:
     """The prefill and decode legs of one request on the instances picked for it."""
     connector = proxy.connector

@@ -17,7 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from appliance.proxy.registry import Instance, InstanceRegistry
+from appliance.proxy.registry import BackendState, InstanceRegistry
 from appliance.proxy.routing import HealthChecker
 
 log = logging.getLogger("appliance.proxy.planned")
@@ -29,7 +29,7 @@ WATCH_INTERVAL_S = 0.25  # how often an instance in a planned stop is probed (to
 class PlannedStop:
     """One instance's planned stop: how long a request may wait for its role, and when the stop lapses."""
 
-    inst: Instance
+    inst: BackendState
     hold_s: float
     until: float  # time.monotonic() deadline
     failed_probes: int = 0  # the instance's failed probes when the stop began
@@ -45,7 +45,7 @@ class PlannedStops:
         self.health = health
         self.active: dict[str, PlannedStop] = {}
 
-    def begin(self, inst: Instance, hold_s: float, expires_in_s: float) -> PlannedStop:
+    def begin(self, inst: BackendState, hold_s: float, expires_in_s: float) -> PlannedStop:
         """Take `inst` out of rotation for a planned stop (idempotent: a second call extends the first)."""
         stop = self.active.get(inst.name)
         until = time.monotonic() + expires_in_s

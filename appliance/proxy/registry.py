@@ -33,8 +33,8 @@ _MAX_ADDRESS = 128
 LOG_EVERY_S = 10.0  # rejected registrations: one log line per this interval, with the count since the last
 
 
-class Instance:
-    """One engine instance and the live state the proxy keeps about it."""
+class BackendState:
+    """One backend (an engine instance) and the live state the proxy keeps about it."""
 
     def __init__(
         self,
@@ -107,19 +107,19 @@ class Instance:
 
 
 class InstanceRegistry:
-    """Name -> Instance, with the per-role lists the router reads on every request."""
+    """Name -> BackendState, with the per-role lists the router reads on every request."""
 
-    def __init__(self, connect_timeout: float, on_added: Callable[[Instance], None] | None = None) -> None:
+    def __init__(self, connect_timeout: float, on_added: Callable[[BackendState], None] | None = None) -> None:
         self.connect_timeout = connect_timeout
-        self.instances: dict[str, Instance] = {}
-        self.by_role: dict[str, list[Instance]] = {"prefill": [], "decode": [], "both": []}
-        self._by_address: dict[tuple[str, str], Instance] = {}
+        self.instances: dict[str, BackendState] = {}
+        self.by_role: dict[str, list[BackendState]] = {"prefill": [], "decode": [], "both": []}
+        self._by_address: dict[tuple[str, str], BackendState] = {}
         self.registered = 0  # instances that came from registrations (registration.max_instances counts these)
         self.on_added = on_added
         self._retired_pools: list[UpstreamPool] = []
 
     def _rebuild(self) -> None:
-        by_role: dict[str, list[Instance]] = {"prefill": [], "decode": [], "both": []}
+        by_role: dict[str, list[BackendState]] = {"prefill": [], "decode": [], "both": []}
         for inst in self.instances.values():
             by_role[inst.role].append(inst)
         self.by_role = by_role
@@ -127,13 +127,13 @@ class InstanceRegistry:
         self._by_address = {(i.role, i.http_address): i for i in self.instances.values()}
         self.registered = sum(1 for i in self.instances.values() if i.source == "registered")
 
-    def get(self, name: str) -> Instance | None:
+    def get(self, name: str) -> BackendState | None:
         return self.instances.get(name)
 
-    def find_by_address(self, role: str, http_address: str) -> Instance | None:
+    def find_by_address(self, role: str, http_address: str) -> BackendState | None:
         return self._by_address.get((role, http_address))
 
-    def _remove(self, inst: Instance) -> None:
+    def _remove(self, inst: BackendState) -> None:
         inst.removed = True
         self.instances.pop(inst.name, None)
         self._retired_pools.append(inst.pool)
@@ -156,7 +156,7 @@ class InstanceRegistry:
                 continue
             if current is not None:
                 self._remove(current)
-            inst = Instance(
+            inst = BackendState(
                 backend.name,
                 backend.role,
                 backend.url,
@@ -179,14 +179,14 @@ class InstanceRegistry:
 
     def register(
         self, role: str, http_address: str, zmq_address: str, dp_size: int, tp_size: int, transfer_mode: str
-    ) -> tuple[Instance, bool]:
+    ) -> tuple[BackendState, bool]:
         """Record a registration ping; returns the instance and whether it is new."""
         now = time.time()
         inst = self.find_by_address(role, http_address)
         created = inst is None
         if inst is None:
             host, _, port = http_address.rpartition(":")
-            inst = Instance(
+            inst = BackendState(
                 self._free_name(role),
                 role,
                 f"http://[{host}]:{port}" if ":" in host else f"http://{http_address}",
@@ -207,7 +207,7 @@ class InstanceRegistry:
             self.on_added(inst)
         return inst, created
 
-    def evict_for_newcomer(self) -> Instance | None:
+    def evict_for_newcomer(self) -> BackendState | None:
         """Make room for a new registration: drop the oldest registered instance that never passed a probe
         (planned and once-healthy instances stay); None when every registered instance has been healthy."""
         never = [i for i in self.instances.values() if i.source == "registered" and not i.ever_healthy]
@@ -218,7 +218,7 @@ class InstanceRegistry:
         self._rebuild()
         return oldest
 
-    def expire(self, max_age_s: float) -> list[Instance]:
+    def expire(self, max_age_s: float) -> list[BackendState]:
         """Remove registered instances whose pings stopped; static ones stay (probes judge them)."""
         now = time.monotonic()
         gone = [
@@ -494,7 +494,7 @@ class RegistrationListener:
             return "accepted"
         return "refreshed"
 
-    def _planned(self, inst: Instance, reg: dict[str, Any]) -> str:
+    def _planned(self, inst: BackendState, reg: dict[str, Any]) -> str:
         """A ping for an instance the plan owns: it keeps its planned address, ranks and mode whatever it says."""
         planned = inst.kv.get("zmq_address")
         planned_zmq = str(planned) if planned is not None else None

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 
 from appliance.proxy.config import HealthConfig
-from appliance.proxy.registry import Instance, InstanceRegistry
+from appliance.proxy.registry import BackendState, InstanceRegistry
 from appliance.proxy.upstream import UpstreamError
 
 log = logging.getLogger("appliance.proxy.routing")
@@ -24,13 +24,13 @@ class Router:
         self.checks_mode = checks_mode  # moriio engines fix their transfer mode at start
         self._rr: dict[str, int] = {"prefill": 0, "decode": 0, "both": 0}
 
-    def routable(self, inst: Instance) -> bool:
+    def routable(self, inst: BackendState) -> bool:
         """Healthy, not draining or in a planned stop, and (moriio) running the proxy's transfer mode."""
         if not inst.healthy or inst.draining or inst.stopping:
             return False
         return not (self.checks_mode and inst.transfer_mode is not None and inst.transfer_mode != self.mode())
 
-    def pick(self, role: str) -> Instance | None:
+    def pick(self, role: str) -> BackendState | None:
         """The instance for the next request of `role`, or None when none is routable."""
         candidates = [i for i in self.registry.by_role[role] if self.routable(i)]
         if not candidates:
@@ -49,7 +49,7 @@ class Router:
         return best
 
     @staticmethod
-    def pick_dp_rank(inst: Instance) -> int | None:
+    def pick_dp_rank(inst: BackendState) -> int | None:
         """The DP rank inside `inst` with the fewest requests (rotating ties); None when dp_size is 1.
 
         Each instance keeps its own counters, so the rank never depends on the instance's index.
@@ -68,14 +68,14 @@ class Router:
         return best
 
 
-def acquire(inst: Instance, rank: int | None) -> None:
+def acquire(inst: BackendState, rank: int | None) -> None:
     """Count a request against the instance (and DP rank) until release()."""
     inst.in_flight += 1
     if rank is not None and rank < len(inst.dp_in_flight):
         inst.dp_in_flight[rank] += 1
 
 
-def release(inst: Instance, rank: int | None) -> None:
+def release(inst: BackendState, rank: int | None) -> None:
     """Undo acquire()."""
     inst.in_flight -= 1
     if rank is not None and rank < len(inst.dp_in_flight):
@@ -102,7 +102,7 @@ class HealthChecker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    def probe_soon(self, inst: Instance) -> None:
+    def probe_soon(self, inst: BackendState) -> None:
         """Probe one (new) instance now rather than at the next tick."""
         try:
             asyncio.get_running_loop()
@@ -117,7 +117,7 @@ class HealthChecker:
                 await asyncio.gather(*(self.probe(i) for i in instances), return_exceptions=True)
             await asyncio.sleep(self.config.probe_interval_s)
 
-    async def probe(self, inst: Instance) -> bool:
+    async def probe(self, inst: BackendState) -> bool:
         """GET /health on the instance; healthy iff 200. Updates the instance."""
         if inst.name in self._probing or inst.removed:
             return inst.healthy
@@ -138,7 +138,7 @@ class HealthChecker:
             inst.failed_probes += 1
         return ok
 
-    async def _get_health(self, inst: Instance) -> bool:
+    async def _get_health(self, inst: BackendState) -> bool:
         timeout = self.config.probe_timeout_s
         try:
             conn, head = await inst.pool.open("GET", "/health", (), b"", collect=True, head_timeout=timeout)
@@ -153,7 +153,7 @@ class HealthChecker:
         inst.pool.release(conn)
         return head.status == 200
 
-    def leg_failed(self, inst: Instance) -> None:
+    def leg_failed(self, inst: BackendState) -> None:
         """Passive check: count a failed leg; eject after fail_threshold in a row."""
         inst.failures += 1
         if inst.healthy and inst.failures >= self.config.fail_threshold:
@@ -162,6 +162,6 @@ class HealthChecker:
                         inst.name, inst.url, inst.failures)
 
     @staticmethod
-    def leg_ok(inst: Instance) -> None:
+    def leg_ok(inst: BackendState) -> None:
         """Passive check: a successful leg resets the failure count."""
         inst.failures = 0
