@@ -62,6 +62,7 @@ class BackendState:
         self.pool = UpstreamPool(self.host, self.port, connect_timeout)
         self.healthy = False
         self.ever_healthy = False  # passed a probe once: kept when registrations crowd the registry
+        self.added_mono = time.monotonic()
         self.draining = False
         self.stopping = False  # in a planned stop (appliance.proxy.planned): out of rotation until it is back
         self.in_flight = 0  # legs running on this instance (what least-outstanding routing compares)
@@ -207,10 +208,12 @@ class InstanceRegistry:
             self.on_added(inst)
         return inst, created
 
-    def evict_for_newcomer(self) -> BackendState | None:
-        """Make room for a new registration: drop the oldest registered instance that never passed a probe
-        (planned and once-healthy instances stay); None when every registered instance has been healthy."""
-        never = [i for i in self.instances.values() if i.source == "registered" and not i.ever_healthy]
+    def evict_for_newcomer(self, min_age_s: float) -> BackendState | None:
+        """Make room for a new registration: drop the oldest registered instance that never passed a probe in
+        min_age_s (planned and once-healthy instances stay); None when there is none such."""
+        cutoff = time.monotonic() - min_age_s
+        never = [i for i in self.instances.values()
+                 if i.source == "registered" and not i.ever_healthy and i.added_mono <= cutoff]
         if not never:
             return None
         oldest = min(never, key=lambda i: i.last_seen_mono or 0.0)
@@ -479,11 +482,14 @@ class RegistrationListener:
             raise RegistrationError(f"{reg['role']} {reg['http_address']} runs transfer_mode "
                                     f"{reg['transfer_mode']}, the proxy runs {mode}", "mismatched")
         if known is None and self.registry.registered >= self.config.max_instances:
-            evicted = self.registry.evict_for_newcomer()
+            # a fake that has not passed a probe in one expiry window makes room; so the churn a flood can
+            # cause is at most max_instances per window
+            window = self.config.ping_interval_s * self.config.expire_after_missed
+            evicted = self.registry.evict_for_newcomer(window)
             if evicted is None:
                 raise RegistrationError(f"{reg['role']} {reg['http_address']}: already {self.registry.registered} "
-                                        "registered instances, all healthy once (registration.max_instances)",
-                                        "rejected")
+                                        "registered instances, none of them unhealthy for a whole expiry window "
+                                        "(registration.max_instances)", "rejected")
             log.warning("dropped %s (%s), never healthy, to register %s", evicted.name, evicted.url,
                         reg["http_address"])
         inst, created = self.registry.register(

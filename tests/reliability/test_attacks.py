@@ -355,7 +355,7 @@ def test_a_registration_flood_is_bounded(tmp_path: Path) -> None:
     in (fakes that never passed a probe make room), and the rejections cost a few log lines, not one each."""
     node = Node(tmp_path)
     try:
-        node.proxy("moriio", [], registration={"enabled": True, "port": free_port(), "ping_interval_s": 60.0,
+        node.proxy("moriio", [], registration={"enabled": True, "port": free_port(), "ping_interval_s": 1.0,
                                                "max_instances": 8, "max_per_s": 2000})
         fakes = Registrar(node)
         try:
