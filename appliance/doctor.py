@@ -17,6 +17,7 @@ import psutil
 
 from appliance.connector import get_connector
 from appliance.connector.base import RdmaNeed
+from appliance.engine.command import server_command
 from appliance.errors import PdctlError
 from appliance.heads import read_heads
 from appliance.inventory import Inventory
@@ -305,7 +306,11 @@ def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout:
         python = engine_python(settings)
         result = probe_engine(python, p.connector, probe_timeout)
         if "vllm" in result:
-            findings.append(Finding("vllm", "ok", f"vLLM {result['vllm']} in {python}"))
+            cmd = server_command("python", "MODEL", settings.engine.vllm_package)
+            server = f"python -m {cmd[2]}" + (" serve" if cmd[3] == "serve" else "")
+            package = settings.engine.vllm_package or "package unknown"
+            findings.append(Finding("vllm", "ok", f"vLLM {result['vllm']} ({package}) in {python}; engines start "
+                                    f"as `{server}`"))
         else:
             findings.append(Finding("vllm", "fail", f"vLLM is not importable by {python}: {result.get('vllm_error')}",
                                     "run ./install.sh, or set engine.python to the Python that has vLLM"))

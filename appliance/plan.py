@@ -24,6 +24,7 @@ from appliance.connector import (
 )
 from appliance.connector.base import PLATFORMS, Mode
 from appliance.engine.command import engine_command
+from appliance.engine.version import split_package
 from appliance.errors import PlanError
 from appliance.inventory.models import Gpu, Inventory
 from appliance.roles import Role
@@ -438,6 +439,21 @@ def _instance(settings: Settings, inventory: Inventory, connector: Connector, ct
     return instance, warnings
 
 
+def _check_rank_ports(connector: Connector, ctx: InstanceContext, settings: Settings) -> None:
+    """Refuse a shape whose ranks the engine's vLLM would bind to one port (MoRIIO with DP > 1 x TP > 1)."""
+    why = connector.rank_port_conflict(ctx, split_package(settings.engine.vllm_package)[1])
+    if why is None:
+        return
+    key = "colocated" if ctx.role == "both" else ctx.role
+    ranks = ctx.tp * ctx.dp
+    n = settings.role(ctx.role).instances
+    tp_only, dp_only = (f"--{ctx.role} {n}xTP{ranks}; ", f"--{ctx.role} {n}xTP1xDP{ranks}; ") if key != "colocated" \
+        else ("", "")
+    raise PlanError(f"{ctx.role}-{ctx.index}: {why}",
+                    fix=f"use TP only ({tp_only}{key}.tp = {ranks}, {key}.dp = 1) or DP with TP 1 "
+                        f"({dp_only}{key}.tp = 1, {key}.dp = {ranks})")
+
+
 def plan(settings: Settings, inventory: Inventory) -> Plan:
     """Turn settings and an inventory into a full Plan, or raise PlanError saying what to change."""
     platform = platform_of(inventory)
@@ -459,6 +475,8 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
         service = "pd-colocated" if colocated else f"pd-{role}"
         for index, gpus in enumerate(sets):
             ctx = _context(settings, role, index, gpus, mode, platform, shared, block_sizes[role])
+            if settings.engine.kind == "vllm":
+                _check_rank_ports(connector, ctx, settings)
             instance, noted = _instance(settings, inventory, connector, ctx, gpus, model, service)
             instances.append(instance)
             warnings.extend(noted)

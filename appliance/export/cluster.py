@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from appliance.engine.command import VLLM_ENTRYPOINT
+from appliance.engine.command import server_args
 from appliance.errors import PdctlError
 from appliance.plan import Instance, Plan
 
@@ -122,14 +122,12 @@ def human_readable_int(key: str, value: str) -> int:
 
 def engine_kwargs_from_argv(argv: list[str]) -> dict[str, Any]:
     """vLLM's server arguments as EngineArgs keyword arguments (`--max-num-seqs 8` -> max_num_seqs=8)."""
-    try:
-        start = argv.index(VLLM_ENTRYPOINT) + 1
-    except ValueError:
+    args = server_args(argv)
+    if args is None:
         raise ExportError(
             "the plan's engine command is not vLLM's OpenAI server", fix="export a plan with engine.kind = 'vllm'"
-        ) from None
+        )
     kwargs: dict[str, Any] = {}
-    args = argv[start:]
     i = 0
     while i < len(args):
         token = args[i]

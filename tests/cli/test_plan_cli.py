@@ -45,8 +45,11 @@ def test_explicit_sets_and_table() -> None:
 
 
 def test_dp2_tp2_ranks_never_share_ports() -> None:
-    r = pdctl("plan", "--json", env={"PDCTL_INVENTORY": "sim:mi300x-8", "PDCTL_DECODE__DP": "2", "PDCTL_DECODE__TP": "2",
-                                     "PDCTL_DECODE__GPUS": "[4,5,6,7]"})
+    shape = {"PDCTL_DECODE__DP": "2", "PDCTL_DECODE__TP": "2", "PDCTL_DECODE__GPUS": "[4,5,6,7]"}
+    # MORI-IO (the reference) cannot: vLLM binds two of its ranks to one port, so the plan is refused
+    r = pdctl("plan", env={"PDCTL_INVENTORY": "sim:mi300x-8", **shape})
+    assert r.returncode == 2 and "both bind handshake port" in r.stderr and "--decode 1xTP4" in r.stderr, r.stderr
+    r = pdctl("plan", "--json", "--connector", "nixl", "--mode", "read", env={"PDCTL_INVENTORY": "sim:h200-8", **shape})
     assert r.returncode == 0, r.stderr
     ports = [port for i in json.loads(r.stdout)["instances"] for v in i["ports"].values() for port in v]
     assert len(ports) == len(set(ports))

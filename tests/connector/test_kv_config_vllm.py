@@ -1,5 +1,6 @@
 """Every connector's rendered --kv-transfer-config is accepted by vLLM's own KVTransferConfig (which forbids
-unknown fields), for the reference 1P1D and for a DP2 x TP2 decode."""
+unknown fields), for the reference 1P1D and for data-parallel decodes (MORI-IO: DP4 x TP1, as vLLM's MoRIIO
+binds DP > 1 x TP > 1 ranks to one port; NIXL: DP2 x TP2)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ for line in sys.stdin:
 
 CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("moriio 1P1D", "sim:mi300x-8", {"connector": {"name": "moriio", "mode": "write"}}),
-    ("moriio DP2xTP2 decode", "sim:mi300x-8",
-     {"connector": {"name": "moriio", "mode": "read"}, "decode": {"dp": 2, "tp": 2}}),
+    ("moriio DP4 decode", "sim:mi300x-8",
+     {"connector": {"name": "moriio", "mode": "read"}, "decode": {"dp": 4, "tp": 1}}),
     ("nixl 1P1D", "sim:h200-8", {"connector": {"name": "nixl"}}),
     ("nixl DP2xTP2 decode", "sim:h200-8", {"connector": {"name": "nixl"}, "decode": {"dp": 2, "tp": 2}}),
     ("nixl write 1P1D", "sim:h200-8", {"connector": {"name": "nixl", "mode": "write"}}),
@@ -52,7 +53,7 @@ def _configs() -> list[tuple[str, dict[str, Any]]]:
 
 def test_rendered_configs_have_the_shapes_vllm_reads() -> None:
     configs = dict(_configs())
-    moriio = configs["moriio DP2xTP2 decode decode-0"]
+    moriio = configs["moriio DP4 decode decode-0"]
     assert moriio["kv_connector"] == "MoRIIOConnector" and moriio["kv_role"] == "kv_consumer"
     assert moriio["kv_connector_extra_config"]["read_mode"] is True
     assert configs["moriio 1P1D prefill-0"]["kv_connector_extra_config"]["read_mode"] is False
