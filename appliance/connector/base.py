@@ -133,6 +133,9 @@ class Connector(ABC):
     sim_flow: ClassVar[str]
     # The library vLLM loads for this connector, if any.
     library: ClassVar[Library | None] = None
+    # True: in READ mode the decode needs the prefill's kv_transfer_params; a prefill that returns none without
+    # having finished the request is an error (False: the shared-storage connector's prefill never returns any).
+    read_needs_prefill_kv: ClassVar[bool] = False
 
     # ---- the engine side ------------------------------------------------------------------------
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:

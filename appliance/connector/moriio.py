@@ -98,6 +98,7 @@ class MoriioConnector(Connector):
     mode_fixed_at_start = True
     sim_flow = "appliance.engine.sim.connectors:MoriioSim"
     library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
+    read_needs_prefill_kv = True
 
     def rdma(self, moriio_backend: str) -> RdmaNeed:
         return RdmaNeed(required=moriio_backend == "rdma",

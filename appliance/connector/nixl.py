@@ -35,6 +35,7 @@ class NixlConnector(Connector):
     write_waits_for_prefill = True
     sim_flow = "appliance.engine.sim.connectors:NixlSim"
     library = Library("nixl", "nixl._api:nixl_agent", "nixl")
+    read_needs_prefill_kv = True
 
     def rdma(self, moriio_backend: str) -> RdmaNeed:
         return RdmaNeed(required=False, fix="NIXL falls back to NVLink/TCP within one node")

@@ -141,8 +141,8 @@ class Relay:
 
 async def run_prefill(
     proxy: Proxy, inst: BackendState, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
-) -> dict[str, Any] | None:
-    """The prefill leg, bounded by timeouts.prefill_s; returns the engine's kv_transfer_params."""
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The prefill leg, bounded by timeouts.prefill_s; returns the engine's kv_transfer_params and its answer."""
     limit = proxy.config.timeouts.prefill_s
     # a task of our own rather than asyncio.wait_for's: when this leg is cancelled while the engine's answer
     # is failing it, the failure is still retrieved (no "Task exception was never retrieved" traceback)
@@ -169,7 +169,7 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 
 async def _prefill(
     proxy: Proxy, inst: BackendState, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
-) -> dict[str, Any] | None:
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     acquire(inst, rank)
     conn: Connection | None = None
     try:
@@ -197,9 +197,12 @@ async def _prefill(
         except ValueError:
             proxy.metrics.leg_failures.labels("prefill", "protocol").inc()
             raise LegFailure(502, f"prefill instance {inst.name} returned invalid JSON") from None
+        if not isinstance(data, dict):
+            proxy.metrics.leg_failures.labels("prefill", "protocol").inc()
+            raise LegFailure(502, f"prefill instance {inst.name} returned no JSON object")
         proxy.health.leg_ok(inst)
-        kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
-        return kv if isinstance(kv, dict) else None
+        kv = data.get("kv_transfer_params")
+        return (kv if isinstance(kv, dict) else None), data
     except UpstreamError as exc:
         proxy.metrics.leg_failures.labels("prefill", exc.reason).inc()
         proxy.health.leg_failed(inst)
@@ -335,6 +338,44 @@ async def run_decode(
         release(inst, rank)
 
 
+def ended_at_prefill(body: dict[str, Any], answer: dict[str, Any]) -> bool:
+    """True when the prefill leg's one token ends the client's request: every choice stopped (EOS or a stop
+    string), or the client asked for one token."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    reasons = {c.get("finish_reason") if isinstance(c, dict) else None for c in choices}
+    one_token = body.get("max_completion_tokens", body.get("max_tokens")) == 1
+    return reasons == {"stop"} or (one_token and reasons <= {"stop", "length"})
+
+
+def answer_from_prefill(body: dict[str, Any], answer: dict[str, Any]) -> web.Response:
+    """The client's answer made from the prefill leg's (non-streamed) one: as JSON, or as the SSE events a
+    streamed request expects (one chunk per choice, the usage chunk if asked for, [DONE])."""
+    answer = {k: v for k, v in answer.items() if k != "kv_transfer_params"}  # pdctl's, never the client's
+    if body.get("stream") is not True:
+        return web.json_response(answer)
+    chat = answer.get("object") == "chat.completion"
+    head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    events = []
+    for choice in answer.get("choices", []):
+        if chat:
+            message = choice.get("message") or {}
+            out = {"index": choice.get("index", 0), "logprobs": choice.get("logprobs"),
+                   "delta": {"role": "assistant", "content": message.get("content") or ""},
+                   "finish_reason": choice.get("finish_reason")}
+        else:
+            out = {k: choice.get(k) for k in ("index", "text", "logprobs", "finish_reason", "stop_reason")}
+        events.append({**head, "choices": [out]})
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") and "usage" in answer:
+        events.append({**head, "choices": [], "usage": answer["usage"]})
+    sse = b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events)
+    return web.Response(body=sse + b"data: [DONE]\n\n",
+                        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+
+
 async def handle_completion(proxy: Proxy, request: web.Request, path: str, body: dict[str, Any]) -> web.StreamResponse:
     """Route one validated request through the legs its connector and mode call for."""
     started = time.monotonic()
@@ -401,7 +442,15 @@ async def _disaggregated(
         if not (value.isascii() and value.isprintable()):
             raise LegFailure(502, f"refusing to send an unsafe {name} header to the engines")
     if proxy.mode == "read" or connector.write_waits_for_prefill:
-        kv = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers)
+        kv, answer = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers)
+        if kv is None:
+            # vLLM hands no KV over for a prefill that finished the request (its one token was EOS or a stop;
+            # MoRIIO, and the shared-storage connector always): the prefill's answer is the whole answer.
+            if ended_at_prefill(body, answer):
+                proxy.metrics.ttft.observe(time.monotonic() - started)
+                return answer_from_prefill(body, answer)
+            if connector.read_needs_prefill_kv:
+                raise LegFailure(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
         decode_body = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
         return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started)
 

@@ -463,3 +463,67 @@ def test_example_connector_flow(tmp_path: Any) -> None:
             await check_no_max_tokens(c, p, d)
 
         run(scenario())
+
+
+# ---- a prefill that finishes the request (its one token is EOS) ----------------------------------
+
+@pytest.mark.parametrize(("connector", "kv_on_eos", "kv_on_length"), [
+    ("moriio", False, True),   # vLLM's MoRIIO hands KV over only for a length-capped prefill
+    ("nixl", True, True),      # NIXL for a stopped one too, and its decode must read it (or the blocks wait)
+    ("example", False, False),  # the shared-storage prefill never returns kv_transfer_params
+])
+def test_a_prefill_that_ends_the_request_answers_it(tmp_path: Any, connector: str, kv_on_eos: bool,
+                                                      kv_on_length: bool) -> None:
+    """Engines whose every request ends with EOS as its first token: where the prefill hands no KV over, the
+    proxy answers from the prefill's own response (JSON or SSE, with its usage) and the decode sees nothing;
+    it never sends the decode a do_remote_prefill without the prefill's KV parameters."""
+    with cluster() as c:
+        eos = ("--eos-after", "1")
+        if connector == "moriio":
+            moriio_cluster(c, "read", eos, eos)
+            p, d = c.sims["prefill-0"], c.sims["decode-0"]
+        else:
+            args = {"nixl": (("--side-channel-port", "0"), ()),
+                    "example": (("--shared-storage", str(tmp_path)), ("--shared-storage", str(tmp_path)))}[connector]
+            p = c.sim("prefill-0", "prefill", connector, *eos, *args[0])
+            d = c.sim("decode-0", "decode", connector, *eos, *args[1])
+            c.ready()
+            c.start_proxy(proxy_config(connector, backends=static_backends(("prefill-0", "prefill", p),
+                                                                           ("decode-0", "decode", d))))
+            c.ready()
+            run(proxy_ready(c))
+        assert c.proxy is not None
+        url = c.proxy.url
+
+        async def scenario() -> None:
+            before = await metric(d, "sim_requests_total")
+            body = {"model": MODEL, "prompt": words(40), "max_tokens": 16}
+            status, raw, _ = await post(url, "/v1/completions", body)
+            answer = json.loads(raw)
+            assert status == 200 and answer["choices"][0]["finish_reason"] == "stop", raw
+            assert answer["usage"]["prompt_tokens"] == 40 and answer["usage"]["completion_tokens"] == 1
+            assert "kv_transfer_params" not in answer or answer["kv_transfer_params"] is None
+
+            status, raw, headers = await post(url, "/v1/completions",
+                                              {**body, "stream": True, "stream_options": {"include_usage": True}})
+            _, events, done = stream_text(raw)
+            assert status == 200 and done and headers["Content-Type"].startswith("text/event-stream"), raw
+            assert [ch["finish_reason"] for e in events for ch in e["choices"]][-1] == "stop"
+            assert events[-1]["usage"]["prompt_tokens"] == 40 and events[-1]["usage"]["completion_tokens"] == 1
+
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": words(30)}], "stream": True}
+            status, raw, _ = await post(url, "/v1/chat/completions", chat)
+            _, events, done = stream_text(raw, chat=True)
+            assert status == 200 and done and events[-1]["choices"][0]["finish_reason"] == "stop", raw
+            assert await metric(d, "sim_requests_total") - before == (3 if kv_on_eos else 0)
+
+            # one token asked for (not EOS): the prefill's token is the answer, through the decode where KV moved
+            one = {"model": MODEL, "prompt": words(40), "max_tokens": 1, "ignore_eos": True}
+            status, raw, _ = await post(url, "/v1/completions", one)
+            answer = json.loads(raw)
+            assert status == 200 and answer["choices"][0]["finish_reason"] == "length", raw
+            assert answer["usage"]["completion_tokens"] == 1
+            assert await metric(d, "sim_requests_total") - before == (3 if kv_on_eos else 0) + kv_on_length
+            await all_drained(p, d)
+
+        run(scenario())

@@ -77,6 +77,8 @@ def _config(options: dict[str, Any]) -> Any:
 @click.option(
     "--speed", type=float, default=1.0, show_default=True, help="Run the time model this much faster."
 )
+@click.option("--eos-after", type=click.IntRange(min=1), default=None,
+              help="End every request with EOS as its token N (default: 64-511, picked by the prompt).")
 @click.option("--load-s", type=float, default=0.0, show_default=True,
               help="Seconds spent 'loading the model' before listening (like vLLM).")
 @click.option(

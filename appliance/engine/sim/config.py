@@ -69,6 +69,9 @@ class SimConfig(BaseModel):
     num_blocks: int = Field(default=8192, ge=1)
     block_size: int = Field(default=16, ge=1)
     speed: float = Field(default=1.0, gt=0)
+    # The "model" ends every request with EOS as its token N (default: at a length between 64 and 511 that the
+    # prompt picks); 1 makes a prefill's only token EOS, the case where vLLM's connectors hand no KV over.
+    eos_after: int | None = Field(default=None, ge=1)
     # Seconds "loading the model" before anything listens: vLLM binds its HTTP port only once loaded.
     load_s: float = Field(default=0.0, ge=0)
 

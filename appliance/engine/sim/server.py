@@ -354,7 +354,7 @@ class SimServer:
             max_tokens=parsed.max_tokens,
             min_tokens=parsed.min_tokens,
             ignore_eos=parsed.ignore_eos,
-            sampler=Sampler(self.cfg.seed, parsed.seed, parsed.prompt),
+            sampler=Sampler(self.cfg.seed, parsed.seed, parsed.prompt, self.cfg.eos_after),
             kv_params=parsed.kv_params,
         )
         try:

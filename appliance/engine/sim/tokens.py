@@ -7,7 +7,7 @@ Prompt tokens: text is split into pieces by ``PIECE_RE`` -- runs of ASCII letter
 
 Output tokens: a seeded PRNG keyed by (engine seed, request seed, prompt token ids) so the same
 request always yields the same text. Unless ``ignore_eos``, the "model" emits EOS at a natural
-length between 64 and 511 tokens (never before ``min_tokens``).
+length between 64 and 511 tokens, or at the engine's ``eos_after`` (never before ``min_tokens``).
 """
 
 from __future__ import annotations
@@ -121,10 +121,13 @@ def prompt_digest(tokens: list[int]) -> bytes:
 class Sampler:
     """Greedy-and-reproducible output: the same (seed, prompt) always gives the same tokens."""
 
-    def __init__(self, engine_seed: int, request_seed: int | None, prompt: list[int]) -> None:
+    def __init__(self, engine_seed: int, request_seed: int | None, prompt: list[int],
+                 eos_after: int | None = None) -> None:
         key = f"{engine_seed}:{request_seed}:".encode() + prompt_digest(prompt)
         self._rng = random.Random(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
         self.natural_length = 64 + self._rng.randrange(448)
+        if eos_after is not None:
+            self.natural_length = eos_after
 
     def next_token(self) -> int:
         """The next non-EOS token id."""
