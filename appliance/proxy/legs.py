@@ -356,10 +356,11 @@ def answer_from_prefill(body: dict[str, Any], answer: dict[str, Any]) -> web.Res
     if body.get("stream") is not True:
         return web.json_response(answer)
     chat = answer.get("object") == "chat.completion"
-    head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
+    head: dict[str, Any] = {k: answer[k] for k in ("id", "created", "model") if k in answer}
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
-    events = []
+    events: list[dict[str, Any]] = []
     for choice in answer.get("choices", []):
+        out: dict[str, Any]
         if chat:
             message = choice.get("message") or {}
             out = {"index": choice.get("index", 0), "logprobs": choice.get("logprobs"),
