@@ -10,7 +10,10 @@ engines themselves report them.
     layout, connector, mode, model    from the installed plan
     instances[]     name, unit, role, gpus[], port, url, pid|null, state (running|starting|restarting|
                     stopping|stopped|failed|unknown), detail (the manager's own words), health
-                    ("healthy"|"unhealthy"|"down"), uptime_s|null, restarts (automatic restarts)
+                    ("healthy"|"unhealthy"|"down"), uptime_s|null, restarts (automatic restarts),
+                    kv_transfer|null (NIXL: the KV transfers this engine posted since it started, from its own
+                    /metrics: transfers, post_ms_mean, xfer_ms_mean, mb_per_transfer, mb_per_s, descriptors_mean,
+                    failed_transfers, failed_notifications, expired_requests; see appliance/kvstats.py)
     proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts,
                     reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
                     healthy, draining, in_flight, source), requests {total, by_status{code: n},
@@ -39,6 +42,7 @@ from rich.table import Table
 from appliance.cli.lifecycle import EXIT_UNHEALTHY, MANAGER_CHOICE, Snapshot, deployed, snapshot
 from appliance.cli.options import console
 from appliance.inventory import Inventory, load_inventory
+from appliance.kvstats import engine_figures
 from appliance.manager import ACTIVE, ServiceManager
 from appliance.node import EXIT_DOWN, NotDeployed, admin_url
 from appliance.plan import Plan, _usable
@@ -98,6 +102,8 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
             "health": "healthy" if snap.health.get(inst.name) else ("unhealthy" if st.state in ACTIVE else "down"),
             "uptime_s": _uptime(st.started_at, now),
             "restarts": st.restarts,
+            # the engine's own NIXL transfer histograms (vLLM's vllm:nixl_*): the puller in READ, the pusher in WRITE
+            "kv_transfer": engine_figures(inst.url) if plan.connector == "nixl" and snap.health.get(inst.name) else None,
         })
     pst = snap.units[PROXY_UNIT]
     admin = snap.proxy
@@ -199,6 +205,12 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         codes = " ".join(f"{k}:{v}" for k, v in sorted(req.get("by_status", {}).items()))
         console.print(f"proxy {p['url']} mode {p['mode']}; backends: {escape(reg) or 'none'}; "
                       f"requests {req.get('total', '?')} ({codes or '-'}), leg failures {req.get('leg_failures', '?')}")
+    for i in doc["instances"]:
+        kv = i.get("kv_transfer")
+        if kv and kv["transfers"]:
+            console.print(f"KV hand-off posted by {i['name']}: {kv['transfers']} transfers, post {kv['post_ms_mean']} ms, "
+                          f"transfer {kv['xfer_ms_mean']} ms, {kv['mb_per_transfer']} MB each at {kv['mb_per_s']} MB/s, "
+                          f"{kv['descriptors_mean']} descriptors, {kv['failed_transfers']} failed (means since start)")
     if doc["gpus"]:
         gt = Table(show_header=True, header_style="bold")
         for col in ("GPU", "name", "util", "memory", "instance"):

@@ -1,0 +1,113 @@
+"""Summarise `benchmarks/gpu/run_step.sh` tarballs: each workload's attainment re-judged under several SLOs
+(TTFT target x ITL target x judgement), and the KV hand-off figures each engine reported in its own
+/metrics (vLLM's vllm:nixl_* histograms, differences between the snapshots taken around each workload).
+
+    python benchmarks/gpu/summarize.py OUT.json STEP.tar.gz [STEP.tar.gz ...]
+
+Prints tables and writes every figure to OUT.json (small: no per-request data).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+from appliance.bench.analysis import Slo, attainment, goodput, percentile, token_gaps
+from appliance.bench.results import BenchResult
+from appliance.kvstats import figures, totals
+
+TTFT_MS = (1000.0, 2000.0, 3000.0)
+ITL_MS = (30.0, 50.0)
+JUDGEMENTS = ("p99", "max", "mean")
+
+
+def _members(path: Path) -> dict[str, bytes]:
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
+
+
+def _rates(result: BenchResult) -> list[dict[str, Any]]:
+    """Per rate: the measured requests' latencies and attainment under every SLO."""
+    out = []
+    for shape in result.shapes:
+        for rate in shape.rates:
+            judged = [r for r in rate.requests if r.status != "interrupted" and r.measured]
+            ok = [r for r in judged if r.success and r.chunk_times_s]
+            ttft = [r.chunk_times_s[0] * 1e3 for r in ok]
+            req_p99 = [percentile(token_gaps(r.chunk_times_s, r.chunk_tokens), 99) * 1e3 for r in ok if len(r.chunk_times_s) > 1]
+            att = {
+                f"ttft{t:g}/itl{i:g}/{j}": attainment(judged, Slo(ttft_ms=t, itl_ms=i), j)
+                for t in TTFT_MS for i in ITL_MS for j in JUDGEMENTS
+            }
+            out.append({
+                "rate": rate.rate, "partial": rate.partial, "measured": len(judged), "failed": len(judged) - len(ok),
+                "ttft_ms_p50": round(percentile(ttft, 50), 1) if ttft else None,
+                "ttft_ms_p90": round(percentile(ttft, 90), 1) if ttft else None,
+                "request_itl_p99_ms_p50": round(percentile(req_p99, 50), 1) if req_p99 else None,
+                "request_itl_p99_ms_p90": round(percentile(req_p99, 90), 1) if req_p99 else None,
+                "attainment": {k: (None if v != v else round(v, 3)) for k, v in att.items()},
+            })
+    return out
+
+
+def summarize(path: Path) -> dict[str, Any]:
+    """One step's tarball: shape, per workload the rates and the KV figures per instance."""
+    files = _members(path)
+    shape = path.name.removesuffix(".tar.gz")
+    snaps = {name.rsplit("metrics-", 1)[1][:-5]: json.loads(data)
+             for name, data in files.items() if "/metrics-" in name}
+    workloads = {}
+    for name in sorted(files):
+        if not name.endswith("/bench.json"):
+            continue
+        tag = name.split("/")[-2]
+        result = BenchResult.model_validate_json(files[name])
+        workloads[tag] = {"input_len": result.workload.input_len, "output_len": result.workload.output_len,
+                          "rates": _rates(result), "kv_transfers": {}}
+    # the snapshots are cumulative: each workload's figures are the difference to the one before it
+    order = sorted(workloads, key=lambda t: snaps.get(t, {}).get("t", 0))
+    previous = {inst: totals(text) for inst, text in snaps.get("up", {"instances": {}})["instances"].items()}
+    for tag in order:
+        kv = {}
+        for inst, text in snaps.get(tag, {"instances": {}})["instances"].items():
+            now = totals(text)
+            if now is not None and now.get("xfer_s_count", 0) > (previous.get(inst) or {}).get("xfer_s_count", 0):
+                kv[inst] = figures(now, previous.get(inst))
+            previous[inst] = now
+        workloads[tag]["kv_transfers"] = kv
+    return {"shape": shape, "workloads": workloads}
+
+
+def goodputs(step: dict[str, Any], tag: str) -> dict[str, float | None]:
+    """Goodput (highest rate with every lower rate at >= 90 %) per SLO key; interrupted rates left out."""
+    rates = [r for r in step["workloads"].get(tag, {}).get("rates", []) if not r["partial"]]
+    keys = rates[0]["attainment"].keys() if rates else []
+    return {k: goodput([(r["rate"], r["attainment"][k] if r["attainment"][k] is not None else float("nan"))
+                        for r in rates], 0.9) for k in keys}
+
+
+def main(argv: list[str]) -> None:
+    """Summarise the tarballs named on the command line into argv[0] (JSON) and print the tables."""
+    out, paths = Path(argv[0]), [Path(p) for p in argv[1:]]
+    steps = [summarize(p) for p in paths]
+    for step in steps:
+        for tag, w in step["workloads"].items():
+            print(f"\n{step['shape']} {w['input_len']}/{w['output_len']}")
+            for r in w["rates"]:
+                a = r["attainment"]
+                print(f"  {r['rate']:>4}{'*' if r['partial'] else ' '} n={r['measured']:>3} TTFT p50/p90 "
+                      f"{r['ttft_ms_p50']}/{r['ttft_ms_p90']} ms, request ITL p99 p50/p90 {r['request_itl_p99_ms_p50']}/"
+                      f"{r['request_itl_p99_ms_p90']} ms; attainment p99 (TTFT 1s/2s/3s, ITL 50): "
+                      f"{a['ttft1000/itl50/p99']} {a['ttft2000/itl50/p99']} {a['ttft3000/itl50/p99']}; ITL 30: "
+                      f"{a['ttft1000/itl30/p99']} {a['ttft2000/itl30/p99']} {a['ttft3000/itl30/p99']}")
+            for inst, kv in w["kv_transfers"].items():
+                print(f"  KV {inst}: {kv}")
+            step["workloads"][tag]["goodput"] = goodputs(step, tag)
+    out.write_text(json.dumps(steps, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
