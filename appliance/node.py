@@ -24,10 +24,10 @@ from appliance.manager import ACTIVE, ServiceManager, choose_manager
 from appliance.plan import Plan, busy_ports, proxy_config
 from appliance.ports import port_free
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit
-from appliance.render.templates import RenderOptions
+from appliance.render.templates import RenderOptions, secret_env
 from appliance.roles import ROLES
 from appliance.settings import Settings, deep_merge
-from appliance.statedir import StateDir, write_atomic
+from appliance.statedir import StateDir, make_private_dir, write_atomic
 
 if TYPE_CHECKING:
     from appliance.proxy.client import AdminClient
@@ -100,6 +100,35 @@ def layered(layout: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]
     return deep_merge(kept, overrides)
 
 
+REDACTED = "<redacted: secrets.json>"
+
+
+def redacted(plan: Plan) -> tuple[Plan, dict[str, dict[str, str]]]:
+    """The plan with every secret environment value (names like *TOKEN*, *KEY*) replaced by a marker, and the
+    values it took out, by instance and name: plan.json and `pdctl plan --json` never show a secret."""
+    secrets: dict[str, dict[str, str]] = {}
+    instances = []
+    for inst in plan.instances:
+        _, secret = secret_env(inst.env)
+        if secret:
+            secrets[inst.name] = secret
+            inst = inst.model_copy(update={"env": {k: REDACTED if k in secret else v for k, v in inst.env.items()}})
+        instances.append(inst)
+    return plan.model_copy(update={"instances": instances}), secrets
+
+
+def _restored(plan: Plan, secrets: dict[str, dict[str, str]]) -> Plan:
+    """A plan read from plan.json with the secret values from secrets.json put back."""
+    instances = []
+    for inst in plan.instances:
+        mine = secrets.get(inst.name, {})
+        if any(v == REDACTED for v in inst.env.values()):
+            inst = inst.model_copy(update={"env": {k: mine.get(k, v) if v == REDACTED else v
+                                                   for k, v in inst.env.items()}})
+        instances.append(inst)
+    return plan.model_copy(update={"instances": instances})
+
+
 @dataclass(frozen=True)
 class Applied:
     """What writing a plan changed: unit definitions, and whether the proxy's configuration did."""
@@ -124,11 +153,14 @@ class Node:
         """The plan `pdctl up` last applied, or None."""
         path = Path(self.state.plan)
         try:
-            return Plan.model_validate_json(path.read_text())
+            plan = Plan.model_validate_json(path.read_text())
+            secrets_path = Path(self.state.secrets)
+            secrets = json.loads(secrets_path.read_text()) if secrets_path.exists() else {}
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
             raise PdctlError(f"{path} cannot be read ({exc})", fix="run `pdctl up` to write it again") from None
+        return _restored(plan, secrets)
 
     def deployed(self) -> Plan:
         """The installed plan; NotDeployed (one line, exit 3) when nothing was deployed."""
@@ -173,14 +205,18 @@ class Node:
 
     # ------------------------------------------------------------------------------------------ writing
     def write(self, plan: Plan) -> bool:
-        """The state directory, plan.json and proxy.json (atomically), the KV store; True when proxy.json changed."""
-        Path(self.state.root).mkdir(parents=True, exist_ok=True)
+        """The state directory (0700), plan.json (secrets redacted), secrets.json (0600) and proxy.json, each
+        written atomically, and the KV store; True when proxy.json changed."""
+        make_private_dir(self.state.root)
         for inst in plan.instances:
             store = (inst.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("shared_storage_path")
             if store:
                 Path(store).mkdir(parents=True, exist_ok=True)
         changed = write_atomic(self.state.proxy_config, json.dumps(proxy_config(plan), indent=2) + "\n")
-        write_atomic(self.state.plan, plan.model_dump_json(indent=2) + "\n")
+        public, secrets = redacted(plan)
+        # the values first: a plan.json that names a secret always finds it
+        write_atomic(self.state.secrets, json.dumps(secrets, indent=2) + "\n", 0o600)
+        write_atomic(self.state.plan, public.model_dump_json(indent=2) + "\n", 0o600)
         return changed
 
     def apply(self, plan: Plan, manager: ServiceManager, previous: Plan | None) -> Applied:

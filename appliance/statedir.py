@@ -3,7 +3,10 @@
 Every path under `state_dir` is built here, so the planner, the renderers, the service managers and
 appliance.node agree on it. Pure apart from `write_atomic`; nothing here knows what a plan is.
 
-    plan.json            the plan `pdctl up` (or a rebalance step) applied: what is deployed
+    (the directory)      mode 0700: only its owner reads what is deployed
+    plan.json            the plan `pdctl up` (or a rebalance step) applied: what is deployed; secret
+                         environment values (keys like *TOKEN*, *KEY*) are redacted and kept in secrets.json
+    secrets.json         0600: those values, by instance and variable
     proxy.json           the proxy's configuration, derived from plan.json
     layout.json          the shape `pdctl rebalance` / `pdctl mode` left the node in
     manager              the service manager `pdctl up` used (one word)
@@ -37,6 +40,11 @@ class StateDir:
     def plan(self) -> PurePosixPath:
         """The deployed plan."""
         return self.root / "plan.json"
+
+    @property
+    def secrets(self) -> PurePosixPath:
+        """The engines' secret environment values that plan.json leaves out (mode 0600)."""
+        return self.root / "secrets.json"
 
     @property
     def proxy_config(self) -> PurePosixPath:
@@ -88,8 +96,17 @@ class StateDir:
         return self.root / "bench"
 
 
+def make_private_dir(path: str | os.PathLike[str]) -> None:
+    """Create the directory `path` (and its parents) with mode 0700, or tighten it to 0700 if it exists."""
+    Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
 def write_atomic(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> bool:
-    """Write `text` to `path` via a temporary file and rename (never half-written); False if unchanged."""
+    """Write `text` to `path` via a temporary file and rename (never half-written); False if unchanged.
+
+    The file is fsynced before the rename and its directory after it, so a crash leaves the old file or the
+    new one, and a rename that returned is on disk."""
     target = Path(path)
     try:
         if target.read_text() == text and (target.stat().st_mode & 0o777) == mode:
@@ -108,4 +125,9 @@ def write_atomic(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
     return True

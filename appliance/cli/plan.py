@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.cli.options import console, obtain, obtain_plan, overrides_from, plan_options
-from appliance.node import Node
+from appliance.node import Node, redacted
 from appliance.plan import Plan
 
 
@@ -76,6 +76,6 @@ def plan(ctx: click.Context, as_json: bool, suggest: bool, input_len: int, outpu
     settings, _ = obtain(ctx)
     _, _, p = obtain_plan(ctx, Node(settings).with_layout(overrides_from(options)))
     if as_json:
-        click.echo(p.model_dump_json(indent=2))
+        click.echo(redacted(p)[0].model_dump_json(indent=2))  # secrets stay out of a printed plan
     else:
         render_plan(p, console())

@@ -386,3 +386,54 @@ def test_a_registration_flood_is_bounded(tmp_path: Path) -> None:
         no_traceback(node)
     finally:
         node.stop()
+
+
+# ---- finding 10: state files -----------------------------------------------------------------------------------
+
+
+def test_state_files_keep_secrets_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `pdctl up` writes (Node.write, real files): the state directory 0700 even when it existed 0755,
+    plan.json without the engine's HF_TOKEN, secrets.json 0600 with it, read back whole; every atomic
+    rename followed by an fsync of its directory; `pdctl plan --json` prints no secret either."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    from appliance.inventory import load_inventory
+    from appliance.node import Node
+    from appliance.plan import plan as make_plan
+    from appliance.settings import Settings
+    from tests.reliability.procs import ROOT
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    settings = Settings.model_validate({"state_dir": str(state), "engine": {"kind": "sim", "env": {
+        "HF_TOKEN": "hf_s3cret_value", "VLLM_LOGGING_LEVEL": "INFO"}}})
+    p = make_plan(settings, load_inventory("sim:cpu"))
+    synced: list[bool] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    Node(settings).write(p)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    plan_json = (state / "plan.json").read_text()
+    assert "hf_s3cret_value" not in plan_json and "<redacted" in plan_json and "VLLM_LOGGING_LEVEL" in plan_json
+    secrets = state / "secrets.json"
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o600 and "hf_s3cret_value" in secrets.read_text()
+    assert stat.S_IMODE((state / "plan.json").stat().st_mode) == 0o600
+    assert synced.count(True) >= 3, synced  # one directory fsync after each of the three renames
+    loaded = Node(settings).installed()
+    assert loaded is not None and all(i.env["HF_TOKEN"] == "hf_s3cret_value" for i in loaded.instances)
+    toml = tmp_path / "pdctl.toml"
+    toml.write_text(f'state_dir = "{state}"\n[engine]\nkind = "sim"\n[engine.env]\nHF_TOKEN = "hf_s3cret_value"\n')
+    env = dict(os.environ, PDCTL_INVENTORY="sim:cpu")
+    done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(toml), "plan", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "hf_s3cret_value" not in done.stdout and "HF_TOKEN" in done.stdout
