@@ -15,7 +15,8 @@ from appliance.connector.base import (
     SimOptions,
 )
 
-# Hand-off settings measured on 2 x H200 (NV18 NVLink), Qwen3-32B, 2000-token prompts (results/gpu-h200x2):
+# Hand-off settings measured on 2 x H200 (NV18 NVLink), Qwen3-32B (results/gpu-h200x2; vLLM 0.24 applies the
+# cross-layer setting only on its V1 model runner, see appliance/data/pdctl.toml):
 # vLLM's default 16-token blocks post 16,000 descriptors per request (55 ms post, which stalls the decode
 # step); 128-token blocks post 2,048. Cross-layer blocks put every layer of a block in one contiguous
 # region, so a request is one descriptor per block (16 for 2000 tokens) instead of blocks x layers x K/V.
