@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager, choose_manager
-from appliance.plan import Plan, busy_ports, proxy_config
+from appliance.plan import Plan, busy_ports
 from appliance.ports import port_free
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit
 from appliance.render.templates import RenderOptions, secret_env
@@ -54,20 +54,16 @@ def http_answer(url: str, timeout: float = 2.0) -> int | None:
         return None
 
 
-def _loopback(host: str) -> str:
-    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
-
-
 def admin_url(plan: Plan) -> str:
     """The proxy's admin API base URL."""
-    return f"http://{_loopback(plan.proxy.admin_host)}:{plan.proxy.admin_port}"
+    return plan.proxy.admin_url
 
 
 def admin_client(plan: Plan, timeout: float) -> AdminClient:
     """A client of the proxy's admin API, with the plan's token."""
     from appliance.proxy.client import AdminClient
 
-    return AdminClient(admin_url(plan), token_file=plan.proxy.admin_token_file, timeout=timeout)
+    return AdminClient(admin_url(plan), token_file=plan.proxy.admin.token_file, timeout=timeout)
 
 
 def proxy_state(plan: Plan) -> dict[str, Any] | None:
@@ -212,7 +208,7 @@ class Node:
             store = (inst.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("shared_storage_path")
             if store:
                 Path(store).mkdir(parents=True, exist_ok=True)
-        changed = write_atomic(self.state.proxy_config, json.dumps(proxy_config(plan), indent=2) + "\n")
+        changed = write_atomic(self.state.proxy_config, plan.proxy.model_dump_json(indent=2) + "\n")
         public, secrets = redacted(plan)
         # the values first: a plan.json that names a secret always finds it
         write_atomic(self.state.secrets, json.dumps(secrets, indent=2) + "\n", 0o600)

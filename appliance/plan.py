@@ -1,8 +1,12 @@
 """The topology planner: Settings + Inventory -> Plan. Pure: no I/O, no side effects.
 
-The Plan is the single source of truth: units, supervisor config, the proxy's backends and `pdctl status`
-all derive from it. `pdctl plan --json` prints it; its schema (schema_version 1) is stable: fields may be
+The Plan is the single source of truth: units, supervisor config, the proxy's configuration and `pdctl status`
+all derive from it. `pdctl plan --json` prints it; its schema (schema_version 2) is stable: fields may be
 added, never renamed or removed without bumping schema_version.
+
+Schema 2 (schema 1 until the proxy's own config became `proxy`): `proxy` is the proxy's ProxyConfig, the very
+document `proxy.json` holds (listeners in `registration` and `admin`, `timeouts`, the `backends`). A schema-1
+plan (a state directory written before) still loads: its flat `proxy` record is read into that shape.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from appliance.connector import (
     DEFAULT_FOR_PLATFORM,
@@ -26,12 +30,14 @@ from appliance.connector.base import PLATFORMS, Mode
 from appliance.engine.command import engine_command
 from appliance.engine.version import split_package
 from appliance.errors import PlanError
+from appliance.hosts import is_loopback, url_host
 from appliance.inventory.models import Gpu, Inventory
+from appliance.proxy.config import AdminConfig, Backend, ProxyConfig, RegistrationConfig, Timeouts
 from appliance.roles import Role
 from appliance.settings import EMBEDDED_MODEL, Settings
 from appliance.statedir import StateDir
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[2] = 2
 
 
 class Frozen(BaseModel):
@@ -70,29 +76,6 @@ class ModelPlan(Frozen):
     generate: bool = Field(description="True for the embedded tiny model, written by `pdctl up` before start")
 
 
-class ProxyPlan(Frozen):
-    """The proxy's listeners and behaviour; its backends are the plan's instances."""
-
-    host: str
-    port: int
-    url: str
-    mode: Literal["read", "write"]
-    connector: str
-    routing: str
-    registration_enabled: bool
-    registration_host: str
-    ping_port: int
-    allowed_hosts: list[str]
-    admin_host: str
-    admin_port: int
-    api_key_file: str | None
-    admin_token_file: str | None
-    connect_timeout_s: float
-    prefill_timeout_s: float
-    first_token_timeout_s: float
-    between_tokens_timeout_s: float
-
-
 class Check(Frozen):
     """One rule the planner checked."""
 
@@ -104,7 +87,7 @@ class Check(Frozen):
 class Plan(Frozen):
     """The whole node: every instance, the proxy, and the checks that passed."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     platform: Platform
     engine: Literal["vllm", "sim"]
     layout: Literal["disaggregated", "colocated"]
@@ -114,9 +97,21 @@ class Plan(Frozen):
     inventory_source: str
     state_dir: str
     instances: list[Instance]
-    proxy: ProxyPlan
+    proxy: ProxyConfig = Field(description="The proxy's own configuration: proxy.json is its dump")
     checks: list[Check]
     warnings: list[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_schema_1(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("schema_version") == 1:
+            return _schema_1_to_2(data)
+        return data
+
+    def with_instances(self, instances: list[Instance]) -> Plan:
+        """This plan running `instances` instead (the proxy's backends follow them)."""
+        proxy = self.proxy.model_copy(update={"backends": backends(instances)})
+        return self.model_copy(update={"instances": instances, "proxy": proxy})
 
     def role_instances(self, role: Role) -> list[Instance]:
         """The instances of one role, in index order."""
@@ -429,7 +424,7 @@ def _instance(settings: Settings, inventory: Inventory, connector: Connector, ct
         expert_parallel=rs.enable_expert_parallel,
         host=rs.host,
         http_port=ctx.http_port,
-        url=f"http://{_url_host(rs.host)}:{ctx.http_port}",
+        url=f"http://{url_host(rs.host)}:{ctx.http_port}",
         ports=ports,
         kv_transfer_config=kv_config,
         proxy_kv=connector.proxy_kv(ctx),
@@ -485,8 +480,8 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     checks.append(Check(name="gpus-disjoint", ok=len(used) == len(set(used)), detail=f"{len(used)} GPU(s) assigned"))
     block = next(iter(block_sizes.values()))
     checks.append(Check(name="block-size", ok=True, detail=f"KV block size {block or 'vLLM default'} on every role"))
-    proxy = _proxy_plan(settings, connector, mode)
-    if settings.proxy.host not in _LOOPBACK and not settings.proxy.api_key_file:
+    proxy = _proxy_config(settings, connector, mode, model.served_name)
+    if not is_loopback(settings.proxy.host) and not settings.proxy.api_key_file:
         warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file is set")
     _check_ports(instances, proxy)
     checks.append(
@@ -494,6 +489,8 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     )
     if not colocated and not (any(i.role == "prefill" for i in instances) and any(i.role == "decode" for i in instances)):
         raise PlanError("a disaggregated plan needs at least one prefill and one decode instance")
+    # every port is below 65536 now, so each backend's URL is valid
+    proxy.backends = backends(instances)
     return Plan(
         platform=platform,
         engine=settings.engine.kind,
@@ -510,58 +507,65 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     )
 
 
-def _url_host(host: str) -> str:
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _proxy_plan(settings: Settings, connector: Connector, mode: Literal["read", "write"]) -> ProxyPlan:
+def _proxy_config(settings: Settings, connector: Connector, mode: Literal["read", "write"],
+                  served_name: str) -> ProxyConfig:
+    """The proxy's configuration from the [proxy] settings (its backends are added once the ports are checked)."""
     p = settings.proxy
-    if p.admin_host not in _LOOPBACK and not p.admin_token_file:
-        # The proxy refuses to start like this; say so before anything is written.
-        raise PlanError(
-            f"proxy.admin_host = {p.admin_host!r} exposes the admin API without a token",
-            fix="set proxy.admin_token_file (a 0600 file), or keep admin_host on 127.0.0.1",
+    try:
+        return ProxyConfig(
+            host=p.host,
+            port=p.port,
+            mode=mode,
+            connector=connector.name,
+            routing=p.routing,
+            model=served_name,
+            api_key_file=p.api_key_file,
+            registration=RegistrationConfig(enabled=connector.registers_with_proxy, host=p.registration_host,
+                                            port=p.ping_port, allowed_hosts=p.allowed_hosts),
+            admin=AdminConfig(host=p.admin_host, port=p.admin_port, token_file=p.admin_token_file),
+            timeouts=Timeouts(connect_s=p.connect_timeout_s, prefill_s=p.prefill_timeout_s,
+                              first_token_s=p.first_token_timeout_s, between_tokens_s=p.between_tokens_timeout_s),
         )
-    return ProxyPlan(
-        host=p.host,
-        port=p.port,
-        url=f"http://{_url_host(p.host)}:{p.port}",
-        mode=mode,
-        connector=connector.name,
-        routing=p.routing,
-        registration_enabled=connector.registers_with_proxy,
-        registration_host=p.registration_host,
-        ping_port=p.ping_port,
-        allowed_hosts=p.allowed_hosts,
-        admin_host=p.admin_host,
-        admin_port=p.admin_port,
-        api_key_file=p.api_key_file,
-        admin_token_file=p.admin_token_file,
-        connect_timeout_s=p.connect_timeout_s,
-        prefill_timeout_s=p.prefill_timeout_s,
-        first_token_timeout_s=p.first_token_timeout_s,
-        between_tokens_timeout_s=p.between_tokens_timeout_s,
-    )
+    except ValidationError as exc:
+        # The proxy would refuse to start like this; say so before anything is written.
+        problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        fix = "set proxy.admin_token_file (a 0600 file), or keep admin_host on 127.0.0.1" if "admin" in problem else ""
+        raise PlanError(f"proxy: {problem}", fix=fix) from None
 
 
-def all_ports(plan_instances: list[Instance], proxy: ProxyPlan) -> list[tuple[int, str]]:
+def backends(instances: list[Instance]) -> list[Backend]:
+    """The proxy's static backends: every instance of the plan."""
+    return [Backend(name=i.name, role=i.role, url=i.url, dp_size=i.dp, tp_size=i.tp, kv=i.proxy_kv) for i in instances]
+
+
+def _schema_1_to_2(data: dict[str, Any]) -> dict[str, Any]:
+    """A schema-1 plan (flat proxy record) in the schema-2 shape (the proxy's ProxyConfig)."""
+    old = data["proxy"]
+    proxy = {
+        "host": old["host"], "port": old["port"], "mode": old["mode"], "connector": old["connector"],
+        "routing": old["routing"], "model": data["model"]["served_name"], "api_key_file": old["api_key_file"],
+        "registration": {"enabled": old["registration_enabled"], "host": old["registration_host"],
+                         "port": old["ping_port"], "allowed_hosts": old["allowed_hosts"]},
+        "admin": {"host": old["admin_host"], "port": old["admin_port"], "token_file": old["admin_token_file"]},
+        "timeouts": {"connect_s": old["connect_timeout_s"], "prefill_s": old["prefill_timeout_s"],
+                     "first_token_s": old["first_token_timeout_s"], "between_tokens_s": old["between_tokens_timeout_s"]},
+        "backends": [{"name": i["name"], "role": i["role"], "url": i["url"], "dp_size": i["dp"], "tp_size": i["tp"],
+                      "kv": i["proxy_kv"]} for i in data["instances"]],
+    }
+    return {**data, "schema_version": SCHEMA_VERSION, "proxy": proxy}
+
+
+def all_ports(plan_instances: list[Instance], proxy: ProxyConfig) -> list[tuple[int, str]]:
     """Every (port, owner) the node will bind: each rank's connector ports, HTTP ports, the proxy's."""
-    owned: list[tuple[int, str]] = [(proxy.port, "proxy.port"), (proxy.admin_port, "proxy.admin_port")]
-    if proxy.registration_enabled:
-        owned.append((proxy.ping_port, "proxy.ping_port"))
+    owned: list[tuple[int, str]] = [(proxy.port, "proxy.port"), (proxy.admin.port, "proxy.admin_port")]
+    if proxy.registration.enabled:
+        owned.append((proxy.registration.port, "proxy.ping_port"))
     for inst in plan_instances:
         owned.extend((port, f"{inst.name} {purpose}") for purpose, ports in inst.ports.items() for port in ports)
     return owned
 
 
-def _check_ports(instances: list[Instance], proxy: ProxyPlan) -> None:
+def _check_ports(instances: list[Instance], proxy: ProxyConfig) -> None:
     owned = all_ports(instances, proxy)
     counts = Counter(port for port, _ in owned)
     clashes = sorted(port for port, n in counts.items() if n > 1)
@@ -587,34 +591,3 @@ def busy_ports(plan_: Plan, is_free: Callable[[str, int], bool], skip: set[str] 
         if not is_free("127.0.0.1", port):
             problems.append(f"port {port} ({owner}) is already in use")
     return problems
-
-
-def proxy_config(p: Plan) -> dict[str, Any]:
-    """The proxy's configuration (appliance.proxy.config.ProxyConfig as data) derived from the plan."""
-    px = p.proxy
-    return {
-        "host": px.host,
-        "port": px.port,
-        "mode": px.mode,
-        "connector": px.connector,
-        "routing": px.routing,
-        "model": p.model.served_name,
-        "api_key_file": px.api_key_file,
-        "registration": {
-            "enabled": px.registration_enabled,
-            "host": px.registration_host,
-            "port": px.ping_port,
-            "allowed_hosts": px.allowed_hosts,
-        },
-        "admin": {"host": px.admin_host, "port": px.admin_port, "token_file": px.admin_token_file},
-        "timeouts": {
-            "connect_s": px.connect_timeout_s,
-            "prefill_s": px.prefill_timeout_s,
-            "first_token_s": px.first_token_timeout_s,
-            "between_tokens_s": px.between_tokens_timeout_s,
-        },
-        "backends": [
-            {"name": i.name, "role": i.role, "url": i.url, "dp_size": i.dp, "tp_size": i.tp, "kv": i.proxy_kv}
-            for i in p.instances
-        ],
-    }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ from appliance.engine.command import server_args
 from appliance.errors import PlanError
 from appliance.inventory import load_inventory
 from appliance.inventory.models import Gpu, Inventory
-from appliance.plan import all_ports, busy_ports, plan, proxy_config
+from appliance.plan import Plan, all_ports, busy_ports, plan
 from appliance.settings import Settings
 
 
@@ -39,7 +41,7 @@ def test_reference_mi300x_plan() -> None:
     assert decode.kv_transfer_config["kv_role"] == "kv_consumer"  # type: ignore[index]
     assert extra["proxy_ping_port"] == "36367" and extra["read_mode"] is True
     assert "--kv-transfer-config" in decode.argv and "--tensor-parallel-size" in decode.argv
-    assert p.proxy.registration_enabled and p.proxy.ping_port == 36367
+    assert p.proxy.registration.enabled and p.proxy.registration.port == 36367
     assert prefill.numa_nodes == [0] and decode.numa_nodes == [1] and not p.warnings
 
 
@@ -96,9 +98,23 @@ def test_colocated_layout() -> None:
     assert all(i.kv_transfer_config is None for i in p.instances)
 
 
+def test_schema_1_plan_still_loads() -> None:
+    """A plan.json written before the proxy's config became Plan.proxy (a deployed node's state) still loads."""
+    old = json.loads((Path(__file__).parent / "data" / "plan-schema1.json").read_text())
+    assert old["schema_version"] == 1
+    p = Plan.model_validate(old)
+    assert p.schema_version == 2 and p.instances[0].argv == old["instances"][0]["argv"]
+    px = p.proxy
+    assert (px.url, px.admin_url, px.mode, px.connector, px.model) == (
+        "http://127.0.0.1:10001", "http://127.0.0.1:10002", "write", "moriio", old["model"]["served_name"])
+    assert (px.registration.enabled, px.registration.port, px.timeouts.between_tokens_s) == (True, 36367, 120.0)
+    assert [(b.name, b.url, b.kv) for b in px.backends] == [
+        (i["name"], i["url"], i["proxy_kv"]) for i in old["instances"]]
+
+
 def test_proxy_config_lists_every_instance() -> None:
     p = plan(make(REFERENCE), load_inventory("sim:mi300x-8"))
-    cfg = proxy_config(p)
+    cfg = json.loads(p.proxy.model_dump_json())
     assert [b["name"] for b in cfg["backends"]] == ["prefill-0", "decode-0"]
     assert cfg["backends"][0]["kv"]["zmq_address"] == "host:127.0.0.1,handshake:6301,notify:6105"
     assert cfg["registration"]["port"] == 36367

@@ -34,15 +34,15 @@ def render_plan(p: Plan, console: Console) -> None:
         table.add_row(inst.name, _gpus(inst.gpus), f"{inst.tp} x {inst.dp}", numa, str(inst.http_port), other or "-")
     console.print(table)
     px = p.proxy
-    reg = f", registration {px.registration_host}:{px.ping_port}" if px.registration_enabled else ""
-    console.print(f"proxy {px.url} ({px.routing}{reg}, admin {px.admin_host}:{px.admin_port})")
+    reg = f", registration {px.registration.host}:{px.registration.port}" if px.registration.enabled else ""
+    console.print(f"proxy {px.url} ({px.routing}{reg}, admin {px.admin.host}:{px.admin.port})")
     for warning in p.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
 @click.command()
 @plan_options
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (stable schema_version 1).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (stable schema_version 2).")
 @click.option("--suggest", is_flag=True,
               help="Rank colocated shapes (with their chunked-prefill budget) and prefill:decode splits together "
               "for a workload (see --input-len).")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import stat
@@ -14,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from appliance.connector import check_name, get_connector
 from appliance.errors import ConfigError
+from appliance.hosts import is_loopback, url_host
 from appliance.roles import Role
 
 log = logging.getLogger("appliance.proxy")
@@ -24,16 +24,6 @@ Routing = Literal["round_robin", "least_outstanding"]
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-def is_loopback(host: str) -> bool:
-    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class RegistrationConfig(_Model):
@@ -149,9 +139,18 @@ class ProxyConfig(_Model):
     def _admin_exposed_needs_token(self) -> ProxyConfig:
         # the admin API can switch modes and replace every backend: off loopback it must be authenticated
         if not is_loopback(self.admin.host) and self.admin.token_file is None:
-            raise ValueError(f"the admin API listens on {self.admin.host}, off loopback, without admin.token_file; "
-                             "set a token file (mode 0600) or bind it to 127.0.0.1")
+            raise ValueError(f"admin host {self.admin.host!r} exposes the admin API without a token (admin.token_file)")
         return self
+
+    @property
+    def url(self) -> str:
+        """Where clients on this machine reach the API."""
+        return f"http://{url_host(self.host)}:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        """Where pdctl on this machine reaches the admin API."""
+        return f"http://{url_host(self.admin.host)}:{self.admin.port}"
 
 
 def load_config(path: str | Path) -> ProxyConfig:

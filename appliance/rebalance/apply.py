@@ -19,7 +19,7 @@ from typing import Any
 from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager
 from appliance.node import Node, http_answer
-from appliance.plan import Instance, Plan, proxy_config
+from appliance.plan import Instance, Plan
 from appliance.ports import port_free
 from appliance.proxy.client import AdminClient
 from appliance.rebalance.schedule import Schedule, Step, order, schedule
@@ -49,8 +49,7 @@ class Options:
 
 def backends(plan: Plan) -> list[dict[str, Any]]:
     """The proxy's static backends for `plan`."""
-    result: list[dict[str, Any]] = proxy_config(plan)["backends"]
-    return result
+    return [b.model_dump(mode="json") for b in plan.proxy.backends]
 
 
 def busy_new_ports(old: Plan, new: Plan, sched: Schedule) -> list[str]:
@@ -100,7 +99,7 @@ class Rebalancer:
     # state of the node
     def mix(self) -> Plan:
         """The plan the node runs right now: the new plan's settings with the running instances."""
-        return self.new.model_copy(update={"instances": order(list(self.running.values()))})
+        return self.new.with_instances(order(list(self.running.values())))
 
     def _manager(self, plan: Plan) -> ServiceManager:
         return self.node.manager(plan, self.manager_choice)

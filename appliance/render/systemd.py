@@ -146,7 +146,7 @@ def render_systemd(plan: Plan, opts: RenderOptions | None = None) -> Rendered:
             if secret_file:
                 private.append(secret_file)
     engines = " ".join(f"{s}.service" for s in groups)
-    admin = f"http://{plan.proxy.admin_host}:{plan.proxy.admin_port}/admin/state"
+    admin = f"{plan.proxy.admin_url}/admin/state"
     units.append(
         RenderedFile(
             f"{PROXY_UNIT}.service",

@@ -24,7 +24,7 @@ def test_reference_plan_json() -> None:
     r = pdctl("plan", "--json", env={"PDCTL_INVENTORY": "sim:mi300x-8"})
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
-    assert p["schema_version"] == 1
+    assert p["schema_version"] == 2
     assert [(i["name"], i["gpus"], i["tp"]) for i in p["instances"]] == [
         ("prefill-0", [0, 1, 2, 3], 4),
         ("decode-0", [4, 5, 6, 7], 4),

@@ -28,7 +28,7 @@ from appliance.engine.sim.cli import _config, sim_engine
 from appliance.engine.sim.connectors import BadKVParams, ConnectorSim
 from appliance.engine.sim.engine import Sequence
 from appliance.inventory import load_inventory
-from appliance.plan import Plan, plan, proxy_config
+from appliance.plan import Plan, plan
 from appliance.proxy.app import Proxy
 from appliance.proxy.config import ProxyConfig
 from appliance.render.supervisor import render_supervisor
@@ -115,7 +115,7 @@ def test_unregistered_connector_is_refused() -> None:
 
 def test_planned_and_rendered(ticket: None, tmp_path: Path) -> None:
     p = _plan(tmp_path)
-    assert (p.connector, p.layout, p.proxy.registration_enabled) == ("ticket", "disaggregated", False)
+    assert (p.connector, p.layout, p.proxy.registration.enabled) == ("ticket", "disaggregated", False)
     for inst in p.instances:
         assert inst.kv_transfer_config == {"kv_connector": "TicketConnector", "kv_role": inst.kv_transfer_config["kv_role"]}
         assert inst.ports["ticket_office"] == [inst.ports["ticket_office"][0]]
@@ -144,7 +144,7 @@ def test_simulated_and_proxied(ticket: None, tmp_path: Path) -> None:
             engines[inst.name] = SimServer(_config({**options, "port": 0}))
         for server in engines.values():
             await server.start()
-        raw = proxy_config(p)
+        raw = p.proxy.model_dump(mode="json")
         raw.update(port=0, admin={"port": 0})
         for backend in raw["backends"]:
             backend["url"] = engines[backend["name"]].url

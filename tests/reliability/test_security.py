@@ -254,7 +254,7 @@ def test_rendered_secrets_are_private(tmp_path: Path) -> None:
     """supervisord.conf (program environments) and systemd env files carry secrets: mode 0600; proxy.json
     names the key file but never holds the key."""
     from appliance.inventory import load_inventory
-    from appliance.plan import plan, proxy_config
+    from appliance.plan import plan
     from appliance.render.supervisor import render_supervisor
     from appliance.render.systemd import render_systemd
     from appliance.render.templates import RenderOptions
@@ -265,7 +265,7 @@ def test_rendered_secrets_are_private(tmp_path: Path) -> None:
         "proxy": {"api_key_file": key},
     })
     p = plan(settings, load_inventory("sim:cpu"))
-    assert "sup3r-secret" not in json.dumps(proxy_config(p))
+    assert "sup3r-secret" not in p.proxy.model_dump_json()
     (conf,) = render_supervisor(p, RenderOptions())
     assert conf.mode == 0o600
     rendered = render_systemd(p, RenderOptions())
