@@ -87,7 +87,9 @@ def _same_frame(old: Plan, new: Plan) -> None:
         ("connector", old.connector, new.connector, "run `pdctl up`"),
         ("engine", old.engine, new.engine, "run `pdctl up`"),
         ("mode", old.mode, new.mode, "use `pdctl mode`"),
-        ("proxy settings", old.proxy, new.proxy, "run `pdctl up` first (it restarts the proxy)"),
+        # the backends are the instances, which a rebalance changes
+        ("proxy settings", old.proxy.model_dump(exclude={"backends"}), new.proxy.model_dump(exclude={"backends"}),
+         "run `pdctl up` first (it restarts the proxy)"),
         ("model", old.model, new.model, "run `pdctl up`"),
     ):
         if a != b:
