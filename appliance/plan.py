@@ -452,7 +452,7 @@ def _check_rank_ports(connector: Connector, ctx: InstanceContext, settings: Sett
 def plan(settings: Settings, inventory: Inventory) -> Plan:
     """Turn settings and an inventory into a full Plan, or raise PlanError saying what to change."""
     platform = platform_of(inventory)
-    connector_name = resolve_name(settings.connector.name, platform)
+    connector_name = resolve_name(settings.connector.name, platform, settings.connector.mode)
     connector = get_connector(connector_name)
     mode = settings.connector.mode
     _check_connector(connector, mode, platform)

@@ -93,7 +93,7 @@ class EngineSettings(Section):
 class ConnectorSettings(Section):
     """The KV connector that hands the KV cache from prefill to decode."""
 
-    name: str = Field(default="auto", description="a registered connector; auto: moriio on AMD, nixl on NVIDIA, example on CPU")
+    name: str = Field(default="auto", description="a registered connector; auto: moriio on AMD, nixl on NVIDIA, example on CPU (nixl for WRITE)")
     mode: Mode = "read"
     moriio_backend: Literal["rdma", "xgmi"] = "rdma"
     kv_buffer_device: Literal["cuda", "cpu"] | None = Field(default=None, description="NIXL: where KV is staged")

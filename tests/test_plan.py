@@ -91,6 +91,15 @@ def test_kv_block_size_per_connector_and_platform() -> None:
     assert all(_block_size(i.argv) is None and "--block-size=32" in i.argv for i in mine.instances)
 
 
+def test_cpu_write_mode_is_a_nixl_push_with_host_buffers() -> None:
+    # the CPU default (ExampleConnector) has no WRITE: auto picks NIXL there, pushing from host memory
+    p = plan(make({"connector": {"mode": "write"}}), load_inventory("sim:cpu"))
+    assert p.connector == "nixl" and p.mode == "write"
+    kv = p.instances[0].kv_transfer_config
+    assert kv == {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+    assert plan(make(), load_inventory("sim:cpu")).connector == "example"
+
+
 def test_colocated_layout() -> None:
     p = plan(make({"connector": {"name": "none"}, "colocated": {"instances": 2}}), load_inventory("sim:h200-8"))
     assert p.layout == "colocated"

