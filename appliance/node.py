@@ -185,7 +185,9 @@ class Node:
     # -------------------------------------------------------------------------------------- the manager
     def render_options(self) -> RenderOptions:
         """Renderer options from the settings."""
-        return RenderOptions(python=sys.executable, health_timeout_s=self.settings.engine.health_timeout_s)
+        return RenderOptions(python=sys.executable, health_timeout_s=self.settings.engine.health_timeout_s,
+                             restart_drain_s=self.settings.proxy.restart_drain_s,
+                             restart_hold_s=self.settings.proxy.restart_hold_s)
 
     def manager_kind(self, choice: str | None = None, *, recorded: bool = True) -> str:
         """`choice`, else (with `recorded`) the manager `pdctl up` used, else the setting (may be "auto")."""

@@ -183,6 +183,10 @@ class ProxySettings(Section):
     prefill_timeout_s: float = Field(default=600.0, gt=0)
     first_token_timeout_s: float = Field(default=600.0, gt=0)
     between_tokens_timeout_s: float = Field(default=120.0, gt=0)
+    restart_drain_s: float = Field(default=30.0, ge=0, le=3600, description=(
+        "A planned restart (pdctl restart, systemctl restart) waits this long for the instance's running requests"))
+    restart_hold_s: float = Field(default=120.0, ge=0, description=(
+        "While a planned restart leaves a role with no instance, a new request waits in the proxy this long"))
 
 
 class SloSettings(Section):

@@ -1,6 +1,7 @@
-"""`pdctl up`, `down`, `restart`, `logs` (and the hidden `wait-healthy` the units use): the friendly front
-of the host's service manager. The service manager runs the appliance; these verbs write its configuration
-from the plan, start and stop through it, and gate on every engine's /health and the proxy's readiness.
+"""`pdctl up`, `down`, `logs` (and the hidden `wait-healthy` the units use): the friendly front
+of the host's service manager (`pdctl restart` is in cli/restart.py). The service manager runs the appliance;
+these verbs write its configuration from the plan, start and stop through it, and gate on every engine's
+/health and the proxy's readiness.
 
 Exit codes: 0 healthy / done; 1 started but not healthy (the failing unit's last log lines are shown);
 2 a user mistake (one line); 3 nothing deployed or everything stopped.
@@ -251,38 +252,6 @@ def down(ctx: click.Context, manager: str | None, as_json: bool) -> None:
         click.echo(f"stopped {', '.join(running)}" if running else f"nothing was running ({mgr.name}); nothing to stop")
     if not running:
         sys.exit(EXIT_DOWN)
-
-
-@click.command()
-@click.argument("targets", nargs=-1, metavar="[prefill|decode|proxy|INSTANCE]...")
-@click.option("--manager", type=MANAGER_CHOICE, help="Service manager [default: the one `pdctl up` used].")
-@click.option("--timeout", "timeout_s", type=float, help="Seconds to wait for health [default: engine.health_timeout_s].")
-@click.option("--no-wait", is_flag=True, help="Return without waiting for health.")
-@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
-@click.pass_context
-def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, timeout_s: float | None,
-            no_wait: bool, as_json: bool) -> None:
-    """Restart a role (every instance of it), one instance (e.g. decode-1), the proxy, or everything."""
-    settings, plan, mgr = deployed(ctx, manager)
-    names = resolve_targets(plan, targets)
-    units = mgr.expand(names)
-    mgr.restart(names)
-    if no_wait:
-        click.echo(json.dumps({"restarted": units}) if as_json else f"restarting {', '.join(units)}")
-        return
-    console = cli_console(stderr=as_json)
-    # Give the manager a moment to take the stop: a unit still "running" must not pass as restarted.
-    time.sleep(0.5)
-    limit = timeout_s if timeout_s is not None else settings.engine.health_timeout_s + 60
-    snap = wait_ready(plan, mgr, limit, console, live=console.is_terminal and not as_json,
-                      lines=not console.is_terminal and not as_json)
-    if as_json:
-        click.echo(json.dumps(_summary(plan, mgr, snap, units), indent=2))
-    elif snap.ready(plan):
-        console.print(f"[green]healthy[/green]: restarted {', '.join(units)}")
-    if not snap.ready(plan):
-        report_failure(plan, mgr, snap, cli_console(stderr=True), limit)
-        sys.exit(_exit_for(snap, plan))
 
 
 @click.command()

@@ -10,14 +10,16 @@ engines themselves report them.
     layout, connector, mode, model    from the installed plan
     instances[]     name, unit, role, gpus[], port, url, pid|null, state (running|starting|restarting|
                     stopping|stopped|failed|unknown), detail (the manager's own words), health
-                    ("healthy"|"unhealthy"|"down"), uptime_s|null, restarts (automatic restarts),
+                    ("healthy"|"unhealthy"|"down"), uptime_s|null, restarts (every restart since the node came up:
+                    planned and automatic), automatic_restarts,
                     kv_transfer|null (NIXL: the KV transfers this engine posted since it started, from its own
                     /metrics: transfers, post_ms_mean, xfer_ms_mean, mb_per_transfer, mb_per_s, descriptors_mean,
                     failed_transfers, failed_notifications, expired_requests; see appliance/kvstats.py)
-    proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts,
+    proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts, automatic_restarts,
                     reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
                     healthy, draining, in_flight, source), requests {total, by_status{code: n},
-                    leg_failures, client_aborts} | null
+                    leg_failures, client_aborts, held (requests that waited for a role with no instance:
+                    a restart, rebalance or mode switch), max_hold_s} | null
     warnings[]      GPUs reported failed or held by a process outside pdctl (new plans leave them out)
     gpus[]          index, name, utilization_pct|null, memory_used_mib, memory_total_mib, role|null,
                     instance|null; gpu_source: where the figures come from (amdsmi, nvml, none, sim:...)
@@ -67,9 +69,14 @@ def proxy_counters(plan: Plan) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     by_status: dict[str, int] = {}
-    out: dict[str, Any] = {"total": 0, "by_status": by_status, "leg_failures": 0, "client_aborts": 0}
+    out: dict[str, Any] = {"total": 0, "by_status": by_status, "leg_failures": 0, "client_aborts": 0, "held": 0,
+                           "max_hold_s": 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if family.name == "pdctl_proxy_hold_seconds" and sample.name.endswith("_count"):
+                out["held"] = int(sample.value)
+            elif family.name == "pdctl_proxy_hold_max_seconds":
+                out["max_hold_s"] = round(sample.value, 3)
             if not sample.name.endswith("_total"):
                 continue
             if family.name == "pdctl_proxy_requests":
@@ -86,6 +93,7 @@ def proxy_counters(plan: Plan) -> dict[str, Any] | None:
 def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, inventory_source: str | None) -> dict[str, Any]:
     """The `pdctl status --json` document (see the module docstring)."""
     now = time.time()
+    restarts = manager.restart_counts()
     instances = []
     for inst in plan.instances:
         st = snap.units[instance_unit(inst)]
@@ -101,7 +109,8 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
             "detail": st.detail,
             "health": "healthy" if snap.health.get(inst.name) else ("unhealthy" if st.state in ACTIVE else "down"),
             "uptime_s": _uptime(st.started_at, now),
-            "restarts": st.restarts,
+            "restarts": restarts.get(st.name, st.restarts),
+            "automatic_restarts": st.restarts,
             # the engine's own NIXL transfer histograms (vLLM's vllm:nixl_*): the puller in READ, the pusher in WRITE
             "kv_transfer": engine_figures(inst.url) if plan.connector == "nixl" and snap.health.get(inst.name) else None,
         })
@@ -116,7 +125,8 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         "state": pst.state,
         "detail": pst.detail,
         "uptime_s": _uptime(pst.started_at, now),
-        "restarts": pst.restarts,
+        "restarts": restarts.get(PROXY_UNIT, pst.restarts),
+        "automatic_restarts": pst.restarts,
         "reachable": admin is not None,
         "ready": bool(admin and admin.get("ready")),
         "mode": admin.get("mode") if admin else None,
@@ -204,7 +214,8 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         req = p["requests"] or {}
         codes = " ".join(f"{k}:{v}" for k, v in sorted(req.get("by_status", {}).items()))
         console.print(f"proxy {p['url']} mode {p['mode']}; backends: {escape(reg) or 'none'}; "
-                      f"requests {req.get('total', '?')} ({codes or '-'}), leg failures {req.get('leg_failures', '?')}")
+                      f"requests {req.get('total', '?')} ({codes or '-'}), leg failures {req.get('leg_failures', '?')}, "
+                      f"held {req.get('held', '?')} (longest {req.get('max_hold_s', 0):g}s)")
     for i in doc["instances"]:
         kv = i.get("kv_transfer")
         if kv and kv["transfers"]:

@@ -30,7 +30,7 @@ class UnitStatus:
     state: State
     pid: int | None = None
     started_at: float | None = None  # epoch seconds the current process started
-    restarts: int = 0  # automatic restarts after failures
+    restarts: int = 0  # automatic restarts after failures (restart_counts() has every restart)
     detail: str = ""  # the manager's own words, e.g. "active/running" or "BACKOFF"
 
 
@@ -89,6 +89,11 @@ class ServiceManager(ABC):
     @abstractmethod
     def status(self) -> dict[str, UnitStatus]:
         """Status of every unit of the plan."""
+
+    def restart_counts(self) -> dict[str, int]:
+        """Every restart of each unit since the node came up, planned (pdctl restart, systemctl restart) and
+        automatic; from the manager's own records, so restarts that bypassed pdctl count too."""
+        return {name: st.restarts for name, st in self.status().items()}
 
     @abstractmethod
     def logs(self, names: list[str], lines: int = 50) -> str:

@@ -259,6 +259,21 @@ class SupervisorManager(ServiceManager):
             counts[match.group(1)] = counts.get(match.group(1), 0) + 1
         return counts
 
+    def restart_counts(self) -> dict[str, int]:
+        """Spawns after the first since supervisord started (its log's "spawned: 'NAME'" lines)."""
+        counts = {unit: 0 for unit in self.units()}
+        try:
+            text = (self.dir / "supervisord.log").read_text(errors="replace")
+        except OSError:
+            return counts
+        text = text[text.rfind("supervisord started with pid"):]
+        spawns: dict[str, int] = {}
+        for match in re.finditer(r"spawned: '([^']+)'", text):
+            spawns[match.group(1)] = spawns.get(match.group(1), 0) + 1
+        for unit in counts:
+            counts[unit] = max(spawns.get(unit, 0) - 1, 0)
+        return counts
+
     @staticmethod
     def _tail(path: Path, lines: int) -> str:
         try:

@@ -6,6 +6,7 @@ to drive a systemd booted in a private namespace (the tests do this).
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,8 @@ from appliance.render.templates import RenderOptions
 from appliance.statedir import StateDir, write_atomic
 
 _MARK = "# Rendered by pdctl"
+# sd-messages.h SD_MESSAGE_UNIT_STARTED: systemd logs it each time a unit's start (or restart) job completes
+_UNIT_STARTED = "39f53479d3a045ac8e11786248231fbf"
 _PROPS = "Id,ActiveState,SubState,MainPID,NRestarts,ExecMainStartTimestamp,Result"
 
 
@@ -140,6 +143,27 @@ class SystemdManager(ServiceManager):
         for name in units:
             result.setdefault(name, UnitStatus(name=name, state="unknown"))
         return result
+
+    def restart_counts(self) -> dict[str, int]:
+        """Starts after the first since pd.target came up (systemd's "unit started" journal entries), never
+        fewer than systemd's own count of automatic restarts; that count alone when the journal is unreadable."""
+        auto = {name: st.restarts for name, st in self.status().items()}
+        since = self._systemctl("show", "--timestamp=unix", "-p", "ActiveEnterTimestamp", "--value", "pd.target",
+                                check=False).stdout.strip()
+        if not since.startswith("@"):
+            return auto
+        done = self._run("journalctl", "--no-pager", "-o", "json", "--output-fields=UNIT", "--since", since,
+                         f"MESSAGE_ID={_UNIT_STARTED}", check=False)
+        if done.returncode != 0:
+            return auto
+        starts: dict[str, int] = {}
+        for line in done.stdout.splitlines():
+            try:
+                unit = str(json.loads(line).get("UNIT", "")).removesuffix(".service")
+            except ValueError:
+                continue
+            starts[unit] = starts.get(unit, 0) + 1
+        return {name: max(starts.get(name, 0) - 1, count) for name, count in auto.items()}
 
     def _journal_args(self, names: list[str]) -> list[str]:
         args: list[str] = []

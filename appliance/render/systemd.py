@@ -98,6 +98,24 @@ def _path_value(path: str, what: str) -> str:
     return specifiers(path)
 
 
+def _admin_base(plan: Plan) -> str:
+    host = plan.proxy.admin_host
+    return f"http://{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{plan.proxy.admin_port}"
+
+
+def _notify_argv(plan: Plan, inst: Instance, opts: RenderOptions, event: str) -> list[str]:
+    """`pdctl proxy-notify` for the unit's stop and start hooks (it never fails the unit)."""
+    argv = [opts.python, "-m", "appliance", "proxy-notify", event, inst.name, "--admin", _admin_base(plan)]
+    if plan.proxy.admin_token_file:
+        argv += ["--token-file", plan.proxy.admin_token_file]
+    if event == "stopping":
+        # the planned stop lapses by itself once the instance had the time to drain and start again
+        expires = opts.restart_drain_s + opts.health_timeout_s + 60
+        argv += ["--drain-timeout", f"{opts.restart_drain_s:g}", "--hold", f"{opts.restart_hold_s:g}",
+                 "--expires", f"{expires:g}"]
+    return argv
+
+
 def _engine_unit(plan: Plan, inst: Instance, opts: RenderOptions) -> tuple[RenderedFile, RenderedFile | None]:
     unit = instance_unit(inst)
     plain, secret = secret_env(inst.env)
@@ -117,8 +135,12 @@ def _engine_unit(plan: Plan, inst: Instance, opts: RenderOptions) -> tuple[Rende
         workdir=_path_value(plan.state_dir, "state_dir"),
         exec_start=exec_line(inst.argv),
         exec_ready=exec_line(ready_argv(opts, inst.url + "/health", opts.health_timeout_s)),
+        exec_started=exec_line(_notify_argv(plan, inst, opts, "started")),
+        exec_stopping=exec_line(_notify_argv(plan, inst, opts, "stopping")),
         # ExecStartPost counts against TimeoutStartSec: leave the health wait room to report first.
         start_timeout=f"{int(opts.health_timeout_s) + 60}s",
+        # ExecStop (the drain) and then the engine's own graceful exit each get this long
+        stop_timeout=f"{int(opts.restart_drain_s) + 60}s",
     )
     private = RenderedFile(str(state.env_file(unit).relative_to(state.root)), env_file_text(secret), 0o600) if secret else None
     return RenderedFile(f"{unit}.service", text), private

@@ -34,6 +34,8 @@ class RenderOptions:
     health_timeout_s: float = 1800.0
     proxy_ready_timeout_s: float = 60.0
     minfds: int = 65536
+    restart_drain_s: float = 30.0  # planned stops (the engine units' ExecStop hook): drain, then hold
+    restart_hold_s: float = 120.0
 
 
 def proxy_argv(plan: Plan, opts: RenderOptions) -> list[str]:

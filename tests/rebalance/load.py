@@ -135,3 +135,10 @@ class Load:
                 else:
                     self.failures.append(problem)
             k += 1
+
+
+def restart_figures(doc: dict, load: Load) -> dict:
+    """What a planned restart cost the clients, from the load and the proxy's own counters."""
+    requests = doc["proxy"]["requests"]
+    return {"sent": load.ok + len(load.failures), "failed": len(load.failures), "held": requests["held"],
+            "max_hold_s": requests["max_hold_s"], "streams_cut": requests["by_status"].get("stream_error", 0)}

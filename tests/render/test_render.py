@@ -58,8 +58,16 @@ def test_engine_unit_pins_gpus_limits_restart_and_readiness() -> None:
     for setting in ("LimitMEMLOCK=infinity", "LimitNOFILE=1048576", "Restart=on-failure", "KillMode=control-group",
                     "TimeoutStartSec=960s", "Type=exec"):
         assert setting in unit.splitlines()
-    (ready,) = lines(unit, "ExecStartPost")
+    ready, started = lines(unit, "ExecStartPost")
     assert shlex.split(ready)[3:] == ["wait-healthy", "http://127.0.0.1:40005/health", "--timeout", "900"]
+    # then, and before every stop, the proxy hears of it (a failing hook, "-", never fails the unit)
+    assert shlex.split(started.removeprefix("-"))[3:] == ["proxy-notify", "started", "decode-0", "--admin",
+                                                          "http://127.0.0.1:10002"]
+    (stopping,) = lines(unit, "ExecStop")
+    assert shlex.split(stopping.removeprefix("-"))[3:] == [
+        "proxy-notify", "stopping", "decode-0", "--admin", "http://127.0.0.1:10002", "--drain-timeout", "30",
+        "--hold", "120", "--expires", "990"]
+    assert "TimeoutStopSec=90s" in unit.splitlines()  # the drain, then the engine's own graceful exit
 
 
 def test_proxy_unit_never_requires_or_binds_the_engines() -> None:

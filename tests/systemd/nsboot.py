@@ -7,7 +7,8 @@ What this machine's systemd (252, hybrid cgroups, not PID 1 on the host) needed:
 - tmpfs over /run, /var/log/journal and the host unit directories, the test's unit dir bind-mounted on
   /etc/systemd/system; journald's three units copied into /run/systemd/system (and pulled in by a
   pd.target drop-in there) so `journalctl` works; the audit socket is dropped (no audit in a namespace).
-- `systemd --system --unit=pd.target`; driven with `nsenter -t PID -p -m -- systemctl ...`.
+- `systemd --system --unit=pd.target --log-target=journal` (its own messages go to the journal, as on a host:
+  `pdctl status` counts restarts from them); driven with `nsenter -t PID -p -m -- systemctl ...`.
 Stopping: SIGKILL to the namespace's PID 1 ends every process in it; then the cgroups are removed.
 """
 
@@ -45,7 +46,7 @@ for d in /etc/systemd/system /lib/systemd/system /usr/lib/systemd/system /usr/lo
 done
 mount --bind {unit_dir} /etc/systemd/system
 export container=pdctl-test
-exec {systemd} --system --unit=pd.target --log-target=console
+exec {systemd} --system --unit=pd.target --log-target=journal
 """
 
 

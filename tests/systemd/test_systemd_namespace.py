@@ -18,6 +18,7 @@ from appliance.render.systemd import exec_line
 from appliance.settings import load_settings
 from appliance.statedir import write_atomic
 from tests.manager.deploy import pdctl, status, try_complete, wait_until, write_config
+from tests.rebalance.load import Load, restart_figures
 from tests.systemd.nsboot import NamespacedSystemd, why_not
 
 pytestmark = [pytest.mark.systemd, pytest.mark.skipif(why_not() is not None, reason=why_not() or "")]
@@ -60,7 +61,8 @@ def test_pd_target_restart_decode_kill_and_cli(booted) -> None:
 
     # Every awkward argument reaches the process verbatim.
     ns.run("systemctl", "start", "argv-echo.service")
-    out = ns.run("journalctl", "-u", "argv-echo.service", "-o", "cat", "--no-pager").stdout
+    # (the process's own output: -u would add systemd's "Started/Finished" lines about the unit)
+    out = ns.run("journalctl", "_SYSTEMD_UNIT=argv-echo.service", "-o", "cat", "--no-pager").stdout
     assert json.loads(out.strip().splitlines()[-1]) == AWKWARD
 
     # systemctl restart pd-decode restarts only decode; the proxy's PID does not change.
@@ -81,7 +83,8 @@ def test_pd_target_restart_decode_kill_and_cli(booted) -> None:
                what="systemd to restart the killed decode")
     assert ns.show("pd-proxy.service", "MainPID") == proxy_pid
     doc = wait_until(lambda: (d := status(config, env))["_rc"] == 0 and d, what="healthy after kill -9")
-    assert doc["instances"][1]["restarts"] == 1
+    # restarts: the planned one (systemctl restart pd-decode) and the automatic one; systemd counts only the latter
+    assert (doc["instances"][1]["restarts"], doc["instances"][1]["automatic_restarts"]) == (2, 1)
 
     # pdctl against the same systemd: up is a no-op, restart of one instance, logs from journald, down.
     up = pdctl(config, "up", "--json", env=env)
@@ -96,3 +99,28 @@ def test_pd_target_restart_decode_kill_and_cli(booted) -> None:
     assert down.returncode == 0, down.stderr
     assert ns.show("pd.target", "ActiveState") == "inactive"
     assert status(config, env)["_rc"] == 3
+
+
+def test_systemctl_restart_pd_decode_under_load_fails_nothing(booted) -> None:
+    """The literal `systemctl restart pd-decode` bypasses pdctl: the units' ExecStop/ExecStartPost hooks tell
+    the proxy, which drains the decode instance, holds new requests while none serves, and sends them after."""
+    ns, config, p = booted
+    env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
+    wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
+    load = Load(p.proxy.url).start()
+    try:
+        for _ in range(2):
+            ns.run("systemctl", "restart", "pd-decode")
+            assert ns.show("pd-decode-0.service", "ActiveState") == "active"
+    finally:
+        load.stop()
+    doc = status(config, env)
+    figures = restart_figures(doc, load)
+    print(f"systemd, systemctl restart pd-decode x2: {figures}")
+    assert load.failures == [], load.failures[:5]
+    assert load.ok >= 10
+    assert figures["held"] > 0 and 0 < figures["max_hold_s"] < 120
+    # both restarts counted, though neither went through pdctl
+    assert {i["name"]: i["restarts"] for i in doc["instances"]} == {"prefill-0": 0, "decode-0": 2}
+    stops = ns.run("journalctl", "-u", "pd-decode-0.service", "-o", "cat", "--no-pager").stdout
+    assert stops.count("pdctl proxy-notify stopping decode-0") == 2, stops[-2000:]

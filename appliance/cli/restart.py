@@ -1,0 +1,175 @@
+"""`pdctl restart`: planned restarts that fail no client request, and `pdctl proxy-notify`, the hook the
+engine units run on every stop and start (so `systemctl restart pd-decode`, which bypasses pdctl, is planned too).
+
+A planned restart of an engine instance: the proxy is told first (it sends the instance no new request,
+waits for its running requests up to proxy.restart_drain_s, and while the instance's role has no other
+routable instance it holds that role's new requests, up to proxy.restart_hold_s each); then the manager
+restarts it; once its /health answers the proxy takes it back and sends what it held. Instances restart one
+at a time, so a role with two instances keeps serving throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+
+import click
+
+from appliance.cli.lifecycle import (
+    MANAGER_CHOICE,
+    _exit_for,
+    _summary,
+    deployed,
+    report_failure,
+    resolve_targets,
+    wait_ready,
+)
+from appliance.cli.options import console as cli_console
+from appliance.errors import PdctlError
+from appliance.manager import ACTIVE, ServiceManager
+from appliance.node import admin_url, http_answer
+from appliance.plan import Instance, Plan
+from appliance.proxy.client import AdminClient, ProxyAdminError
+from appliance.render.names import PROXY_UNIT, instance_unit
+
+
+class PlannedRestart:
+    """Restarts engine instances one at a time, each drained and (where its role empties) held in the proxy."""
+
+    def __init__(self, plan: Plan, mgr: ServiceManager, drain_s: float, hold_s: float, health_timeout_s: float,
+                 say: Callable[[str], None] | None = None) -> None:
+        self.plan = plan
+        self.mgr = mgr
+        self.drain_s = drain_s
+        self.hold_s = hold_s
+        self.health_timeout_s = health_timeout_s
+        self.say = say or (lambda _: None)
+        self.admin = AdminClient(admin_url(plan), token_file=plan.proxy.admin_token_file, timeout=10)
+
+    def stopping(self, inst: Instance) -> None:
+        """Tell the proxy `inst` stops on purpose; returns once its requests finished (or the drain timed out)."""
+        expires = self.drain_s + self.health_timeout_s + 60
+        try:
+            answer = self.admin.stopping(inst.name, self.hold_s, self.drain_s, expires)
+        except ProxyAdminError as exc:
+            # no proxy (or it does not know the instance): nothing to drain, nobody to hold requests for
+            self.say(f"{inst.name}: the proxy was not told ({exc.message})")
+            return
+        left = "" if answer.get("drained") else f", {answer.get('in_flight')} request(s) still running"
+        held = "; its role's new requests wait in the proxy" if answer.get("holding") else ""
+        self.say(f"{inst.name}: drained in {answer.get('waited_s', 0):g}s{left}{held}")
+
+    def started(self, inst: Instance) -> None:
+        """Tell the proxy `inst` is back (it takes requests again once healthy)."""
+        try:
+            self.admin.started(inst.name)
+        except ProxyAdminError as exc:
+            self.say(f"{inst.name}: the proxy was not told it is back ({exc.message})")
+
+    def restart_one(self, inst: Instance) -> bool:
+        """Drain, restart, wait until healthy, re-admit; False when it did not come back in time."""
+        unit = instance_unit(inst)
+        before = self.mgr.status()[unit]
+        self.stopping(inst)
+        try:
+            self.mgr.restart([unit])
+            self.say(f"{inst.name}: restarting")
+            deadline = time.monotonic() + self.health_timeout_s
+            while time.monotonic() < deadline:
+                st = self.mgr.status()[unit]
+                if st.state == "failed":
+                    return False
+                # a new process (not the old one still answering before the manager stopped it) that is healthy
+                fresh = st.pid is not None and (st.pid != before.pid or st.started_at != before.started_at)
+                if fresh and st.state in ACTIVE and http_answer(inst.url + "/health") == 200:
+                    self.say(f"{inst.name}: healthy")
+                    return True
+                time.sleep(0.3)
+            return False
+        finally:
+            # also when it failed: requests then stop waiting for it at once instead of at the hold's end
+            self.started(inst)
+
+
+@click.command()
+@click.argument("targets", nargs=-1, metavar="[prefill|decode|proxy|INSTANCE]...")
+@click.option("--manager", type=MANAGER_CHOICE, help="Service manager [default: the one `pdctl up` used].")
+@click.option("--timeout", "timeout_s", type=float, help="Seconds to wait for health [default: engine.health_timeout_s].")
+@click.option("--drain-timeout", type=click.FloatRange(min=0),
+              help="Seconds an instance's running requests get to finish [default: proxy.restart_drain_s].")
+@click.option("--hold", "hold_s", type=click.FloatRange(min=0),
+              help="Seconds a new request may wait while its role has no instance [default: proxy.restart_hold_s].")
+@click.option("--no-wait", is_flag=True, help="Return without waiting for health (instances restart together).")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@click.pass_context
+def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, timeout_s: float | None,
+            drain_timeout: float | None, hold_s: float | None, no_wait: bool, as_json: bool) -> None:
+    """Restart a role (every instance of it), one instance (e.g. decode-1), the proxy, or everything.
+
+    Engine instances restart one at a time, drained first; while a role has no instance serving, the proxy
+    holds its new requests (bounded) and sends them when it is back, so no request fails. The proxy itself
+    restarts last (its clients' connections drop: that one is not planned away).
+    """
+    settings, plan, mgr = deployed(ctx, manager)
+    names = resolve_targets(plan, targets)
+    units = mgr.expand(names)
+    engines = [i for i in plan.instances if instance_unit(i) in units]
+    limit = timeout_s if timeout_s is not None else settings.engine.health_timeout_s + 60
+    console = cli_console(stderr=as_json)
+    lines = not as_json
+    planned = PlannedRestart(
+        plan, mgr,
+        drain_s=settings.proxy.restart_drain_s if drain_timeout is None else drain_timeout,
+        hold_s=settings.proxy.restart_hold_s if hold_s is None else hold_s,
+        health_timeout_s=limit,
+        say=(lambda text: console.print(text, markup=False, highlight=False)) if lines else None,
+    )
+    if no_wait:
+        # the proxy ends each planned stop by itself when it sees the instance go down and answer again
+        for inst in engines:
+            planned.stopping(inst)
+        mgr.restart(names)
+        click.echo(json.dumps({"restarted": units}) if as_json else f"restarting {', '.join(units)}")
+        return
+    for inst in engines:
+        if not planned.restart_one(inst):
+            break
+    if PROXY_UNIT in units:
+        mgr.restart([PROXY_UNIT])
+        time.sleep(0.5)  # a unit still "running" must not pass as restarted
+    snap = wait_ready(plan, mgr, limit, console, live=console.is_terminal and not as_json,
+                      lines=not console.is_terminal and not as_json)
+    if as_json:
+        click.echo(json.dumps(_summary(plan, mgr, snap, units), indent=2))
+    elif snap.ready(plan):
+        console.print(f"[green]healthy[/green]: restarted {', '.join(units)}")
+    if not snap.ready(plan):
+        report_failure(plan, mgr, snap, cli_console(stderr=True), limit)
+        sys.exit(_exit_for(snap, plan))
+
+
+@click.command("proxy-notify", hidden=True)
+@click.argument("event", type=click.Choice(["stopping", "started"]))
+@click.argument("instance")
+@click.option("--admin", "admin", required=True, help="The proxy's admin API base URL.")
+@click.option("--token-file", help="The admin token file.")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True)
+@click.option("--hold", "hold_s", type=click.FloatRange(min=0), default=120.0, show_default=True)
+@click.option("--expires", type=click.FloatRange(min=0), default=1900.0, show_default=True)
+def proxy_notify(event: str, instance: str, admin: str, token_file: str | None, drain_timeout: float,
+                 hold_s: float, expires: float) -> None:
+    """Tell the proxy INSTANCE is stopping or has started (the engine units' ExecStop/ExecStartPost hooks).
+
+    It never fails: a proxy that is not running (it stops first on `pdctl down`) has nothing to drain.
+    """
+    try:
+        client = AdminClient(admin, token_file=token_file, timeout=5)
+        if event == "stopping":
+            answer = client.stopping(instance, hold_s, drain_timeout, expires)
+        else:
+            answer = client.started(instance)
+        click.echo(f"pdctl proxy-notify {event} {instance}: {json.dumps(answer)}")
+    except (PdctlError, OSError) as exc:
+        click.echo(f"pdctl proxy-notify {event} {instance}: the proxy was not told ({exc})", err=True)

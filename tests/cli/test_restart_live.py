@@ -1,0 +1,37 @@
+"""Planned restarts under streaming load with real supervisord and simulated engines: `pdctl restart` of the
+single decode and the single prefill instance fails no client request (the proxy drains, holds the role's new
+requests while it has no instance and sends them when it is back), and `pdctl status` counts the restarts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.manager.deploy import pdctl, status, write_config
+from tests.rebalance.load import Load, restart_figures
+
+
+def test_pdctl_restart_under_load_fails_nothing(tmp_path: Path) -> None:
+    config = write_config(tmp_path, tmp_path / "state")
+    try:
+        up = pdctl(config, "up", "--json")
+        assert up.returncode == 0, up.stderr
+        load = Load(json.loads(up.stdout)["proxy"]).start()
+        try:
+            for target in ("decode", "prefill-0"):
+                done = pdctl(config, "restart", target)
+                assert done.returncode == 0, done.stdout + done.stderr
+                assert "its role's new requests wait in the proxy" in done.stdout, done.stdout
+        finally:
+            load.stop()
+        doc = status(config)
+        figures = restart_figures(doc, load)
+        print(f"supervisord, pdctl restart decode then prefill-0: {figures}")
+        assert load.failures == [], load.failures[:5]
+        assert load.ok >= 10
+        # a single instance per role: requests arriving while it was away waited for it
+        assert figures["held"] > 0 and 0 < figures["max_hold_s"] < 120
+        assert {i["name"]: i["restarts"] for i in doc["instances"]} == {"prefill-0": 1, "decode-0": 1}
+        assert doc["proxy"]["restarts"] == 0
+    finally:
+        pdctl(config, "down")
