@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:
-        uvloop = None
-    if uvloop is not None:
+        pass
+    else:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     from appliance.proxy.app import Proxy
 

@@ -325,9 +325,10 @@ def normalize_registration(data: Any) -> dict[str, Any] | None:
         zmq_address = data["zmq_address"]
         role_letter = kind
     elif kind == "register":
-        role_letter = data.get("role")
-        if not isinstance(role_letter, str) or role_letter not in _ROLE_BY_LETTER:
-            raise RegistrationError(f"role must be P or D, got {_show(role_letter)}")
+        role = data.get("role")
+        if not isinstance(role, str) or role not in _ROLE_BY_LETTER:
+            raise RegistrationError(f"role must be P or D, got {_show(role)}")
+        role_letter = role
         missing = {"request_address", "handshake_port", "notify_port"} - data.keys()
         if missing:
             raise RegistrationError(f"missing keys {sorted(missing)}")
@@ -393,8 +394,7 @@ class RegistrationListener:
         sock.setsockopt(zmq.RCVHWM, 1000)
         port = "*" if self.config.port == 0 else str(self.config.port)
         sock.bind(f"tcp://{self.config.host}:{port}")
-        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-        self.port = int(endpoint.decode().rsplit(":", 1)[1])
+        self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._sock = sock
         self._tasks = [
             asyncio.create_task(self._receive(), name="registration-receive"),
@@ -426,7 +426,8 @@ class RegistrationListener:
                 await asyncio.sleep(-tokens / rate)
             try:
                 # the address the TCP connection really comes from, not what the message claims
-                self.handle(frames[-1].bytes, frames[-1].get("Peer-Address"))
+                peer = frames[-1].get("Peer-Address")
+                self.handle(frames[-1].bytes, peer if isinstance(peer, str) else None)
             except Exception:  # the listener must survive anything a peer sends
                 log.exception("registration handling failed")
                 self.on_result("malformed")
