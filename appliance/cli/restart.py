@@ -29,7 +29,7 @@ from appliance.cli.lifecycle import (
 from appliance.cli.options import console as cli_console
 from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager
-from appliance.node import admin_url, http_answer
+from appliance.node import admin_client, http_answer
 from appliance.plan import Instance, Plan
 from appliance.proxy.client import AdminClient, ProxyAdminError
 from appliance.render.names import PROXY_UNIT, instance_unit
@@ -46,7 +46,7 @@ class PlannedRestart:
         self.hold_s = hold_s
         self.health_timeout_s = health_timeout_s
         self.say = say or (lambda _: None)
-        self.admin = AdminClient(admin_url(plan), token_file=plan.proxy.admin_token_file, timeout=10)
+        self.admin = admin_client(plan, timeout=10)
 
     def stopping(self, inst: Instance) -> None:
         """Tell the proxy `inst` stops on purpose; returns once its requests finished (or the drain timed out)."""

@@ -98,16 +98,11 @@ def _path_value(path: str, what: str) -> str:
     return specifiers(path)
 
 
-def _admin_base(plan: Plan) -> str:
-    host = plan.proxy.admin_host
-    return f"http://{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{plan.proxy.admin_port}"
-
-
 def _notify_argv(plan: Plan, inst: Instance, opts: RenderOptions, event: str) -> list[str]:
     """`pdctl proxy-notify` for the unit's stop and start hooks (it never fails the unit)."""
-    argv = [opts.python, "-m", "appliance", "proxy-notify", event, inst.name, "--admin", _admin_base(plan)]
-    if plan.proxy.admin_token_file:
-        argv += ["--token-file", plan.proxy.admin_token_file]
+    argv = [opts.python, "-m", "appliance", "proxy-notify", event, inst.name, "--admin", plan.proxy.admin_url]
+    if plan.proxy.admin.token_file:
+        argv += ["--token-file", plan.proxy.admin.token_file]
     if event == "stopping":
         # the planned stop lapses by itself once the instance had the time to drain and start again
         expires = opts.restart_drain_s + opts.health_timeout_s + 60
