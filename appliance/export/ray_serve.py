@@ -92,17 +92,6 @@ def _kv_config(plan: Plan, shape: RoleShape) -> tuple[dict[str, Any], dict[str, 
     return kv, experimental
 
 
-def _check_example_block_sizes(prefill: RoleShape, decode: RoleShape) -> None:
-    """ExampleConnector names its KV folders by the prompt's block-aligned token ids: both roles need one block size."""
-    sizes = {r.role: r.engine_kwargs.get("block_size") for r in (prefill, decode)}
-    if sizes["prefill"] != sizes["decode"]:
-        raise ExportError(
-            f"ExampleConnector needs the same KV block size on both roles (prefill {sizes['prefill'] or 'default'}, "
-            f"decode {sizes['decode'] or 'default'}): the decode would look up a different folder and recompute",
-            fix="give prefill and decode the same --block-size (or none)",
-        )
-
-
 def llm_config(plan: Plan, shape: RoleShape, model_source: str, gpu_name: str | None) -> dict[str, Any]:
     """One role's ray.serve.llm.LLMConfig as data."""
     kv, experimental = _kv_config(plan, shape)
@@ -159,8 +148,6 @@ def _header(plan: Plan, prefill: RoleShape, decode: RoleShape) -> str:
 def export(plan: Plan, prefill: RoleShape, decode: RoleShape, *, model_source: str, gpu_name: str | None,
            http_host: str, http_port: int) -> ExportResult:
     """The Ray Serve files for the plan: serve.yaml (no entry module is needed: the builder is Ray's own)."""
-    if plan.connector == "example":
-        _check_example_block_sizes(prefill, decode)
     config = serve_config(plan, prefill, decode, model_source=model_source, gpu_name=gpu_name,
                           http_host=http_host, http_port=http_port)
     text = _header(plan, prefill, decode) + to_yaml(config)

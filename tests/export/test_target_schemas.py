@@ -23,7 +23,7 @@ import yaml
 from appliance.export import ExportOptions, build_export, write_files
 from appliance.export.llm_d import KUBERNETES_VERSION
 from appliance.inventory import load_inventory
-from appliance.plan import plan
+from appliance.plan import PlanError, plan
 from appliance.settings import Settings
 
 HERE = Path(__file__).resolve().parent
@@ -171,10 +171,9 @@ def test_exported_app_serves_on_a_local_ray_head(tmp_path: Path) -> None:
     assert report["kv_folder_expected"] in report["kv_folders"], report["kv_folders"]
 
 
-def test_example_connector_export_refuses_unequal_block_sizes(tmp_path: Path) -> None:
-    """ExampleConnector's folder names hash block-aligned prompt tokens: unequal block sizes never match."""
-    from appliance.export.cluster import ExportError
-
+def test_example_connector_export_has_one_block_size(tmp_path: Path) -> None:
+    """ExampleConnector's folder names hash block-aligned prompt tokens, so both roles need one block size: the
+    planner gives a size one role names to the other and refuses two different ones, and the export carries it."""
     base = {
         "state_dir": str(tmp_path / "state"),
         "model": {"path": str(tmp_path / "model"), "served_name": "tiny", "max_model_len": 512},
@@ -183,15 +182,18 @@ def test_example_connector_export_refuses_unequal_block_sizes(tmp_path: Path) ->
     }
     inv = load_inventory("sim:cpu")
     options = ExportOptions(target="ray-serve", http_host="127.0.0.1", http_port=8000)
-    same = Settings.model_validate({**base, "prefill": {"extra_args": ["--block-size", "32"]},
-                                    "decode": {"extra_args": ["--block-size", "32"]}})
-    result = build_export(plan(same, inv), same, options, inv)
-    args = yaml.safe_load(result.files["ray-serve/serve.yaml"])["applications"][0]["args"]
-    assert args["prefill_config"]["engine_kwargs"]["block_size"] == args["decode_config"]["engine_kwargs"]["block_size"] == 32
-    assert any("whole KV blocks" in n and "32 + 1 tokens" in n for n in result.notes)
-    unequal = Settings.model_validate({**base, "prefill": {"extra_args": ["--block-size", "32"]}})
-    with pytest.raises(ExportError, match="same KV block size"):
-        build_export(plan(unequal, inv), unequal, options, inv)
+    for decode_args in (["--block-size", "32"], []):
+        settings = Settings.model_validate({**base, "prefill": {"extra_args": ["--block-size", "32"]},
+                                            "decode": {"extra_args": decode_args}})
+        result = build_export(plan(settings, inv), settings, options, inv)
+        args = yaml.safe_load(result.files["ray-serve/serve.yaml"])["applications"][0]["args"]
+        assert args["prefill_config"]["engine_kwargs"]["block_size"] == 32
+        assert args["decode_config"]["engine_kwargs"]["block_size"] == 32
+        assert any("whole KV blocks" in n and "32 + 1 tokens" in n for n in result.notes)
+    unequal = Settings.model_validate({**base, "prefill": {"extra_args": ["--block-size", "32"]},
+                                       "decode": {"extra_args": ["--block-size", "64"]}})
+    with pytest.raises(PlanError, match="same KV block size"):
+        plan(unequal, inv)
 
 
 def test_human_readable_vllm_integers_become_engine_kwargs_integers() -> None:
