@@ -26,7 +26,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.reliability.procs import MODEL, Node  # noqa: E402
+from tests.reliability.node import MODEL, Node  # noqa: E402
 
 
 def raise_fd_limit(want: int) -> int:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         node = start_node(Path(tmp), args.connector, args.clients, args.decode_step_ms)
         try:
             result = asyncio.run(soak(node, args.clients, args.duration, args.max_tokens, args.ramp_s))
-            result["proxy_alive"] = node.procs[-1].alive()
+            result["proxy_alive"] = node.procs[-1].alive
         finally:
             node.stop()
     result["command"] = "scripts/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -11,7 +11,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from tests.manager.deploy import complete, write_config
+from tests.support.pdctl import complete, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

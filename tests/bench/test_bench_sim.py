@@ -10,6 +10,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +20,11 @@ import numpy as np
 import pytest
 
 from appliance.ports import free_port
+from tests.bench import PNG_MAGIC
+from tests.support.pdctl import env_in, pdctl_in
+from tests.support.processes import Proc
 
-from .procs import PNG_MAGIC, PY, env_for, pdctl, start, stop
+PY = sys.executable
 
 pytestmark = pytest.mark.timeout(300)
 # A slow prefill (60 ms for 300 tokens) on a colocated engine stalls every running decode: with a 30 ms ITL
@@ -32,45 +36,35 @@ SIM_TIME = ["--prefill-us-per-token", "200", "--decode-step-ms", "4", "--decode-
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One colocated sim engine behind the real proxy; yields the proxy's URL."""
     tmp = tmp_path_factory.mktemp("deploy")
-    engine, m = start(
-        [
-            PY,
-            "-m",
-            "appliance.engine.sim",
-            "--port",
-            "0",
-            "--model",
-            "sim-model",
-            "--log-level",
-            "warning",
-            *SIM_TIME,
-        ],
-        re.compile(r'"url": "(http://[^"]+)"'),
-        tmp / "engine.log",
+    engine = Proc(
+        "engine",
+        [PY, "-m", "appliance.engine.sim", "--port", "0", "--model", "sim-model", "--log-level", "warning",
+         *SIM_TIME],
+        tmp,
+        ready_line=True,
+        session=True,
     )
-    config = {
-        "host": "127.0.0.1",
-        "port": 0,
-        "connector": "none",
-        "model": "sim-model",
-        "admin": {"port": 0},
-        "backends": [{"name": "both-0", "role": "both", "url": m.group(1)}],
-    }
-    (tmp / "proxy.json").write_text(json.dumps(config))
     try:
-        proxy, pm = start(
-            [PY, "-m", "appliance.proxy", "--config", str(tmp / "proxy.json"), "--log-level", "WARNING"],
-            re.compile(r"ready on ([\d.]+):(\d+)"),
-            tmp / "proxy.log",
-        )
-    except BaseException:
-        stop(engine)
-        raise
-    try:
-        yield f"http://{pm.group(1)}:{pm.group(2)}"
+        url = json.loads(engine.read_line(re.compile(r'"url": "http://')))["url"]
+        config = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "connector": "none",
+            "model": "sim-model",
+            "admin": {"port": 0},
+            "backends": [{"name": "both-0", "role": "both", "url": url}],
+        }
+        (tmp / "proxy.json").write_text(json.dumps(config))
+        proxy = Proc("proxy", [PY, "-m", "appliance.proxy", "--config", str(tmp / "proxy.json"), "--log-level",
+                               "WARNING"], tmp, ready_line=True, session=True)
+        try:
+            pm = re.search(r"ready on ([\d.]+):(\d+)", proxy.read_line(re.compile(r"ready on ([\d.]+):(\d+)")))
+            assert pm is not None
+            yield f"http://{pm.group(1)}:{pm.group(2)}"
+        finally:
+            proxy.stop()
     finally:
-        stop(proxy)
-        stop(engine)
+        engine.stop()
 
 
 def gaps_of(req: dict[str, Any]) -> np.ndarray:
@@ -95,7 +89,7 @@ def recompute_attainment(requests: list[dict[str, Any]], slo: dict[str, Any], ju
 
 
 def test_sweep_writes_json_and_pngs_consistent_with_request_timings(deployment: str, tmp_path: Path) -> None:
-    done = pdctl(
+    done = pdctl_in(
         "bench",
         "--url",
         deployment,
@@ -199,7 +193,7 @@ def test_interrupt_keeps_what_was_measured(deployment: str, tmp_path: Path) -> N
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env_for(tmp_path),
+        env=env_in(tmp_path),
     )
     result = tmp_path / "out" / "bench.json"
     deadline = time.monotonic() + 120
@@ -233,14 +227,14 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         (["--rates", "auto", "--stop-on", "none"], "--stop-on"),
         (["--compare", "--budgets", "1k"], "--budgets"),
     ):
-        done = pdctl("bench", *args, "--out", "o", cwd=tmp_path, check=False)
+        done = pdctl_in("bench", *args, "--out", "o", cwd=tmp_path, check=False)
         assert done.returncode == 2, done.stderr
         assert words in done.stderr and "Traceback" not in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 def test_steady_sweep_stops_at_the_ceiling_and_judges_only_the_window(deployment: str, tmp_path: Path) -> None:
-    pdctl(
+    pdctl_in(
         "bench",
         "--url",
         deployment,

@@ -14,8 +14,8 @@ from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
 from appliance.ports import free_ports
 from appliance.settings import Settings, load_settings
-
-from .procs import PNG_MAGIC, pdctl
+from tests.bench import PNG_MAGIC
+from tests.support.pdctl import pdctl_in
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -117,7 +117,7 @@ http_port = {colocated}
 port = {proxy}
 admin_port = {admin}
 """)
-    done = pdctl(
+    done = pdctl_in(
         "--config",
         "sim.toml",
         "bench",
@@ -184,7 +184,7 @@ http_port = {colocated}
 port = {proxy}
 admin_port = {admin}
 """)
-    done = pdctl(
+    done = pdctl_in(
         "--config",
         "sim.toml",
         "bench",

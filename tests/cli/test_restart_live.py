@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.manager.deploy import pdctl, status, write_config
 from tests.rebalance.load import Load, restart_figures
+from tests.support.pdctl import pdctl, status, write_config
 
 
 def test_pdctl_restart_under_load_fails_nothing(tmp_path: Path) -> None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -23,15 +22,6 @@ async def running(**fields: Any) -> AsyncIterator[SimServer]:
         yield server
     finally:
         await server.stop()
-
-
-async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 15.0) -> None:
-    """Poll ``check`` until it is true; fail after a generous timeout."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 async def state(session: aiohttp.ClientSession, server: SimServer) -> dict[str, Any]:

@@ -10,7 +10,9 @@ import sys
 import aiohttp
 import pytest
 
-from .simutil import drained, post, running, state, stream, until, words
+from tests.support.waiting import eventually as until
+
+from .simutil import drained, post, running, state, stream, words
 
 
 def test_completion_shapes_and_determinism() -> None:

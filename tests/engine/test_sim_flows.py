@@ -11,7 +11,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from .simutil import drained, post, running, state, stream, until, words
+from tests.support.waiting import eventually as until
+
+from .simutil import drained, post, running, state, stream, words
 
 PROMPT = words(300)  # 300 tokens, 19 blocks of 16
 

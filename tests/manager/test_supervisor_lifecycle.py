@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from appliance.manager.supervisor import can_raise_limits
-from tests.manager.deploy import complete, pdctl, status, try_complete, wait_until, write_config
+from tests.support.pdctl import complete, pdctl, status, try_complete, write_config
+from tests.support.waiting import wait_until
 
 
 def _pids(doc: dict) -> dict[str, int]:

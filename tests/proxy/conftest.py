@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from aiohttp import web
 
 from appliance.proxy.app import Proxy
 from appliance.proxy.config import ProxyConfig
+from tests.support.waiting import eventually
 
 MODEL = "tiny-model"
 
@@ -171,22 +171,13 @@ def backend(name: str, role: str, engine: FakeEngine, **extra: Any) -> dict[str,
     return {"name": name, "role": role, "url": engine.url, **extra}
 
 
-async def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll until predicate() is true (generous limit for a loaded machine)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 @contextlib.asynccontextmanager
 async def running_proxy(config: ProxyConfig, wait_ready: bool = True) -> AsyncIterator[Proxy]:
     proxy = Proxy(config)
     await proxy.start()
     try:
         if wait_ready:
-            await wait_for(lambda: proxy.ready()[0], what="proxy ready")
+            await eventually(lambda: proxy.ready()[0], what="proxy ready")
         yield proxy
     finally:
         await proxy.stop()

@@ -23,8 +23,8 @@ from tests.proxy.conftest import (
     post,
     proxy_config,
     running_proxy,
-    wait_for,
 )
+from tests.support.waiting import eventually as wait_for
 
 
 def registration(engine, kind: str, mode: str = "READ") -> bytes:  # type: ignore[no-untyped-def]

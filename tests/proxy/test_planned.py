@@ -16,8 +16,8 @@ from tests.proxy.conftest import (
     proxy_config,
     running_proxy,
     sse_events,
-    wait_for,
 )
+from tests.support.waiting import eventually as wait_for
 
 
 def test_drain_waits_for_a_request_still_in_its_prefill_leg() -> None:

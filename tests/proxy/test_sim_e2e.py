@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from appliance.ports import free_port
-from tests.proxy.procs import (
+from tests.proxy.cluster import (
     MODEL,
     Cluster,
     Sim,
@@ -28,9 +28,9 @@ from tests.proxy.procs import (
     sim_state,
     static_backends,
     stream_text,
-    wait_until,
     words,
 )
+from tests.support.waiting import eventually as wait_until
 
 TOKENS = 24
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.manager.deploy import pdctl as _pdctl
 from tests.rebalance.load import Load, write_node_config
+from tests.support.pdctl import pdctl as _pdctl
 
 
 def pdctl(config: Path, *args: str):

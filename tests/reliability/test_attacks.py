@@ -19,7 +19,8 @@ import pytest
 import zmq
 
 from appliance.ports import free_port
-from tests.reliability.procs import MODEL, Node, colocated_node, http_status, moriio_node
+from tests.reliability.node import MODEL, Node, colocated_node, moriio_node
+from tests.support.processes import http_status
 
 API_KEY = "client-key-0123"
 ADMIN_TOKEN = "admin-token-4567"

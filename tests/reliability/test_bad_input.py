@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from appliance.ports import free_port
-from tests.reliability.procs import MODEL, ROOT, Node, colocated_node, http_status, moriio_node
+from tests.reliability.node import MODEL, Node, colocated_node, moriio_node
+from tests.support.processes import ROOT, http_status
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
@@ -83,7 +84,7 @@ def assert_clean(status: int, raw: bytes, what: Any, plain_ok: bool = False) -> 
 
 
 def assert_serving(node: Node) -> None:
-    assert all(p.alive() for p in node.procs), [p.output()[-1500:] for p in node.procs if not p.alive()]
+    assert all(p.alive for p in node.procs), [p.output()[-1500:] for p in node.procs if not p.alive]
     assert http_status(node.proxy_url + "/health") == 200
 
 
@@ -385,7 +386,7 @@ def test_registration_garbage(lone_proxy: Node, registrar: Registrar, frames: li
         registrar.send(message)
     state = registrar.sync()  # every frame above was handled (one connection keeps order)
     _check_instances(state)
-    assert lone_proxy.procs[0].alive()
+    assert lone_proxy.procs[0].alive
 
 
 def test_registration_oversized_frame_is_dropped(lone_proxy: Node, registrar: Registrar) -> None:
@@ -429,7 +430,7 @@ def test_registration_impossible_ports_and_roles(lone_proxy: Node, registrar: Re
 
 
 def test_lone_proxy_never_crashed(lone_proxy: Node) -> None:
-    assert lone_proxy.procs[0].alive()
+    assert lone_proxy.procs[0].alive
     assert "Traceback" not in lone_proxy.procs[0].output(), lone_proxy.procs[0].output()[-3000:]
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.procs import ROOT, Node, colocated_node
+from tests.reliability.node import Node, colocated_node
+from tests.support.processes import ROOT
 
 SPEC = ROOT / "appliance" / "proxy" / "openapi.json"
 
@@ -32,4 +33,4 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(node: Nod
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert "passed" in done.stdout
-    assert node.procs[-1].alive()
+    assert node.procs[-1].alive

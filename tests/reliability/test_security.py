@@ -27,7 +27,7 @@ from appliance.proxy.app import Proxy
 from appliance.proxy.config import ProxyConfig, load_config, read_secret
 from appliance.settings import Settings
 from appliance.statedir import write_atomic
-from tests.reliability.procs import ROOT
+from tests.support.processes import ROOT
 
 PACKAGE = ROOT / "appliance"
 

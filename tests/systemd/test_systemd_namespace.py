@@ -17,8 +17,9 @@ from appliance.render import render_systemd
 from appliance.render.systemd import exec_line
 from appliance.settings import load_settings
 from appliance.statedir import write_atomic
-from tests.manager.deploy import pdctl, status, try_complete, wait_until, write_config
 from tests.rebalance.load import Load, restart_figures
+from tests.support.pdctl import pdctl, status, try_complete, write_config
+from tests.support.waiting import wait_until
 from tests.systemd.nsboot import NamespacedSystemd, why_not
 
 pytestmark = [pytest.mark.systemd, pytest.mark.skipif(why_not() is not None, reason=why_not() or "")]

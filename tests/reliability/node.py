@@ -1,61 +1,21 @@
-"""Real processes for the bad-input, security and soak checks: simulated engines and a proxy started with
-`python -m ...` on free loopback ports, waited for on their sockets, stopped with SIGTERM."""
+"""A test node for the bad-input, security and soak checks: simulated engines and a proxy started with
+`python -m ...` on free loopback ports (tests.support.processes.Proc), waited for on their sockets."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from appliance.ports import free_port
+from tests.support.processes import Proc, http_status
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-model"
-
-
-def http_status(url: str, timeout: float = 2.0) -> int:
-    """GET url; the status, or 0 when nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except OSError:
-        return 0
-
-
-@dataclass
-class Proc:
-    """A started process and where its output goes."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(15)
 
 
 @dataclass
@@ -79,26 +39,14 @@ class Node:
         return f"http://127.0.0.1:{self.admin_port}"
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-        log = self.workdir / f"{name}.log"
-        handle = log.open("wb")
-        popen = subprocess.Popen(argv, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=dict(os.environ, **(env or {})))
-        handle.close()
-        proc = Proc(name, popen, log)
+        """Start a process of the node, its output in <workdir>/<name>.log."""
+        proc = Proc(name, argv, self.workdir, env=env)
         self.procs.append(proc)
         return proc
 
     def wait_http(self, proc: Proc, url: str, timeout: float = 90.0, ready: bool = True) -> None:
         """Wait until `url` answers 200 (or, with ready=False, answers at all)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not proc.alive():
-                raise RuntimeError(f"{proc.name} exited: {proc.output()[-2000:]}")
-            status = http_status(url)
-            if status == 200 or (status and not ready):
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"{proc.name} not ready at {url}: {proc.output()[-2000:]}")
+        proc.wait_http(url, timeout, any_answer=not ready)
 
     def engine(self, name: str, role: str, connector: str, *extra: str) -> str:
         port = free_port()
@@ -168,7 +116,7 @@ def moriio_node(workdir: Path, *engine_args: str, **proxy_overrides: Any) -> Ite
         deadline = time.monotonic() + 60
         while http_status(node.proxy_url + "/health") != 200:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"moriio node not ready: {node.procs[0].output()[-2000:]}")
+                raise AssertionError(f"moriio node not ready: {node.procs[0].output()[-2000:]}")
             time.sleep(0.1)
         yield node
     finally:

@@ -1,94 +1,23 @@
-"""Real processes for the end-to-end tests: simulated engines (`python -m appliance.engine.sim`) and the
-proxy (`python -m appliance.proxy --config F`), each on free ports, plus a small HTTP client for them."""
+"""A proxy and its engines as real processes for the end-to-end tests: simulated engines (`python -m
+appliance.engine.sim`) and the proxy (`python -m appliance.proxy --config F`), each on free ports, started with
+tests.support.processes.Proc, plus a small HTTP client for them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import os
-import select
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import Proc
+
 MODEL = "sim-e2e"
-# a slow, loaded 2-core box: process start-up (imports) can take several seconds
-START_TIMEOUT_S = 60.0
-
-
-class Proc:
-    """A child process that prints one ready line on stdout; its stderr goes to a log file."""
-
-    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = self.log_path.open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.popen = subprocess.Popen(
-            argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, env=env
-        )
-        self.ready_line = ""
-
-    def wait_ready(self) -> None:
-        """Block until the process printed its ready line (it starts while others do)."""
-        if not self.ready_line:
-            self.ready_line = self._read_ready()
-            self._on_ready()
-
-    def _on_ready(self) -> None:
-        pass
-
-    def _read_ready(self) -> str:
-        assert self.popen.stdout is not None
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.kill()
-                raise AssertionError(f"{self.name} printed no ready line in {START_TIMEOUT_S:g}s: {self.log_tail()}")
-            readable, _, _ = select.select([self.popen.stdout], [], [], left)
-            if readable:
-                line = self.popen.stdout.readline().decode()
-                if line:
-                    return line.strip()
-                self.popen.wait(timeout=10)
-                raise AssertionError(f"{self.name} exited with {self.popen.returncode}: {self.log_tail()}")
-
-    def log_tail(self, n: int = 3000) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL: the process dies the way a crashed engine does."""
-        if self.alive:
-            self.popen.kill()
-        self.popen.wait(timeout=30)
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it does not exit."""
-        if self.alive:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=15)
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
-        self._log.close()
 
 
 class Sim(Proc):
@@ -97,7 +26,7 @@ class Sim(Proc):
     def __init__(self, name: str, log_dir: Path, role: str, connector: str, *args: str) -> None:
         argv = [sys.executable, "-m", "appliance.engine.sim", "--port", "0", "--role", role,
                 "--connector", connector, "--model", MODEL, "--instance-name", name, "--log-level", "info", *args]
-        super().__init__(name, argv, log_dir)
+        super().__init__(name, argv, log_dir, ready_line=True)
         self.info: dict[str, Any] = {}
         self.url = ""
         self.port = 0
@@ -115,7 +44,7 @@ class ProxyProc(Proc):
         self.config_path = log_dir / f"{name}.json"
         self.config_path.write_text(json.dumps(config))
         argv = [sys.executable, "-m", "appliance.proxy", "--config", str(self.config_path), "--log-level", "INFO"]
-        super().__init__(name, argv, log_dir)
+        super().__init__(name, argv, log_dir, ready_line=True)
         self.port = self.admin_port = 0
         self.url = self.admin_url = ""
 
@@ -228,18 +157,6 @@ async def sim_state(sim: Sim) -> dict[str, Any]:
     status, body = await get_json(sim.url + "/sim/state")
     assert status == 200
     return dict(body)
-
-
-async def wait_until(check: Any, timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll an async predicate until it returns something truthy (generous: the box is loaded)."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
 async def drained(sim: Sim) -> bool:

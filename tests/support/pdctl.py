@@ -1,4 +1,5 @@
-"""Helpers for tests that deploy the appliance for real: free ports, a tmp pdctl.toml, running `pdctl`."""
+"""Running the real `pdctl` in tests: a node's settings file (every port free, state in a tmp folder) and
+`pdctl --config` against it, or `pdctl` in a working folder whose empty settings file keeps the host's out."""
 
 from __future__ import annotations
 
@@ -6,15 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from appliance.ports import free_ports
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import ROOT
 
 
 def write_config(directory: Path, state_dir: Path, manager: str = "supervisor", extra: str = "") -> Path:
@@ -55,6 +53,21 @@ def pdctl(config: Path, *args: str, env: dict[str, str] | None = None, timeout: 
     return done
 
 
+def env_in(cwd: Path) -> dict[str, str]:
+    """The environment of a pdctl run in `cwd`: an empty settings file there, so the host's /etc/pdctl never leaks in."""
+    (cwd / "pdctl.toml").touch()
+    return {**os.environ, "PDCTL_CONFIG": str(cwd / "pdctl.toml")}
+
+
+def pdctl_in(*args: str, cwd: Path, check: bool = True, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run `pdctl` (python -m appliance) in `cwd`, whose empty pdctl.toml is the settings unless --config says."""
+    done = subprocess.run([sys.executable, "-m", "appliance", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env_in(cwd))
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
 def status(config: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """`pdctl status --json` as data."""
     done = pdctl(config, "status", "--json", env=env)
@@ -62,18 +75,6 @@ def status(config: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     doc: dict[str, Any] = json.loads(done.stdout)
     doc["_rc"] = done.returncode
     return doc
-
-
-def wait_until(check: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
-    """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def complete(proxy_url: str, model: str = "tiny-qwen3", timeout: float = 30) -> dict[str, Any]:
