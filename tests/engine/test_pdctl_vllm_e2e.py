@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "manager"))
-from deploy import ROOT, write_config  # noqa: E402
+from tests.support.pdctl import write_config
+from tests.support.processes import ROOT
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 
