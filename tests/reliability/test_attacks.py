@@ -405,7 +405,7 @@ def test_state_files_keep_secrets_private(tmp_path: Path, monkeypatch: pytest.Mo
     from appliance.node import Node
     from appliance.plan import plan as make_plan
     from appliance.settings import Settings
-    from tests.reliability.procs import ROOT
+    from tests.support.processes import ROOT
 
     state = tmp_path / "state"
     state.mkdir(mode=0o755)
