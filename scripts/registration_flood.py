@@ -27,7 +27,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.reliability.procs import moriio_node  # noqa: E402
+from tests.reliability.node import moriio_node  # noqa: E402
 
 
 def _messages(count: int) -> list[bytes]:
