@@ -14,6 +14,7 @@ import click
 
 from appliance.cli.options import obtain
 from appliance.errors import PdctlError
+from appliance.hosts import url_host
 from appliance.statedir import StateDir
 
 if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
@@ -296,7 +297,7 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
         base_url, model = "", opts["model"] or settings.model.name
         engine: str = settings.engine.kind
     else:
-        base_url = opts["url"] or f"http://{_loopback(settings.proxy.host)}:{settings.proxy.port}"
+        base_url = opts["url"] or f"http://{url_host(settings.proxy.host)}:{settings.proxy.port}"
         engine = opts["engine"] or ("unknown" if opts["url"] else settings.engine.kind)
         model = opts["model"]
     console = _console()
@@ -408,5 +409,3 @@ def _replay(paths: list[Path], opts: dict[str, Any]) -> None:
             click.echo(str(written))
 
 
-def _loopback(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "") else host

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from appliance.connector.base import Connector, InstanceContext
 from appliance.engine.version import split_package, version_tuple
+from appliance.hosts import reach_host
 
 if TYPE_CHECKING:
     from appliance.settings import Settings
@@ -137,7 +138,7 @@ def cpu_env(host: str) -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
         # Without it the engine's message queue binds the host's first non-loopback address.
-        "VLLM_HOST_IP": "127.0.0.1" if host in ("0.0.0.0", "") else host,
+        "VLLM_HOST_IP": reach_host(host),
     }
 
 

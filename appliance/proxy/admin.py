@@ -6,28 +6,26 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
 from appliance.proxy.config import Backend
 from appliance.proxy.guard import bearer_matches, json_too_deep
-
-if TYPE_CHECKING:
-    from appliance.proxy.app import Proxy
+from appliance.proxy.state import ProxyState
 
 _BACKENDS = TypeAdapter(list[Backend])
 MAX_CONNECTIONS = 64  # pdctl makes one call at a time; a few operators' scripts besides
 _MAX_DEPTH = 16  # the deepest admin body (a backend list) nests 4 deep
-_PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
+_PROXY_KEY: web.AppKey[ProxyState] = web.AppKey("proxy")
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def state(proxy: Proxy) -> dict[str, Any]:
+def state(proxy: ProxyState) -> dict[str, Any]:
     """Everything `pdctl status` wants to know about the proxy."""
     ready, counts = proxy.ready()
     return {
@@ -218,7 +216,7 @@ async def post_instances(request: web.Request) -> web.Response:
     return web.json_response(state(proxy))
 
 
-def build_app(proxy: Proxy) -> web.Application:
+def build_app(proxy: ProxyState) -> web.Application:
     """The admin aiohttp application."""
     app = web.Application(middlewares=[_auth], client_max_size=1024 * 1024)
     app[_PROXY_KEY] = proxy

@@ -5,21 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
-from appliance.connector import HandoffError, get_connector
+from appliance.connector import HandoffError
 from appliance.proxy import admin
-from appliance.proxy.config import ProxyConfig, read_secret
+from appliance.proxy.config import ProxyConfig
 from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors, json_too_deep
 from appliance.proxy.legs import OUTCOME, LegFailure, error_response, handle_completion
-from appliance.proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from appliance.proxy.planned import PlannedStops
-from appliance.proxy.registry import InstanceRegistry, RegistrationListener
-from appliance.proxy.routing import HealthChecker, Router
+from appliance.proxy.metrics import CONTENT_TYPE
+from appliance.proxy.registry import RegistrationListener
+from appliance.proxy.state import ProxyState
 
 log = logging.getLogger("appliance.proxy")
 
@@ -62,33 +60,16 @@ class _OneLineBadRequests(logging.Filter):
         return True
 
 
-class Proxy:
+class Proxy(ProxyState):
     """One running proxy; `start()` binds every socket, `stop()` closes them."""
 
     def __init__(self, config: ProxyConfig) -> None:
-        self.config = config
-        self.mode: str = config.mode
-        self.connector = get_connector(config.connector)
-        self.api_key = read_secret(config.api_key_file)
-        self.engine_key = read_secret(config.engine_api_key_file)
-        self.admin_token = read_secret(config.admin.token_file)
-        self.metrics = ProxyMetrics(lambda: self.registry)
-        self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
-        self.health = HealthChecker(self.registry, config.health)
-        self.router = Router(self.registry, config.routing, lambda: self.mode,
-                             checks_mode=self.connector.mode_fixed_at_start)
-        self.planned = PlannedStops(self.registry, self.health)
+        super().__init__(config)
         self.listener: RegistrationListener | None = None
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.AbstractServer] = []
         self.api_port = config.port
         self.admin_port = config.admin.port
-        self.started_at = time.time()
-        # While pdctl re-carves the node a role can briefly have no routable instance: requests then wait
-        # (bounded) for one instead of failing. Set through the admin API (/admin/hold), off by default.
-        self.hold_wait_s = 0.0
-        self.hold_until = 0.0
-        self.registry.set_static(config.backends)
 
     # lifecycle
     async def start(self) -> None:
@@ -153,46 +134,6 @@ class Proxy:
         self._servers.clear()
         await self.registry.close()
 
-    # readiness
-    def ready(self) -> tuple[bool, dict[str, int]]:
-        """Ready when the roles a request needs each have a healthy instance."""
-        counts = {
-            role: sum(1 for i in insts if i.healthy and not i.draining) for role, insts in self.registry.by_role.items()
-        }
-        needed = ("prefill", "decode") if self.connector.disaggregated else ("both",)
-        return all(counts[r] > 0 for r in needed), counts
-
-    def admin_hold_active(self) -> bool:
-        """True while an admin hold is in force (it lapses by itself, so a crashed pdctl cannot leave it on)."""
-        return self.hold_wait_s > 0 and time.monotonic() < self.hold_until
-
-    def hold_wait(self) -> float:
-        """How long a new request may wait for a role with no routable instance now (0: it may not wait).
-
-        An admin hold (rebalance, mode) or a planned stop (restart) in force lets it wait; each lapses by itself.
-        """
-        wait = self.planned.hold_wait()
-        if self.admin_hold_active():
-            wait = max(wait, self.hold_wait_s)
-        return wait
-
-    def _missing_roles(self) -> bool:
-        needed = ("prefill", "decode") if self.connector.disaggregated else ("both",)
-        routable = self.router.routable
-        return not all(any(routable(i) for i in self.registry.by_role[role]) for role in needed)
-
-    async def _wait_for_instances(self, wait_s: float) -> None:
-        """During a hold: wait until every needed role has a routable instance, or the hold's wait runs out."""
-        if not self._missing_roles():
-            return
-        started = time.monotonic()
-        deadline = started + wait_s
-        try:
-            while self._missing_roles() and time.monotonic() < deadline and self.hold_wait() > 0:
-                await asyncio.sleep(0.05)
-        finally:
-            self.metrics.observe_hold(time.monotonic() - started)
-
     # handlers
     def _unauthorized(self, request: web.Request) -> web.Response | None:
         if self.api_key is None or bearer_matches(request.headers.get("Authorization"), self.api_key):
@@ -238,7 +179,7 @@ class Proxy:
             assert body is not None
             wait_s = self.hold_wait()
             if wait_s > 0:
-                await self._wait_for_instances(wait_s)
+                await self.wait_for_instances(wait_s)
             response = await handle_completion(self, request, path, body)
             status = request.get(OUTCOME, str(response.status))
             return response
@@ -320,13 +261,3 @@ def _failure_response(exc: HandoffError) -> web.Response:
         return web.Response(status=exc.status, body=exc.body,
                             headers={"Content-Type": exc.content_type or "application/json"})
     return error_response(exc.status, exc.message)
-
-
-async def serve_forever(config: ProxyConfig) -> None:
-    """Run a proxy until cancelled (SIGTERM/SIGINT in __main__)."""
-    proxy = Proxy(config)
-    await proxy.start()
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await proxy.stop()

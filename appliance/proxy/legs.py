@@ -6,17 +6,15 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import HttpVersion11, web
 
 from appliance.connector import HandoffError
 from appliance.proxy.registry import BackendState
 from appliance.proxy.routing import acquire, release
+from appliance.proxy.state import ProxyState
 from appliance.proxy.upstream import Connection, Unchunked, UpstreamError
-
-if TYPE_CHECKING:
-    from appliance.proxy.app import Proxy
 
 log = logging.getLogger("appliance.proxy.legs")
 
@@ -100,7 +98,7 @@ class Relay:
 
     __slots__ = ("proxy", "conn", "inst", "error", "finished", "timer", "loop")
 
-    def __init__(self, proxy: Proxy, conn: Connection, inst: BackendState) -> None:
+    def __init__(self, proxy: ProxyState, conn: Connection, inst: BackendState) -> None:
         self.proxy = proxy
         self.conn = conn
         self.inst = inst
@@ -140,7 +138,7 @@ class Relay:
 
 
 async def run_prefill(
-    proxy: Proxy, inst: BackendState, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
+    proxy: ProxyState, inst: BackendState, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The prefill leg, bounded by timeouts.prefill_s; returns the engine's kv_transfer_params and its answer."""
     limit = proxy.config.timeouts.prefill_s
@@ -168,7 +166,7 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 
 
 async def _prefill(
-    proxy: Proxy, inst: BackendState, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
+    proxy: ProxyState, inst: BackendState, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     acquire(inst, rank)
     conn: Connection | None = None
@@ -220,8 +218,15 @@ def _sse_error(status: int, message: str) -> bytes:
     return b"%x\r\n%b\r\n" % (len(event), event)
 
 
+def _leg_failed(proxy: ProxyState, inst: BackendState, reason: str, eject: bool = True) -> None:
+    """Count a failed decode leg by reason and (unless the engine answered for itself) toward ejection."""
+    proxy.metrics.leg_failures.labels("decode", reason).inc()
+    if eject:
+        proxy.health.leg_failed(inst)
+
+
 async def run_decode(
-    proxy: Proxy,
+    proxy: ProxyState,
     request: web.Request,
     inst: BackendState,
     rank: int | None,
@@ -232,11 +237,9 @@ async def run_decode(
     supervisor: asyncio.Task[Any] | None = None,
 ) -> web.StreamResponse:
     """The decode (or colocated) leg: answers the client, streaming or not."""
-    timeouts = proxy.config.timeouts
     stream = body.get("stream") is True
     acquire(inst, rank)
     conn: Connection | None = None
-    relay: Relay | None = None
     try:
         if rank is not None:
             headers = [*headers, ("X-data-parallel-rank", str(rank))]
@@ -244,48 +247,76 @@ async def run_decode(
         try:
             conn = await inst.pool.send("POST", path, headers, payload, collect=not stream)
         except UpstreamError as exc:
-            proxy.metrics.leg_failures.labels("decode", exc.reason).inc()
-            proxy.health.leg_failed(inst)
+            _leg_failed(proxy, inst, exc.reason)
             raise upstream_failure("decode", inst, exc) from None
-        assert conn.head_fut is not None and conn.first_fut is not None and conn.done_fut is not None
-        try:
-            head = await _race(conn.head_fut, supervisor, timeouts.first_token_s)
-            if head.status != 200 or not stream:
-                answer = await _race(conn.done_fut, supervisor, timeouts.first_token_s)
-                inst.pool.release(conn)
-                if head.status >= 500:
-                    # not counted toward ejection: see the prefill leg
-                    proxy.metrics.leg_failures.labels("decode", "status").inc()
-                    if head.status not in (503, 504):
-                        # An engine's internal error (e.g. a KV handoff that timed out) is a bad gateway from
-                        # the client's side: a 500 from the proxy would read as a proxy bug. 503/504 keep
-                        # their meaning (overloaded, timed out) and pass through; the engine's words stay.
-                        message = _engine_message(answer)
-                        raise LegFailure(502, f"decode leg on {inst.name} answered {head.status}: {message}")
-                else:
-                    proxy.health.leg_ok(inst)
-                return web.Response(status=head.status, body=answer, content_type=_content_type(conn))
-            await _race(conn.first_fut, supervisor, timeouts.first_token_s)
-        except asyncio.TimeoutError:
-            proxy.metrics.leg_failures.labels("decode", "timeout").inc()
-            proxy.health.leg_failed(inst)
-            raise LegFailure(504, f"decode on {inst.name} sent no token within {timeouts.first_token_s:g}s") from None
-        except UpstreamError as exc:
-            proxy.metrics.leg_failures.labels("decode", exc.reason).inc()
-            proxy.health.leg_failed(inst)
-            raise upstream_failure("decode", inst, exc) from None
+        whole = await _first_answer(proxy, inst, conn, stream, supervisor)
+        if whole is not None:
+            return whole
+        return await _relay_stream(proxy, request, inst, conn, started, supervisor)
+    except BaseException:
+        if conn is not None:
+            conn.abort()
+        raise
+    finally:
+        release(inst, rank)
 
-        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        # HTTP/1.0 has no chunked encoding: its stream goes out unframed and ends when the connection closes
-        http10 = request.version < HttpVersion11
-        if not http10:
-            response.enable_chunked_encoding()
-        await response.prepare(request)
-        transport = request.transport
-        if transport is None:
-            raise ConnectionResetError("client went away")
-        out = Unchunked(transport.write).write if http10 else transport.write
-        relay = Relay(proxy, conn, inst)
+
+async def _first_answer(
+    proxy: ProxyState, inst: BackendState, conn: Connection, stream: bool, supervisor: asyncio.Task[Any] | None
+) -> web.Response | None:
+    """Wait for the engine's answer head: a whole answer (not streamed, or an error) as the client's response,
+    or None once the first streamed token has come."""
+    timeouts = proxy.config.timeouts
+    assert conn.head_fut is not None and conn.first_fut is not None and conn.done_fut is not None
+    try:
+        head = await _race(conn.head_fut, supervisor, timeouts.first_token_s)
+        if head.status != 200 or not stream:
+            answer = await _race(conn.done_fut, supervisor, timeouts.first_token_s)
+            inst.pool.release(conn)
+            if head.status >= 500:
+                # not counted toward ejection: see the prefill leg
+                _leg_failed(proxy, inst, "status", eject=False)
+                if head.status not in (503, 504):
+                    # An engine's internal error (e.g. a KV handoff that timed out) is a bad gateway from
+                    # the client's side: a 500 from the proxy would read as a proxy bug. 503/504 keep
+                    # their meaning (overloaded, timed out) and pass through; the engine's words stay.
+                    message = _engine_message(answer)
+                    raise LegFailure(502, f"decode leg on {inst.name} answered {head.status}: {message}")
+            else:
+                proxy.health.leg_ok(inst)
+            return web.Response(status=head.status, body=answer, content_type=_content_type(conn))
+        await _race(conn.first_fut, supervisor, timeouts.first_token_s)
+        return None
+    except asyncio.TimeoutError:
+        _leg_failed(proxy, inst, "timeout")
+        raise LegFailure(504, f"decode on {inst.name} sent no token within {timeouts.first_token_s:g}s") from None
+    except UpstreamError as exc:
+        _leg_failed(proxy, inst, exc.reason)
+        raise upstream_failure("decode", inst, exc) from None
+
+
+async def _relay_stream(
+    proxy: ProxyState,
+    request: web.Request,
+    inst: BackendState,
+    conn: Connection,
+    started: float,
+    supervisor: asyncio.Task[Any] | None,
+) -> web.StreamResponse:
+    """Relay the engine's stream to the client until it ends; a failure mid-stream ends it with an error event."""
+    assert conn.done_fut is not None
+    response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    # HTTP/1.0 has no chunked encoding: its stream goes out unframed and ends when the connection closes
+    http10 = request.version < HttpVersion11
+    if not http10:
+        response.enable_chunked_encoding()
+    await response.prepare(request)
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("client went away")
+    out = Unchunked(transport.write).write if http10 else transport.write
+    relay = Relay(proxy, conn, inst)
+    try:
         proxy.metrics.ttft.observe(time.monotonic() - started)
         conn.relay_to(transport, proxy.metrics.itl, relay.client_gone, out)  # type: ignore[arg-type]
         relay.start_watchdog()
@@ -302,25 +333,8 @@ async def run_decode(
             error = relay.error or exc
             if isinstance(error, ConnectionResetError):
                 raise error from None
-            if isinstance(error, UpstreamError):
-                # the engine's connection ended mid-stream (e.g. the instance stopped): an error event, not a cut
-                proxy.metrics.leg_failures.labels("decode", error.reason).inc()
-                proxy.health.leg_failed(inst)
-                error = upstream_failure("decode", inst, error)
-            status = error.status if isinstance(error, HandoffError) else 502
-            message = error.message if isinstance(error, LegFailure) else f"decode leg on {inst.name} failed: {error}"
-            if not isinstance(error, LegFailure):
-                proxy.metrics.leg_failures.labels("decode", getattr(error, "reason", "stream")).inc()
-                proxy.health.leg_failed(inst)
-            elif status == 504:
-                proxy.metrics.leg_failures.labels("decode", "timeout").inc()
-            log.warning("stream from %s ended with an error: %s", inst.name, message)
             relay.stop()
-            if not transport.is_closing():
-                out(_sse_error(status, message))
-                await response.write_eof()
-            response.force_close()
-            request[OUTCOME] = "stream_error"
+            await _end_stream_with_error(proxy, request, response, transport, inst, error, out)
             return response
         relay.stop()
         proxy.metrics.streamed_chunks += conn.chunks
@@ -329,13 +343,36 @@ async def run_decode(
         await response.write_eof()
         return response
     except BaseException:
-        if relay is not None:
-            relay.stop()
-        if conn is not None:
-            conn.abort()
+        relay.stop()
         raise
-    finally:
-        release(inst, rank)
+
+
+async def _end_stream_with_error(
+    proxy: ProxyState,
+    request: web.Request,
+    response: web.StreamResponse,
+    transport: asyncio.BaseTransport,
+    inst: BackendState,
+    error: BaseException,
+    out: Any,
+) -> None:
+    """A stream that failed after its first token: count why, and end it with an SSE error event."""
+    if isinstance(error, UpstreamError):
+        # the engine's connection ended mid-stream (e.g. the instance stopped): an error event, not a cut
+        _leg_failed(proxy, inst, error.reason)
+        error = upstream_failure("decode", inst, error)
+    status = error.status if isinstance(error, HandoffError) else 502
+    message = error.message if isinstance(error, LegFailure) else f"decode leg on {inst.name} failed: {error}"
+    if not isinstance(error, LegFailure):
+        _leg_failed(proxy, inst, getattr(error, "reason", "stream"))
+    elif status == 504:
+        proxy.metrics.leg_failures.labels("decode", "timeout").inc()
+    log.warning("stream from %s ended with an error: %s", inst.name, message)
+    if not transport.is_closing():
+        out(_sse_error(status, message))
+        await response.write_eof()
+    response.force_close()
+    request[OUTCOME] = "stream_error"
 
 
 def ended_at_prefill(body: dict[str, Any], answer: dict[str, Any]) -> bool:
@@ -377,7 +414,7 @@ def answer_from_prefill(body: dict[str, Any], answer: dict[str, Any]) -> web.Res
                         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
 
-async def handle_completion(proxy: Proxy, request: web.Request, path: str, body: dict[str, Any]) -> web.StreamResponse:
+async def handle_completion(proxy: ProxyState, request: web.Request, path: str, body: dict[str, Any]) -> web.StreamResponse:
     """Route one validated request through the legs its connector and mode call for."""
     started = time.monotonic()
     # the engines' own key, when they have one; the client's key is never forwarded to an engine
@@ -418,7 +455,7 @@ async def handle_completion(proxy: Proxy, request: web.Request, path: str, body:
 
 
 async def _disaggregated(
-    proxy: Proxy,
+    proxy: ProxyState,
     request: web.Request,
     path: str,
     body: dict[str, Any],

@@ -2,60 +2,20 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:  # registry -> upstream -> metrics: a runtime import here would be a cycle
-    from appliance.proxy.registry import InstanceRegistry
+from appliance.proxy.histogram import FastHistogram
+from appliance.proxy.registry import InstanceRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 HOLD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-class FastHistogram:
-    """A lock-free histogram for the per-token path (one event loop thread writes it)."""
-
-    __slots__ = ("bounds", "counts", "total", "count")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        """Record one value."""
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def observe_chunks(self, gap: float, chunks: int) -> None:
-        """Record `chunks` tokens read together: the first after `gap`, the others right behind it (0 s)."""
-        counts = self.counts
-        counts[bisect_left(self.bounds, gap)] += 1
-        if chunks > 1:
-            counts[0] += chunks - 1
-        self.total += gap
-        self.count += chunks
-
-    def family(self, name: str, doc: str) -> HistogramMetricFamily:
-        buckets = []
-        running = 0
-        for bound, n in zip(self.bounds, self.counts, strict=False):
-            running += n
-            buckets.append((repr(bound), running))
-        buckets.append(("+Inf", self.count))
-        family = HistogramMetricFamily(name, doc)
-        family.add_metric([], buckets, self.total)
-        return family
 
 
 class _LiveCollector(Collector):

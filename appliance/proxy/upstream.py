@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from time import monotonic as _monotonic
 from typing import Any
 
-from appliance.proxy.metrics import FastHistogram
+from appliance.proxy.histogram import FastHistogram
 
 _HEAD_LIMIT = 64 * 1024
 _READ, _CHUNKED, _LENGTH, _EOF, _DONE = range(5)

@@ -22,6 +22,7 @@ from collections import Counter
 from typing import Any
 
 import msgpack
+from prometheus_client import CollectorRegistry, Histogram
 
 from appliance.connector import get_connector, load_object
 from appliance.connector.moriio import PeerAddress, parse_zmq_address, peer_in_request_id, zmq_address
@@ -84,8 +85,8 @@ class ConnectorSim:
         self.stats: Counter[str] = Counter()
         self.faults = cfg.faults
         self._tasks: set[asyncio.Task[Any]] = set()
-        # Set by the metrics registry: (transfer s, post s, bytes, descriptors) of each KV transfer this
-        # engine initiated, the figures vLLM's NIXL connector reports as vllm:nixl_* histograms.
+        # Set by add_metrics where the connector reports transfers: (transfer s, post s, bytes, descriptors)
+        # of each KV transfer this engine initiated.
         self.on_transfer: Any = None
 
     async def start(self) -> None:
@@ -113,6 +114,9 @@ class ConnectorSim:
 
     def on_abort(self, seq: Sequence) -> None:
         """A request was aborted (client gone) or failed before it finished."""
+
+    def add_metrics(self, registry: CollectorRegistry) -> None:
+        """Register the connector's own metrics (the real connector's names) in the engine's registry."""
 
     @property
     def name(self) -> str:
@@ -189,6 +193,30 @@ class NixlSim(ConnectorSim):
             "engine_id": self.engine_id,
             "side_channel_port": self.side_channel_port,
         }
+
+    def add_metrics(self, registry: CollectorRegistry) -> None:
+        """vLLM's NIXL transfer histograms (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py): same
+        names, labels and buckets, observed for each transfer this engine posts."""
+        labels = {"model_name": self.cfg.model, "engine": "0"}
+        times = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+        xfer = Histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.",
+                         list(labels), buckets=times[1:], registry=registry).labels(**labels)
+        post = Histogram("vllm:nixl_post_time_seconds", "Histogram of transfer post time for NIXL KV Cache transfers.",
+                         list(labels), buckets=times, registry=registry).labels(**labels)
+        size = Histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.",
+                         list(labels), buckets=[2 ** (10 + i) for i in range(1, 25, 2)],
+                         registry=registry).labels(**labels)
+        descs = Histogram("vllm:nixl_num_descriptors", "Histogram of number of descriptors per NIXL KV Cache transfers.",
+                          list(labels), buckets=(10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000,
+                                                 50000), registry=registry).labels(**labels)
+
+        def observe(xfer_s: float, post_s: float, nbytes: int, ndescs: int) -> None:
+            xfer.observe(xfer_s)
+            post.observe(post_s)
+            size.observe(nbytes)
+            descs.observe(ndescs)
+
+        self.on_transfer = observe
 
     async def _side_channel(self, frames: list[bytes]) -> list[list[bytes]]:
         kind = frames[0]

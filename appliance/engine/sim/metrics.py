@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from appliance.engine.sim.server import SimServer
+from appliance.engine.sim.config import SimConfig
+from appliance.engine.sim.connectors import ConnectorSim
+from appliance.engine.sim.engine import Engine
+
+
+class Served(Protocol):
+    """What the metrics read from a running simulated engine (appliance.engine.sim.server.SimServer)."""
+
+    cfg: SimConfig
+    engine: Engine
+    connector: ConnectorSim
+    requests_total: int
+    finished_total: int
+    failed_total: int
+    prompt_tokens_total: int
 
 # name -> help; values are read live from the engine and the connector at scrape time.
 GAUGES = {
@@ -44,7 +57,7 @@ COUNTERS = {
 
 
 class _SimCollector(Collector):
-    def __init__(self, server: SimServer) -> None:
+    def __init__(self, server: Served) -> None:
         self.server = server
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -96,7 +109,7 @@ class _SimCollector(Collector):
             yield family
 
 
-def make_registry(server: SimServer) -> CollectorRegistry:
+def make_registry(server: Served) -> CollectorRegistry:
     """A registry of this server's metrics (one per server, so several can share a process)."""
     registry = CollectorRegistry()
     registry.register(_SimCollector(server))
@@ -107,30 +120,5 @@ def make_registry(server: SimServer) -> CollectorRegistry:
         registry=registry,
     )
     server.engine.observe_step = step.observe
-    if server.cfg.connector == "nixl":
-        _nixl_metrics(server, registry)
+    server.connector.add_metrics(registry)
     return registry
-
-
-def _nixl_metrics(server: SimServer, registry: CollectorRegistry) -> None:
-    """vLLM's NIXL transfer histograms (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py): same
-    names, labels and buckets, observed for each transfer this engine posts."""
-    labels = {"model_name": server.cfg.model, "engine": "0"}
-    times = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
-    xfer = Histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.",
-                     list(labels), buckets=times[1:], registry=registry).labels(**labels)
-    post = Histogram("vllm:nixl_post_time_seconds", "Histogram of transfer post time for NIXL KV Cache transfers.",
-                     list(labels), buckets=times, registry=registry).labels(**labels)
-    size = Histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.",
-                     list(labels), buckets=[2 ** (10 + i) for i in range(1, 25, 2)], registry=registry).labels(**labels)
-    descs = Histogram("vllm:nixl_num_descriptors", "Histogram of number of descriptors per NIXL KV Cache transfers.",
-                      list(labels), buckets=(10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000),
-                      registry=registry).labels(**labels)
-
-    def observe(xfer_s: float, post_s: float, nbytes: int, ndescs: int) -> None:
-        xfer.observe(xfer_s)
-        post.observe(post_s)
-        size.observe(nbytes)
-        descs.observe(ndescs)
-
-    server.connector.on_transfer = observe

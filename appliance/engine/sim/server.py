@@ -24,9 +24,9 @@ from appliance.engine.sim.engine import Engine, Sequence
 from appliance.engine.sim.metrics import make_registry
 from appliance.engine.sim.tokens import VOCAB_SIZE, Sampler, token_text, tokenize
 from appliance.engine.sim.transport import Transport
+from appliance.hosts import is_loopback
 
 log = logging.getLogger("appliance.engine.sim")
-_LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
 class ApiError(Exception):
@@ -299,7 +299,7 @@ class SimServer:
         return web.json_response(state)
 
     def _loopback_only(self, request: web.Request) -> None:
-        if request.remote not in _LOOPBACK:
+        if request.remote is None or not is_loopback(request.remote):
             raise ApiError(403, "the /sim endpoints answer loopback clients only", "PermissionDenied")
 
     async def _get_fault(self, request: web.Request) -> web.Response:

@@ -1,0 +1,80 @@
+"""The proxy's state and the decisions made on it (readiness, holds), apart from its sockets (app.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from appliance.connector import get_connector
+from appliance.proxy.config import ProxyConfig, read_secret
+from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.planned import PlannedStops
+from appliance.proxy.registry import InstanceRegistry
+from appliance.proxy.routing import HealthChecker, Router
+
+
+class ProxyState:
+    """What the proxy knows and decides, apart from its sockets: its config and connector, the instances and
+    their health, the router, the transfer mode, holds and metrics. The request flows (legs) and the admin API
+    work on this; app.Proxy adds the listeners."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.mode: str = config.mode
+        self.connector = get_connector(config.connector)
+        self.api_key = read_secret(config.api_key_file)
+        self.engine_key = read_secret(config.engine_api_key_file)
+        self.admin_token = read_secret(config.admin.token_file)
+        self.metrics = ProxyMetrics(lambda: self.registry)
+        self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
+        self.health = HealthChecker(self.registry, config.health)
+        self.router = Router(self.registry, config.routing, lambda: self.mode,
+                             checks_mode=self.connector.mode_fixed_at_start)
+        self.planned = PlannedStops(self.registry, self.health)
+        self.started_at = time.time()
+        # While pdctl re-carves the node a role can briefly have no routable instance: requests then wait
+        # (bounded) for one instead of failing. Set through the admin API (/admin/hold), off by default.
+        self.hold_wait_s = 0.0
+        self.hold_until = 0.0
+        self.registry.set_static(config.backends)
+
+    # readiness
+    def ready(self) -> tuple[bool, dict[str, int]]:
+        """Ready when the roles a request needs each have a healthy instance."""
+        counts = {
+            role: sum(1 for i in insts if i.healthy and not i.draining) for role, insts in self.registry.by_role.items()
+        }
+        needed = ("prefill", "decode") if self.connector.disaggregated else ("both",)
+        return all(counts[r] > 0 for r in needed), counts
+
+    def admin_hold_active(self) -> bool:
+        """True while an admin hold is in force (it lapses by itself, so a crashed pdctl cannot leave it on)."""
+        return self.hold_wait_s > 0 and time.monotonic() < self.hold_until
+
+    def hold_wait(self) -> float:
+        """How long a new request may wait for a role with no routable instance now (0: it may not wait).
+
+        An admin hold (rebalance, mode) or a planned stop (restart) in force lets it wait; each lapses by itself.
+        """
+        wait = self.planned.hold_wait()
+        if self.admin_hold_active():
+            wait = max(wait, self.hold_wait_s)
+        return wait
+
+    def missing_roles(self) -> bool:
+        """True while a role a request needs has no routable instance."""
+        needed = ("prefill", "decode") if self.connector.disaggregated else ("both",)
+        routable = self.router.routable
+        return not all(any(routable(i) for i in self.registry.by_role[role]) for role in needed)
+
+    async def wait_for_instances(self, wait_s: float) -> None:
+        """During a hold: wait until every needed role has a routable instance, or the hold's wait runs out."""
+        if not self.missing_roles():
+            return
+        started = time.monotonic()
+        deadline = started + wait_s
+        try:
+            while self.missing_roles() and time.monotonic() < deadline and self.hold_wait() > 0:
+                await asyncio.sleep(0.05)
+        finally:
+            self.metrics.observe_hold(time.monotonic() - started)

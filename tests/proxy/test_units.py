@@ -1,0 +1,156 @@
+"""The proxy's pure logic without processes: each connector's legs, the router, registration parsing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from appliance.connector import HandoffError, get_connector
+from appliance.connector.moriio import parse_zmq_address, peer_in_request_id
+from appliance.proxy.registry import BackendState, InstanceRegistry, RegistrationError, normalize_registration
+from appliance.proxy.routing import Router
+
+BODY = {"model": "m", "prompt": "hi", "max_tokens": 9, "min_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}}
+
+
+@dataclass
+class Peer:
+    name: str
+    dp_size: int = 1
+    tp_size: int = 1
+    kv: dict[str, Any] = field(default_factory=dict)
+
+
+P = Peer("prefill-0", dp_size=2, tp_size=4, kv={"zmq_address": "host:10.0.0.1,handshake:6301,notify:6105"})
+D = Peer("decode-0", dp_size=1, tp_size=8, kv={"zmq_address": "host:10.0.0.2,handshake:7301,notify:7501"})
+
+
+@pytest.mark.parametrize("name", ["moriio", "nixl", "example"])
+def test_prefill_leg_is_one_unstreamed_token(name: str) -> None:
+    leg = get_connector(name).prefill_body(dict(BODY), P, D, {"mode": "read"})
+    assert (leg["stream"], leg["max_tokens"]) == (False, 1)
+    assert "min_tokens" not in leg and "stream_options" not in leg
+    assert BODY["max_tokens"] == 9  # the client's body is not changed
+
+
+def test_moriio_request_id_carries_both_peers() -> None:
+    rid = get_connector("moriio").request_id(P, D)
+    assert parse_zmq_address(peer_in_request_id(rid, "prefill") or "") == ("10.0.0.1", 6301, 6105)
+    assert parse_zmq_address(peer_in_request_id(rid, "decode") or "") == ("10.0.0.2", 7301, 7501)
+    with pytest.raises(HandoffError) as err:
+        get_connector("moriio").request_id(Peer("prefill-1"), D)
+    assert err.value.status == 503 and "prefill-1" in err.value.message
+
+
+def test_moriio_legs_share_one_transfer_id() -> None:
+    moriio = get_connector("moriio")
+    handoff: dict[str, Any] = {"mode": "write"}
+    prefill = moriio.prefill_body(BODY, P, D, handoff)["kv_transfer_params"]
+    decode = moriio.decode_body(BODY, P, D, 1, None, handoff)["kv_transfer_params"]
+    assert prefill["transfer_id"] == decode["transfer_id"] == handoff["transfer_id"]
+    assert (prefill["remote_dp_size"], prefill["remote_tp_size"]) == (1, 8)  # the decode's shape
+    assert (decode["remote_dp_size"], decode["remote_tp_size"], decode["remote_dp_rank"]) == (2, 4, 1)
+    assert decode["do_remote_prefill"] and not decode["do_remote_decode"]
+
+
+def test_moriio_read_copies_the_prefill_answer() -> None:
+    moriio = get_connector("moriio")
+    kv = {"remote_engine_id": "e", "remote_block_ids": [1, 2], "transfer_id": "tx-1", "do_remote_decode": True}
+    params = moriio.decode_body(BODY, P, D, None, kv, {"mode": "read"})["kv_transfer_params"]
+    assert (params["remote_block_ids"], params["transfer_id"], params["do_remote_decode"]) == ([1, 2], "tx-1", False)
+    assert "remote_dp_rank" not in params
+    with pytest.raises(HandoffError, match="unusable"):
+        moriio.decode_body(BODY, P, D, None, {"transfer_id": "tx-1"}, {"mode": "read"})
+
+
+def test_nixl_decode_needs_the_prefill_kv() -> None:
+    nixl = get_connector("nixl")
+    kv = {"remote_engine_id": "e", "remote_block_ids": [3], "remote_host": "h", "remote_port": 5}
+    assert nixl.decode_body(BODY, P, D, None, kv, {"mode": "read"})["kv_transfer_params"] == kv
+    with pytest.raises(HandoffError) as err:
+        nixl.decode_body(BODY, P, D, None, None, {"mode": "read"})
+    assert err.value.status == 502
+
+
+def test_example_decode_is_the_client_request() -> None:
+    assert get_connector("example").decode_body(BODY, P, D, None, None, {"mode": "read"}) == BODY
+
+
+# ---------------------------------------------------------------------------------------------- router
+def _registry(*specs: tuple[str, str]) -> InstanceRegistry:
+    registry = InstanceRegistry(1.0)
+    for name, role in specs:
+        inst = BackendState(name, role, f"http://127.0.0.1:{9000 + len(registry.instances)}", source="static",
+                            connect_timeout=1.0)
+        inst.healthy = True
+        registry.instances[name] = inst
+        registry.by_role[role].append(inst)
+    return registry
+
+
+def test_round_robin_skips_what_is_not_routable() -> None:
+    registry = _registry(("both-0", "both"), ("both-1", "both"), ("both-2", "both"))
+    router = Router(registry, "round_robin", lambda: "read", checks_mode=False)
+    assert [router.pick("both").name for _ in range(4)] == ["both-0", "both-1", "both-2", "both-0"]  # type: ignore[union-attr]
+    registry.instances["both-1"].draining = True
+    registry.instances["both-2"].healthy = False
+    assert {router.pick("both").name for _ in range(3)} == {"both-0"}  # type: ignore[union-attr]
+    registry.instances["both-0"].healthy = False
+    assert router.pick("both") is None
+
+
+def test_least_outstanding_and_mode_check() -> None:
+    registry = _registry(("decode-0", "decode"), ("decode-1", "decode"))
+    router = Router(registry, "least_outstanding", lambda: "write", checks_mode=True)
+    registry.instances["decode-0"].in_flight = 5
+    assert {router.pick("decode").name for _ in range(4)} == {"decode-1"}  # type: ignore[union-attr]
+    # an engine registered in the other transfer mode is not routed while the proxy runs this one
+    registry.instances["decode-1"].transfer_mode = "read"
+    assert router.pick("decode").name == "decode-0"  # type: ignore[union-attr]
+
+
+def test_dp_rank_least_loaded_with_rotation() -> None:
+    inst = _registry(("decode-0", "decode")).instances["decode-0"]
+    assert Router.pick_dp_rank(inst) is None
+    inst.set_dp_size(3)
+    assert [Router.pick_dp_rank(inst) for _ in range(3)] == [0, 1, 2]
+    inst.dp_in_flight = [2, 0, 1]
+    assert Router.pick_dp_rank(inst) == 1
+
+
+# ---------------------------------------------------------------------------------------------- registration
+CURRENT = {"type": "P", "http_address": "10.0.0.1:20005", "zmq_address": "host:10.0.0.1,handshake:6301,notify:6105",
+           "dp_size": 2, "tp_size": 4, "transfer_mode": "WRITE"}
+
+
+def test_registration_formats() -> None:
+    reg = normalize_registration(CURRENT)
+    assert reg is not None
+    assert (reg["role"], reg["http_host"], reg["zmq_host"], reg["dp_size"], reg["transfer_mode"]) == (
+        "prefill", "10.0.0.1", "10.0.0.1", 2, "write")
+    older = {"type": "register", "role": "D", "request_address": "http://10.0.0.2:40005/v1/completions",
+             "handshake_port": 7301, "notify_port": 7501, "transfer_mode": "READ"}
+    reg = normalize_registration(older)
+    assert reg is not None
+    assert (reg["role"], reg["http_address"], reg["zmq_address"], reg["dp_size"]) == (
+        "decode", "10.0.0.2:40005", "host:10.0.0.2,handshake:7301,notify:7501", 1)
+    assert normalize_registration({"type": "HELLO"}) is None
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"type": "X"}, "unknown message type"),
+    ({"zmq_address": "host:10.0.0.1"}, "zmq_address"),
+    ({"zmq_address": "host:10.0.0.1,handshake:0,notify:6105"}, "port"),
+    ({"http_address": "10.0.0.1"}, "http_address"),
+    ({"transfer_mode": "SIDEWAYS"}, "transfer_mode"),
+    ({"dp_size": 0}, "dp_size"),
+    ({"tp_size": True}, "tp_size"),
+])
+def test_registration_mistakes_are_named(change: dict[str, Any], why: str) -> None:
+    with pytest.raises(RegistrationError, match=why):
+        normalize_registration({**CURRENT, **change})
+    with pytest.raises(RegistrationError):
+        normalize_registration(["not", "a", "map"])
