@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -312,7 +313,8 @@ def read_toml(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read settings file {path}: {exc}") from None
     try:
-        return tomllib.loads(text)
+        data: dict[str, Any] = tomllib.loads(text)
+        return data
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"settings file {path} is not valid TOML: {exc}", fix="correct the line it names") from None
 
@@ -378,7 +380,8 @@ def load_settings_despite_errors(path: str | os.PathLike[str] | None = None) -> 
     except ConfigError as exc:
         error = exc
     found: dict[str, Any] = {}
-    for source in (lambda: read_toml(config_path(path)), env_data):
+    sources: tuple[Callable[[], dict[str, Any]], ...] = (lambda: read_toml(config_path(path)), env_data)
+    for source in sources:
         try:
             data = source()
         except Exception:  # the broken part is already in `error`; what is readable is used below

@@ -248,7 +248,7 @@ class Prediction:
 
 
 def _eff(tp: int, factor: float = 0.9) -> float:
-    return tp * factor ** math.log2(tp)
+    return float(tp * factor ** math.log2(tp))
 
 
 def sim_profile(settings: Settings) -> Profile:

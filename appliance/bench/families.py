@@ -126,7 +126,7 @@ def best_of(shapes: Iterable[ShapeResult], judgement: Judgement) -> list[Best]:
         top = max((s.goodput.get(judgement) or 0.0) for s in members)
         winners = [s for s in members if (s.goodput.get(judgement) or 0.0) == top]
         good = winners[0].goodput.get(judgement)
-        out.append(Best(family, [s.name for s in winners], good, any(capped(s, judgement) for s in winners)))  # type: ignore[arg-type]
+        out.append(Best(family, [s.name for s in winners], good, any(capped(s, judgement) for s in winners)))
     return out
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from appliance.bench.analysis import token_gaps
 from appliance.bench.results import BenchResult, RateResult
 from appliance.errors import PdctlError
 
 
-def pyplot():  # type: ignore[no-untyped-def]
+def pyplot() -> Any:
     """matplotlib.pyplot on the headless Agg backend; a PdctlError with the fix when matplotlib is missing."""
     try:
         import matplotlib

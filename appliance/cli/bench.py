@@ -197,7 +197,7 @@ def _read_key(path: str | None) -> str | None:
     help="Shape name of a --url sweep in the result (e.g. disagg-read when each shape is swept separately).",
 )
 @click.pass_context
-def bench(ctx: click.Context, **opts: Any) -> None:
+def bench(ctx: click.Context, /, **opts: Any) -> None:
     """Sweep request rates with Poisson arrivals and report SLO attainment, latencies and goodput."""
     from appliance.bench.workload import parse_token_range
 

@@ -42,7 +42,7 @@ STYLE = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[r
 @plan_options
 @click.option("--json", "as_json_", is_flag=True, help="Print the findings as JSON.")
 @click.pass_context
-def doctor(ctx: click.Context, as_json_: bool, **options: Any) -> None:
+def doctor(ctx: click.Context, /, as_json_: bool, **options: Any) -> None:
     """Check GPUs, vLLM, the connector library, RDMA, memlock, ports, model, disk and memory."""
     try:
         settings, inventory = obtain(ctx, overrides_from(options))

@@ -27,7 +27,7 @@ from appliance.export import TARGETS, ExportOptions, build_export, write_files
               help="llm-d: PVC holding a local model directory.")
 @plan_options
 @click.pass_context
-def export(ctx: click.Context, target: str, out_dir: str, model_source: str | None, prefill_replicas: str | None,
+def export(ctx: click.Context, /, target: str, out_dir: str, model_source: str | None, prefill_replicas: str | None,
            decode_replicas: str | None, http_host: str, http_port: int | None, namespace: str, image: str | None,
            sidecar_image: str | None, model_pvc: str, **plan_flags: Any) -> None:
     """Write the plan as a multi-node deployment: same model, roles, parallelism and KV connector."""

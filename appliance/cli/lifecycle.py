@@ -196,7 +196,7 @@ def _summary(plan: Plan, manager: ServiceManager, snap: Snapshot, changed: list[
 @click.option("--render-only", is_flag=True, help="Write the plan, units/supervisor config; start nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.pass_context
-def up(ctx: click.Context, manager: str | None, timeout_s: float | None, no_wait: bool, render_only: bool,
+def up(ctx: click.Context, /, manager: str | None, timeout_s: float | None, no_wait: bool, render_only: bool,
        as_json: bool, **options: Any) -> None:
     """Plan, render, start, and wait until every instance is healthy and the proxy has every role.
 

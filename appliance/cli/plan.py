@@ -60,7 +60,7 @@ def render_plan(p: Plan, console: Console) -> None:
               "(its workload and SLOs; pass the inventory it ran on). Repeat it to check the shapes of "
               "several runs of the same workload together.")
 @click.pass_context
-def plan(ctx: click.Context, as_json: bool, suggest: bool, input_len: int, output_len: int, rate: float,
+def plan(ctx: click.Context, /, as_json: bool, suggest: bool, input_len: int, output_len: int, rate: float,
          ttft_ms: float | None, itl_ms: float | None, profile: str | None, check: tuple[str, ...], **options: Any) -> None:
     """Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."""
     if check:

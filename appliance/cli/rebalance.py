@@ -7,7 +7,8 @@ Exit codes: 0 done (or nothing to do); 1 a step failed (rolled back, or left con
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -26,6 +27,8 @@ from appliance.rebalance.restart import can_roll, switch_mode
 from appliance.rebalance.schedule import Schedule, schedule
 from appliance.settings import Settings
 from appliance.shapes import role_overrides
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _admin(p: Plan) -> AdminClient:
@@ -132,8 +135,8 @@ common_options = [
 ]
 
 
-def _with(options: list[Any]) -> Any:
-    def wrap(func: Any) -> Any:
+def _with(options: list[Callable[[F], F]]) -> Callable[[F], F]:
+    def wrap(func: F) -> F:
         for option in reversed(options):
             func = option(func)
         return func
@@ -149,7 +152,7 @@ def _with(options: list[Any]) -> Any:
 @click.option("--dry-run", is_flag=True, help="Show the plan change and the steps; change nothing.")
 @_with(common_options)
 @click.pass_context
-def rebalance(ctx: click.Context, reset: bool, dry_run: bool, yes: bool, allow_downtime: bool, drain_timeout: float,
+def rebalance(ctx: click.Context, /, reset: bool, dry_run: bool, yes: bool, allow_downtime: bool, drain_timeout: float,
               hold_s: float, timeout_s: float | None, manager: str | None, **options: Any) -> None:
     """Change the GPU split and instance shapes of the running node with the least disruption.
 

@@ -215,7 +215,7 @@ def export(plan: Plan, prefill: RoleShape, decode: RoleShape, *, model_source: s
     name = dns_label(f"pdctl-{plan.model.served_name}")
     labels = {"llm-d.ai/inferenceServing": "true", "llm-d.ai/model": dns_label(plan.model.served_name, 63),
               "app.kubernetes.io/managed-by": "pdctl"}
-    common = {"name": name, "labels": labels, "image": image or DEFAULT_IMAGE[plan.platform],
+    common: dict[str, Any] = {"name": name, "labels": labels, "image": image or DEFAULT_IMAGE[plan.platform],
               "sidecar_image": sidecar_image or DEFAULT_SIDECAR_IMAGE, "model_source": model_source,
               "model_pvc": model_pvc, "health_timeout_s": health_timeout_s}
     objects = [deployment(plan, prefill, **common), deployment(plan, decode, **common)]

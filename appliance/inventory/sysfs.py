@@ -60,6 +60,6 @@ def local_cpulist(bdf: str, root: str | os.PathLike[str] | None = None) -> str |
 def process_name(pid: int) -> str:
     """The command name of process `pid`, or "" where it is gone or hidden (another container, no permission)."""
     try:
-        return psutil.Process(pid).name()
+        return str(psutil.Process(pid).name())
     except (psutil.Error, ValueError, OSError):
         return ""

@@ -318,11 +318,11 @@ async def _relay_stream(
     relay = Relay(proxy, conn, inst)
     try:
         proxy.metrics.ttft.observe(time.monotonic() - started)
-        conn.relay_to(transport, proxy.metrics.itl, relay.client_gone, out)  # type: ignore[arg-type]
+        conn.relay_to(transport, proxy.metrics.itl, relay.client_gone, out)
         relay.start_watchdog()
         if supervisor is not None and not supervisor.done():
             supervisor.add_done_callback(
-                lambda t: relay.fail(t.exception()) if not t.cancelled() and t.exception() is not None else None  # type: ignore[arg-type,union-attr]
+                lambda t: relay.fail(t.exception()) if not t.cancelled() and t.exception() is not None else None  # type: ignore[arg-type]
             )
         elif supervisor is not None and not supervisor.cancelled() and supervisor.exception() is not None:
             relay.fail(supervisor.exception())  # type: ignore[arg-type]
