@@ -26,14 +26,14 @@ from appliance.connector import (
     names,
     resolve_name,
 )
-from appliance.connector.base import PLATFORMS, Mode
+from appliance.connector.base import PLATFORMS
 from appliance.engine.command import engine_command
 from appliance.engine.version import split_package
 from appliance.errors import PlanError
 from appliance.hosts import is_loopback, url_host
 from appliance.inventory.models import Gpu, Inventory
 from appliance.proxy.config import AdminConfig, Backend, ProxyConfig, RegistrationConfig, Timeouts
-from appliance.roles import Role
+from appliance.roles import Mode, Role
 from appliance.settings import EMBEDDED_MODEL, Settings
 from appliance.statedir import StateDir
 
@@ -92,7 +92,7 @@ class Plan(Frozen):
     engine: Literal["vllm", "sim"]
     layout: Literal["disaggregated", "colocated"]
     connector: str
-    mode: Literal["read", "write"]
+    mode: Mode
     model: ModelPlan
     inventory_source: str
     state_dir: str
@@ -507,7 +507,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     )
 
 
-def _proxy_config(settings: Settings, connector: Connector, mode: Literal["read", "write"],
+def _proxy_config(settings: Settings, connector: Connector, mode: Mode,
                   served_name: str) -> ProxyConfig:
     """The proxy's configuration from the [proxy] settings (its backends are added once the ports are checked)."""
     p = settings.proxy

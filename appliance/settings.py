@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from appliance.connector import check_name
 from appliance.errors import ConfigError
-from appliance.roles import Role
+from appliance.roles import Mode, Role
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,7 +36,6 @@ else:  # pragma: no cover
 DEFAULT_CONFIG_PATH = Path("/etc/pdctl/pdctl.toml")
 EMBEDDED_MODEL = "embedded:tiny-qwen3"
 
-Mode = Literal["read", "write"]
 Port = int
 
 

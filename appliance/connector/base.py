@@ -9,10 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
-from appliance.roles import Role
+from appliance.roles import Mode, Role
 
 Platform = Literal["rocm", "cuda", "cpu"]
-Mode = Literal["read", "write"]
 
 PLATFORMS: tuple[Platform, ...] = ("rocm", "cuda", "cpu")
 

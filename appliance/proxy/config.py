@@ -14,11 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from appliance.connector import check_name, get_connector
 from appliance.errors import ConfigError
 from appliance.hosts import is_loopback, url_host
-from appliance.roles import Role
+from appliance.roles import Mode, Role
 
 log = logging.getLogger("appliance.proxy")
 
-Mode = Literal["read", "write"]
 Routing = Literal["round_robin", "least_outstanding"]
 
 

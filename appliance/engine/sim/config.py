@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from appliance.connector import check_name, get_connector, names
-from appliance.roles import Role
-
-Mode = Literal["read", "write"]
+from appliance.roles import Mode, Role
 
 
 class FaultConfig(BaseModel):
