@@ -195,9 +195,13 @@ async def post_started(request: web.Request) -> web.Response:
     inst = proxy.registry.get(name)
     if inst is None:
         return _error(404, f"no instance named {name!r}")
-    healthy = await proxy.health.probe(inst)
-    ended = proxy.planned.end(name, "reported started")
-    return web.json_response({"instance": name, "healthy": healthy, "was_stopping": ended})
+    healthy = await proxy.health.probe(inst, fresh=True)
+    if healthy:
+        was_stopping = proxy.planned.end(name, "reported started")
+    else:
+        # not answering yet: held requests keep waiting, and the first probe that passes ends the stop
+        was_stopping = proxy.planned.reported_back(name)
+    return web.json_response({"instance": name, "healthy": healthy, "was_stopping": was_stopping})
 
 
 async def post_instances(request: web.Request) -> web.Response:

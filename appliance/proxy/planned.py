@@ -73,6 +73,14 @@ class PlannedStops:
         log.info("%s: planned stop ended (%s)", name, why)
         return True
 
+    def reported_back(self, name: str) -> bool:
+        """The instance says it is back but fails its probe: end the stop at its first probe that passes."""
+        stop = self.active.get(name)
+        if stop is None:
+            return False
+        stop.seen_down = True
+        return True
+
     def hold_wait(self) -> float:
         """The longest a new request may wait for a role now (0 when no planned stop is in force)."""
         if not self.active:

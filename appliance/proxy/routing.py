@@ -90,6 +90,8 @@ class HealthChecker:
         self.config = config
         self._task: asyncio.Task[None] | None = None
         self._probing: set[str] = set()
+        self._started: dict[str, int] = {}  # per instance name: the last probe started, and answered
+        self._answered: dict[str, int] = {}
 
     def start(self) -> None:
         """Start the probe loop."""
@@ -117,15 +119,23 @@ class HealthChecker:
                 await asyncio.gather(*(self.probe(i) for i in instances), return_exceptions=True)
             await asyncio.sleep(self.config.probe_interval_s)
 
-    async def probe(self, inst: BackendState) -> bool:
-        """GET /health on the instance; healthy iff 200. Updates the instance."""
-        if inst.name in self._probing or inst.removed:
+    async def probe(self, inst: BackendState, fresh: bool = False) -> bool:
+        """GET /health on the instance; healthy iff 200. Updates the instance.
+
+        A probe already running for it answers for this one too, unless `fresh`: then the answer is always
+        from a probe started now (one that began before the instance came back would say it is down).
+        """
+        if inst.removed or (inst.name in self._probing and not fresh):
             return inst.healthy
         self._probing.add(inst.name)
+        seq = self._started[inst.name] = self._started.get(inst.name, 0) + 1
         try:
             ok = await self._get_health(inst)
         finally:
             self._probing.discard(inst.name)
+        if seq < self._answered.get(inst.name, 0):
+            return inst.healthy  # a probe started after this one has answered already: its word stands
+        self._answered[inst.name] = seq
         if ok and not inst.healthy:
             log.info("%s (%s) is healthy", inst.name, inst.url)
         elif not ok and inst.healthy:
