@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 
+from appliance.settings import deep_merge
 from tests.support.processes import Proc
 
 MODEL = "sim-e2e"
@@ -69,12 +70,7 @@ def proxy_config(connector: str, mode: str = "read", backends: list[dict[str, An
         "timeouts": {"connect_s": 5, "prefill_s": 30, "first_token_s": 30, "between_tokens_s": 30},
         "backends": backends or [],
     }
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
-            config[key].update(value)
-        else:
-            config[key] = value
-    return config
+    return deep_merge(config, overrides)
 
 
 # every sim: fast decode steps, a short context (a request without max_tokens ends soon)

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from appliance.proxy.app import Proxy
 from appliance.proxy.config import ProxyConfig
+from appliance.settings import deep_merge
 from tests.support.waiting import eventually
 
 MODEL = "tiny-model"
@@ -159,12 +160,7 @@ def proxy_config(connector: str, backends: list[dict[str, Any]], **overrides: An
         "health": {"probe_interval_s": 0.2, "fail_threshold": 2, "probe_timeout_s": 2},
         "backends": backends,
     }
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(raw.get(key), dict):
-            raw[key].update(value)
-        else:
-            raw[key] = value
-    return ProxyConfig.model_validate(raw)
+    return ProxyConfig.model_validate(deep_merge(raw, overrides))
 
 
 def backend(name: str, role: str, engine: FakeEngine, **extra: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.ports import free_port
+from appliance.settings import deep_merge
 from tests.support.processes import Proc, http_status
 
 MODEL = "sim-model"
@@ -71,11 +72,7 @@ class Node:
             "health": {"probe_interval_s": 0.5},
             "backends": backends,
         }
-        for key, value in overrides.items():
-            if isinstance(value, dict) and isinstance(config.get(key), dict):
-                config[key].update(value)
-            else:
-                config[key] = value
+        config = deep_merge(config, overrides)
         self.config = config
         self.registration_port = int(config["registration"]["port"])
         path = self.workdir / "proxy.json"
