@@ -521,10 +521,12 @@ def _proxy_config(settings: Settings, connector: Connector, mode: Mode,
             model=served_name,
             api_key_file=p.api_key_file,
             registration=RegistrationConfig(enabled=connector.registers_with_proxy, host=p.registration_host,
-                                            port=p.ping_port, allowed_hosts=p.allowed_hosts),
+                                            port=p.ping_port, allowed_hosts=p.allowed_hosts,
+                                            peer_hosts=p.peer_hosts, max_per_s=p.registration_max_per_s),
             admin=AdminConfig(host=p.admin_host, port=p.admin_port, token_file=p.admin_token_file),
             timeouts=Timeouts(connect_s=p.connect_timeout_s, prefill_s=p.prefill_timeout_s,
                               first_token_s=p.first_token_timeout_s, between_tokens_s=p.between_tokens_timeout_s),
+            limits=p.limits,
         )
     except ValidationError as exc:
         # The proxy would refuse to start like this; say so before anything is written.

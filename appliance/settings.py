@@ -26,6 +26,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from appliance.connector import check_name
 from appliance.errors import ConfigError
+from appliance.proxy.config import Limits
 from appliance.roles import Mode, Role
 
 if sys.version_info >= (3, 11):
@@ -187,6 +188,12 @@ class ProxySettings(Section):
         "A planned restart (pdctl restart, systemctl restart) waits this long for the instance's running requests"))
     restart_hold_s: float = Field(default=120.0, ge=0, description=(
         "While a planned restart leaves a role with no instance, a new request waits in the proxy this long"))
+    # A registration may only claim its sender's own address; a sender that registers engines at other
+    # addresses (NAT, a multi-homed host) is listed here: {"sender IP" = ["claimed IP", ...]}.
+    peer_hosts: dict[str, list[str]] = Field(default_factory=dict)
+    registration_max_per_s: float = Field(default=1000.0, gt=0, description=(
+        "Registrations the proxy handles per second; a flood waits in bounded queues instead of costing CPU"))
+    limits: Limits = Field(default_factory=Limits, description="What one client connection may cost the proxy")
 
 
 class SloSettings(Section):

@@ -266,3 +266,19 @@ def test_server_command_follows_the_vllm_package() -> None:
     # both forms read back as the same server arguments (export relies on it)
     args = server_args(serve)
     assert args == server_args(argv("")) and args is not None and args[:2] == ["--model", serve[4]]
+
+
+def test_proxy_limits_and_registration_bounds_come_from_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy's connection limits and registration bounds are settings (file or PDCTL_*), not proxy.json edits."""
+    monkeypatch.setenv("PDCTL_PROXY__LIMITS__MAX_CONNECTIONS", "512")
+    settings = Settings.model_validate({
+        **REFERENCE,
+        "proxy": {"limits": {"idle_timeout_s": 5, "max_json_depth": 32}, "registration_max_per_s": 50,
+                  "peer_hosts": {"127.0.0.1": ["127.0.0.2"]}},
+    })
+    proxy = plan(settings, load_inventory("sim:mi300x-8")).proxy
+    assert (proxy.limits.max_connections, proxy.limits.idle_timeout_s, proxy.limits.max_json_depth) == (512, 5, 32)
+    assert proxy.limits.body_timeout_s == 30  # untouched keys keep the proxy's defaults
+    assert (proxy.registration.max_per_s, proxy.registration.peer_hosts) == (50, {"127.0.0.1": ["127.0.0.2"]})
+    with pytest.raises(ValueError, match="max_json_depth"):
+        Settings.model_validate({"proxy": {"limits": {"max_json_depth": 1}}})
