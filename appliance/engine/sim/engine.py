@@ -129,6 +129,12 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
         self.steps = 0
+        # The interference model's own accounting (modelled time, not wall time): steps that advanced a
+        # running decode, how many of them also computed prefill, and the modelled prefill seconds those
+        # decodes waited out.
+        self.decode_steps = 0
+        self.decode_steps_with_prefill = 0
+        self.decode_stall_s = 0.0
         self.observe_step: Callable[[float], None] = lambda seconds: None  # set by the metrics layer
         self.aborted = 0
         self.expired = 0
@@ -342,7 +348,15 @@ class Engine:
             # jitter does not accumulate into a slower engine.
             start = deadline if busy and now - deadline < 0.05 else now
             prefill_tokens = sum(c for _, c in prefills)
-            deadline = start + self._step_cost(len(decodes) + len(prefills), prefill_tokens)
+            n_seqs = len(decodes) + len(prefills)
+            cost = self._step_cost(n_seqs, prefill_tokens)
+            deadline = start + cost
+            if decodes:
+                self.decode_steps += 1
+                if prefill_tokens:
+                    self.decode_steps_with_prefill += 1
+                    # what this step's prefill added to the step every decode in it waits for
+                    self.decode_stall_s += cost - self._step_cost(n_seqs, 0)
             await asyncio.sleep(max(0.0, deadline - loop.time()))
             busy = True
             self.observe_step(loop.time() - now)
@@ -400,6 +414,10 @@ class Engine:
             "requests_waiting_for_kv": len(self.waiting_for_kv),
             "pending_transfers": len(self.held),
             "steps": self.steps,
+            "decode_steps": self.decode_steps,
+            "decode_steps_with_prefill": self.decode_steps_with_prefill,
+            "decode_stall_seconds": self.decode_stall_s,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
             "preempted": self.preempted,
             "aborted": self.aborted,
             "expired": self.expired,

@@ -45,6 +45,9 @@ COUNTERS = {
     "sim_prompt_tokens_computed": "Prompt tokens prefilled by this engine (not loaded from elsewhere).",
     "sim_generation_tokens": "Tokens generated.",
     "sim_engine_steps": "Engine steps run.",
+    "sim_decode_steps": "Engine steps that advanced at least one running decode.",
+    "sim_decode_steps_with_prefill": "Of those, steps that also computed prefill tokens (the decodes stalled).",
+    "sim_decode_stall_seconds": "Modelled prefill time that running decodes waited out in shared steps.",
     "sim_kv_pulls": "KV transfers received (pulls, WRITE pushes waited for, shared-storage loads).",
     "sim_kv_pull_failures": "KV transfers that failed (recomputed locally, or request failed).",
     "sim_kv_sends": "Held prefill blocks freed because the decode took the KV.",
@@ -85,6 +88,9 @@ class _SimCollector(Collector):
             "sim_prompt_tokens_computed": engine.prompt_tokens_computed,
             "sim_generation_tokens": engine.generated_tokens,
             "sim_engine_steps": engine.steps,
+            "sim_decode_steps": engine.decode_steps,
+            "sim_decode_steps_with_prefill": engine.decode_steps_with_prefill,
+            "sim_decode_stall_seconds": engine.decode_stall_s,
             "sim_kv_expired": engine.expired,
         }
         for name in COUNTERS:
