@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -50,10 +53,33 @@ class AdminClient:
             raise ProxyAdminError(f"proxy admin {path} answered {exc.code}: {message}") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
+            if isinstance(reason, TimeoutError) and self._speaks_first():
+                raise self._not_the_proxy(path, "it spoke first, as a ZMQ socket does") from None
             raise ProxyAdminError(
                 f"cannot reach the proxy admin API at {self.base_url}: {reason}",
                 fix="is pd-proxy running? (`pdctl status`)",
             ) from None
+        except (http.client.HTTPException, ValueError) as exc:
+            raise self._not_the_proxy(path, type(exc).__name__) from None
+
+    def _not_the_proxy(self, path: str, why: str) -> ProxyAdminError:
+        # The planner's "port is free" check is advisory (something can bind the port after it): say whose
+        # port it is rather than wait on, or misread, another service's answer.
+        port = urllib.parse.urlsplit(self.base_url).port
+        return ProxyAdminError(
+            f"{self.base_url}{path} did not answer as the pdctl proxy admin API ({why}): "
+            f"port {port} is taken by another service",
+            fix="stop what holds that port, or set [proxy] admin_port to a free one",
+        )
+
+    def _speaks_first(self) -> bool:
+        """True when the admin port sends bytes before any request (an HTTP server never does; ZMQ does)."""
+        parts = urllib.parse.urlsplit(self.base_url)
+        try:
+            with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=1) as sock:
+                return bool(sock.recv(1))
+        except OSError:
+            return False
 
     def state(self) -> dict[str, Any]:
         """Mode, connector and every instance (name, role, url, source, healthy, draining, in_flight, last_seen)."""

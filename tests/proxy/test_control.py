@@ -300,3 +300,19 @@ def test_unserved_endpoints_answer_openai_style_json() -> None:
             assert not e.requests
 
     asyncio.run(scenario())
+
+
+def test_admin_client_says_a_zmq_socket_on_the_admin_port_is_another_service() -> None:
+    # the planner's "port is free" check is advisory: if something else (here a ZMQ socket, as an engine's
+    # notify port) holds the admin port, pdctl must say so, not misread its greeting as the proxy
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        with pytest.raises(ProxyAdminError, match=f"port {port} is taken by another service"):
+            AdminClient(f"http://127.0.0.1:{port}", timeout=5).state()
+    finally:
+        sock.close(linger=0)
+        ctx.term()
