@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from appliance.connector import disaggregated_name
 from appliance.errors import PdctlError
 from appliance.heads import Heads
 from appliance.inventory.models import Inventory
@@ -315,8 +316,7 @@ def block_size_of(settings: Settings, inventory: Inventory) -> int:
         return settings.engine.sim.block_size
     try:
         data = settings.model_dump()
-        if data["connector"]["name"] == "none":
-            data["connector"]["name"] = "auto"
+        data["connector"]["name"] = disaggregated_name(data["connector"]["name"])
         deployed = plan(Settings.model_validate(data), inventory)
     except (PdctlError, ValueError):
         return VLLM_DEFAULT_BLOCK_SIZE
@@ -510,8 +510,7 @@ def candidates(settings: Settings, inventory: Inventory, heads: Heads | None = N
             for dec in _shapes(usable - p_gpus, heads):
                 roles = {role: {"gpu_count": None, "gpus": None, "instances": sh.instances, "tp": sh.tp, "dp": 1}
                          for role, sh in (("prefill", pre), ("decode", dec))}
-                name = settings.connector.name if settings.connector.name != "none" else "auto"
-                s = _accepted(settings, {**roles, "connector": {"name": name}})
+                s = _accepted(settings, {**roles, "connector": {"name": disaggregated_name(settings.connector.name)}})
                 if s is not None and _plans(s, inventory):
                     out.append(Candidate("disaggregated", prefill=pre, decode=dec))
     return out

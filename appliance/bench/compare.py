@@ -31,7 +31,7 @@ import aiohttp
 import tomli_w
 
 from appliance.bench.families import DEFAULT_BUDGETS, ShapeName, expand, parse_budgets, parse_name
-from appliance.connector import get_connector, resolve_name
+from appliance.connector import disaggregated_name, get_connector, resolve_name
 from appliance.errors import PdctlError
 from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
@@ -70,8 +70,7 @@ def shapes(
 
     `wanted`: shape names (families.py), `colocated` standing for every instance count x `budgets`."""
     platform = platform_of(inventory)
-    name = settings.connector.name if settings.connector.name != "none" else "auto"
-    connector = resolve_name(name, platform)
+    connector = resolve_name(disaggregated_name(settings.connector.name), platform)
     disagg = {"connector": {"name": connector, "mode": "read"}}
     base = plan(_with(settings, disagg), inventory)
     gpus = sorted(g for inst in base.instances for g in inst.gpus)

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from appliance.cli.options import console as rich_console
 from appliance.cli.options import obtain
+from appliance.connector import disaggregated_name
 from appliance.errors import PdctlError
 from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
@@ -151,7 +152,7 @@ def _candidate(name: str, settings: Settings, inventory: Inventory) -> Candidate
         n = parsed.instances or 1
         return Candidate("colocated", colocated=Shape(n, max(1, gpus // n)), budget=parsed.budget)
     data = settings.model_dump()
-    data["connector"]["name"] = "auto" if data["connector"]["name"] == "none" else data["connector"]["name"]
+    data["connector"]["name"] = disaggregated_name(data["connector"]["name"])
     deployed = plan(Settings.model_validate(data), inventory)
     pre, dec = deployed.role_instances("prefill"), deployed.role_instances("decode")
     return Candidate("disaggregated", prefill=Shape(len(pre), pre[0].tp), decode=Shape(len(dec), dec[0].tp))

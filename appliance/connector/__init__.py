@@ -14,7 +14,7 @@ from appliance.errors import PlanError
 
 __all__ = [
     "Connector", "HandoffError", "InstanceContext", "Peer", "Platform",
-    "check_name", "get_connector", "load_object", "names", "register", "resolve_name",
+    "check_name", "disaggregated_name", "get_connector", "load_object", "names", "register", "resolve_name",
 ]
 
 _REGISTRY: dict[str, str] = {
@@ -71,3 +71,8 @@ def get_connector(name: str) -> Connector:
         raise PlanError(f"unknown connector '{name}'", fix=f"use one of {', '.join(_REGISTRY)}") from None
     cls: type[Connector] = load_object(target)
     return cls()
+
+
+def disaggregated_name(name: str) -> str:
+    """`name` when it hands KV over between roles (or is "auto"); otherwise "auto", the platform's default one."""
+    return name if name == "auto" or get_connector(name).disaggregated else "auto"
