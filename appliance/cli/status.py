@@ -43,6 +43,7 @@ from rich.table import Table
 
 from appliance.cli.lifecycle import EXIT_UNHEALTHY, MANAGER_CHOICE, Snapshot, deployed, snapshot
 from appliance.cli.options import console
+from appliance.connector import get_connector
 from appliance.inventory import Inventory, load_inventory
 from appliance.kvstats import engine_figures
 from appliance.manager import ACTIVE, ServiceManager
@@ -95,6 +96,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
     now = time.time()
     restarts = manager.restart_counts()
     instances = []
+    transfer_metrics = get_connector(plan.connector).transfer_metrics is not None
     for inst in plan.instances:
         st = snap.units[instance_unit(inst)]
         instances.append({
@@ -111,8 +113,8 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
             "uptime_s": _uptime(st.started_at, now),
             "restarts": restarts.get(st.name, st.restarts),
             "automatic_restarts": st.restarts,
-            # the engine's own NIXL transfer histograms (vLLM's vllm:nixl_*): the puller in READ, the pusher in WRITE
-            "kv_transfer": engine_figures(inst.url) if plan.connector == "nixl" and snap.health.get(inst.name) else None,
+            # the engine's own KV transfer histograms, where its connector publishes them
+            "kv_transfer": engine_figures(inst.url) if transfer_metrics and snap.health.get(inst.name) else None,
         })
     pst = snap.units[PROXY_UNIT]
     admin = snap.proxy

@@ -135,6 +135,9 @@ class Connector(ABC):
     # True: in READ mode the decode needs the prefill's kv_transfer_params; a prefill that returns none without
     # having finished the request is an error (False: the shared-storage connector's prefill never returns any).
     read_needs_prefill_kv: ClassVar[bool] = False
+    # The prefix of the engine's Prometheus metrics that carry its KV transfer figures (what appliance.kvstats
+    # reads for `pdctl status`), or None when the engine publishes none for this connector.
+    transfer_metrics: ClassVar[str | None] = None
 
     # ---- the engine side ------------------------------------------------------------------------
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:

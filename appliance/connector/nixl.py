@@ -37,6 +37,8 @@ class NixlConnector(Connector):
     sim_flow = "appliance.engine.sim.connectors:NixlSim"
     library = Library("nixl", "nixl._api:nixl_agent", "nixl")
     read_needs_prefill_kv = True
+    # vLLM's NIXL stats: the puller's transfers in READ, the pusher's in WRITE
+    transfer_metrics = "vllm:nixl_"
 
     def rdma(self, moriio_backend: str) -> RdmaNeed:
         return RdmaNeed(required=False, fix="NIXL falls back to NVLink/TCP within one node")
