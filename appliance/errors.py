@@ -30,6 +30,10 @@ class PlanError(PdctlError):
     """The settings cannot be turned into a plan on this inventory."""
 
 
+class ExportError(PdctlError):
+    """The plan cannot be expressed for the chosen target (an unsupported connector, layout or option)."""
+
+
 class InventoryError(PdctlError):
     """An inventory source (a JSON file or a simulated name) cannot be read."""
 

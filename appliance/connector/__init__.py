@@ -9,11 +9,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from appliance.connector.base import Connector, HandoffError, InstanceContext, Peer, Platform
+from appliance.connector.base import (
+    Connector,
+    HandoffError,
+    InstanceContext,
+    LlmdPod,
+    Peer,
+    Platform,
+    RayServeBackend,
+)
 from appliance.errors import PlanError
 
 __all__ = [
-    "Connector", "HandoffError", "InstanceContext", "Peer", "Platform",
+    "Connector", "HandoffError", "InstanceContext", "LlmdPod", "Peer", "Platform", "RayServeBackend",
     "check_name", "disaggregated_name", "get_connector", "load_object", "names", "register", "resolve_name",
 ]
 

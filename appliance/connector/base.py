@@ -66,6 +66,28 @@ class InstanceContext:
         return {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[self.role]
 
 
+@dataclass(frozen=True)
+class RayServeBackend:
+    """What Ray Serve LLM's backend for a connector takes for one role's replicas."""
+
+    kv_transfer_config: dict[str, Any]
+    experimental_configs: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LlmdPod:
+    """What one role's llm-d pods need for a connector: peers are addressed by pod IP, not by pdctl's proxy."""
+
+    kv_transfer_config: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
+    pod_ip_env: tuple[str, ...] = ()  # variables set to the pod's own IP
+    port_names: dict[str, str] = field(default_factory=dict)  # port purpose -> container port name prefix
+    sidecar_args: tuple[str, ...] = ()  # the routing sidecar's connector flags; $(POD_IP) is the pod's IP
+    ipc_lock: bool = False  # the transfer pins (registers) the KV cache memory
+    notes: tuple[str, ...] = ()
+
+
 class Peer(Protocol):
     """An engine instance as the proxy sees it: what a connector may read to address it."""
 
@@ -180,6 +202,21 @@ class Connector(ABC):
 
     def check_sim(self, options: SimOptions) -> None:
         """Raise ValueError when a simulated engine lacks a setting this connector's flow needs."""
+        return None
+
+    # ---- the cluster exports (appliance/export) ---------------------------------------------------
+    def ray_serve(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode,
+                  block_size: int | None) -> RayServeBackend | None:
+        """Ray Serve LLM's backend for one role's node `kv` config and ports; None: Ray has none for it.
+
+        Raises ExportError for a mode Ray's P/D router cannot drive."""
+        return None
+
+    def llm_d(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode, vllm_port: int,
+              tp: int, dp: int) -> LlmdPod | None:
+        """What llm-d's pods of one role need for this connector; None: llm-d's routing sidecar does not drive it.
+
+        Raises ExportError for a mode the sidecar cannot drive."""
         return None
 
     # ---- the proxy side -------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from appliance.connector.base import (
@@ -16,15 +17,31 @@ from appliance.connector.base import (
     HandoffError,
     InstanceContext,
     Library,
+    LlmdPod,
     Peer,
+    RayServeBackend,
     RdmaNeed,
     SimOptions,
 )
+from appliance.roles import Mode
 
 # vLLM's MoRIIO router request id: "___prefill_addr_{zmq}___decode_addr_{zmq}_{32 hex}"; vLLM may append
 # "-<seq>-<hex>" (moriio_common._PREFILL_ZMQ_RE / _DECODE_ZMQ_RE parse the same shape).
 _PREFILL_ADDR_RE = re.compile(r"___prefill_addr_(.+?)___decode_addr_")
 _DECODE_ADDR_RE = re.compile(r"___decode_addr_(.+)_[0-9a-f]{32}(?:-.*)?$")
+# kv_connector_extra_config keys that address pdctl's own proxy or a loopback host; cluster deployments
+# discover peers otherwise.
+NODE_LOCAL_KEYS = frozenset({"proxy_ip", "proxy_ping_port", "host_ip", "http_port"})
+
+
+def strip_node_keys(kv: dict[str, Any]) -> dict[str, Any]:
+    """A MoRIIO kv-transfer-config without pdctl's proxy registration and loopback addresses."""
+    extra = {k: v for k, v in (kv.get("kv_connector_extra_config") or {}).items() if k not in NODE_LOCAL_KEYS}
+    # vLLM's MoRIIO config parser reads these keys unconditionally; an empty proxy_ip disables the
+    # registration ping, which is what a cluster (Ray's orchestrator, llm-d's sidecar) wants.
+    extra["proxy_ip"] = ""
+    extra["proxy_ping_port"] = "0"
+    return {**kv, "kv_connector_extra_config": extra}
 
 
 class PeerAddress(NamedTuple):
@@ -152,6 +169,39 @@ class MoriioConnector(Connector):
     def proxy_kv(self, ctx: InstanceContext) -> dict[str, str | int]:
         # the proxy holds a planned instance to this address and mode whatever a registration says
         return {"zmq_address": zmq_address(ctx.host, ctx.handshake_port, ctx.notify_port), "transfer_mode": ctx.mode}
+
+    def ray_serve(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode,
+                  block_size: int | None) -> RayServeBackend:
+        kv = strip_node_keys(kv)
+        extra = kv["kv_connector_extra_config"]
+        # Ray's MoRIIO backend derives each replica's ports from these bases (plus a replica offset) and
+        # overwrites the per-engine keys, so the node's bases move to where it reads them.
+        experimental = {
+            "MORI_HANDSHAKE_PORT_BASE": int(extra.pop("handshake_port", ports["handshake"][0])),
+            "MORI_NOTIFY_PORT_BASE": int(extra.pop("notify_port", ports["notify"][0])),
+        }
+        return RayServeBackend(kv, experimental)
+
+    def llm_d(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode, vllm_port: int,
+              tp: int, dp: int) -> LlmdPod:
+        kv = strip_node_keys(kv)
+        # Keep the node's handshake/notify bases (a pod has its own ports); the sidecar, not pdctl's proxy,
+        # tells each side its peer. vLLM's MoRIIO advertises get_ip(), which honours VLLM_HOST_IP.
+        kv["kv_connector_extra_config"]["http_port"] = str(vllm_port)
+        # The MoRI-IO flags of llm-d's AMD P/D guide: the sidecar shapes MoRIIO's kv_transfer_params.
+        sidecar = [f"--moriio-tp-size={tp}", "--moriio-local-pod-ip=$(POD_IP)"]
+        if dp > 1:
+            sidecar.append(f"--moriio-dp-size={dp}")
+        if mode == "write":
+            sidecar += ["--moriio-write-mode", "--moriio-parallel-dispatch"]
+        return LlmdPod(
+            kv, pod_ip_env=("VLLM_HOST_IP",), port_names={"handshake": "mori-hs", "notify": "mori-nt"},
+            sidecar_args=tuple(sidecar),
+            # RDMA registers (pins) the KV cache memory.
+            ipc_lock=True,
+            notes=("MoRIIO needs a vLLM ROCm image with MoRI-IO and a routing sidecar build with the --moriio-* "
+                   "flags, and RDMA NICs in the pods (see llm-d's AMD P/D guide)",),
+        )
 
     def sim_args(self, ctx: InstanceContext) -> list[str]:
         return ["--proxy-ping", f"{ctx.proxy_host}:{ctx.proxy_ping_port}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from appliance.connector.base import (
@@ -9,11 +10,15 @@ from appliance.connector.base import (
     HandoffError,
     InstanceContext,
     Library,
+    LlmdPod,
     Peer,
     Platform,
+    RayServeBackend,
     RdmaNeed,
     SimOptions,
 )
+from appliance.errors import ExportError
+from appliance.roles import Mode
 
 # Hand-off settings measured on 2 x H200 (NV18 NVLink), Qwen3-32B (results/gpu-h200x2; vLLM 0.24 applies the
 # cross-layer setting only on its V1 model runner, see appliance/data/pdctl.toml):
@@ -68,6 +73,23 @@ class NixlConnector(Connector):
             "VLLM_NIXL_SIDE_CHANNEL_HOST": ctx.host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ctx.handshake_port),
         }
+
+    def ray_serve(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode,
+                  block_size: int | None) -> RayServeBackend:
+        if mode == "write":
+            raise ExportError("Ray Serve LLM's P/D router drives NIXL in READ (pull) mode only",
+                              fix="export the plan with --mode read")
+        # Ray's NIXL backend sets VLLM_NIXL_SIDE_CHANNEL_PORT = base + replica offset, and the host to the node IP.
+        return RayServeBackend(kv, {"NIXL_SIDE_CHANNEL_PORT_BASE": ports["side_channel"][0]})
+
+    def llm_d(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode, vllm_port: int,
+              tp: int, dp: int) -> LlmdPod:
+        if mode == "write":
+            # the sidecar's nixlv2 protocol hands the decode the prefill's block ids: a pull
+            raise ExportError("llm-d's routing sidecar drives NIXL in READ (pull) mode only",
+                              fix="export the plan with --mode read")
+        return LlmdPod(kv, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["side_channel"][0])},
+                       pod_ip_env=("VLLM_NIXL_SIDE_CHANNEL_HOST",), port_names={"side_channel": "nixl"})
 
     def sim_args(self, ctx: InstanceContext) -> list[str]:
         return ["--side-channel-port", str(ctx.handshake_port)]

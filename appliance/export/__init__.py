@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from appliance.errors import ExportError
 from appliance.export.cluster import (
-    ExportError,
     ExportResult,
     Target,
     check_exportable,

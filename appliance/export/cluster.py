@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from appliance.engine.command import server_args
-from appliance.errors import PdctlError
+from appliance.errors import ExportError
 from appliance.plan import Instance, Plan
 
 Target = Literal["ray-serve", "llm-d"]
@@ -31,8 +31,6 @@ NODE_LOCAL_ENV = frozenset({
     "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
     "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_HOST_IP",
 })
-# MoRIIO keys that address pdctl's own proxy or a loopback host; cluster deployments discover peers otherwise.
-MORIIO_NODE_LOCAL_KEYS = frozenset({"proxy_ip", "proxy_ping_port", "host_ip", "http_port"})
 
 # vLLM flags typed as human-readable integers on its command line ('256M', '32k'); as EngineArgs keyword
 # arguments (Ray's engine_kwargs) they must be plain integers. See vllm/engine/arg_utils.py.
@@ -45,10 +43,6 @@ _DECIMAL_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _INT = re.compile(r"^-?\d+$")
 _FLOAT = re.compile(r"^-?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE]-?\d+)$")
-
-
-class ExportError(PdctlError):
-    """The plan cannot be expressed for the chosen target (an unsupported connector, layout or option)."""
 
 
 @dataclass(frozen=True)
@@ -232,16 +226,6 @@ def check_exportable(plan: Plan) -> None:
             "the plan is colocated (connector 'none'); the export targets deploy prefill/decode apps",
             fix="choose a KV connector (moriio on AMD, nixl on NVIDIA)",
         )
-
-
-def strip_moriio_node_keys(kv: dict[str, Any]) -> dict[str, Any]:
-    """A MoRIIO kv-transfer-config without pdctl's proxy registration and loopback addresses."""
-    extra = {k: v for k, v in (kv.get("kv_connector_extra_config") or {}).items() if k not in MORIIO_NODE_LOCAL_KEYS}
-    # vLLM's MoRIIO config parser reads these keys unconditionally; an empty proxy_ip disables the
-    # registration ping, which is what a cluster (Ray's orchestrator, llm-d's sidecar) wants.
-    extra["proxy_ip"] = ""
-    extra["proxy_ping_port"] = "0"
-    return {**kv, "kv_connector_extra_config": extra}
 
 
 def write_files(out_dir: str | os.PathLike[str], files: dict[str, str]) -> list[Path]:

@@ -13,13 +13,13 @@ import math
 import posixpath
 from typing import Any
 
+from appliance.connector import LlmdPod, get_connector
+from appliance.errors import ExportError
 from appliance.export.cluster import (
-    ExportError,
     ExportResult,
     RoleShape,
     argv_from_engine_kwargs,
     dns_label,
-    strip_moriio_node_keys,
     to_yaml,
     to_yaml_all,
 )
@@ -36,39 +36,25 @@ PROBE_PERIOD_S = 30
 POD_IP = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
-def _kv_and_env(plan: Plan, shape: RoleShape, vllm_port: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(kv_transfer_config, connector env) for one role's pods: peers are addressed by pod IP."""
-    kv = shape.kv_transfer_config
-    env: list[dict[str, Any]] = []
-    if plan.connector == "moriio":
-        kv = strip_moriio_node_keys(kv)
-        # Keep the node's handshake/notify bases (a pod has its own ports); the sidecar, not pdctl's proxy,
-        # tells each side its peer. vLLM's MoRIIO advertises get_ip(), which honours VLLM_HOST_IP.
-        kv["kv_connector_extra_config"]["http_port"] = str(vllm_port)
-        env.append({"name": "VLLM_HOST_IP", **POD_IP})
-    elif plan.connector == "nixl":
-        if plan.mode == "write":
-            # the sidecar's nixlv2 protocol hands the decode the prefill's block ids: a pull
-            raise ExportError("llm-d's routing sidecar drives NIXL in READ (pull) mode only",
-                              fix="export the plan with --mode read")
-        env.append({"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", **POD_IP})
-        env.append({"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(shape.ports["side_channel"][0])})
-    else:
+def _pod(plan: Plan, shape: RoleShape, vllm_port: int) -> LlmdPod:
+    """What one role's pods need for the plan's connector (the connector module says)."""
+    pod = get_connector(plan.connector).llm_d(shape.kv_transfer_config, shape.ports, plan.mode, vllm_port,
+                                              shape.tp, shape.dp)
+    if pod is None:
         raise ExportError(
             f"connector '{plan.connector}' is not one llm-d's routing sidecar drives",
             fix="use moriio on AMD or nixl on NVIDIA (the example connector is for the CPU node only)",
         )
-    return kv, env
+    return pod
 
 
-def _ports(plan: Plan, shape: RoleShape, vllm_port: int) -> list[dict[str, Any]]:
+def _ports(pod: LlmdPod, shape: RoleShape, vllm_port: int) -> list[dict[str, Any]]:
     ports: list[dict[str, Any]] = [{"name": "vllm", "containerPort": vllm_port, "protocol": "TCP"}]
-    short = {"handshake": "mori-hs", "notify": "mori-nt", "side_channel": "nixl"}
     for purpose, numbers in shape.ports.items():
-        if purpose not in short:
+        if purpose not in pod.port_names:
             continue
         for rank, number in enumerate(numbers):
-            ports.append({"name": f"{short[purpose]}-{rank}", "containerPort": number, "protocol": "TCP"})
+            ports.append({"name": f"{pod.port_names[purpose]}-{rank}", "containerPort": number, "protocol": "TCP"})
     return ports
 
 
@@ -84,10 +70,11 @@ def _model_volume(model_source: str, pvc: str) -> tuple[list[dict[str, Any]], li
 
 def _vllm_container(plan: Plan, shape: RoleShape, *, image: str, model_source: str, vllm_port: int,
                     health_timeout_s: float, model_mounts: list[dict[str, Any]]) -> dict[str, Any]:
-    kv, connector_env = _kv_and_env(plan, shape, vllm_port)
+    pod = _pod(plan, shape, vllm_port)
     args = [model_source, f"--served-model-name={plan.model.served_name}", f"--port={vllm_port}",
-            *argv_from_engine_kwargs({**shape.engine_kwargs, "kv_transfer_config": kv})]
-    env = [{"name": k, "value": v} for k, v in shape.env.items()] + connector_env
+            *argv_from_engine_kwargs({**shape.engine_kwargs, "kv_transfer_config": pod.kv_transfer_config})]
+    env = ([{"name": k, "value": v} for k, v in shape.env.items()] + [{"name": k, **POD_IP} for k in pod.pod_ip_env]
+           + [{"name": k, "value": v} for k, v in pod.env.items()])
     gpus = {GPU_RESOURCE[plan.platform]: str(shape.gpus_per_replica)}
     container: dict[str, Any] = {
         "name": "vllm",
@@ -95,7 +82,7 @@ def _vllm_container(plan: Plan, shape: RoleShape, *, image: str, model_source: s
         "command": ["vllm", "serve"],
         "args": args,
         "env": env,
-        "ports": _ports(plan, shape, vllm_port),
+        "ports": _ports(pod, shape, vllm_port),
         "resources": {"limits": dict(gpus), "requests": dict(gpus)},
         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}, *model_mounts],
         # The same patience as the node's health_timeout_s: a large model loads for many minutes.
@@ -108,8 +95,7 @@ def _vllm_container(plan: Plan, shape: RoleShape, *, image: str, model_source: s
         "livenessProbe": {"httpGet": {"path": "/health", "port": vllm_port}, "periodSeconds": 10,
                           "failureThreshold": 3},
     }
-    if plan.connector == "moriio":
-        # RDMA registers (pins) the KV cache memory.
+    if pod.ipc_lock:
         container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
     return container
 
@@ -120,13 +106,8 @@ def _sidecar(plan: Plan, decode: RoleShape, image: str) -> dict[str, Any]:
     env: list[dict[str, Any]] = []
     if decode.dp > 1:
         args.append(f"--data-parallel-size={decode.dp}")
-    if plan.connector == "moriio":
-        # The MoRI-IO flags of llm-d's AMD P/D guide: the sidecar shapes MoRIIO's kv_transfer_params.
-        args += [f"--moriio-tp-size={decode.tp}", "--moriio-local-pod-ip=$(POD_IP)"]
-        if decode.dp > 1:
-            args.append(f"--moriio-dp-size={decode.dp}")
-        if plan.mode == "write":
-            args += ["--moriio-write-mode", "--moriio-parallel-dispatch"]
+    args += _pod(plan, decode, DECODE_VLLM_PORT).sidecar_args
+    if any("$(POD_IP)" in arg for arg in args):
         env.append({"name": "POD_IP", **POD_IP})
     sidecar: dict[str, Any] = {
         "name": "routing-proxy",
@@ -234,10 +215,7 @@ def export(plan: Plan, prefill: RoleShape, decode: RoleShape, *, model_source: s
         "resources": ["modelserver.yaml"],
     }
     values = inferencepool_values(labels)
-    notes = []
-    if plan.connector == "moriio":
-        notes.append("MoRIIO needs a vLLM ROCm image with MoRI-IO and a routing sidecar build with the --moriio-* "
-                     "flags, and RDMA NICs in the pods (see llm-d's AMD P/D guide)")
+    notes = list(_pod(plan, prefill, SERVE_PORT).notes)
     if model_source.startswith("/"):
         notes.append(f"pods mount PVC '{model_pvc}' at {posixpath.dirname(model_source.rstrip('/'))}: it must hold "
                      f"{posixpath.basename(model_source.rstrip('/'))}/ (or pass --model-source HUB/NAME)")

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from appliance.connector import RayServeBackend, get_connector
+from appliance.errors import ExportError
 from appliance.export.cluster import (
-    ExportError,
     ExportResult,
     Replicas,
     RoleShape,
     dns_label,
-    strip_moriio_node_keys,
     to_yaml,
 )
 from appliance.plan import Plan
@@ -69,35 +69,22 @@ def _deployment_config(replicas: Replicas) -> dict[str, Any]:
     }
 
 
-def _kv_config(plan: Plan, shape: RoleShape) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(kv_transfer_config, experimental_configs) for Ray's connector backend of the plan's connector."""
-    kv = shape.kv_transfer_config
-    experimental: dict[str, Any] = {}
-    if plan.connector == "moriio":
-        kv = strip_moriio_node_keys(kv)
-        extra = kv["kv_connector_extra_config"]
-        # Ray's MoRIIO backend derives each replica's ports from these bases (plus a replica offset) and
-        # overwrites the per-engine keys, so the node's bases move to where it reads them.
-        experimental["MORI_HANDSHAKE_PORT_BASE"] = int(extra.pop("handshake_port", shape.ports["handshake"][0]))
-        experimental["MORI_NOTIFY_PORT_BASE"] = int(extra.pop("notify_port", shape.ports["notify"][0]))
-    elif plan.connector == "nixl":
-        if plan.mode == "write":
-            raise ExportError("Ray Serve LLM's P/D router drives NIXL in READ (pull) mode only",
-                              fix="export the plan with --mode read")
-        # Ray's NIXL backend sets VLLM_NIXL_SIDE_CHANNEL_PORT = base + replica offset, and the host to the node IP.
-        experimental["NIXL_SIDE_CHANNEL_PORT_BASE"] = shape.ports["side_channel"][0]
-    elif plan.connector != "example":
+def _backend(plan: Plan, shape: RoleShape) -> RayServeBackend:
+    """What Ray's backend for the plan's connector takes for this role (the connector module says)."""
+    backend = get_connector(plan.connector).ray_serve(shape.kv_transfer_config, shape.ports, plan.mode,
+                                                      shape.engine_kwargs.get("block_size"))
+    if backend is None:
         raise ExportError(f"connector '{plan.connector}' has no Ray Serve LLM backend",
                           fix="use moriio (AMD), nixl (NVIDIA) or example (CPU)")
-    return kv, experimental
+    return backend
 
 
 def llm_config(plan: Plan, shape: RoleShape, model_source: str, gpu_name: str | None) -> dict[str, Any]:
     """One role's ray.serve.llm.LLMConfig as data."""
-    kv, experimental = _kv_config(plan, shape)
+    backend = _backend(plan, shape)
     config: dict[str, Any] = {
         "model_loading_config": {"model_id": plan.model.served_name, "model_source": model_source},
-        "engine_kwargs": {**shape.engine_kwargs, "kv_transfer_config": kv},
+        "engine_kwargs": {**shape.engine_kwargs, "kv_transfer_config": backend.kv_transfer_config},
         "deployment_config": _deployment_config(shape.replicas),
     }
     if plan.platform == "cpu":
@@ -106,8 +93,8 @@ def llm_config(plan: Plan, shape: RoleShape, model_source: str, gpu_name: str | 
         config["accelerator_type"] = accel
     if shape.env:
         config["runtime_env"] = {"env_vars": dict(shape.env)}
-    if experimental:
-        config["experimental_configs"] = experimental
+    if backend.experimental_configs:
+        config["experimental_configs"] = backend.experimental_configs
     return config
 
 
@@ -151,14 +138,7 @@ def export(plan: Plan, prefill: RoleShape, decode: RoleShape, *, model_source: s
     config = serve_config(plan, prefill, decode, model_source=model_source, gpu_name=gpu_name,
                           http_host=http_host, http_port=http_port)
     text = _header(plan, prefill, decode) + to_yaml(config)
-    notes = []
-    if plan.connector == "example":
-        path = prefill.kv_transfer_config.get("kv_connector_extra_config", {}).get("shared_storage_path")
-        notes.append(f"ExampleConnector stores KV under {path}: on more than one node it must be shared storage")
-        # Its producer stores the first (L-1)//B*B prompt tokens, its consumer loads (L-2)//B*B: whole blocks only.
-        block = prefill.engine_kwargs.get("block_size") or "the engine's block size (128 on CPU)"
-        notes.append(f"ExampleConnector hands over whole KV blocks only: a prompt of at most {block} + 1 tokens "
-                     "is recomputed by decode (usage cached_tokens 0)")
+    notes = list(_backend(plan, prefill).notes)
     if plan.model.generate:
         notes.append(f"the embedded tiny model must exist at {model_source} on every node "
                      f"(python -m appliance.engine.tinymodel {model_source})")

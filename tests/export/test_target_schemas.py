@@ -199,7 +199,8 @@ def test_example_connector_export_has_one_block_size(tmp_path: Path) -> None:
 def test_human_readable_vllm_integers_become_engine_kwargs_integers() -> None:
     """vLLM's CLI takes '256M' for --kv-cache-memory-bytes; EngineArgs (Ray's engine_kwargs) needs the integer."""
     from appliance.engine.command import VLLM_ENTRYPOINT
-    from appliance.export.cluster import ExportError, engine_kwargs_from_argv
+    from appliance.errors import ExportError
+    from appliance.export.cluster import engine_kwargs_from_argv
 
     kwargs = engine_kwargs_from_argv(["python", "-m", VLLM_ENTRYPOINT, "--kv-cache-memory-bytes", "256M",
                                       "--max-model-len=25.6k", "--max-num-batched-tokens", "2048", "--dtype", "float32"])
