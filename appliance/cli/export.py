@@ -6,8 +6,9 @@ from typing import Any
 
 import click
 
-from appliance.cli.options import obtain_plan, overrides_from, plan_options
+from appliance.cli.options import obtain, obtain_plan, overrides_from, plan_options
 from appliance.export import TARGETS, ExportOptions, build_export, write_files
+from appliance.node import Node
 
 
 @click.command()
@@ -31,7 +32,9 @@ def export(ctx: click.Context, /, target: str, out_dir: str, model_source: str |
            decode_replicas: str | None, http_host: str, http_port: int | None, namespace: str, image: str | None,
            sidecar_image: str | None, model_pvc: str, **plan_flags: Any) -> None:
     """Write the plan as a multi-node deployment: same model, roles, parallelism and KV connector."""
-    overrides = overrides_from(plan_flags)
+    # The shape that runs here: a rebalance's layout.json over pdctl.toml, as `pdctl plan` and `pdctl up` see it.
+    node_settings, _ = obtain(ctx)
+    overrides = Node(node_settings).with_layout(overrides_from(plan_flags))
     # A cluster runs real vLLM whatever this node's engine.kind says.
     overrides.setdefault("engine", {})["kind"] = "vllm"
     settings, inventory, plan_ = obtain_plan(ctx, overrides)

@@ -245,3 +245,21 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
         assert r.returncode != 0, args
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("pdctl: error:") and "fix:" in lines[0], (args, r.stderr)
+
+
+def test_cli_exports_the_layout_a_rebalance_left(tmp_path: Path) -> None:
+    """`pdctl export` writes the shape that runs here: layout.json over pdctl.toml, as `plan` and `up` see it."""
+    from appliance.node import pinned
+
+    state = tmp_path / "state"
+    state.mkdir()
+    rebalanced = plan(Settings.model_validate({**REFERENCE, "prefill": {"gpus": [0, 1], "tp": 2},
+                                               "decode": {"gpus": [2, 3, 4, 5, 6, 7], "instances": 3, "tp": 2}}),
+                      load_inventory("sim:mi300x-8"))
+    (state / "layout.json").write_text(json.dumps({"written_by": "pdctl rebalance", "overrides": pinned(rebalanced)}))
+    r = pdctl("export", "--target", "ray-serve", "--out", str(tmp_path / "out"), "--inventory", "sim:mi300x-8",
+              env={"PDCTL_STATE_DIR": str(state)})
+    assert r.returncode == 0, r.stderr
+    args = yaml.safe_load((tmp_path / "out" / "ray-serve" / "serve.yaml").read_text())["applications"][0]["args"]
+    assert args["prefill_config"]["engine_kwargs"]["tensor_parallel_size"] == 2
+    assert args["decode_config"]["engine_kwargs"]["tensor_parallel_size"] == 2
