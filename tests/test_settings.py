@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance import settings as settings_module
 from appliance.errors import ConfigError
 from appliance.settings import DEFAULT_CONFIG_PATH, config_path, load_settings
 
@@ -31,10 +32,11 @@ def test_shipped_file_is_the_mi300x_reference() -> None:
     assert s.connector.name == "moriio"
 
 
-def test_defaults_without_a_file_run_the_embedded_model(tmp_path: Path) -> None:
-    s = load_settings(overrides={}) if not DEFAULT_CONFIG_PATH.exists() else None
-    if s is None:
-        pytest.skip("this machine has /etc/pdctl/pdctl.toml; defaults are shadowed")
+def test_defaults_without_a_file_run_the_embedded_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an installed node's /etc/pdctl/pdctl.toml must not shadow the defaults under test
+    monkeypatch.setattr(settings_module, "DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
+    monkeypatch.delenv("PDCTL_CONFIG", raising=False)
+    s = load_settings(overrides={})
     assert s.model.path == "embedded:tiny-qwen3"
     assert s.connector.name == "auto"
 
