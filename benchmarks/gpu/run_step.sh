@@ -46,7 +46,7 @@ pack() {
     for f in "$logs"/*.log; do
         [ -f "$f" ] || continue
         # the whole log is MBs of access lines: keep vLLM's own reports, warnings and errors
-        grep -E -a "KV Transfer metrics|ERROR|Error|WARN|Traceback|cross layer|Registering|layout|block_size|UCX|ucp|proto|Avg|throughput|Maximum concurrency|KV cache|CUDA graph|compil" "$f" \
+        grep -E -a "KV Transfer metrics|ERROR|Error|WARN|Traceback|cross layer|Registering|layout|block_size|UCX|ucp|proto|Avg|throughput|Maximum concurrency|KV cache|CUDA graph|compil|model runner|Model Runner|cuda_ipc|cuda_copy|gdr_copy|rc_mlx5|rc_verbs|dc_mlx5|tcp/|sysv/|posix/|cma/|zero-copy" "$f" \
             | tail -n 4000 > "$work/logs/$(basename "$f")" || true
         tail -n 300 "$f" > "$work/logs/$(basename "$f" .log).tail.log"
     done
