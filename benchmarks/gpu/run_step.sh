@@ -94,7 +94,11 @@ if ! up ""; then
 fi
 say "healthy"
 cp "$sd/plan.json" "$work/plan.json"   # what `up` deployed
-url=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["proxy"]["url"])' "$work/plan.json")
+url=$(python3 -c '
+import json, sys
+proxy = json.load(open(sys.argv[1]))["proxy"]
+host = proxy["host"]
+print(proxy.get("url") or "http://%s:%s" % ("[%s]" % host if ":" in host else host, proxy["port"]))' "$work/plan.json")
 snapshot up
 for w in "$@"; do
     IFS=: read -r in outlen rates n lifetimes <<< "$w"
