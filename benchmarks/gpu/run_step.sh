@@ -103,6 +103,7 @@ snapshot up
 for w in "$@"; do
     IFS=: read -r in outlen rates n lifetimes <<< "$w"
     tag=w${in}x${outlen}
+    [ ! -e "$work/$tag" ] || tag=${tag}r${rates//,/_}   # the same workload again: keep both
     left=$(( deadline - $(date +%s) - 25 ))
     if [ "$left" -lt 30 ]; then say "no time left for $w"; continue; fi
     say "workload $w ($left s left)"
