@@ -3,12 +3,17 @@
 /metrics (vLLM's vllm:nixl_* histograms, differences between the snapshots taken around each workload).
 
     python benchmarks/gpu/summarize.py OUT.json STEP.tar.gz [STEP.tar.gz ...]
+    python benchmarks/gpu/summarize.py --joins BENCH.json [BENCH.json ...]
 
-Prints tables and writes every figure to OUT.json (small: no per-request data).
+Prints tables and writes every figure to OUT.json (small: no per-request data). `--joins` prints, per rate,
+what a request joining the engine costs the streams already running there: the p99 of the gaps during
+which another request joined (its first token came out, or was about to: the KV hand-off and the joining
+step land there) against the p99 of every other gap, from the per-request token timings alone.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import sys
 import tarfile
@@ -89,8 +94,64 @@ def goodputs(step: dict[str, Any], tag: str) -> dict[str, float | None]:
                         for r in rates], 0.9) for k in keys}
 
 
+JOIN_WINDOW_S = 0.06  # a join's hand-off (post, pull, first step) lands within ~3 decode steps before its first token
+
+
+def join_stalls(result: BenchResult) -> list[dict[str, Any]]:
+    """Per rate: the p50/p99/max of gaps with a join inside against gaps without (ms), and their counts.
+
+    Every request of the rate counts as a joiner (warm-up and drain arrivals join the same engine); only
+    measured requests' gaps are judged. One engine per role is assumed (1P+1D, or colocated x1): with
+    several decode instances a join elsewhere is counted too, which only makes "with" look better.
+    """
+    out = []
+    for shape in result.shapes:
+        for rate in shape.rates:
+            done = [r for r in rate.requests if r.success and r.chunk_times_s]
+            firsts = sorted(r.sent_s + r.chunk_times_s[0] for r in done)
+            with_join: list[float] = []
+            without: list[float] = []
+            for r in done:
+                if not r.measured or len(r.chunk_times_s) < 2:
+                    continue
+                mine = r.sent_s + r.chunk_times_s[0]
+                times = [r.sent_s + t for t in r.chunk_times_s]
+                for i in range(1, len(times)):
+                    lo, hi = times[i - 1], times[i]
+                    k = max(1, r.chunk_tokens[i])
+                    # another request's first token in (lo, hi + window]: its hand-off and join fell in this gap
+                    j = bisect.bisect_right(firsts, lo)
+                    joined = any(f != mine for f in firsts[j:bisect.bisect_right(firsts, hi + JOIN_WINDOW_S)])
+                    (with_join if joined else without).extend([(hi - lo) / k * 1e3] * k)
+
+            def stats(gaps: list[float]) -> dict[str, float | int | None]:
+                return {"n": len(gaps), "p50": round(percentile(gaps, 50), 1) if gaps else None,
+                        "p99": round(percentile(gaps, 99), 1) if gaps else None,
+                        "max": round(max(gaps), 1) if gaps else None}
+
+            out.append({"shape": shape.name, "rate": rate.rate, "with_join": stats(with_join),
+                        "without_join": stats(without), "all": stats(with_join + without)})
+    return out
+
+
+def print_joins(paths: list[Path]) -> None:
+    """`--joins`: the join-stall table of each bench.json."""
+    for path in paths:
+        result = BenchResult.model_validate_json(path.read_text())
+        w = result.workload
+        for row in join_stalls(result):
+            a, b, c = row["with_join"], row["without_join"], row["all"]
+            ratio = f"{c['p99'] / b['p99']:.2f}" if c["p99"] and b["p99"] else "-"
+            print(f"{path.name} {row['shape']} {w.input_len}/{w.output_len} @{row['rate']:g}: gaps with a join "
+                  f"n={a['n']} p50/p99/max {a['p50']}/{a['p99']}/{a['max']} ms; without n={b['n']} p50/p99/max "
+                  f"{b['p50']}/{b['p99']}/{b['max']} ms; all p99 {c['p99']} ms = {ratio}x the p99 without joins")
+
+
 def main(argv: list[str]) -> None:
     """Summarise the tarballs named on the command line into argv[0] (JSON) and print the tables."""
+    if argv and argv[0] == "--joins":
+        print_joins([Path(p) for p in argv[1:]])
+        return
     out, paths = Path(argv[0]), [Path(p) for p in argv[1:]]
     steps = [summarize(p) for p in paths]
     for step in steps:
