@@ -20,13 +20,21 @@ from appliance.connector.base import (
 from appliance.errors import ExportError
 from appliance.roles import Mode
 
-# Hand-off settings measured on 2 x H200 (NV18 NVLink), Qwen3-32B (results/gpu-h200x2; vLLM 0.24 applies the
-# cross-layer setting only on its V1 model runner, see appliance/data/pdctl.toml):
-# vLLM's default 16-token blocks post 16,000 descriptors per request (55 ms post, which stalls the decode
-# step); 128-token blocks post 2,048. Cross-layer blocks put every layer of a block in one contiguous
-# region, so a request is one descriptor per block (16 for 2000 tokens) instead of blocks x layers x K/V.
+# Hand-off settings measured on 2 x H200 (NV18 NVLink), Qwen3-32B (results/gpu-h200x2, explained in
+# appliance/data/pdctl.toml): vLLM's default 16-token blocks post 16,000 descriptors per request (55 ms post,
+# which stalls the decode step); 128-token blocks post 2,048. Cross-layer blocks put every layer of a block in
+# one contiguous region, so a request is about one descriptor per block (12.6 for 2000 tokens) instead of
+# blocks x layers x K/V. They are NVIDIA's defaults only: that is where they were measured.
 GPU_BLOCK_SIZE = 128
 GPU_EXTRA_CONFIG: dict[str, Any] = {"enable_cross_layers_blocks": True}
+# vLLM 0.24 allocates the cross-layer KV tensor only in its V1 model runner; Model Runner V2, its default for
+# Qwen3, Llama, Mistral, DeepSeek-V2 and more, keeps per-layer blocks and ignores the setting.
+CROSS_LAYER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def _cross_layer_blocks(extra_config: Mapping[str, Any]) -> bool:
+    """Whether a kv_connector_extra_config asks for cross-layer blocks, read the way vLLM reads it."""
+    return str(extra_config.get("enable_cross_layers_blocks", "False")).lower() == "true"
 
 
 class NixlConnector(Connector):
@@ -56,23 +64,38 @@ class NixlConnector(Connector):
     def default_block_size(self, platform: Platform) -> int | None:
         return GPU_BLOCK_SIZE if platform == "cuda" else None
 
+    @staticmethod
+    def _buffer_device(ctx: InstanceContext) -> str | None:
+        """Where the engine stages the KV it hands off (None: vLLM's default, the GPU)."""
+        return ctx.kv_buffer_device or ("cpu" if ctx.platform == "cpu" else None)
+
+    def _extra_config(self, ctx: InstanceContext) -> dict[str, Any]:
+        """kv_connector_extra_config: NVIDIA's measured defaults with GPU buffers, then the user's extra_config."""
+        on_gpu = ctx.platform == "cuda" and self._buffer_device(ctx) in (None, "cuda")
+        extra: dict[str, Any] = dict(GPU_EXTRA_CONFIG) if on_gpu else {}
+        extra.update(ctx.extra_config)
+        return extra
+
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any]:
         cls = "NixlPushConnector" if ctx.mode == "write" else self.vllm_class
         config: dict[str, Any] = {"kv_connector": cls, "kv_role": ctx.kv_role}
-        device = ctx.kv_buffer_device or ("cpu" if ctx.platform == "cpu" else None)
+        device = self._buffer_device(ctx)
         if device:
             config["kv_buffer_device"] = device
-        extra: dict[str, Any] = dict(GPU_EXTRA_CONFIG) if device in (None, "cuda") else {}
-        extra.update(ctx.extra_config)
+        extra = self._extra_config(ctx)
         if extra:
             config["kv_connector_extra_config"] = extra
         return config
 
     def env(self, ctx: InstanceContext) -> dict[str, str]:
-        return {
+        env = {
             "VLLM_NIXL_SIDE_CHANNEL_HOST": ctx.host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ctx.handshake_port),
         }
+        # NVIDIA only, where it was measured; elsewhere whoever asks for cross-layer blocks picks the runner.
+        if ctx.platform == "cuda" and _cross_layer_blocks(self._extra_config(ctx)):
+            env.update(CROSS_LAYER_ENV)
+        return env
 
     def ray_serve(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode,
                   block_size: int | None) -> RayServeBackend:

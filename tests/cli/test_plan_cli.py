@@ -44,6 +44,15 @@ def test_explicit_sets_and_table() -> None:
     assert "prefill-0" in r.stdout and "2,3,4,5,6,7" in r.stdout
 
 
+def test_nixl_on_nvidia_shows_the_v1_runner_unless_the_user_chose() -> None:
+    # cross-layer KV blocks take effect only on vLLM 0.24's V1 model runner; a role's own env value wins
+    r = pdctl("plan", "--json", "--connector", "nixl", "--mode", "read",
+              env={"PDCTL_INVENTORY": "sim:h200-8", "PDCTL_DECODE__ENV": '{"VLLM_USE_V2_MODEL_RUNNER": "1"}'})
+    assert r.returncode == 0, r.stderr
+    runner = {i["name"]: i["env"].get("VLLM_USE_V2_MODEL_RUNNER") for i in json.loads(r.stdout)["instances"]}
+    assert runner == {"prefill-0": "0", "decode-0": "1"}
+
+
 def test_dp2_tp2_ranks_never_share_ports() -> None:
     shape = {"PDCTL_DECODE__DP": "2", "PDCTL_DECODE__TP": "2", "PDCTL_DECODE__GPUS": "[4,5,6,7]"}
     # MORI-IO (the reference) cannot: vLLM binds two of its ranks to one port, so the plan is refused

@@ -1,6 +1,6 @@
 """The renderers: unit/program names and contents for 1P1D, xPyD and colocated plans; secrets kept out
 of unit text; systemd-analyze verify with an empty stderr; supervisor's own parser reads back every
-argument and environment value."""
+argument and environment value; the model-runner choice NIXL's cross-layer KV blocks need, per platform."""
 
 from __future__ import annotations
 
@@ -153,3 +153,54 @@ def test_supervisor_rejects_values_it_cannot_carry() -> None:
         environment_value({"X": "a'b\"c"})
     with pytest.raises(PdctlError, match="starts or ends with a quote"):
         environment_value({"X": "'quoted'"})
+
+
+def supervisor_env(p: Plan, tmp_path: Path) -> dict[str, dict[str, str]]:
+    """Each engine program's environment as supervisord itself parses the rendered conf."""
+    (conf,) = render_supervisor(p, OPTS)
+    path = tmp_path / "supervisord.conf"
+    path.write_text(conf.text)
+    options = ServerOptions()
+    options.configfile = str(path)
+    options.process_config(do_usage=False)
+    (group,) = options.process_group_configs
+    return {c.name: c.environment or {} for c in group.process_configs if c.name != "pd-proxy"}
+
+
+RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+NIXL = {"connector": {"name": "nixl", "mode": "read"}}
+
+
+@pytest.mark.parametrize(("overrides", "inventory", "cross_layer", "expected"), [
+    # NVIDIA: cross-layer blocks (the default) need vLLM 0.24's V1 model runner, in both roles, READ and WRITE
+    (NIXL, "sim:h200-2", True, {"prefill-0": "0", "decode-0": "0"}),
+    ({"connector": {"name": "nixl", "mode": "write"}}, "sim:h200-2", True, {"prefill-0": "0", "decode-0": "0"}),
+    # cross-layer blocks off: vLLM's own runner choice
+    ({"connector": {"name": "nixl", "extra_config": {"enable_cross_layers_blocks": False}}}, "sim:h200-2", False,
+     {"prefill-0": None, "decode-0": None}),
+    # the user's value wins over pdctl's, for every role (engine.env) or one role
+    ({**NIXL, "engine": {"env": {RUNNER: "1"}}}, "sim:h200-2", True, {"prefill-0": "1", "decode-0": "1"}),
+    ({**NIXL, "decode": {"env": {RUNNER: "1"}}}, "sim:h200-2", True, {"prefill-0": "0", "decode-0": "1"}),
+    # CPU (NIXL's host-buffer push) and AMD: neither cross-layer blocks nor the runner switch
+    ({"connector": {"name": "nixl", "mode": "write"}}, "sim:cpu", False, {"prefill-0": None, "decode-0": None}),
+    (NIXL, "sim:mi300x-8", False, {"prefill-0": None, "decode-0": None}),
+    # colocated: no hand-off
+    ({"connector": {"name": "none"}}, "sim:h200-2", False, {"colocated-0": None}),
+], ids=["nvidia-read", "nvidia-write", "cross-layer-off", "engine-env-wins", "role-env-wins", "cpu", "amd",
+        "colocated"])
+def test_nixl_cross_layer_runner_in_units_and_programs(tmp_path: Path, overrides: dict[str, Any], inventory: str,
+                                                       cross_layer: bool, expected: dict[str, str | None]) -> None:
+    p = make({**overrides, "state_dir": str(tmp_path)}, inventory)
+    extra = [(i.kv_transfer_config or {}).get("kv_connector_extra_config", {}) for i in p.instances]
+    assert [e.get("enable_cross_layers_blocks") is True for e in extra] == [cross_layer] * len(expected)
+    units = units_of(p)
+    (tmp_path / "supervisor" / "logs").mkdir(parents=True)
+    programs = supervisor_env(p, tmp_path)
+    assert sorted(programs) == sorted(f"pd-{name}" for name in expected)
+    for name, value in expected.items():
+        unit = units[f"pd-{name}.service"]
+        if value is None:
+            assert RUNNER not in unit and RUNNER not in programs[f"pd-{name}"]
+        else:
+            assert lines(unit, "Environment").count(f'"{RUNNER}={value}"') == 1, unit
+            assert programs[f"pd-{name}"][RUNNER] == value
