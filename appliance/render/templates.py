@@ -13,8 +13,10 @@ from appliance.errors import PdctlError
 from appliance.plan import Plan
 from appliance.statedir import StateDir
 
-# Variables whose names look like credentials never go into a unit file or the command line.
-_SECRET = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+# Variables whose names look like credentials never go into a unit file or the command line: a credential
+# word ending the name or one of its _-separated parts (HF_TOKEN, AWS_SECRET_ACCESS_KEY, OPENAI_API_KEY,
+# MYTOKEN), not a word that merely starts another (TOKENIZERS_PARALLELISM, which pdctl sets itself).
+_SECRET = re.compile(r"(KEYS?|TOKENS?|SECRETS?|PASSWORDS?|PASSWD|CREDENTIALS?)(_|$)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
