@@ -12,7 +12,9 @@ On a node without GPUs (the CPU and the simulated engine) the shapes are instanc
 
 Each shape is brought up, measured and torn down before the next by `pdctl up` / `pdctl down`, so the
 service manager runs it as in production: the manager `pdctl up` would pick, or (`--deploy processes`) a
-supervisord that pdctl starts itself, for machines whose service manager pdctl may not use.
+supervisord that pdctl starts itself, for machines whose service manager pdctl may not use. Each shape is
+deployed exactly as it says: its `pdctl up` has --ignore-layout, so the layout a rebalance recorded
+(layout.json) neither reshapes it nor is lost; the node's next plain `pdctl up` applies it again.
 """
 
 from __future__ import annotations
@@ -205,8 +207,11 @@ class PdctlDeployer:
         if self.inventory_source:
             argv += ["--inventory", self.inventory_source]
         argv.append(verb)
-        if verb == "up" and self.manager:
-            argv += ["--manager", self.manager]
+        if verb == "up":
+            # the shape as planned here, not reshaped by a rebalance's layout.json (which stays for the node)
+            argv.append("--ignore-layout")
+            if self.manager:
+                argv += ["--manager", self.manager]
         done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         # `down` exits 3 when nothing was running (a failed `up` already stopped it): not a second failure
         # that would hide the first one.

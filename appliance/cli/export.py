@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from appliance.cli.options import obtain, obtain_plan, overrides_from, plan_options
+from appliance.cli.options import layout_option, node_overrides, obtain, obtain_plan, plan_options
 from appliance.export import TARGETS, ExportOptions, build_export, write_files
 from appliance.node import Node
 
@@ -27,14 +27,16 @@ from appliance.node import Node
 @click.option("--model-pvc", default="model-weights", show_default=True,
               help="llm-d: PVC holding a local model directory.")
 @plan_options
+@layout_option
 @click.pass_context
 def export(ctx: click.Context, /, target: str, out_dir: str, model_source: str | None, prefill_replicas: str | None,
            decode_replicas: str | None, http_host: str, http_port: int | None, namespace: str, image: str | None,
            sidecar_image: str | None, model_pvc: str, **plan_flags: Any) -> None:
     """Write the plan as a multi-node deployment: same model, roles, parallelism and KV connector."""
-    # The shape that runs here: a rebalance's layout.json over pdctl.toml, as `pdctl plan` and `pdctl up` see it.
+    # The shape that runs here: a rebalance's layout.json over pdctl.toml (unless --ignore-layout), as `pdctl plan`
+    # and `pdctl up` see it.
     node_settings, _ = obtain(ctx)
-    overrides = Node(node_settings).with_layout(overrides_from(plan_flags))
+    overrides, layout_note = node_overrides(Node(node_settings), plan_flags)
     # A cluster runs real vLLM whatever this node's engine.kind says.
     overrides.setdefault("engine", {})["kind"] = "vllm"
     settings, inventory, plan_ = obtain_plan(ctx, overrides)
@@ -44,7 +46,7 @@ def export(ctx: click.Context, /, target: str, out_dir: str, model_source: str |
     result = build_export(plan_, settings, options, inventory)
     for path in write_files(out_dir, result.files):
         click.echo(f"wrote {path}")
-    for note in result.notes:
+    for note in ([layout_note] if layout_note else []) + result.notes:
         click.echo(f"note: {note}")
     click.echo("next, on the cluster:")
     for step in result.next_steps:

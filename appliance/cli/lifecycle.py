@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from appliance.cli.options import console as cli_console
-from appliance.cli.options import obtain, obtain_plan, overrides_from, plan_options
+from appliance.cli.options import layout_option, node_overrides, obtain, obtain_plan, plan_options
 from appliance.manager import ACTIVE, ServiceManager, UnitStatus
 from appliance.node import EXIT_DOWN, Node, NotDeployed, http_answer, proxy_state
 from appliance.plan import Plan
@@ -190,6 +190,7 @@ def _summary(plan: Plan, manager: ServiceManager, snap: Snapshot, changed: list[
 # ------------------------------------------------------------------------------------------------ verbs
 @click.command()
 @plan_options
+@layout_option
 @click.option("--manager", type=MANAGER_CHOICE, help="Service manager [default: the manager setting, auto].")
 @click.option("--timeout", "timeout_s", type=float, help="Seconds to wait for health [default: engine.health_timeout_s].")
 @click.option("--no-wait", is_flag=True, help="Start and return without waiting for health.")
@@ -206,8 +207,11 @@ def up(ctx: click.Context, /, manager: str | None, timeout_s: float | None, no_w
     settings, _ = obtain(ctx)
     node = Node(settings)
     # A layout `pdctl rebalance` recorded stays in force until `pdctl rebalance --reset`.
-    settings, _, plan = obtain_plan(ctx, node.with_layout(overrides_from(options)))
+    overrides, layout_note = node_overrides(node, options)
+    settings, _, plan = obtain_plan(ctx, overrides)
     console = cli_console(stderr=as_json)
+    if layout_note:
+        console.print(layout_note, markup=False, highlight=False)
     mgr = node.manager(plan, manager, recorded=False)
     if render_only:
         changed = sorted(node.apply(plan, mgr, node.installed()).units)

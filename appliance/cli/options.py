@@ -13,6 +13,7 @@ from rich.console import Console
 
 from appliance.choices import ConnectorChoice
 from appliance.inventory import Inventory, load_inventory
+from appliance.node import Node
 from appliance.plan import Plan, plan
 from appliance.settings import Settings, env_data, load_settings
 from appliance.shapes import role_overrides
@@ -50,6 +51,27 @@ def plan_options(func: F) -> F:
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def layout_option(func: F) -> F:
+    """--ignore-layout, for the commands that apply the layout a rebalance recorded (up, plan, export)."""
+    return click.option(
+        "--ignore-layout", is_flag=True,
+        help="Plan from the settings and flags alone, without the layout `pdctl rebalance` recorded (layout.json "
+             "stays, in force for the next command without this flag). `bench --compare` deploys its shapes so.",
+    )(func)
+
+
+def node_overrides(node: Node, options: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The plan flags' overrides over the layout a rebalance recorded (unless --ignore-layout), and a line
+    saying whether layout.json was applied or ignored (None when there is none)."""
+    overrides = overrides_from(options)
+    if not node.layout():
+        return overrides, None
+    if options.get("ignore_layout"):
+        return overrides, f"{node.state.layout} (pdctl rebalance) ignored (--ignore-layout); in force without it"
+    return node.with_layout(overrides), (f"{node.state.layout} (pdctl rebalance) applied over the settings "
+                                         "(--ignore-layout leaves it out; `pdctl rebalance --reset` drops it)")
 
 
 def overrides_from(options: dict[str, Any]) -> dict[str, Any]:

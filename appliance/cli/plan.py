@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from appliance.cli.options import console, obtain, obtain_plan, overrides_from, plan_options
+from appliance.cli.options import console, layout_option, node_overrides, obtain, obtain_plan, plan_options
 from appliance.node import Node, redacted
 from appliance.plan import Plan
 
@@ -42,6 +42,7 @@ def render_plan(p: Plan, console: Console) -> None:
 
 @click.command()
 @plan_options
+@layout_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (stable schema_version 2).")
 @click.option("--suggest", is_flag=True,
               help="Rank colocated shapes (with their chunked-prefill budget) and prefill:decode splits together "
@@ -74,8 +75,12 @@ def plan(ctx: click.Context, /, as_json: bool, suggest: bool, input_len: int, ou
         print_suggestions(ctx, input_len, output_len, rate, ttft_ms, itl_ms, profile, as_json)
         return
     settings, _ = obtain(ctx)
-    _, _, p = obtain_plan(ctx, Node(settings).with_layout(overrides_from(options)))
+    overrides, layout_note = node_overrides(Node(settings), options)
+    _, _, p = obtain_plan(ctx, overrides)
     if as_json:
         click.echo(redacted(p)[0].model_dump_json(indent=2))  # secrets stay out of a printed plan
     else:
-        render_plan(p, console())
+        out = console()
+        render_plan(p, out)
+        if layout_note:
+            out.print(layout_note, markup=False, highlight=False)

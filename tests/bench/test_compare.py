@@ -12,6 +12,8 @@ import tomllib
 from appliance.bench.compare import shape_plan, shapes, to_toml
 from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
+from appliance.node import Node
+from appliance.plan import plan
 from appliance.ports import free_ports
 from appliance.settings import Settings, load_settings
 from tests.bench import PNG_MAGIC
@@ -94,9 +96,10 @@ def _two_free_in_a_row() -> int:
     raise AssertionError("no two consecutive free ports")
 
 
-def test_compare_through_pdctl_up_and_down(tmp_path: Path) -> None:
-    prefill, decode, proxy, admin = free_ports(4)
-    colocated = _two_free_in_a_row()
+def test_compare_through_pdctl_up_and_down_on_a_rebalanced_node(tmp_path: Path) -> None:
+    """Each shape is deployed as the shape says, whatever layout.json holds; the layout stays in force after."""
+    prefill, proxy, admin = free_ports(3)
+    decode, colocated = _two_free_in_a_row(), _two_free_in_a_row()  # the layout's decode-1, colocated-2's 2nd
     (tmp_path / "sim.toml").write_text(f"""
 state_dir = "{tmp_path / "state"}"
 manager = "supervisor"
@@ -117,6 +120,10 @@ http_port = {colocated}
 port = {proxy}
 admin_port = {admin}
 """)
+    # A rebalance left this node with two decode instances (Node.record_layout, as `pdctl rebalance` writes it).
+    Node(load_settings(tmp_path / "sim.toml")).record_layout(plan(load_settings(tmp_path / "sim.toml", {"decode": {"instances": 2}}),
+                            load_inventory("sim:cpu")))
+    recorded = (tmp_path / "state" / "layout.json").read_text()
     done = pdctl_in(
         "--config",
         "sim.toml",
@@ -125,7 +132,7 @@ admin_port = {admin}
         "--inventory",
         "sim:cpu",
         "--shapes",
-        "disagg-read,disagg-write,colocated-2",
+        "colocated-2,disagg-write,disagg-read",
         "--rates",
         "3",
         "--lifetimes",
@@ -143,7 +150,7 @@ admin_port = {admin}
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert data["engine"] == "sim" and not data["interrupted"]
     by_name = {s["name"]: s for s in data["shapes"]}
-    assert list(by_name) == ["disagg-read", "disagg-write", "colocated-2"]
+    assert list(by_name) == ["colocated-2", "disagg-write", "disagg-read"]
     assert by_name["disagg-write"]["skipped"] and not by_name["disagg-write"]["rates"]
     for name in ("disagg-read", "colocated-2"):
         (rate,) = by_name[name]["rates"]
@@ -151,13 +158,22 @@ admin_port = {admin}
         assert rate["summary"]["sent"] == 6 and rate["summary"]["succeeded"] == 6, (name, done.stderr[-3000:])
     for png in ("attainment.png", "latency.png"):
         assert (tmp_path / "out" / png).read_bytes()[:8] == PNG_MAGIC
-    # Each shape ran from its own settings file, and everything is down afterwards.
-    assert json.loads((tmp_path / "state" / "plan.json").read_text())["layout"] == "colocated"
+    # Each shape ran from its own settings file, as the shape says: the last one (disagg-read) deployed one
+    # prefill and one decode, not the recorded layout's two decodes.
+    deployed = json.loads((tmp_path / "state" / "plan.json").read_text())
+    assert [i["name"] for i in deployed["instances"]] == ["prefill-0", "decode-0"], deployed["instances"]
     shape_file = tomllib.loads((tmp_path / "state" / "bench" / "colocated-2.toml").read_text())
     assert shape_file["colocated"]["instances"] == 2 and shape_file["connector"]["name"] == "none"
     for port in (proxy, colocated, colocated + 1):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"something still listens on {port}"  # torn down
+    # The rebalanced layout is still recorded and in force: `pdctl plan` (and so `pdctl up`) applies it.
+    assert (tmp_path / "state" / "layout.json").read_text() == recorded
+    after = json.loads(pdctl_in("--config", "sim.toml", "plan", "--json", "--inventory", "sim:cpu", cwd=tmp_path).stdout)
+    assert [i["name"] for i in after["instances"]] == ["prefill-0", "decode-0", "decode-1"]
+    # What each shape's `pdctl up --ignore-layout` planned, and says so.
+    shown = pdctl_in("--config", "sim.toml", "plan", "--ignore-layout", "--inventory", "sim:cpu", cwd=tmp_path).stdout
+    assert "decode-0" in shown and "decode-1" not in shown and "layout.json (pdctl rebalance) ignored" in shown
 
 
 def test_compare_names_the_tuned_colocated_budget_that_won(tmp_path: Path) -> None:
