@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 import click
@@ -11,6 +12,7 @@ from rich.table import Table
 from appliance.cli.options import console, layout_option, node_overrides, obtain, obtain_plan, plan_options
 from appliance.node import Node, redacted
 from appliance.plan import Plan
+from appliance.render.templates import secret_env
 
 
 def _gpus(gpus: list[int]) -> str:
@@ -33,6 +35,12 @@ def render_plan(p: Plan, console: Console) -> None:
         numa = ",".join(map(str, inst.numa_nodes)) or "-"
         table.add_row(inst.name, _gpus(inst.gpus), f"{inst.tp} x {inst.dp}", numa, str(inst.http_port), other or "-")
     console.print(table)
+    # what each instance runs, as a shell line one could paste (credentials shown by name only)
+    for inst in p.instances:
+        plain, secret = secret_env(inst.env)
+        env = [f"{k}={shlex.quote(v)}" for k, v in plain.items()] + [f"{k}=<secret>" for k in secret]
+        console.print(f"{inst.name}: {' '.join(env)} {shlex.join(inst.argv)}", soft_wrap=True, markup=False,
+                      highlight=False)
     px = p.proxy
     reg = f", registration {px.registration.host}:{px.registration.port}" if px.registration.enabled else ""
     console.print(f"proxy {px.url} ({px.routing}{reg}, admin {px.admin.host}:{px.admin.port})")

@@ -42,6 +42,18 @@ def test_explicit_sets_and_table() -> None:
               "--decode", "2-7")
     assert r.returncode == 0, r.stderr
     assert "prefill-0" in r.stdout and "2,3,4,5,6,7" in r.stdout
+    # every instance's command line, pasteable, with its environment; credentials by name only
+    lines = {line.split(":", 1)[0]: line for line in r.stdout.splitlines() if line.startswith(("prefill-0:", "decode-0:"))}
+    assert set(lines) == {"prefill-0", "decode-0"}
+    assert "CUDA_VISIBLE_DEVICES=2,3,4,5,6,7" in lines["decode-0"] and "VLLM_USE_V2_MODEL_RUNNER=0" in lines["decode-0"]
+    assert "--block-size 128" in lines["decode-0"] and "NixlConnector" in lines["decode-0"]
+
+
+def test_table_shows_credentials_by_name_only() -> None:
+    r = pdctl("plan", "--inventory", "sim:h200-8", "--connector", "nixl",
+              env={"PDCTL_ENGINE__ENV": '{"HF_TOKEN": "hf_s3cret_value"}'})
+    assert r.returncode == 0, r.stderr
+    assert "HF_TOKEN=<secret>" in r.stdout and "hf_s3cret_value" not in r.stdout
 
 
 def test_nixl_on_nvidia_shows_the_v1_runner_unless_the_user_chose() -> None:
