@@ -5,21 +5,25 @@ budget B = max_num_batched_tokens from BUDGETS and the engine's default) and eve
 (instances x TP per role) that the planner accepts and the model's heads allow.
 
 The engine step (continuous batching): a step costs `step(n) = base + per_seq x n` for n running
-sequences, plus `prefill_us_per_token x c` when it carries a prefill chunk of c tokens. TP t divides a
-cost by eff(t) = t x factor^log2(t) (a factor for prefill and one for decode: TP is never free).
+sequences (per_seq: each sequence's KV read). Prefill compute of c prompt tokens attending to k tokens on
+average is `c x (prefill_us_per_token + k x prefill_us_per_context_token)`. TP t divides a cost by
+eff(t) = t x factor^log2(t) (a factor for prefill and one for decode: TP is never free).
 
-- Colocated instance (rate r per instance): each prompt is computed in k = ceil(P / B) chunks, one per
-  step; a step with a chunk is slow by D = min(B, P) x prefill_us_per_token. Prefill takes the fraction
-  u = r x P x prefill_us_per_token of the engine's time, so the mean gap is step(n) / (1 - u).
-- Disaggregated: the prefill instance is an M/D/1 queue (service P x prefill_us_per_token + base);
-  the KV hand-off posts d = layers x 2 x ceil(P / block_size) descriptors (the decode step stalls for
-  the post: D = d x post_us) and transfers them (d x transfer_us + P x kv_bytes_per_token / link);
-  the decode's mean gap is step(n) / (1 - r x D).
+- Colocated instance (rate r per instance): running decode tokens take their share of the step's token
+  budget B, so a prompt is computed in k = ceil(P / (B - n)) chunks, one per step (a fixed point in n). A
+  step with a chunk is slow by its compute less the share `chunk_overlap` of the base that the compute hides
+  under (the weights are streamed once for both). With u = r x k x that extra, the mean gap is
+  step(n) / (1 - u); the judgements see the slowest chunk (the last, attending to the whole prompt).
+- Disaggregated: the prefill instance is an M/D/1 queue (service: the whole prompt's compute). The KV
+  hand-off posts d descriptors, d = ceil(P / block_size) with cross-layer blocks, else layers x 2 x that;
+  post = post_ms + d x post_us, transfer = d x transfer_us + bytes / link. READ: the decode posts, and its
+  step stalls for the post; WRITE: the prefill posts. Either way a joining request's own first step slows
+  the running streams by P x join_us. The decode's mean gap is step(n) / (1 - r x stall).
 - Running sequences per decode-capable instance follow Little's law, n = r x O x gap, solved exactly
   (gap depends on n). n is bounded by the KV cache: (GPU memory x gpu_memory_utilization - weights / TP
   - reserve) x TP / kv_bytes_per_token tokens, each running sequence holding P + O/2 tokens on average;
   and by max_num_seqs. Above either bound requests queue without end: the shape is saturated.
-- TTFT p90 = overhead + service + 2.3 x the M/D/1 mean wait (+ hand-off + one decode step).
+- TTFT p90 = overhead + service + 2.3 x the M/D/1 mean wait (+ transfer + one decode step).
 - ITL judgements: `mean`: the mean gap. `p99` / `max`: a request's O - 1 gaps include X slow ones, X
   Poisson with mean q x (O - 1), q = r x gap (the share of steps that carry a joining request). When the
   slow gap exceeds the target the request fails once X exceeds what the judgement tolerates (`max`: 0;
@@ -29,8 +33,9 @@ cost by eff(t) = t x factor^log2(t) (a factor for prefill and one for decode: TP
 
 Profiles (the constants; every figure's source is in docs/operations.md and below):
 - `sim`: the simulated engine's time model (settings engine.sim); it ignores TP (factor 0.5: eff = 1).
-- `h200`: calibrated on 2 x H200 (vLLM 0.24.0, Qwen3-32B shape, dummy weights; results/gpu-h200x2 and
-  issue 14's table), scaled to another model by its config.json (FLOPs per token, weight and KV bytes).
+- `h200`: calibrated on 2 x H200 (vLLM 0.24.0, Qwen3-32B shape, dummy weights; results/gpu-h200x2), one
+  measurement per constant, scaled to another model by its config.json (FLOPs per token, weight and KV
+  bytes); benchmarks/gpu/suggest_check.py checks it against every goodput measured there.
 - a `pdctl bench` result (--profile FILE): prefill and step costs measured at its lowest rate.
 """
 
@@ -56,34 +61,50 @@ BUDGETS = (256, 512, 2048)  # the chunked-prefill budgets colocated candidates a
 JUDGEMENTS = ("p99", "max", "mean")
 GIB = 1024**3
 
-# --- h200: calibrated constants (Qwen3-32B shape: 32.8 B params, 64 layers x 8 KV heads x 128, bf16) ---
-# Prefill compute: 80 us/token on one GPU, from the colocated ITL p99 with chunked prefill (issue 14 table:
-# budget 256 -> 41 ms, 512 -> 66 ms, default (whole 2000-token prompt) -> 181 ms, minus a ~21 ms step:
-# 78, 88, 80 us/token), i.e. 2 x 32.8e9 FLOP / 80 us = 820 TFLOP/s effective.
-H200_PREFILL_TFLOPS = 820.0
-# Decode base step: ~20 ms for 65.5 GB of weights (mean TPOT 21.3-22.6 ms at 1-3 req/s with ~10-20
-# running, results/gpu-h200x2) = 3.3 TB/s effective weight streaming.
-H200_WEIGHT_TBPS = 3.3
-# Per running sequence: its KV read each step, at 4.8 TB/s (H200 HBM3e peak): with 64-80 running
-# (issue 14) this puts the step at ~30 ms, the measured ITL p99 32-37 ms minus the ~8 ms join stall.
-H200_KV_TBPS = 4.8
-# TTFT outside the prefill step (HTTP, proxy, scheduling, sampling): colocated-2's TTFT p50 241 ms minus
-# its ~180 ms prefill step (results/gpu-h200x2).
-H200_TTFT_OVERHEAD_MS = 60.0
-# TP2 on one node: decode 1.51x (colocated-1 TPOT 14.2 ms vs colocated-2 21.5 ms), prefill 1.72x (TTFT
-# 140 vs 241 ms): per doubling eff(2) / 2.
-H200_DECODE_TP_FACTOR = 0.757
-H200_PREFILL_TP_FACTOR = 0.86
-# NIXL READ hand-off, from the decode's "KV Transfer metrics" (issue 14): 16,000 descriptors (block 16)
-# -> 54-61 ms post, 75-141 ms transfer; 2,048 (block 128) -> 6-10 ms post, 20-30 ms transfer. Post:
-# 3.7 us/descriptor; transfer: 5.9 us/descriptor + bytes at 39 GB/s (the two mid-points solved).
-H200_POST_US_PER_DESCRIPTOR = 3.7
-H200_TRANSFER_US_PER_DESCRIPTOR = 5.9
-H200_LINK_GBPS = 39.0
-# Memory vLLM keeps outside weights and KV (activations, CUDA graphs): assumed, not measured.
-H200_RESERVE_GIB = 4.0
+# --- h200: calibrated constants (Qwen3-32B shape: 32.8 B params, 64 layers x 64 heads (8 KV) x 128, bf16) ---
+# Each comes from one measurement on 2 x H200 (vLLM 0.24.0; files under results/gpu-h200x2/); the goodputs
+# those runs measured are the check (benchmarks/gpu/suggest_check.py), not the source.
+# Decode step, weights: the 1-GPU decode of issue14-s2/disagg-read-w8000x200.json at 0.4 req/s: median gap
+# 18.9 ms with ~1.5 running sequences (Little: 0.4 x 200 x 19 ms) whose KV read is ~0.8 ms -> 18.1 ms for
+# 65.5 GB of weights = 3.62 TB/s.
+H200_WEIGHT_TBPS = 3.62
+# Decode step, each running sequence's KV read: issue14-s2/disagg-read-w2000x1000.json at 2 req/s: mean gap
+# 27.2 ms with 54 running (2 x 1000 x 27.2 ms) of 2,500 tokens at 256 KiB: 35.6 GB in 27.2 - 18.1 = 9.1 ms.
+H200_KV_TBPS = 3.9
+# Prefill compute (2 x active params + 4 x layers x heads x head_dim x context FLOPs per token) and the TTFT
+# outside the engine (HTTP, proxy, tokenizing), solved together from two 1-GPU prefill TTFTs at low load:
+# 2000 tokens in one step (bench.json, colocated-2 at vLLM defaults: TTFT p10 232 ms) and 8000 tokens on the
+# disaggregated prefill (issue14-s2/disagg-read-w8000x200.json: TTFT min 928 ms, incl. an 18 ms hand-off
+# and a 19 ms decode step): 688 TFLOP/s (70 % of the H200's dense bf16 peak) and 31 ms.
+H200_PREFILL_TFLOPS = 688.0
+H200_TTFT_OVERHEAD_MS = 31.0
+# A prefill chunk rides in a decode step: its compute overlaps the step's weight streaming. The share of the
+# step's base hidden under the chunk, from issue14/long-colocated-2-mbt256.json (1 GPU, budget 256, 8000
+# tokens at 0.4 req/s): TTFT min 1,066 ms = 31 + 32 chunk steps of 32.3 ms = 18.6 ms step + 27.3 ms of chunk
+# compute - 0.75 x 18.1 ms.
+H200_CHUNK_OVERLAP = 0.57
+# TP2 on one node, per doubling eff(2) / 2: decode 0.82 (median gap 11.5 ms at TP2,
+# issue14-s2/colocated-1-mbt256-w8000x200.json at 0.4 req/s, vs 18.9 ms at TP1); prefill 0.95 (2000-token
+# TTFT p10 136 ms at TP2 vs 232 ms at TP1, bench.json colocated-1 / colocated-2 at vLLM defaults).
+H200_DECODE_TP_FACTOR = 0.82
+H200_PREFILL_TP_FACTOR = 0.95
+# NIXL hand-off, from the engines' vllm:nixl_* histograms (results/gpu-h200x2/README.md): post 0.25 ms per
+# request (cross-layer, 13 descriptors of a 2000-token prompt) + 4.1 us per descriptor (per-layer, 8,064
+# descriptors of an 8000-token prompt: 33.3 ms); transfer: bytes at 99 GB/s (cross-layer, 1.77 GB in 17.8 ms,
+# NVLink cuda_ipc; a lower bound, vLLM reads it once per step) + 4.3 us per descriptor (per-layer 8000: 52.6 ms).
+H200_POST_MS = 0.25
+H200_POST_US_PER_DESCRIPTOR = 4.1
+H200_LINK_GBPS = 99.0
+H200_TRANSFER_US_PER_DESCRIPTOR = 4.3
+# A request joining the decode: its own first step there (mixed, outside the full CUDA graph) slows the
+# running streams' gap by ~1.2 us per prompt token: with a join in the gap, ITL p99 +9-10 ms at 8000 tokens
+# (READ and WRITE with 0.6 ms posts; summarize.py --joins in results/gpu-h200x2/README.md).
+H200_JOIN_US_PER_PROMPT_TOKEN = 1.2
+# KV cache: vLLM's budget is GPU memory x gpu_memory_utilization - weights; activations and CUDA graphs come
+# out of the rest. This gives 267,626 tokens per H200 at TP1; vLLM reported 269,312 (README, 2000/1000 runs).
+H200_RESERVE_GIB = 0.0
 # vLLM 0.24's max_num_batched_tokens when unset, for an API server on a >= 70 GiB GPU (assumed; the
-# table's default row stalls for the whole 2000-token prompt, so it is >= 2000).
+# issue's table's default row stalls for the whole 2000-token prompt, so it is >= 2000).
 VLLM_GPU_DEFAULT_BUDGET = 8192
 VLLM_DEFAULT_BLOCK_SIZE = 16  # CUDA
 
@@ -98,11 +119,17 @@ class ModelShape:
     dtype_bytes: int
     params_total: float
     params_active: float  # per token (MoE: the experts a token visits)
+    attention_heads: int = 0  # query heads: a prompt token's attention FLOPs grow with heads x head_dim x context
 
     @property
     def kv_bytes_per_token(self) -> int:
         """layers x kv_heads x head_dim x 2 (K and V) x dtype bytes."""
         return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
+
+    @property
+    def prefill_flops(self) -> tuple[float, float]:
+        """FLOPs per prompt token: (2 x active params, attention per token of context it attends to)."""
+        return 2 * self.params_active, 4.0 * self.layers * self.attention_heads * self.head_dim
 
     @property
     def weight_bytes(self) -> float:
@@ -119,8 +146,11 @@ def read_model_shape(path: str | Path) -> ModelShape | None:
         cfg = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(cfg, dict):
-        return None
+    return model_shape(cfg) if isinstance(cfg, dict) else None
+
+
+def model_shape(cfg: dict[str, Any]) -> ModelShape | None:
+    """The cost-relevant shape of a parsed config.json; None when it lacks the sizes."""
     cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     try:
         hidden, layers, heads = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
@@ -139,14 +169,14 @@ def read_model_shape(path: str | Path) -> ModelShape | None:
         mlp_total = mlp_active = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden)
     embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
     return ModelShape(layers, kv, head_dim, dtype, layers * (attention + mlp_total) + embed,
-                      layers * (attention + mlp_active) + embed)
+                      layers * (attention + mlp_active) + embed, heads)
 
 
 @dataclass(frozen=True)
 class Profile:
     """Per-GPU costs the model uses, and where they came from."""
 
-    prefill_us_per_token: float
+    prefill_us_per_token: float  # at TP1, without attention
     decode_step_ms: float
     decode_step_ms_per_seq: float
     max_num_seqs: int
@@ -155,13 +185,19 @@ class Profile:
     decode_tp_factor: float = 0.9
     kv_read_tbps: float | None = None  # per running sequence: its KV (P + O/2 tokens) read each step
     ttft_overhead_ms: float = 0.0
+    prefill_us_per_context_token: float = 0.0  # attention: a prompt token's extra cost per token it attends to
+    chunk_overlap: float = 0.0  # share of a step's base cost a prefill chunk's compute hides under
+    post_ms: float = 0.0  # per hand-off
     post_us_per_descriptor: float = 0.0
     transfer_us_per_descriptor: float = 0.0
     transfer_us_per_token: float = 0.0
     link_gbps: float | None = None
+    join_us_per_prompt_token: float = 0.0  # a joining request's first decode step, felt by the running streams
     kv_bytes_per_token: int | None = None
     layers: int = 1
     block_size: int = VLLM_DEFAULT_BLOCK_SIZE
+    cross_layer: bool = False  # one descriptor per block (all layers, K and V) instead of layers x 2
+    post_on_decode: bool = True  # READ: the decode posts the pull (its step stalls); WRITE: the prefill posts
     kv_tokens_per_gpu: Callable[[int], float | None] = field(default=lambda tp: None, compare=False, repr=False)
     default_budget: int = 2048
 
@@ -262,12 +298,15 @@ def sim_profile(settings: Settings) -> Profile:
                    kv_tokens_per_gpu=lambda tp: tokens / tp, default_budget=2048, block_size=sim.block_size)
 
 
-def h200_profile(settings: Settings, inventory: Inventory, model: ModelShape, block_size: int) -> Profile:
-    """The H200-calibrated constants, scaled to `model` (module constants say where each comes from)."""
+def h200_profile(settings: Settings, inventory: Inventory, model: ModelShape, block_size: int,
+                 cross_layer: bool = True) -> Profile:
+    """The H200-calibrated constants, scaled to `model` (module constants say where each comes from); the
+    hand-off as the connector renders it: `block_size`, and one descriptor per block when `cross_layer`."""
     gpu = next((g for g in inventory.gpus if _usable(g)), None)
     mem = (gpu.memory_total_mib if gpu else 143_771) * 2**20
     util = settings.decode.gpu_memory_utilization or 0.9
     kvb = model.kv_bytes_per_token
+    linear, attention = model.prefill_flops
 
     def kv_tokens(tp: int) -> float:
         return max(0.0, mem * util - model.weight_bytes / tp - H200_RESERVE_GIB * GIB) / kvb
@@ -275,16 +314,20 @@ def h200_profile(settings: Settings, inventory: Inventory, model: ModelShape, bl
     name = gpu.name if gpu else "no GPU"
     note = "" if "H200" in name else f" (this node has {name}: uncalibrated there)"
     return Profile(
-        prefill_us_per_token=2 * model.params_active / (H200_PREFILL_TFLOPS * 1e12) * 1e6,
+        prefill_us_per_token=linear / (H200_PREFILL_TFLOPS * 1e12) * 1e6,
         decode_step_ms=model.weight_bytes / (H200_WEIGHT_TBPS * 1e12) * 1e3,
         decode_step_ms_per_seq=0.0,
         max_num_seqs=settings.decode.max_num_seqs or 1024,
         source="constants calibrated on 2 x H200 (vLLM 0.24.0, Qwen3-32B shape), scaled by config.json" + note,
         prefill_tp_factor=H200_PREFILL_TP_FACTOR, decode_tp_factor=H200_DECODE_TP_FACTOR,
         kv_read_tbps=H200_KV_TBPS, ttft_overhead_ms=H200_TTFT_OVERHEAD_MS,
+        prefill_us_per_context_token=attention / (H200_PREFILL_TFLOPS * 1e12) * 1e6,
+        chunk_overlap=H200_CHUNK_OVERLAP, post_ms=H200_POST_MS,
         post_us_per_descriptor=H200_POST_US_PER_DESCRIPTOR,
         transfer_us_per_descriptor=H200_TRANSFER_US_PER_DESCRIPTOR, link_gbps=H200_LINK_GBPS,
-        kv_bytes_per_token=kvb, layers=model.layers, block_size=block_size,
+        join_us_per_prompt_token=H200_JOIN_US_PER_PROMPT_TOKEN,
+        kv_bytes_per_token=kvb, layers=model.layers, block_size=block_size, cross_layer=cross_layer,
+        post_on_decode=settings.connector.mode != "write",
         kv_tokens_per_gpu=kv_tokens, default_budget=VLLM_GPU_DEFAULT_BUDGET)
 
 
@@ -307,30 +350,37 @@ def bench_profile(path: Path, prefill_tp: int, decode_tp: int, fallback: Profile
     # At the lowest rate the batch is small: the step is mostly its base cost.
     return replace(fallback, prefill_us_per_token=ttft_per_token * 1e6 * _eff(prefill_tp, fallback.prefill_tp_factor),
                    decode_step_ms=itl_ms * _eff(decode_tp, fallback.decode_tp_factor), ttft_overhead_ms=0.0,
+                   prefill_us_per_context_token=0.0,  # the measured TTFT per token holds its prompts' attention
                    source=f"pdctl bench result {path} (hand-off and KV capacity: {fallback.source})")
 
 
-def block_size_of(settings: Settings, inventory: Inventory) -> int:
-    """The KV block size the disaggregated plan renders (its decode's --block-size), else vLLM's default."""
+def handoff_of(settings: Settings, inventory: Inventory) -> tuple[int, bool]:
+    """The KV block size and cross-layer layout the disaggregated plan renders (its decode's --block-size and
+    kv_connector_extra_config.enable_cross_layers_blocks), else vLLM's defaults (16, per layer)."""
     if settings.engine.kind == "sim":
-        return settings.engine.sim.block_size
+        return settings.engine.sim.block_size, False
     try:
         data = settings.model_dump()
         data["connector"]["name"] = disaggregated_name(data["connector"]["name"])
         deployed = plan(Settings.model_validate(data), inventory)
     except (PdctlError, ValueError):
-        return VLLM_DEFAULT_BLOCK_SIZE
+        return VLLM_DEFAULT_BLOCK_SIZE, False
+    block, cross = VLLM_DEFAULT_BLOCK_SIZE, False
     for inst in deployed.role_instances("decode"):
-        if "--block-size" in inst.argv:
-            return int(inst.argv[inst.argv.index("--block-size") + 1])
-    return VLLM_DEFAULT_BLOCK_SIZE
+        argv = inst.argv
+        if "--block-size" in argv:
+            block = int(argv[argv.index("--block-size") + 1])
+        if "--kv-transfer-config" in argv:
+            kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+            cross = bool((kv.get("kv_connector_extra_config") or {}).get("enable_cross_layers_blocks"))
+    return block, cross
 
 
 def default_profile(settings: Settings, inventory: Inventory, model: ModelShape | None) -> Profile:
     """The sim engine's time model, or (real vLLM, a readable config.json) the H200-calibrated one."""
     if settings.engine.kind == "sim" or model is None:
         return sim_profile(settings)
-    return h200_profile(settings, inventory, model, block_size_of(settings, inventory))
+    return h200_profile(settings, inventory, model, *handoff_of(settings, inventory))
 
 
 # ---- the model --------------------------------------------------------------------------------------------
@@ -385,6 +435,32 @@ def _wait(util: float, service_ms: float) -> float | None:
     return None if util >= 1 else util / (2 * (1 - util)) * service_ms
 
 
+def descriptors(p: Profile, input_len: int) -> int:
+    """NIXL descriptors one hand-off posts: one per block (cross-layer), else per block x layer x K/V."""
+    blocks = math.ceil(input_len / p.block_size)
+    return blocks if p.cross_layer else p.layers * 2 * blocks
+
+
+def handoff(p: Profile, input_len: int) -> tuple[float, float]:
+    """(post ms, transfer ms) of one prompt's KV hand-off."""
+    d = descriptors(p, input_len)
+    post = p.post_ms + d * p.post_us_per_descriptor / 1000 if (p.post_ms or p.post_us_per_descriptor) else 0.0
+    transfer = d * p.transfer_us_per_descriptor / 1000 + input_len * p.transfer_us_per_token / 1000
+    if p.link_gbps and p.kv_bytes_per_token:
+        transfer += input_len * p.kv_bytes_per_token / (p.link_gbps * 1e9) * 1000
+    return post, transfer
+
+
+def _compute_ms(p: Profile, tokens: float, context: float, tp: int) -> float:
+    """Prefill compute of `tokens` prompt tokens attending to `context` tokens on average, at TP `tp`."""
+    us = tokens * (p.prefill_us_per_token + context * p.prefill_us_per_context_token)
+    return us / 1000 / _eff(tp, p.prefill_tp_factor)
+
+
+def _saturated(capacity: float, limit: str) -> State:
+    return State(None, None, None, None, capacity, {j: 0.0 for j in JUDGEMENTS}, limit)
+
+
 def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: int, itl_slo_ms: float) -> State:
     """A candidate's TTFT p90, gaps, occupancy and ITL attainment at `rate` (module docstring)."""
     context = input_len + output_len / 2  # tokens a running sequence holds, on average
@@ -398,37 +474,43 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
     kv_tokens = p.kv_tokens_per_gpu(role.tp)
     capacity = min(p.max_num_seqs, kv_tokens * role.tp / context) if kv_tokens is not None else float(p.max_num_seqs)
     if cand.colocated is not None:
-        pus = p.prefill_us_per_token / _eff(role.tp, p.prefill_tp_factor)
         budget = cand.budget or p.default_budget
-        chunks, chunk = math.ceil(input_len / budget), min(budget, input_len)
-        extra = chunk * pus / 1000  # a step's prefill chunk, ms
-        util = r * input_len * pus / 1e6
-        solved = _decode(r, output_len, base, per_seq, util)
-        if solved is None:
-            return State(None, None, None, None, capacity, {j: 0.0 for j in JUDGEMENTS}, "engine throughput")
+        n, solved = 0.0, None
+        for _ in range(60):  # running decode tokens take their share of the step's token budget: a fixed point
+            chunk = min(input_len, budget - math.ceil(n))
+            if chunk < 1:
+                return _saturated(capacity, "chunk budget")
+            chunks = math.ceil(input_len / chunk)
+            extra = max(0.0, _compute_ms(p, chunk, input_len / 2, role.tp) - p.chunk_overlap * base)
+            last = max(0.0, _compute_ms(p, chunk, input_len, role.tp) - p.chunk_overlap * base)
+            solved = _decode(r, output_len, base, per_seq, r * chunks * extra / 1000)
+            if solved is None:
+                return _saturated(capacity, "engine throughput")
+            if abs(solved[1] - n) < 1e-3:
+                break
+            n = solved[1]
+        assert solved is not None
         gap, n = solved
         step = base + per_seq * n
         service = chunks * (step + extra)
-        wait = _wait(util, service)
+        share = r * chunks * gap / 1000  # of the engine's steps that carry a prompt chunk
+        wait = _wait(share, service)
         ttft = None if wait is None else p.ttft_overhead_ms + service + 2.3 * wait
-        slow, q = step + extra, r * chunks * gap / 1000
+        slow, q = step + last, share  # the judgements see the slowest chunk: the prompt's last, at full context
     else:
         pre = cand.prefill
         assert pre is not None
-        service = input_len * p.prefill_us_per_token / _eff(pre.tp, p.prefill_tp_factor) / 1000 + p.decode_step_ms / _eff(pre.tp, p.decode_tp_factor)
+        post, transfer = handoff(p, input_len)
+        service = _compute_ms(p, input_len, input_len / 2, pre.tp) + (0.0 if p.post_on_decode else post)
         wait = _wait(rate / pre.instances * service / 1000, service)
-        descriptors = p.layers * 2 * math.ceil(input_len / p.block_size)
-        post = descriptors * p.post_us_per_descriptor / 1000 / dec_eff
-        transfer = descriptors * p.transfer_us_per_descriptor / 1000 + input_len * p.transfer_us_per_token / 1000
-        if p.link_gbps and p.kv_bytes_per_token:
-            transfer += input_len * p.kv_bytes_per_token / (p.link_gbps * 1e9) * 1000
-        solved = _decode(r, output_len, base, per_seq, r * post / 1000)
+        stall = (post if p.post_on_decode else 0.0) + input_len * p.join_us_per_prompt_token / 1000 / dec_eff
+        solved = _decode(r, output_len, base, per_seq, r * stall / 1000)
         if solved is None:
-            return State(None, None, None, None, capacity, {j: 0.0 for j in JUDGEMENTS}, "decode throughput")
+            return _saturated(capacity, "decode throughput")
         gap, n = solved
         step = base + per_seq * n
-        ttft = None if wait is None else p.ttft_overhead_ms + service + 2.3 * wait + post + transfer + step
-        slow, q = step + post, r * gap / 1000
+        ttft = None if wait is None else p.ttft_overhead_ms + service + 2.3 * wait + transfer + step
+        slow, q = step + stall, r * gap / 1000
     att = {j: _itl_attainment(j, gap, slow, q, output_len, itl_slo_ms) for j in JUDGEMENTS}
     limit = "KV cache" if n > capacity else "-"
     return State(ttft, gap, slow, n, capacity, att, limit)

@@ -1,0 +1,269 @@
+"""`pdctl plan --suggest`'s predictions against every goodput measured on 2 x H200 (results/gpu-h200x2).
+
+    python benchmarks/gpu/suggest_check.py [--out DIR]
+
+For each measured deployment (shape, chunked-prefill budget, KV hand-off layout), workload and SLO (TTFT
+target x ITL target x judgement) it prints the measured goodput interval and the h200 profile's prediction,
+and writes suggest-check.json and suggest-check.md (default: results/gpu-h200x2/issue14-s2/).
+
+A measured goodput is an interval: [a, b) passed rate a (and every lower one) and failed rate b; `< b` failed
+its lowest rate; `>= a` passed its highest. A prediction is within 25 % when it lies in [0.75 a, 1.25 b), or
+under 1.25 b, or over 0.75 a. Sources:
+- issue14-s2/summary.json, issue14/summary.json: steady sweeps (warm-up and drain not judged), every rate
+  re-judged under TTFT 1/2/3 s x ITL 30/50 ms x p99/max/mean; one deployment's rates across both sessions
+  are merged.
+- bench.json: the first sweep, 20 requests per rate (TTFT 1 s, ITL 50 ms), not steady.
+- issue 14's table (transcribed below): 80 requests per rate at 2/4/6 req/s, not steady.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from appliance.inventory import load_inventory
+from appliance.settings import Settings
+from appliance.suggest import Candidate, ModelShape, Profile, Shape, goodput, h200_profile, model_shape
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "results" / "gpu-h200x2"
+WITHIN = 0.25
+PASS = 0.9  # the attainment a rate must reach (the runs' SLO attainment)
+# The Qwen3-32B shape the H200 runs served (dummy weights): its published config.json's sizes.
+QWEN3_32B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 5120, "intermediate_size": 25600,
+    "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One measured deployment, as `suggest` models it."""
+
+    label: str
+    candidate: Candidate
+    mode: str = "read"
+    block_size: int = 128
+    cross_layer: bool = True
+
+
+COLOCATED_TP2_256 = Deployment("colocated 1xTP2 mbt256", Candidate("colocated", colocated=Shape(1, 2), budget=256))
+COLOCATED_2X1_256 = Deployment("colocated 2xTP1 mbt256", Candidate("colocated", colocated=Shape(2, 1), budget=256))
+SPLIT = Candidate("disaggregated", prefill=Shape(1, 1), decode=Shape(1, 1))
+READ_CROSS = Deployment("disagg READ 1P+1D, cross-layer (V1 runner)", SPLIT)
+WRITE_CROSS = Deployment("disagg WRITE 1P+1D, cross-layer (V1 runner)", SPLIT, mode="write")
+READ_LAYERS = Deployment("disagg READ 1P+1D, per-layer (V2 runner)", SPLIT, cross_layer=False)
+WRITE_LAYERS = Deployment("disagg WRITE 1P+1D, per-layer (V2 runner)", SPLIT, mode="write", cross_layer=False)
+READ_16 = Deployment("disagg READ 1P+1D, block 16, per-layer", SPLIT, block_size=16, cross_layer=False)
+
+# summary.json shapes (file, shape name) -> the deployment they measured.
+SUMMARIES: dict[str, list[tuple[str, str]]] = {
+    READ_CROSS.label: [("issue14-s2/summary.json", "disagg-read")],
+    WRITE_CROSS.label: [("issue14-s2/summary.json", "disagg-write")],
+    COLOCATED_TP2_256.label: [("issue14-s2/summary.json", "colocated-1-mbt256")],
+    COLOCATED_2X1_256.label: [("issue14-s2/summary.json", "colocated-2-mbt256"),
+                              ("issue14/summary.json", "colocated-2-mbt256")],
+    READ_LAYERS.label: [("issue14/summary.json", "disagg-read"), ("issue14/summary.json", "disagg-read-low")],
+    WRITE_LAYERS.label: [("issue14/summary.json", "disagg-write")],
+}
+DEPLOYMENTS = {d.label: d for d in (READ_CROSS, WRITE_CROSS, COLOCATED_TP2_256, COLOCATED_2X1_256, READ_LAYERS,
+                                    WRITE_LAYERS, READ_16)}
+# bench.json's shapes (2026-11-30, vLLM defaults unless named).
+FIRST_SWEEP = {
+    "disagg-read": READ_16,
+    "colocated-2": Deployment("colocated 2xTP1 (vLLM default budget)", Candidate("colocated", colocated=Shape(2, 1))),
+    "colocated-1": Deployment("colocated 1xTP2 (vLLM default budget)", Candidate("colocated", colocated=Shape(1, 2))),
+}
+# Issue 14's table, transcribed (2000/1000, TTFT 1 s, ITL 50 ms; 80 requests per rate at 2, 4 and 6 req/s):
+# (deployment, judgement, measured a, measured b); None: that side is open.
+ISSUE_TABLE: list[tuple[Deployment, str, float | None, float | None]] = [
+    (FIRST_SWEEP["colocated-2"], "p99", None, 2.0), (FIRST_SWEEP["colocated-2"], "mean", 6.0, None),
+    (Deployment("colocated 2xTP1 mbt512", Candidate("colocated", colocated=Shape(2, 1), budget=512)), "p99", None, 2.0),
+    (Deployment("colocated 2xTP1 mbt512", Candidate("colocated", colocated=Shape(2, 1), budget=512)), "mean", 6.0, None),
+    (COLOCATED_2X1_256, "p99", 6.0, None), (COLOCATED_2X1_256, "mean", 6.0, None),
+    (READ_16, "p99", None, 2.0), (READ_16, "mean", 2.0, 4.0),
+    (READ_LAYERS, "p99", 4.0, 6.0), (READ_LAYERS, "mean", 4.0, 6.0),
+]
+
+# Why a row misses, where it does: (deployment label, workload, "TTFT/ITL/judgement") -> note. The table
+# prints every row; a miss without a note here is a new one (the unit test says so).
+_TAIL = ("max judgement: one gap over the target fails a request. The model knows the slowest regular step "
+         "(the prompt's last chunk, at full context), under the target here; the measured failures are rarer, "
+         "longer gaps ({seen}) it does not have")
+_V2_POST = ("per-layer hand-off (V2 runner, 8,064 descriptors): the model stalls the decode for the whole 33 ms "
+            "post, as the block-16 runs measured (54-61 ms post, ITL p99 64-66 ms); here a join cost the running "
+            "streams only +7 ms at p99, as in WRITE (results/gpu-h200x2/README.md, summarize.py --joins): vLLM "
+            "posted these while its step ran. pdctl now renders cross-layer blocks (45 descriptors, 0.6 ms)")
+_V2_SHORT = ("the 1.5 req/s pass is a 12-request run: a request saw at most 11 joins, about the 10 slow gaps the "
+             "p99 of 999 tolerates; in steady state each sees ~35, and the model charges each join's post (8.6 ms "
+             "measured for 2,048 descriptors) to the decode: a gap over 30 ms (that run's gaps with a join: p99 "
+             "39.9 ms)")
+_FEW = ("not steady: 20 requests per rate, so a request saw at most 9 later requests join its instance, under the "
+        "~10 slow gaps (200 ms whole-prompt steps) the p99 of 999 tolerates; the model is steady state")
+_RAMP = ("not steady: 80 requests at 4-6 req/s arrive in 13-20 s while each lasts ~30 s, so the engines never "
+         "held their steady occupancy; the steady sweep of this shape collapsed at 5.5 req/s (TTFT 20 s), and "
+         "the model's ceiling is {predicted:.2f} req/s")
+MISS_NOTES: dict[tuple[str, str, str], str] = {
+    ("colocated 1xTP2 mbt256", "8000/200", "1000/30/max"): _TAIL.format(
+        seen="at 0.4 req/s one request in 13 had a gap over 30 ms and one missed TTFT 1 s: 85 % met"),
+    ("colocated 1xTP2 mbt256", "8000/200", "2000/30/max"): _TAIL.format(seen="27 % of requests had one over 30 ms at 0.7 req/s"),
+    ("colocated 1xTP2 mbt256", "8000/200", "3000/30/max"): _TAIL.format(seen="27 % of requests had one over 30 ms at 0.7 req/s"),
+    ("colocated 1xTP2 mbt256", "8000/200", "3000/30/p99"): (
+        "predicted from TTFT 3 s (measured TTFT p90 at 1.0 req/s: 1.51 s); the measured limit is ITL: at "
+        "1.0 req/s 37 % of requests had a p99 gap over 30 ms (chunk steps of 20-25 ms, a tail past 30 ms), which "
+        "the model's slowest chunk step (the last, at full context) does not reach"),
+    ("colocated 2xTP1 mbt256", "2000/1000", "2000/50/max"): _TAIL.format(seen="every request had one over 50 ms at 3 req/s; its ITL p99 was 44 ms"),
+    ("colocated 2xTP1 mbt256", "2000/1000", "3000/50/max"): _TAIL.format(seen="every request had one over 50 ms at 3 req/s; its ITL p99 was 44 ms"),
+    **{(READ_LAYERS.label, "2000/1000", f"{t}/30/p99"): _V2_SHORT for t in (1000, 2000, 3000)},
+    **{(READ_LAYERS.label, "8000/200", key): _V2_POST
+       for key in ("2000/30/p99", "2000/50/p99", "2000/50/max", "3000/30/p99", "3000/50/p99", "3000/50/max")},
+    ("colocated 2xTP1 (vLLM default budget)", "2000/1000", "1000/50/p99"): _FEW,
+    ("colocated 2xTP1 (vLLM default budget)", "2000/1000", "1000/50/mean"): _RAMP,
+    ("colocated 2xTP1 mbt512", "2000/1000", "1000/50/mean"): _RAMP,
+    ("colocated 2xTP1 mbt256", "2000/1000", "1000/50/p99"): _RAMP,
+    ("colocated 2xTP1 mbt256", "2000/1000", "1000/50/mean"): _RAMP,
+    (READ_LAYERS.label, "2000/1000", "1000/50/p99"): (
+        "not steady (80 requests at 4-6 req/s): the steady sweep of this deployment failed at 3 req/s (~800 "
+        "preemptions: 1P+1D's decode KV cache of 269,312 tokens binds), where the model puts its ceiling ({predicted:.2f})"),
+    (READ_LAYERS.label, "2000/1000", "1000/50/mean"): (
+        "not steady (80 requests at 4-6 req/s): the steady sweep of this deployment failed at 3 req/s (~800 "
+        "preemptions: 1P+1D's decode KV cache of 269,312 tokens binds), where the model puts its ceiling ({predicted:.2f})"),
+}
+
+
+def interval(rates: list[tuple[float, float]]) -> tuple[float | None, float | None]:
+    """(a, b) from (rate, attainment) pairs: a the highest rate passed with every lower one, b the first failed."""
+    a = None
+    for rate, att in sorted(rates):
+        if att < PASS:
+            return a, rate
+        a = rate
+    return a, None
+
+
+def within(predicted: float, a: float | None, b: float | None) -> bool:
+    """Whether a prediction is within 25 % of the measured interval [a, b) (module docstring)."""
+    low = 0.0 if a is None else a * (1 - WITHIN)
+    high = float("inf") if b is None else b * (1 + WITHIN)
+    return low <= predicted < high
+
+
+def shown(a: float | None, b: float | None) -> str:
+    """The measured interval as the README writes it."""
+    if a is None:
+        return f"< {b:g}"
+    return f">= {a:g}" if b is None else f"[{a:g}, {b:g})"
+
+
+def profile(d: Deployment, shape: ModelShape) -> Profile:
+    """The h200 profile with the deployment's hand-off (block size, layout, who posts)."""
+    settings = Settings.model_validate({"engine": {"kind": "vllm"}, "model": {"path": "qwen3-32b"},
+                                        "connector": {"name": "nixl", "mode": d.mode}})
+    return h200_profile(settings, load_inventory("sim:h200-2"), shape, d.block_size, d.cross_layer)
+
+
+def measured_rows(results: Path = RESULTS) -> list[dict[str, Any]]:
+    """Every measured goodput interval: deployment, workload, SLO, (a, b), source, steady."""
+    rows: list[dict[str, Any]] = []
+    for label, sources in SUMMARIES.items():
+        per: dict[tuple[int, int], dict[str, list[tuple[float, float]]]] = {}
+        for name, shape in sources:
+            for entry in json.loads((results / name).read_text()):
+                if entry["shape"] != shape:
+                    continue
+                for w in entry["workloads"].values():
+                    slot = per.setdefault((w["input_len"], w["output_len"]), {})
+                    for r in w["rates"]:
+                        for key, att in r["attainment"].items():
+                            slot.setdefault(key, []).append((r["rate"], att))
+        for (inp, out), slos in per.items():
+            for key, rates in slos.items():
+                ttft, itl, judgement = key.split("/")
+                a, b = interval(rates)
+                rows.append({"deployment": label, "input_len": inp, "output_len": out, "ttft_ms": float(ttft[4:]),
+                             "itl_ms": float(itl[3:]), "judgement": judgement, "a": a, "b": b,
+                             "rates": sorted(r for r, _ in rates), "source": " + ".join(n for n, _ in sources),
+                             "steady": True})
+    first = json.loads((results / "bench.json").read_text())
+    w = first["workload"]
+    for s in first["shapes"]:
+        for judgement in ("p99", "max", "mean"):
+            rates = [(r["rate"], r["summary"]["attainment_by_judgement"][judgement]) for r in s["rates"]]
+            a, b = interval(rates)
+            rows.append({"deployment": FIRST_SWEEP[s["name"]].label, "input_len": w["input_len"],
+                         "output_len": w["output_len"], "ttft_ms": first["slo"]["ttft_ms"],
+                         "itl_ms": first["slo"]["itl_ms"], "judgement": judgement, "a": a, "b": b,
+                         "rates": [r for r, _ in rates], "source": "bench.json (20 requests per rate)",
+                         "steady": False})
+    for d, judgement, a, b in ISSUE_TABLE:
+        rows.append({"deployment": d.label, "input_len": 2000, "output_len": 1000, "ttft_ms": 1000.0, "itl_ms": 50.0,
+                     "judgement": judgement, "a": a, "b": b, "rates": [2.0, 4.0, 6.0],
+                     "source": "issue 14's table (80 requests per rate)", "steady": False})
+    return rows
+
+
+def check(results: Path = RESULTS) -> list[dict[str, Any]]:
+    """The measured rows with the model's prediction and verdict."""
+    shape = model_shape(QWEN3_32B)
+    assert shape is not None
+    deployments = {**DEPLOYMENTS, **{d.label: d for d in FIRST_SWEEP.values()}, **{d.label: d for d, *_ in ISSUE_TABLE}}
+    out = []
+    for row in measured_rows(results):
+        d = deployments[row["deployment"]]
+        predicted = goodput(profile(d, shape), d.candidate, row["input_len"], row["output_len"], row["ttft_ms"],
+                            row["itl_ms"], row["judgement"], PASS)
+        key = (row["deployment"], f"{row['input_len']}/{row['output_len']}",
+               f"{row['ttft_ms']:g}/{row['itl_ms']:g}/{row['judgement']}")
+        ok = within(predicted, row["a"], row["b"])
+        out.append({**row, "predicted": round(predicted, 3), "measured": shown(row["a"], row["b"]), "within": ok,
+                    "note": "" if ok else MISS_NOTES.get(key, "").format(predicted=predicted)})
+    return out
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table, with the counts first."""
+    steady = [r for r in rows if r["steady"]]
+    lines = [
+        "# `pdctl plan --suggest` (h200 profile) against the measured goodputs on 2 x H200",
+        "",
+        "Written by `python benchmarks/gpu/suggest_check.py`. Goodput in req/s; measured `[a, b)`: passed a, failed",
+        "b; within 25 %: the prediction lies in [0.75 a, 1.25 b). Workloads: prompt/output tokens; SLO: TTFT ms /",
+        "ITL ms / judgement (p99 or max of each request's gaps, or their mean).",
+        "",
+        f"**Within 25 %: {sum(r['within'] for r in rows)} of {len(rows)} rows; steady sweeps: "
+        f"{sum(r['within'] for r in steady)} of {len(steady)}.**",
+        "",
+        "| deployment | workload | SLO | measured | predicted | within 25 % | source | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['deployment']} | {r['input_len']}/{r['output_len']} | {r['ttft_ms']:g} / {r['itl_ms']:g} / "
+                     f"{r['judgement']} | {r['measured']} | {r['predicted']:.2f} | {'yes' if r['within'] else '**no**'} | "
+                     f"{r['source']} | {r['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the table; write suggest-check.json and suggest-check.md."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS / "issue14-s2")
+    args = parser.parse_args(argv)
+    rows = check()
+    text = markdown(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "suggest-check.md").write_text(text)
+    count = {"rows": len(rows), "within": sum(r["within"] for r in rows)}
+    body = ",\n".join(json.dumps(r) for r in rows)  # one row a line: small, and diffs read row by row
+    (args.out / "suggest-check.json").write_text(
+        f'{{"within": {WITHIN}, "count": {json.dumps(count)}, "rows": [\n{body}\n]}}\n')
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
