@@ -355,8 +355,8 @@ def bench_profile(path: Path, prefill_tp: int, decode_tp: int, fallback: Profile
 
 
 def handoff_of(settings: Settings, inventory: Inventory) -> tuple[int, bool]:
-    """The KV block size and cross-layer layout the disaggregated plan renders (its decode's --block-size and
-    kv_connector_extra_config.enable_cross_layers_blocks), else vLLM's defaults (16, per layer)."""
+    """The KV block size and cross-layer layout the disaggregated plan renders (its decode's --block-size,
+    kv_connector_extra_config.enable_cross_layers_blocks and V1 model runner), else vLLM's (16, per layer)."""
     if settings.engine.kind == "sim":
         return settings.engine.sim.block_size, False
     try:
@@ -372,7 +372,9 @@ def handoff_of(settings: Settings, inventory: Inventory) -> tuple[int, bool]:
             block = int(argv[argv.index("--block-size") + 1])
         if "--kv-transfer-config" in argv:
             kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-            cross = bool((kv.get("kv_connector_extra_config") or {}).get("enable_cross_layers_blocks"))
+            asked = str((kv.get("kv_connector_extra_config") or {}).get("enable_cross_layers_blocks")).lower()
+            # vLLM 0.24 allocates cross-layer blocks only in its V1 model runner (the connector renders it)
+            cross = asked == "true" and inst.env.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
     return block, cross
 
 

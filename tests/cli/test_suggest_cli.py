@@ -69,8 +69,13 @@ def test_the_hand_off_layout_sets_the_join_stall(tmp_path: Path) -> None:
     shape = read_model_shape(tmp_path / "qwen3-32b")
     assert shape is not None
     # pdctl renders NIXL on NVIDIA with 128-token cross-layer blocks: one descriptor per block.
-    assert handoff_of(settings.model_copy(update={"connector": settings.connector.model_copy(
-        update={"name": "nixl"})}), inventory) == (128, True)
+    nixl = {**settings.model_dump(), "connector": {"name": "nixl"}}
+    assert handoff_of(Settings.model_validate(nixl), inventory) == (128, True)
+    off = {**nixl, "connector": {"name": "nixl", "extra_config": {"enable_cross_layers_blocks": False}}}
+    assert handoff_of(Settings.model_validate(off), inventory) == (128, False)
+    # a decode told to run vLLM's Model Runner V2 keeps per-layer blocks whatever the connector asks
+    v2 = {**nixl, "decode": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}}
+    assert handoff_of(Settings.model_validate(v2), inventory) == (128, False)
     cross = h200_profile(settings, inventory, shape, 128)
     layers = h200_profile(settings, inventory, shape, 128, cross_layer=False)
     assert (descriptors(cross, 2000), descriptors(layers, 2000), descriptors(layers, 8000)) == (16, 2048, 8064)
