@@ -70,8 +70,9 @@ def _row(p: Prediction) -> dict[str, Any]:
 def _describe(console: Console, prof: Profile, settings: Settings, inventory: Inventory, model: ModelShape | None,
               heads: Heads | None, input_len: int, output_len: int, rate: float) -> None:
     console.print(f"profile: {prof.source}")
-    console.print(f"  prefill per GPU: {1e6 / prof.prefill_us_per_token:,.0f} prompt tokens/s "
-                  f"({prof.prefill_us_per_token:.3g} us/token); demand {rate * input_len:,.0f} tokens/s")
+    per_token = prof.prefill_us_per_token + input_len / 2 * prof.prefill_us_per_context_token  # with attention
+    console.print(f"  prefill per GPU: {1e6 / per_token:,.0f} prompt tokens/s at {input_len} tokens "
+                  f"({per_token:.3g} us/token); demand {rate * input_len:,.0f} tokens/s")
     console.print(f"  decode step per GPU: {prof.decode_step_ms:.3g} ms + {prof.decode_step_ms_per_seq:g} ms/seq"
                   + (f" + each sequence's KV read at {prof.kv_read_tbps:g} TB/s" if prof.kv_read_tbps else ""))
     console.print(f"  TP t: prefill x{prof.prefill_tp_factor:g}^log2(t), decode x{prof.decode_tp_factor:g}^log2(t) "
