@@ -97,8 +97,9 @@ _TAIL = ("max judgement: one gap over the target fails a request. The model know
          "longer gaps ({seen}) it does not have")
 _V2_POST = ("per-layer hand-off (V2 runner, 8,064 descriptors): the model stalls the decode for the whole 33 ms "
             "post, as the block-16 runs measured (54-61 ms post, ITL p99 64-66 ms); here a join cost the running "
-            "streams only +7 ms at p99, as in WRITE (results/gpu-h200x2/README.md, summarize.py --joins): vLLM "
-            "posted these while its step ran. pdctl now renders cross-layer blocks (45 descriptors, 0.6 ms)")
+            "streams only +7 ms at p99, as in WRITE (results/gpu-h200x2/README.md, summarize.py --joins): the "
+            "decode's steps did not wait out the whole post. pdctl now renders cross-layer blocks (45 "
+            "descriptors, 0.6 ms), where this does not arise")
 _V2_SHORT = ("the 1.5 req/s pass is a 12-request run: a request saw at most 11 joins, about the 10 slow gaps the "
              "p99 of 999 tolerates; in steady state each sees ~35, and the model charges each join's post (8.6 ms "
              "measured for 2,048 descriptors) to the decode: a gap over 30 ms (that run's gaps with a join: p99 "
@@ -106,8 +107,8 @@ _V2_SHORT = ("the 1.5 req/s pass is a 12-request run: a request saw at most 11 j
 _FEW = ("not steady: 20 requests per rate, so a request saw at most 9 later requests join its instance, under the "
         "~10 slow gaps (200 ms whole-prompt steps) the p99 of 999 tolerates; the model is steady state")
 _RAMP = ("not steady: 80 requests at 4-6 req/s arrive in 13-20 s while each lasts ~30 s, so the engines never "
-         "held their steady occupancy; the steady sweep of this shape collapsed at 5.5 req/s (TTFT 20 s), and "
-         "the model's ceiling is {predicted:.2f} req/s")
+         "held their steady occupancy (the steady sweep of colocated 2x1 mbt256 passed 4 req/s and collapsed at "
+         "5.5, TTFT 20 s); the model's ceiling for this shape is {predicted:.2f} req/s")
 MISS_NOTES: dict[tuple[str, str, str], str] = {
     ("colocated 1xTP2 mbt256", "8000/200", "1000/30/max"): _TAIL.format(
         seen="at 0.4 req/s one request in 13 had a gap over 30 ms and one missed TTFT 1 s: 85 % met"),
