@@ -53,6 +53,7 @@ from appliance.connector import disaggregated_name
 from appliance.errors import PdctlError
 from appliance.heads import Heads
 from appliance.inventory.models import Inventory
+from appliance.modelshape import ModelShape
 from appliance.plan import _usable, plan
 from appliance.settings import Settings
 
@@ -107,69 +108,6 @@ H200_RESERVE_GIB = 0.0
 # issue's table's default row stalls for the whole 2000-token prompt, so it is >= 2000).
 VLLM_GPU_DEFAULT_BUDGET = 8192
 VLLM_DEFAULT_BLOCK_SIZE = 16  # CUDA
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the model's config.json says about its cost: parameters, and KV bytes per token."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-    params_total: float
-    params_active: float  # per token (MoE: the experts a token visits)
-    attention_heads: int = 0  # query heads: a prompt token's attention FLOPs grow with heads x head_dim x context
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """layers x kv_heads x head_dim x 2 (K and V) x dtype bytes."""
-        return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
-
-    @property
-    def prefill_flops(self) -> tuple[float, float]:
-        """FLOPs per prompt token: (2 x active params, attention per token of context it attends to)."""
-        return 2 * self.params_active, 4.0 * self.layers * self.attention_heads * self.head_dim
-
-    @property
-    def weight_bytes(self) -> float:
-        """All weights, at the model's dtype."""
-        return self.params_total * self.dtype_bytes
-
-
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
-
-
-def read_model_shape(path: str | Path) -> ModelShape | None:
-    """The cost-relevant shape of a local model directory's config.json; None when it is not one."""
-    try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return model_shape(cfg) if isinstance(cfg, dict) else None
-
-
-def model_shape(cfg: dict[str, Any]) -> ModelShape | None:
-    """The cost-relevant shape of a parsed config.json; None when it lacks the sizes."""
-    cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
-    try:
-        hidden, layers, heads = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
-        kv = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        vocab = int(cfg["vocab_size"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    dtype = _DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
-    attention = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2  # q, o; k, v
-    experts, per_token = int(cfg.get("num_experts") or 0), int(cfg.get("num_experts_per_tok") or 0)
-    if experts and per_token:
-        expert = 3 * hidden * int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-        mlp_total, mlp_active = experts * expert, per_token * expert
-    else:
-        mlp_total = mlp_active = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden)
-    embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
-    return ModelShape(layers, kv, head_dim, dtype, layers * (attention + mlp_total) + embed,
-                      layers * (attention + mlp_active) + embed, heads)
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,16 @@ engines themselves report them.
                     planned and automatic), automatic_restarts,
                     kv_transfer|null (NIXL: the KV transfers this engine posted since it started, from its own
                     /metrics: transfers, post_ms_mean, xfer_ms_mean, mb_per_transfer, mb_per_s, descriptors_mean,
-                    failed_transfers, failed_notifications, expired_requests; see appliance/kvstats.py)
+                    kb_per_descriptor, failed_transfers, failed_notifications, expired_requests; see
+                    appliance/kvstats.py)
     proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts, automatic_restarts,
                     reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
                     healthy, draining, in_flight, source), requests {total, by_status{code: n},
                     leg_failures, client_aborts, held (requests that waited for a role with no instance:
                     a restart, rebalance or mode switch), max_hold_s} | null
-    warnings[]      GPUs reported failed or held by a process outside pdctl (new plans leave them out)
+    warnings[]      GPUs reported failed or held by a process outside pdctl (new plans leave them out); an
+                    instance whose plan asks for cross-layer KV blocks but whose transfers post per-layer
+                    NIXL descriptors (vLLM ignored the setting: the hand-off posts layers x 2 times as many)
     gpus[]          index, name, utilization_pct|null, memory_used_mib, memory_total_mib, role|null,
                     instance|null; gpu_source: where the figures come from (amdsmi, nvml, none, sim:...)
     config_error    the settings file's (or PDCTL_*'s) error, or null: status still shows what runs
@@ -45,8 +48,9 @@ from appliance.cli.lifecycle import EXIT_UNHEALTHY, MANAGER_CHOICE, Snapshot, de
 from appliance.cli.options import console
 from appliance.connector import get_connector
 from appliance.inventory import Inventory, load_inventory
-from appliance.kvstats import engine_figures
+from appliance.kvstats import asks_cross_layer_blocks, engine_figures, per_layer_warning
 from appliance.manager import ACTIVE, ServiceManager
+from appliance.modelshape import read_model_shape
 from appliance.node import EXIT_DOWN, NotDeployed, admin_url
 from appliance.plan import Plan, _usable
 from appliance.render.names import PROXY_UNIT, instance_unit
@@ -149,7 +153,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         }
         for g in inventory.gpus
     ]
-    warnings = gpu_warnings(inventory, owner)
+    warnings = gpu_warnings(inventory, owner) + descriptor_warnings(plan, instances)
     healthy = snap.ready(plan)
     anything = any(st.state in ACTIVE for st in snap.units.values())
     return {
@@ -183,6 +187,33 @@ def gpu_warnings(inventory: Inventory, owner: dict[int, Any]) -> list[str]:
             text += f"; {owner[g.index].name} runs on it (move it with `pdctl rebalance`)"
         out.append(text)
     return out
+
+
+def descriptor_warnings(plan: Plan, instances: list[dict[str, Any]]) -> list[str]:
+    """Instances asked for cross-layer KV blocks whose transfers show per-layer NIXL descriptors."""
+    asked = [(inst, doc["kv_transfer"]) for inst, doc in zip(plan.instances, instances, strict=True)
+             if doc["kv_transfer"] and asks_cross_layer_blocks(inst.kv_transfer_config)]
+    if not asked:
+        return []
+    shape = read_model_shape(plan.model.path)
+    out = []
+    for inst, kv in asked:
+        why = per_layer_warning(kv, _block_size(inst.argv), inst.tp, shape.kv_bytes_per_token if shape else None,
+                                shape.layers if shape else None)
+        if why:
+            out.append(f"{inst.name}: {why}")
+    return out
+
+
+def _block_size(argv: list[str]) -> int | None:
+    """The engine's --block-size (the last one given wins, as argparse reads it), or None."""
+    size = None
+    for arg, following in zip(argv, [*argv[1:], ""], strict=True):
+        value = following if arg == "--block-size" else arg.removeprefix("--block-size=") if \
+            arg.startswith("--block-size=") else ""
+        if value.isdigit():
+            size = int(value)
+    return size
 
 
 def _duration(seconds: float | None) -> str:
@@ -223,7 +254,7 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         if kv and kv["transfers"]:
             console.print(f"KV hand-off posted by {i['name']}: {kv['transfers']} transfers, post {kv['post_ms_mean']} ms, "
                           f"transfer {kv['xfer_ms_mean']} ms, {kv['mb_per_transfer']} MB each at {kv['mb_per_s']} MB/s, "
-                          f"{kv['descriptors_mean']} descriptors, {kv['failed_transfers']} failed (means since start)")
+                          f"{kv['descriptors_mean']} descriptors of {kv.get('kb_per_descriptor')} KB, {kv['failed_transfers']} failed (means since start)")
     if doc["gpus"]:
         gt = Table(show_header=True, header_style="bold")
         for col in ("GPU", "name", "util", "memory", "instance"):

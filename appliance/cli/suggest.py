@@ -18,13 +18,13 @@ from appliance.connector import disaggregated_name
 from appliance.errors import PdctlError
 from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
+from appliance.modelshape import ModelShape, read_model_shape
 from appliance.node import Node
 from appliance.roles import Role
 from appliance.settings import EMBEDDED_MODEL, Settings
 from appliance.suggest import (
     JUDGEMENTS,
     Candidate,
-    ModelShape,
     Prediction,
     Profile,
     Shape,
@@ -33,7 +33,6 @@ from appliance.suggest import (
     descriptors,
     handoff,
     predict,
-    read_model_shape,
     state,
     suggest,
 )

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance.inventory import load_inventory
+from appliance.modelshape import ModelShape, model_shape
 from appliance.settings import Settings
-from appliance.suggest import Candidate, ModelShape, Profile, Shape, goodput, h200_profile, model_shape
+from appliance.suggest import Candidate, Profile, Shape, goodput, h200_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results" / "gpu-h200x2"

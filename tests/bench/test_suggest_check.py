@@ -16,8 +16,9 @@ from types import ModuleType
 import pytest
 
 from appliance.inventory import load_inventory
+from appliance.modelshape import model_shape
 from appliance.settings import Settings
-from appliance.suggest import h200_profile, model_shape, suggest
+from appliance.suggest import h200_profile, suggest
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,16 +9,17 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from appliance.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _pdctl(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PDCTL_INVENTORY="sim:cpu")
+def _pdctl(config: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "appliance", "--config", str(config), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env=env)
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, **(env or {"PDCTL_INVENTORY": "sim:cpu"})))
 
 
 def test_status_reports_the_transfers_the_pushing_prefill_posted(tmp_path: Path) -> None:
@@ -50,4 +51,62 @@ def test_status_reports_the_transfers_the_pushing_prefill_posted(tmp_path: Path)
         assert "KV hand-off posted by prefill-0: 3 transfers" in text.stdout, text.stdout
     finally:
         down = _pdctl(config, "down")
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
+QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 5120, "intermediate_size": 25600,
+             "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+             "vocab_size": 151936, "torch_dtype": "bfloat16"}
+
+
+def test_status_warns_when_cross_layer_blocks_were_asked_but_descriptors_are_per_layer(tmp_path: Path) -> None:
+    """NVIDIA's plan asks for cross-layer blocks; the decode pulls one descriptor per block (no warning), then,
+    its engines restarted with per-layer descriptors (what vLLM does where it ignores the setting): 128."""
+    model = tmp_path / "qwen3-32b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_32B))  # the sim moves this shape's 256 KiB per token
+    proxy = free_port()
+    config = tmp_path / "pdctl.toml"
+    base = (f'state_dir = "{tmp_path / "state"}"\nmanager = "supervisor"\n[model]\npath = "{model}"\n'
+            f'[connector]\nname = "nixl"\n'
+            f"[prefill]\nhttp_port = {free_port()}\nhandshake_port = {free_port()}\n"
+            f"[decode]\nhttp_port = {free_port()}\nhandshake_port = {free_port()}\n"
+            f"[proxy]\nport = {proxy}\nadmin_port = {free_port()}\n")
+    env = {"PDCTL_INVENTORY": "sim:h200-2"}
+
+    def hand_offs() -> dict[str, Any]:
+        body = json.dumps({"prompt": "one two three four five six", "max_tokens": 2, "ignore_eos": True}).encode()
+        for _ in range(2):
+            request = urllib.request.Request(f"http://127.0.0.1:{proxy}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                assert answer.status == 200
+        status = _pdctl(config, "status", "--json", env=env)
+        return dict(json.loads(status.stdout))
+
+    config.write_text(base + '[engine]\nkind = "sim"\n')
+    up = _pdctl(config, "up", env=env)
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        doc = hand_offs()
+        pulled = {i["name"]: i for i in doc["instances"]}["decode-0"]["kv_transfer"]
+        assert pulled["transfers"] == 2 and pulled["descriptors_mean"] == 1, pulled
+        assert not [w for w in doc["warnings"] if "descriptors" in w], doc["warnings"]
+
+        config.write_text(base + '[engine]\nkind = "sim"\n[engine.sim]\nextra_args = ["--kv-per-layer-descriptors", "64"]\n')
+        up = _pdctl(config, "up", env=env)
+        assert up.returncode == 0, up.stdout + up.stderr
+        doc = hand_offs()
+        pulled = {i["name"]: i for i in doc["instances"]}["decode-0"]["kv_transfer"]
+        assert pulled["transfers"] == 2 and pulled["descriptors_mean"] == 128, pulled
+        warned = [w for w in doc["warnings"] if "descriptors" in w]
+        assert len(warned) == 1 and warned[0].startswith("decode-0: the KV hand-off posts per-layer descriptors"), warned
+        kb = pulled["kb_per_descriptor"]  # the prompt's tokens x 256 KiB in 64 layers x K, V: a few KB each
+        assert 0 < kb <= 32 and f"128 NIXL descriptors per transfer of {kb:g} KB each" in warned[0]
+        assert "about 1 of up to 4096 KB (block 16 x 64 layers, TP1)" in warned[0]
+        text = _pdctl(config, "status", env=env)
+        lines = [line for line in text.stdout.splitlines() if line.startswith("warning: decode-0:")]
+        assert len(lines) == 1 and "VLLM_USE_V2_MODEL_RUNNER=0" in lines[0], text.stdout
+    finally:
+        down = _pdctl(config, "down", env=env)
     assert down.returncode == 0, down.stdout + down.stderr

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from appliance.inventory import load_inventory
+from appliance.modelshape import read_model_shape
 from appliance.settings import Settings
 from appliance.suggest import (
     Candidate,
@@ -18,7 +19,6 @@ from appliance.suggest import (
     h200_profile,
     handoff,
     handoff_of,
-    read_model_shape,
     state,
     suggest,
 )

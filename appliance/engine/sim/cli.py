@@ -65,6 +65,8 @@ def _config(options: dict[str, Any]) -> Any:
 )
 @click.option("--kv-connect-timeout-s", type=float, default=5.0, show_default=True)
 @click.option("--kv-transfer-us-per-token", type=float, default=1.0, show_default=True)
+@click.option("--kv-per-layer-descriptors", type=click.IntRange(min=0), default=0, show_default=True, metavar="LAYERS",
+              help="NIXL: post LAYERS x K/V descriptors per block (per-layer blocks); 0: one per block (cross-layer).")
 @click.option("--prefill-us-per-token", type=float, default=20.0, show_default=True)
 @click.option("--decode-step-ms", type=float, default=5.0, show_default=True)
 @click.option("--decode-step-ms-per-seq", type=float, default=0.05, show_default=True)

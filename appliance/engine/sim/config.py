@@ -55,6 +55,10 @@ class SimConfig(BaseModel):
     # What a real transfer of one prompt token moves (the vllm:nixl_bytes_transferred figures): Qwen3-32B
     # bf16 is 64 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 262,144.
     kv_bytes_per_token: int = Field(default=262144, ge=1)
+    # NIXL descriptors per block: 0 posts one per block (vLLM's cross-layer blocks, every layer in one region);
+    # N posts N layers x K and V per block, as vLLM does where it kept per-layer blocks (the cross-layer
+    # setting ignored: Model Runner V2, another attention backend or KV layout).
+    kv_per_layer_descriptors: int = Field(default=0, ge=0)
 
     # Time model.
     prefill_us_per_token: float = Field(default=20.0, ge=0)

@@ -133,11 +133,14 @@ class ConnectorSim:
             await asyncio.sleep(delay)
 
     def _record_transfer(self, started: float, tokens: int, blocks: int) -> None:
-        """One KV transfer this engine posted: its time, bytes and descriptors (one per block, as
-        vLLM's cross-layer blocks give), for the vllm:nixl_* metrics."""
+        """One KV transfer this engine posted: its time, bytes and descriptors (one per block, as vLLM's
+        cross-layer blocks give, or one per block per layer per K/V with kv_per_layer_descriptors), for the
+        vllm:nixl_* metrics."""
         if self.on_transfer is not None:
             elapsed = time.monotonic() - started
-            self.on_transfer(elapsed, min(elapsed, 1e-5 * blocks), tokens * self.cfg.kv_bytes_per_token, blocks)
+            descriptors = blocks * 2 * self.cfg.kv_per_layer_descriptors or blocks
+            self.on_transfer(elapsed, min(elapsed, 1e-5 * descriptors), tokens * self.cfg.kv_bytes_per_token,
+                             descriptors)
 
     async def _sim_read(self, host: str, port: int, key: str, block_ids: list[int]) -> None:
         reply = await self.transport.request(
