@@ -16,7 +16,7 @@ QWEN3_32B_KV = 64 * 8 * 128 * 2 * 2  # bytes per token: layers x KV heads x head
 PROMPT = 2000
 
 
-def _figures(descriptors_per_transfer: int, bytes_per_transfer: float, transfers: int = 5) -> dict[str, Any]:
+def _figures(descriptors_per_transfer: float, bytes_per_transfer: float, transfers: int = 5) -> dict[str, Any]:
     """What kvstats makes of an engine's /metrics sums after `transfers` alike transfers."""
     return figures({"xfer_s_sum": 0.02 * transfers, "xfer_s_count": transfers, "post_s_sum": 0.001 * transfers,
                     "post_s_count": transfers, "bytes_sum": bytes_per_transfer * transfers,
@@ -35,6 +35,10 @@ def test_the_issue_s_h200_hand_off_is_named_and_its_cross_layer_twin_is_not() ->
     for cause in ("VLLM_USE_V2_MODEL_RUNNER=0", "FLASHINFER", "HND", '"Allocating a cross layer KV cache"'):
         assert cause in why
     assert per_layer_warning(_figures(blocks, PROMPT * QWEN3_32B_KV), 128, 1, QWEN3_32B_KV, 64) is None
+    # as the lent H200s' decode measured them (vLLM 0.24, results/gpu-h200x2): 8000-token prompts with the
+    # setting ignored, then 2000-token ones with VLLM_USE_V2_MODEL_RUNNER=0 (cross-layer blocks taken)
+    assert per_layer_warning(_figures(8064, 2016 * 2**20), 128, 1, QWEN3_32B_KV, 64) is not None
+    assert per_layer_warning(_figures(25.3, 25.3 * 40587.6 * 1024), 128, 1, QWEN3_32B_KV, 64) is None
     # vLLM's default 16-token blocks: 125 cross-layer descriptors per transfer, more than the 64 layers
     assert per_layer_warning(_figures(125, PROMPT * QWEN3_32B_KV), 16, 1, QWEN3_32B_KV, 64) is None
     assert per_layer_warning(_figures(125 * 128, PROMPT * QWEN3_32B_KV), 16, 1, QWEN3_32B_KV, 64) is not None
