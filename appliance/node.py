@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager, choose_manager
 from appliance.plan import Plan, busy_ports
-from appliance.ports import port_free
+from appliance.ports import holders, port_free
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit
 from appliance.render.templates import RenderOptions, secret_env
 from appliance.roles import ROLES
@@ -67,13 +69,43 @@ def admin_client(plan: Plan, timeout: float) -> AdminClient:
 
 
 def proxy_state(plan: Plan) -> dict[str, Any] | None:
-    """The proxy's /admin/state, or None when it does not answer."""
-    from appliance.proxy.client import ProxyAdminError
+    """The proxy's /admin/state, or None when it does not answer; PortTaken when another service answers there."""
+    from appliance.proxy.client import PortTaken, ProxyAdminError
 
     try:
         return admin_client(plan, timeout=3).state()
+    except PortTaken:
+        raise
     except (ProxyAdminError, OSError):
         return None
+
+
+PORT_FIX = "stop that process, or move the port in pdctl.toml"
+
+
+def port_conflicts(plan: Plan, manager: ServiceManager, *, proxy_only: bool = False) -> list[str]:
+    """The plan's ports (or only the proxy's) that something other than their own running unit holds, one line
+    each: the port, the address, what the plan binds there and the process (pid and name where pdctl may see it).
+
+    A busy port of a running unit is its own unless a process the manager does not run holds it."""
+    busy = [b for b in busy_ports(plan, port_free) if not (proxy_only and b.instance is not None)]
+    if not busy:
+        return []
+    found = holders([(b.host, b.port) for b in busy])
+    units = manager.status()
+    problems = []
+    for b in busy:
+        unit = PROXY_UNIT if b.instance is None else instance_unit(plan.instance(b.instance))
+        seen = found[(b.host, b.port)]
+        # (pid_exists after runs(): a process of ours that exited meanwhile, e.g. a restarting proxy, is no holder)
+        others = [h for h in seen if h.pid is not None and not manager.runs(h.pid) and psutil.pid_exists(h.pid)]
+        if units[unit].state in ACTIVE and not others:
+            continue  # held by the node's own processes (or one pdctl may not name: trusted to be its unit's)
+        named = others or seen
+        where = f"port {b.port} on {b.host} ({b.owner})"
+        problems.append(f"{where} is held by another process: {', '.join(map(str, named))}" if named
+                        else f"{where} is already in use")
+    return problems
 
 
 def pinned(plan: Plan) -> dict[str, Any]:
@@ -255,17 +287,13 @@ class Node:
     def up(self, plan: Plan, manager: ServiceManager) -> list[str]:
         """Apply `plan` and start it: changed running units restart, stopped ones start; returns both, in order.
 
-        Refuses (before anything is written) when a port of the plan is held by something else.
+        Refuses (before anything is written) when a port of the plan is held by something else than its unit.
         """
         previous = self.installed()
-        before = manager.status()
-        mine = {inst.name for inst in plan.instances if before[instance_unit(inst)].state in ACTIVE}
-        if before[PROXY_UNIT].state in ACTIVE:
-            mine.add("proxy")
-        problems = busy_ports(plan, port_free, skip=mine)
+        problems = port_conflicts(plan, manager)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise PdctlError(problems[0] + more, fix="stop what holds it, or move the port in pdctl.toml")
+            raise PdctlError(problems[0] + more, fix=PORT_FIX)
         self.ensure_model(plan)
         changed = self.apply(plan, manager, previous).to_restart()
         now = manager.status()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -583,13 +583,23 @@ def _check_ports(instances: list[Instance], proxy: ProxyConfig) -> None:
         raise PlanError(f"port {high[0][0]} ({high[0][1]}) is above 65535", fix="lower that role's base port")
 
 
-def busy_ports(plan_: Plan, is_free: Callable[[str, int], bool], skip: set[str] | None = None) -> list[str]:
-    """Ports of the plan that something already binds on this host (instances named in `skip` excepted)."""
-    skip = skip or set()
+class BusyPort(NamedTuple):
+    """A port of the plan that something on this host already binds."""
+
+    port: int
+    host: str  # the address the plan binds it on
+    owner: str  # "proxy.admin_port", "decode-0 notify"
+    instance: str | None  # the instance it belongs to; None for the proxy's
+
+
+def busy_ports(plan_: Plan, is_free: Callable[[str, int], bool]) -> list[BusyPort]:
+    """Ports of the plan that something already binds on this host: the proxy's on the addresses it binds
+    them on, the engines' on 127.0.0.1 (a wildcard listener clashes there too)."""
+    proxy = plan_.proxy
+    hosts = {"proxy.port": proxy.host, "proxy.admin_port": proxy.admin.host, "proxy.ping_port": proxy.registration.host}
     problems = []
-    for port, owner in all_ports([i for i in plan_.instances if i.name not in skip], plan_.proxy):
-        if owner.startswith("proxy") and "proxy" in skip:
-            continue
-        if not is_free("127.0.0.1", port):
-            problems.append(f"port {port} ({owner}) is already in use")
+    for port, owner in all_ports(plan_.instances, proxy):
+        host = hosts.get(owner, "127.0.0.1")
+        if not is_free(host, port):
+            problems.append(BusyPort(port, host, owner, None if owner in hosts else owner.split(" ", 1)[0]))
     return problems

@@ -1,5 +1,5 @@
-"""Whether a port on this host is free (a bind attempt, as the engine or proxy will make), and ports for
-test deployments that no other deployment on this host can be handed."""
+"""Whether a port on this host is free (a bind attempt, as the engine or proxy will make), which processes
+hold it when it is not, and ports for test deployments that no other deployment on this host can be handed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import os
 import random
 import socket
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 # Configured ports are taken below the kernel's ephemeral range: a port handed out by bind(0) is one the
 # kernel may give again at once (to the next bind(0) or as the local end of any outgoing connection) in the
@@ -29,6 +32,54 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process listening on a port: its pid and name, or pid None where pdctl may not see whose it is."""
+
+    pid: int | None
+    name: str = "?"
+
+    def __str__(self) -> str:
+        if self.pid is None:
+            return "a process pdctl may not name (another user's: as root, pdctl names it)"
+        return f"pid {self.pid} ({self.name})"
+
+
+def _clashes(listening: str, host: str) -> bool:
+    """Whether a socket listening on address `listening` keeps a bind of `host` on the same port out."""
+    listening = listening.removeprefix("::ffff:")  # an IPv4 address seen through a dual-stack socket
+    return listening == host or listening in _WILDCARDS or host in _WILDCARDS
+
+
+def holders(addresses: list[tuple[str, int]]) -> dict[tuple[str, int], list[Holder]]:
+    """For each (host, port), the processes listening where a bind of it would clash (a wildcard address
+    clashes with every address); empty where none is seen, e.g. the port is bound but not listening."""
+    try:
+        connections = psutil.net_connections(kind="tcp")  # one scan of every process's sockets for all of them
+    except (psutil.Error, OSError):
+        connections = []
+    found: dict[tuple[str, int], dict[int | None, Holder]] = {address: {} for address in addresses}
+    for conn in connections:
+        if conn.status != psutil.CONN_LISTEN or not conn.laddr:
+            continue
+        for (host, port), seen in found.items():
+            if conn.laddr.port == port and _clashes(conn.laddr.ip, host) and conn.pid not in seen:
+                seen[conn.pid] = _holder(conn.pid)
+    return {address: list(seen.values()) for address, seen in found.items()}
+
+
+def _holder(pid: int | None) -> Holder:
+    if pid is None:
+        return Holder(None)
+    try:
+        return Holder(pid, psutil.Process(pid).name())
+    except psutil.Error:
+        return Holder(pid)
 
 
 def _ephemeral_start() -> int:

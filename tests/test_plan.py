@@ -167,9 +167,11 @@ def test_failed_or_occupied_gpus_are_left_out() -> None:
 
 def test_busy_ports_reports_bound_ports() -> None:
     p = plan(make(REFERENCE), load_inventory("sim:mi300x-8"))
-    problems = busy_ports(p, lambda host, port: port != 7502)
-    assert problems == ["port 7502 (decode-0 notify) is already in use"]
-    assert busy_ports(p, lambda host, port: port != 7502, skip={"decode-0"}) == []
+    assert busy_ports(p, lambda host, port: port != 7502) == [(7502, "127.0.0.1", "decode-0 notify", "decode-0")]
+    # The proxy's ports are checked on the address the proxy binds them on.
+    exposed = plan(make({**REFERENCE, "proxy": {"host": "0.0.0.0"}}), load_inventory("sim:mi300x-8"))
+    assert busy_ports(exposed, lambda host, port: port != exposed.proxy.port) == [
+        (exposed.proxy.port, "0.0.0.0", "proxy.port", None)]
 
 
 def _inventory(n: int) -> Inventory:

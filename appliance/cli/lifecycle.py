@@ -23,9 +23,11 @@ from rich.table import Table
 
 from appliance.cli.options import console as cli_console
 from appliance.cli.options import layout_option, node_overrides, obtain, obtain_plan, plan_options
+from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager, UnitStatus
-from appliance.node import EXIT_DOWN, Node, NotDeployed, http_answer, proxy_state
+from appliance.node import EXIT_DOWN, PORT_FIX, Node, NotDeployed, http_answer, port_conflicts, proxy_state
 from appliance.plan import Plan
+from appliance.proxy.client import PortTaken
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit, role_service
 from appliance.settings import Settings
 
@@ -72,6 +74,8 @@ class Snapshot:
     units: dict[str, UnitStatus]
     health: dict[str, bool]
     proxy: dict[str, Any] | None
+    # why the proxy cannot answer: another process holds one of its ports (which port, address, process)
+    port_conflict: str | None = None
     at: float = field(default_factory=time.time)
 
     def ready(self, plan: Plan) -> bool:
@@ -92,8 +96,17 @@ def snapshot(plan: Plan, manager: ServiceManager) -> Snapshot:
         inst.name: units[instance_unit(inst)].state in ACTIVE and http_answer(inst.url + "/health") == 200
         for inst in plan.instances
     }
-    proxy = proxy_state(plan) if units[PROXY_UNIT].state in ACTIVE else None
-    return Snapshot(units, health, proxy)
+    proxy, conflict = None, None
+    if units[PROXY_UNIT].state in ACTIVE:
+        try:
+            proxy = proxy_state(plan)
+        except PortTaken as exc:
+            conflict = exc.message
+    if proxy is None:
+        # A proxy kept out of its port never answers: say whose port it is (psutil names the process where it
+        # may), rather than wait on it.
+        conflict = next(iter(port_conflicts(plan, manager, proxy_only=True)), conflict)
+    return Snapshot(units, health, proxy, conflict)
 
 
 def progress_table(plan: Plan, snap: Snapshot, elapsed: float) -> Table:
@@ -129,7 +142,7 @@ def progress_lines(plan: Plan, snap: Snapshot, elapsed: float, seen: dict[str, s
 
 def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: Console, live: bool,
                lines: bool = False) -> Snapshot:
-    """Poll until ready, a unit fails, or time runs out; the last snapshot either way. Progress: a live table
+    """Poll until ready, a unit fails, another process holds a proxy port, or time runs out; the last snapshot. Progress: a live table
     (`live`, a terminal) or a line per change (`lines`, a pipe: flushed at once, so a log shows it as it goes)."""
     start = time.monotonic()
     snap = snapshot(plan, manager)
@@ -149,7 +162,8 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
         if view:
             view.start()
         report()
-        while not snap.ready(plan) and not snap.failed() and time.monotonic() - start < timeout_s:
+        while (not snap.ready(plan) and not snap.failed() and not snap.port_conflict
+               and time.monotonic() - start < timeout_s):
             time.sleep(0.5)
             snap = snapshot(plan, manager)
             report()
@@ -184,6 +198,7 @@ def _summary(plan: Plan, manager: ServiceManager, snap: Snapshot, changed: list[
         "started_or_restarted": changed,
         "failed": snap.failed(),
         "proxy": plan.proxy.url,
+        "port_conflict": snap.port_conflict,
     }
 
 
@@ -233,6 +248,9 @@ def up(ctx: click.Context, /, manager: str | None, timeout_s: float | None, no_w
             what = ", ".join(begun) or "nothing to start"
             console.print(f"[green]healthy[/green] ({mgr.name}; {what}); proxy {plan.proxy.url}")
         return
+    if snap.port_conflict:
+        # the units stay as they are: once the port is free the proxy starts (or the next `pdctl up` starts it)
+        raise PdctlError(snap.port_conflict, fix=PORT_FIX)
     report_failure(plan, mgr, snap, cli_console(stderr=True), limit)
     sys.exit(EXIT_UNHEALTHY)
 

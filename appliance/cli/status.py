@@ -20,7 +20,9 @@ engines themselves report them.
                     reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
                     healthy, draining, in_flight, source), requests {total, by_status{code: n},
                     leg_failures, client_aborts, held (requests that waited for a role with no instance:
-                    a restart, rebalance or mode switch), max_hold_s} | null
+                    a restart, rebalance or mode switch), max_hold_s} | null,
+                    port_conflict (why it cannot answer: which of its ports, on which address, another process
+                    holds, and which process where pdctl may see it) | null
     warnings[]      GPUs reported failed or held by a process outside pdctl (new plans leave them out); an
                     instance whose plan asks for cross-layer KV blocks but whose transfers post per-layer
                     NIXL descriptors (vLLM ignored the setting: the hand-off posts layers x 2 times as many)
@@ -51,7 +53,7 @@ from appliance.inventory import Inventory, load_inventory
 from appliance.kvstats import asks_cross_layer_blocks, engine_figures, per_layer_warning
 from appliance.manager import ACTIVE, ServiceManager
 from appliance.modelshape import read_model_shape
-from appliance.node import EXIT_DOWN, NotDeployed, admin_url
+from appliance.node import EXIT_DOWN, PORT_FIX, NotDeployed, admin_url
 from appliance.plan import Plan, _usable
 from appliance.render.names import PROXY_UNIT, instance_unit
 from appliance.settings import load_settings_despite_errors
@@ -138,6 +140,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         "mode": admin.get("mode") if admin else None,
         "registered": [{k: i.get(k) for k in keys} for i in (admin or {}).get("instances", [])],
         "requests": proxy_counters(plan) if admin is not None else None,
+        "port_conflict": snap.port_conflict,
     }
     inventory = load_inventory(inventory_source)
     owner = {g: inst for inst in plan.instances for g in inst.gpus}
@@ -301,5 +304,7 @@ def status(ctx: click.Context, as_json: bool, manager: str | None) -> None:
         render_status(doc, console())
         if config_error:
             click.echo(f"pdctl: error: {config_error} (status shows the deployed plan)", err=True)
+    if snap.port_conflict:
+        click.echo(f"pdctl: error: {snap.port_conflict} (fix: {PORT_FIX})", err=True)
     if doc["state"] != "healthy":
         sys.exit(EXIT_UNHEALTHY if doc["state"] == "degraded" else EXIT_DOWN)

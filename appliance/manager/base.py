@@ -90,6 +90,10 @@ class ServiceManager(ABC):
     def status(self) -> dict[str, UnitStatus]:
         """Status of every unit of the plan."""
 
+    @abstractmethod
+    def runs(self, pid: int) -> bool:
+        """Whether process `pid` is one this manager runs for the plan (a unit's process or a descendant of it)."""
+
     def restart_counts(self) -> dict[str, int]:
         """Every restart of each unit since the node came up, planned (pdctl restart, systemctl restart) and
         automatic; from the manager's own records, so restarts that bypassed pdctl count too."""

@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 from supervisor.xmlrpc import SupervisorTransport
 
 from appliance.errors import PdctlError
@@ -246,6 +247,16 @@ class SupervisorManager(ServiceManager):
         for unit in self.units():
             result.setdefault(unit, UnitStatus(name=unit, state="stopped", detail=missing))
         return result
+
+    def runs(self, pid: int) -> bool:
+        """Whether our supervisord is an ancestor of `pid` (it runs only this plan's programs)."""
+        if not self.running():
+            return False
+        try:
+            supervisord = int(self._call("getPID"))
+            return any(parent.pid == supervisord for parent in psutil.Process(pid).parents())
+        except psutil.Error:
+            return False
 
     def _restarts(self) -> dict[str, int]:
         """Automatic restarts since supervisord started: its log's 'exited: NAME (...; not expected)' lines."""

@@ -144,6 +144,16 @@ class SystemdManager(ServiceManager):
             result.setdefault(name, UnitStatus(name=name, state="unknown"))
         return result
 
+    def runs(self, pid: int) -> bool:
+        """By the process's cgroup (…/pd-proxy.service): its pid may not be the MainPID systemd knows, which
+        is another PID namespace's where that systemd is not this namespace's PID 1."""
+        try:
+            lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        except OSError:
+            return False
+        ours = {f"{unit}.service" for unit in self.units()}
+        return any(line.rpartition("/")[2] in ours for line in lines)
+
     def restart_counts(self) -> dict[str, int]:
         """Starts after the first since pd.target came up (systemd's "unit started" journal entries), never
         fewer than systemd's own count of automatic restarts; that count alone when the journal is unreadable."""

@@ -18,6 +18,10 @@ class ProxyAdminError(PdctlError):
     """The proxy's admin API could not be reached or refused the request."""
 
 
+class PortTaken(ProxyAdminError):
+    """Another service answers on the proxy's admin port."""
+
+
 class AdminClient:
     """Talks to one proxy's admin API; every method returns the decoded JSON answer."""
 
@@ -62,13 +66,13 @@ class AdminClient:
         except (http.client.HTTPException, ValueError) as exc:
             raise self._not_the_proxy(path, type(exc).__name__) from None
 
-    def _not_the_proxy(self, path: str, why: str) -> ProxyAdminError:
+    def _not_the_proxy(self, path: str, why: str) -> PortTaken:
         # The planner's "port is free" check is advisory (something can bind the port after it): say whose
         # port it is rather than wait on, or misread, another service's answer.
-        port = urllib.parse.urlsplit(self.base_url).port
-        return ProxyAdminError(
-            f"{self.base_url}{path} did not answer as the pdctl proxy admin API ({why}): "
-            f"port {port} is taken by another service",
+        parts = urllib.parse.urlsplit(self.base_url)
+        return PortTaken(
+            f"port {parts.port} on {parts.hostname} (proxy.admin_port) is taken by another service: "
+            f"{self.base_url}{path} did not answer as the pdctl proxy admin API ({why})",
             fix="stop what holds that port, or set [proxy] admin_port to a free one",
         )
 

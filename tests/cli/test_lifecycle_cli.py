@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+import pytest
+from rich.console import Console
+
+from appliance.cli.lifecycle import wait_ready
+from appliance.node import Node
 from appliance.ports import free_port as _free_port
+from appliance.settings import load_settings
+from tests.support.pdctl import pdctl, status, write_config
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _config(tmp_path: Path, proxy_port: int) -> Path:
+def _config(tmp_path: Path, proxy_port: int, admin_port: int | None = None) -> Path:
     path = tmp_path / "pdctl.toml"
     path.write_text(f'state_dir = "{tmp_path / "state"}"\nmanager = "supervisor"\n[engine]\nkind = "sim"\n'
                     f"[prefill]\nhttp_port = {_free_port()}\n[decode]\nhttp_port = {_free_port()}\n"
-                    f"[proxy]\nport = {proxy_port}\nadmin_port = {_free_port()}\n")
+                    f"[proxy]\nport = {proxy_port}\nadmin_port = {admin_port or _free_port()}\n")
     return path
 
 
@@ -28,14 +39,18 @@ def _pdctl(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60, env=env)
 
 
-def test_busy_port_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("taken", ["proxy.port", "proxy.admin_port"])
+def test_busy_port_is_one_line_naming_the_process_and_starts_nothing(tmp_path: Path, taken: str) -> None:
     with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
+        holder.bind(("127.0.0.1", _free_port()))
         holder.listen()
-        config = _config(tmp_path, holder.getsockname()[1])
+        port = holder.getsockname()[1]
+        config = _config(tmp_path, port, None) if taken == "proxy.port" else _config(tmp_path, _free_port(), port)
         done = _pdctl(config, "up")
     assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and "already in use" in done.stderr and "proxy.port" in done.stderr
+    me = f"pid {os.getpid()} ({psutil.Process().name()})"
+    assert done.stderr == (f"pdctl: error: port {port} on 127.0.0.1 ({taken}) is held by another process: {me} "
+                           "(fix: stop that process, or move the port in pdctl.toml)\n"), done.stderr
     assert not (tmp_path / "state" / "supervisor").exists()
 
 
@@ -103,3 +118,55 @@ def test_a_first_run_on_a_pipe(tmp_path: Path) -> None:
     assert down.returncode == 0 and down.stdout.startswith("stopped "), down.stdout + down.stderr
     again = _pdctl(config, "down")
     assert again.returncode == 3 and "nothing was running" in again.stdout
+
+
+def test_a_proxy_port_another_process_took_is_named_by_status_and_up(tmp_path: Path) -> None:
+    """The proxy died and another process bound its port before supervisord could restart it: `status`, `up`
+    and up's wait each say which port, on which address and which process, in one line; nothing is lost."""
+    config = write_config(tmp_path, tmp_path / "state")
+    pdctl(config, "up", check=True)
+    before = status(config)
+    port = int(before["proxy"]["url"].rsplit(":", 1)[1])
+    supervisord = int((tmp_path / "state" / "supervisor" / "supervisord.pid").read_text())
+    taker = socket.socket()
+    taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        os.kill(supervisord, signal.SIGSTOP)  # it restarts the proxy only once the port is taken
+        try:
+            os.kill(before["proxy"]["pid"], signal.SIGKILL)
+            # its listening socket closes as it exits (its connections may stay in TIME_WAIT, hence SO_REUSEADDR)
+            wait_until(lambda: _bound(taker, port), timeout=30, what=f"the killed proxy's port {port} to close")
+            taker.listen()
+        finally:
+            os.kill(supervisord, signal.SIGCONT)
+        line = (f"port {port} on 127.0.0.1 (proxy.port) is held by another process: pid {os.getpid()} "
+                f"({psutil.Process().name()})")
+        doc = status(config)
+        assert doc["_rc"] == 1 and doc["proxy"]["port_conflict"] == line, doc["proxy"]
+        assert all(i["health"] == "healthy" for i in doc["instances"])
+        text = pdctl(config, "status")
+        assert text.stderr == f"pdctl: error: {line} (fix: stop that process, or move the port in pdctl.toml)\n"
+        up = pdctl(config, "up")
+        assert up.returncode == 2 and up.stderr == text.stderr, up.stderr
+        # Taken after up's own check (a race no check closes): up's wait stops at once and says the same.
+        settings = load_settings(config)
+        plan = Node(settings).deployed()
+        snap = wait_ready(plan, Node(settings).manager(plan), 120, Console(file=io.StringIO()), live=False)
+        assert snap.port_conflict == line and not snap.ready(plan)
+    finally:
+        taker.close()
+    # Nothing was lost: the engines kept running, and once the port is free the next `up` brings the proxy back.
+    again = pdctl(config, "up")
+    after = status(config)
+    pdctl(config, "down")
+    assert again.returncode == 0, again.stderr
+    assert after["healthy"] and after["proxy"]["port_conflict"] is None
+    assert [i["pid"] for i in after["instances"]] == [i["pid"] for i in before["instances"]]
+
+
+def _bound(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True

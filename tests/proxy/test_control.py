@@ -311,7 +311,7 @@ def test_admin_client_says_a_zmq_socket_on_the_admin_port_is_another_service() -
     sock = ctx.socket(zmq.ROUTER)
     try:
         port = sock.bind_to_random_port("tcp://127.0.0.1")
-        with pytest.raises(ProxyAdminError, match=f"port {port} is taken by another service"):
+        with pytest.raises(ProxyAdminError, match=f"port {port} on 127.0.0.1 \\(proxy.admin_port\\) is taken by another service"):
             AdminClient(f"http://127.0.0.1:{port}", timeout=5).state()
     finally:
         sock.close(linger=0)
