@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from appliance.connector import (
     DEFAULT_FOR_PLATFORM,
+    PLATFORM_NAMES,
     Connector,
     InstanceContext,
     Platform,
@@ -335,9 +336,7 @@ def _fast_island(inventory: Inventory, gpus: list[int]) -> bool:
     return all(inventory.link(a, b) in ("XGMI", "NVLINK") for a in gpus for b in gpus if a < b)
 
 
-_PLATFORM_WORDS: dict[str, tuple[str, str]] = {
-    "rocm": ("AMD GPUs", "AMD"), "cuda": ("NVIDIA GPUs", "NVIDIA"), "cpu": ("a CPU-only node", "CPU"),
-}
+_PLATFORM_NODES: dict[str, str] = {"rocm": "AMD GPUs", "cuda": "NVIDIA GPUs", "cpu": "a CPU-only node"}
 
 
 def _check_connector(connector: Connector, mode: str, platform: Platform) -> None:
@@ -349,8 +348,8 @@ def _check_connector(connector: Connector, mode: str, platform: Platform) -> Non
         having = [n for n in names() if (c := get_connector(n)).disaggregated and mode in c.modes]
         raise PlanError(str(exc), fix=f"use --mode {other}, or a connector with a {mode} mode ({', '.join(having)})") from None
     if platform not in connector.platforms:
-        needs = " or ".join(_PLATFORM_WORDS[p][0] for p in PLATFORMS if p in connector.platforms)
-        ways = [f"'{DEFAULT_FOR_PLATFORM[p]}' on {_PLATFORM_WORDS[p][1]}" for p in PLATFORMS if p not in connector.platforms]
+        needs = " or ".join(_PLATFORM_NODES[p] for p in PLATFORMS if p in connector.platforms)
+        ways = [f"'{DEFAULT_FOR_PLATFORM[p]}' on {PLATFORM_NAMES[p]}" for p in PLATFORMS if p not in connector.platforms]
         raise PlanError(
             f"connector '{connector.name}' needs {needs}, and this node is {platform}",
             fix=f"use connector {', '.join(ways)}, or 'auto'",

@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from appliance.connector.base import (
+    PLATFORMS,
     Connector,
     HandoffError,
     InstanceContext,
@@ -22,7 +23,8 @@ from appliance.errors import PlanError
 
 __all__ = [
     "Connector", "HandoffError", "InstanceContext", "LlmdPod", "Peer", "Platform", "RayServeBackend",
-    "check_name", "disaggregated_name", "get_connector", "load_object", "names", "register", "resolve_name",
+    "PLATFORM_NAMES", "check_name", "described", "disaggregated_name", "get_connector", "implementing", "load_object",
+    "names", "register", "resolve_name",
 ]
 
 _REGISTRY: dict[str, str] = {
@@ -34,6 +36,8 @@ _REGISTRY: dict[str, str] = {
 
 # What "auto" means on each platform.
 DEFAULT_FOR_PLATFORM: dict[str, str] = {"rocm": "moriio", "cuda": "nixl", "cpu": "example"}
+# A platform as people name it.
+PLATFORM_NAMES: dict[Platform, str] = {"rocm": "AMD", "cuda": "NVIDIA", "cpu": "CPU"}
 
 
 def names() -> list[str]:
@@ -84,3 +88,19 @@ def get_connector(name: str) -> Connector:
 def disaggregated_name(name: str) -> str:
     """`name` when it hands KV over between roles (or is "auto"); otherwise "auto", the platform's default one."""
     return name if name == "auto" or get_connector(name).disaggregated else "auto"
+
+
+def implementing(method: str) -> list[str]:
+    """The registered connectors whose class implements `method` of Connector (e.g. an export hook)."""
+    return [n for n in names() if getattr(type(get_connector(n)), method) is not getattr(Connector, method)]
+
+
+def described(chosen: list[str]) -> str:
+    """Connector names for a help text or a fix, each with the platforms it runs on (its `platforms`):
+    "moriio (AMD), nixl (any platform) or example (any platform)"."""
+    items = []
+    for name in chosen:
+        where = get_connector(name).platforms
+        words = "any platform" if where >= set(PLATFORMS) else ", ".join(PLATFORM_NAMES[p] for p in PLATFORMS if p in where)
+        items.append(f"{name} ({words})")
+    return " or ".join(items) if len(items) < 3 else ", ".join(items[:-1]) + " or " + items[-1]

@@ -160,6 +160,9 @@ class Connector(ABC):
     # The prefix of the engine's Prometheus metrics that carry its KV transfer figures (what appliance.kvstats
     # reads for `pdctl status`), or None when the engine publishes none for this connector.
     transfer_metrics: ClassVar[str | None] = None
+    # Variables of env() that pin an engine to this node's addresses or ports: a cluster export leaves them out,
+    # the cluster engine (Ray's backend, a pod's own IP) sets its own.
+    node_local_env: ClassVar[frozenset[str]] = frozenset()
 
     # ---- the engine side ------------------------------------------------------------------------
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:

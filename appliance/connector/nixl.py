@@ -52,6 +52,8 @@ class NixlConnector(Connector):
     read_needs_prefill_kv = True
     # vLLM's NIXL stats: the puller's transfers in READ, the pusher's in WRITE
     transfer_metrics = "vllm:nixl_"
+    # the side channel env() pins to this node; a cluster's NIXL backend or pod sets its own
+    node_local_env = frozenset({"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"})
 
     def rdma(self, moriio_backend: str) -> RdmaNeed:
         return RdmaNeed(required=False, fix="NIXL falls back to NVLink/TCP within one node")

@@ -130,6 +130,11 @@ def sim_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, connect
     return argv + connector.sim_args(ctx) + list(sim.extra_args)
 
 
+# What pins an engine to this node's GPUs or addresses (engine_command sets these; ROCR_VISIBLE_DEVICES may come
+# from engine.env): a cluster export leaves them out, the cluster's scheduler assigns its own.
+NODE_LOCAL_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "VLLM_HOST_IP"})
+
+
 def cpu_env(host: str) -> dict[str, str]:
     """Environment for vLLM's CPU build: a single engine process, no core pinning, loopback messaging."""
     return {

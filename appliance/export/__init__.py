@@ -42,7 +42,7 @@ class ExportOptions:
 def build_export(plan: Plan, settings: Settings, options: ExportOptions, inventory: Inventory | None = None
                  ) -> ExportResult:
     """The target's files for the plan, or an ExportError saying what to change."""
-    check_exportable(plan)
+    check_exportable(plan, options.target)
     prefill = role_shape(plan, "prefill", parse_replicas(options.prefill_replicas,
                                                          len(plan.role_instances("prefill")), "--prefill-replicas"))
     decode = role_shape(plan, "decode", parse_replicas(options.decode_replicas,

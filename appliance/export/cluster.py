@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
-from appliance.engine.command import server_args
+from appliance.connector import described, get_connector, implementing
+from appliance.engine.command import NODE_LOCAL_ENV, server_args
 from appliance.errors import ExportError
 from appliance.plan import Instance, Plan
 
@@ -26,11 +27,6 @@ ClusterRole = Literal["prefill", "decode"]
 
 # vLLM flags that describe where one process listens on this node; a cluster engine decides them itself.
 NODE_LOCAL_FLAGS = frozenset({"model", "served_model_name", "host", "port", "data_parallel_rpc_port"})
-# Environment that pins an engine to this node's GPUs or addresses; the cluster scheduler assigns these.
-NODE_LOCAL_ENV = frozenset({
-    "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
-    "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_HOST_IP",
-})
 
 # vLLM flags typed as human-readable integers on its command line ('256M', '32k'); as EngineArgs keyword
 # arguments (Ray's engine_kwargs) they must be plain integers. See vllm/engine/arg_utils.py.
@@ -71,7 +67,6 @@ class RoleShape:
     engine_kwargs: dict[str, Any]
     kv_transfer_config: dict[str, Any]
     env: dict[str, str]
-    connector_env: dict[str, str]
     ports: dict[str, list[int]]
 
 
@@ -202,7 +197,9 @@ def role_shape(plan: Plan, role: ClusterRole, replicas: Replicas) -> RoleShape:
         raise ExportError(f"{first.name} has no KV connector configuration", fix="choose a KV connector")
     for key in NODE_LOCAL_FLAGS:
         kwargs.pop(key, None)
-    env = {k: v for k, v in first.env.items() if k not in NODE_LOCAL_ENV}
+    # the engine's GPU pinning and addresses, and what the plan's connector pins to this node
+    node_local = NODE_LOCAL_ENV | get_connector(plan.connector).node_local_env
+    env = {k: v for k, v in first.env.items() if k not in node_local}
     return RoleShape(
         role=role,
         replicas=replicas,
@@ -212,19 +209,27 @@ def role_shape(plan: Plan, role: ClusterRole, replicas: Replicas) -> RoleShape:
         engine_kwargs=kwargs,
         kv_transfer_config=json.loads(json.dumps(kv)),
         env=env,
-        connector_env={k: v for k, v in first.env.items() if k in NODE_LOCAL_ENV},
         ports={k: v for k, v in first.ports.items()},
     )
 
 
-def check_exportable(plan: Plan) -> None:
+# Each target's hook on Connector: the connectors that implement it are the ones the target can deploy.
+TARGET_HOOKS: dict[Target, str] = {"ray-serve": "ray_serve", "llm-d": "llm_d"}
+
+
+def target_connectors(target: Target) -> str:
+    """The connectors a target can deploy, with their platforms, for a fix: the registry's, by their hooks."""
+    return described(implementing(TARGET_HOOKS[target]))
+
+
+def check_exportable(plan: Plan, target: Target) -> None:
     """Refuse plans no cluster target can express, with the fix in the message."""
     if plan.engine != "vllm":
         raise ExportError("the plan runs the simulated engine", fix="export with engine.kind = 'vllm' (the default)")
     if plan.layout != "disaggregated":
         raise ExportError(
-            "the plan is colocated (connector 'none'); the export targets deploy prefill/decode apps",
-            fix="choose a KV connector (moriio on AMD, nixl on NVIDIA)",
+            f"the plan is colocated (connector '{plan.connector}'); the export targets deploy prefill/decode apps",
+            fix=f"choose a KV connector {target} deploys: {target_connectors(target)}",
         )
 
 

@@ -20,6 +20,7 @@ from appliance.export.cluster import (
     RoleShape,
     argv_from_engine_kwargs,
     dns_label,
+    target_connectors,
     to_yaml,
     to_yaml_all,
 )
@@ -43,7 +44,7 @@ def _pod(plan: Plan, shape: RoleShape, vllm_port: int) -> LlmdPod:
     if pod is None:
         raise ExportError(
             f"connector '{plan.connector}' is not one llm-d's routing sidecar drives",
-            fix="use moriio on AMD or nixl on NVIDIA (the example connector is for the CPU node only)",
+            fix=f"use {target_connectors('llm-d')}",
         )
     return pod
 

@@ -17,6 +17,7 @@ from appliance.export.cluster import (
     Replicas,
     RoleShape,
     dns_label,
+    target_connectors,
     to_yaml,
 )
 from appliance.plan import Plan
@@ -75,7 +76,7 @@ def _backend(plan: Plan, shape: RoleShape) -> RayServeBackend:
                                                       shape.engine_kwargs.get("block_size"))
     if backend is None:
         raise ExportError(f"connector '{plan.connector}' has no Ray Serve LLM backend",
-                          fix="use moriio (AMD), nixl (NVIDIA) or example (CPU)")
+                          fix=f"use {target_connectors('ray-serve')}")
     return backend
 
 

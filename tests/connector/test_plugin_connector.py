@@ -1,5 +1,6 @@
-"""A connector defined only in this module, registered at test time, is planned, rendered, simulated and proxied:
-adding a connector is one module and one registry line, nothing else in the house changes.
+"""A connector defined only in this module, registered at test time, is planned, rendered, simulated, proxied and
+exported, and help texts name it: adding a connector is one module and one registry line, nothing else in the
+house changes.
 
 The "ticket" connector: the prefill engine finishes its one-token leg with a ticket for the KV it holds, the proxy
 carries the ticket from the prefill's answer into the decode leg, and the decode engine redeems it for the prompt's
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +22,21 @@ from click.testing import CliRunner
 
 import appliance.connector as registry
 from appliance.cli.main import cli
-from appliance.connector import Connector, HandoffError, InstanceContext, Peer, register
+from appliance.connector import Connector, HandoffError, InstanceContext, Peer, RayServeBackend, register
 from appliance.connector.base import SimOptions
 from appliance.engine.sim import SimServer
 from appliance.engine.sim.cli import _config, sim_engine
 from appliance.engine.sim.connectors import BadKVParams, ConnectorSim
 from appliance.engine.sim.engine import Sequence
+from appliance.errors import ExportError
+from appliance.export import ExportOptions, build_export
 from appliance.inventory import load_inventory
 from appliance.plan import Plan, plan
 from appliance.proxy.app import Proxy
 from appliance.proxy.config import ProxyConfig
 from appliance.render.supervisor import render_supervisor
 from appliance.render.systemd import render_systemd
+from appliance.roles import Mode
 from appliance.settings import Settings
 
 # tickets the prefill engines issued and the decode engines have not redeemed: ticket -> prompt tokens covered
@@ -68,13 +72,23 @@ class TicketConnector(Connector):
     name = "ticket"
     vllm_class = "TicketConnector"
     modes = frozenset({"read"})
+    platforms = frozenset({"cuda", "cpu"})
     sim_flow = f"{__name__}:TicketSim"
+    # where this node's ticket office listens: a cluster sets its own
+    node_local_env = frozenset({"TICKET_OFFICE_HOST"})
 
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
         return {"ticket_office": range(ctx.handshake_port, ctx.handshake_port + ctx.ranks)}
 
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any]:
         return {"kv_connector": self.vllm_class, "kv_role": ctx.kv_role}
+
+    def env(self, ctx: InstanceContext) -> dict[str, str]:
+        return {"TICKET_OFFICE_HOST": ctx.host, "TICKET_CLASS": "first"}
+
+    def ray_serve(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode,
+                  block_size: int | None) -> RayServeBackend:
+        return RayServeBackend(kv)
 
     def sim_args(self, ctx: InstanceContext) -> list[str]:
         return ["--kv-transfer-us-per-token", "0"]
@@ -173,3 +187,24 @@ def test_simulated_and_proxied(ticket: None, tmp_path: Path) -> None:
     assert [e["connector"] for e in engines] == ["ticket", "ticket"]
     assert sum(e.get("kv_pulls", 0) for e in engines) == 1
     assert ISSUED == {}
+
+
+def test_exported_and_named_in_help_texts(ticket: None, tmp_path: Path) -> None:
+    """The export drops the env the connector pins to this node and keeps the rest; the fixes that list
+    connectors list it where it has the target's hook, with its platforms."""
+    settings = Settings.model_validate({"connector": {"name": "ticket"}, "state_dir": str(tmp_path)})
+    p = plan(settings, load_inventory("sim:cpu"))
+    assert {"TICKET_OFFICE_HOST", "TICKET_CLASS"} <= p.instances[0].env.keys()
+    files = build_export(p, settings, ExportOptions(target="ray-serve")).files
+    serve = next(text for path, text in files.items() if path.endswith("serve.yaml"))
+    assert "TICKET_CLASS: first" in serve and "TICKET_OFFICE_HOST" not in serve
+    # no llm_d hook: llm-d refuses it (on a GPU node: llm-d refuses the CPU), naming the connectors it drives
+    gpu = plan(settings, load_inventory("sim:h200-8"))
+    with pytest.raises(ExportError) as refused:
+        build_export(gpu, settings, ExportOptions(target="llm-d"))
+    assert refused.value.fix == "use moriio (AMD) or nixl (any platform)"
+    colocated = Settings.model_validate({"connector": {"name": "none"}, "state_dir": str(tmp_path)})
+    with pytest.raises(ExportError) as refused:
+        build_export(plan(colocated, load_inventory("sim:cpu")), colocated, ExportOptions(target="ray-serve"))
+    assert refused.value.fix == ("choose a KV connector ray-serve deploys: moriio (AMD), nixl (any platform), "
+                                 "example (any platform) or ticket (NVIDIA, CPU)")
