@@ -89,32 +89,37 @@ def _ephemeral_start() -> int:
     return 32768
 
 
-def _claim(port: int) -> bool:
-    """Claim `port` for this process's lifetime (a byte-range lock on a host-wide file); False when taken."""
+def _claim(port: int, width: int = 1) -> bool:
+    """Claim ports `port` .. `port + width - 1` for this process's lifetime (one byte-range lock on a host-wide
+    file); False when another process holds any of them."""
     global _lock_fd
     if _lock_fd is None:
         _lock_fd = os.open(Path(tempfile.gettempdir()) / "pdctl-test-ports.lock", os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        fcntl.lockf(_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
+        fcntl.lockf(_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, width, port)
     except OSError:
         return False
-    _claimed.add(port)
+    _claimed.update(range(port, port + width))
     return True
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+def free_ports(n: int, host: str = "127.0.0.1", width: int = 1) -> list[int]:
     """`n` distinct free ports below the ephemeral range, never handed out twice while this process lives
-    (nor to any other process using this function): for tests and benchmarks that deploy on fixed ports."""
+    (nor to any other process using this function): for tests and benchmarks that deploy on fixed ports.
+
+    With `width` > 1 each is the first of that many free ports in a row, all claimed: a role's base port,
+    whose instances (and DP x TP ranks) bind the ports above it."""
     top = _ephemeral_start()
-    candidates = list(range(_FLOOR, top))
+    candidates = list(range(_FLOOR, top - width + 1))
     start = random.randrange(len(candidates))  # processes start apart, so few lock attempts collide
     ports: list[int] = []
     for port in candidates[start:] + candidates[:start]:
-        if port not in _claimed and port_free(host, port) and _claim(port):
+        span = range(port, port + width)
+        if _claimed.isdisjoint(span) and all(port_free(host, p) for p in span) and _claim(port, width):
             ports.append(port)
             if len(ports) == n:
                 return ports
-    raise RuntimeError(f"no {n} free ports left in {_FLOOR}-{top - 1}")
+    raise RuntimeError(f"no {n} free runs of {width} ports left in {_FLOOR}-{top - 1}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,15 +38,11 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from appliance.ports import free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "bench-model"
 SECTIONS = ("latency", "cpu", "throughput", "disconnect", "memory")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pct(values: list[float], q: float) -> float:
@@ -324,7 +319,7 @@ def start(cmd: list[str]) -> subprocess.Popen[bytes]:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    engine_port, proxy_port, admin_port, pipe_port = free_port(), free_port(), free_port(), free_port()
+    engine_port, proxy_port, admin_port, pipe_port = free_ports(4)
     engine_cmd = [sys.executable, "-m", "appliance.engine.sim", "--port", str(engine_port), "--role", "both",
                   "--connector", "none", "--model", MODEL, "--decode-step-ms", str(args.step_ms),
                   "--decode-step-ms-per-seq", "0.0", "--prefill-us-per-token", "1", "--max-num-seqs", "1024",

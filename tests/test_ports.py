@@ -16,3 +16,15 @@ def test_free_ports_are_distinct_below_the_ephemeral_range_and_unique_across_pro
     code = "from appliance.ports import free_ports; print(*free_ports(200))"
     theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert not set(mine) & {int(p) for p in theirs.stdout.split()}
+
+
+def test_runs_of_free_ports_are_claimed_whole() -> None:
+    bases = free_ports(3, width=16)
+    spans = [set(range(base, base + 16)) for base in bases]
+    assert all(port_free("127.0.0.1", port) and port < _ephemeral_start() for span in spans for port in span)
+    assert len(set().union(*spans)) == 48  # no two runs overlap
+    # a later single port is none of them, in this process or another
+    assert not set(free_ports(20)) & set().union(*spans)
+    code = "from appliance.ports import free_ports; print(*free_ports(200))"
+    theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert not set().union(*spans) & {int(p) for p in theirs.stdout.split()}

@@ -84,22 +84,10 @@ def test_shape_settings_file_reads_back_as_the_same_settings() -> None:
     assert Settings.model_validate(tomllib.loads(text)).model_dump() == settings.model_dump()
 
 
-def _two_free_in_a_row() -> int:
-    for _ in range(50):
-        (port,) = free_ports(1)
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise AssertionError("no two consecutive free ports")
-
-
 def test_compare_through_pdctl_up_and_down_on_a_rebalanced_node(tmp_path: Path) -> None:
     """Each shape is deployed as the shape says, whatever layout.json holds; the layout stays in force after."""
     prefill, proxy, admin = free_ports(3)
-    decode, colocated = _two_free_in_a_row(), _two_free_in_a_row()  # the layout's decode-1, colocated-2's 2nd
+    decode, colocated = free_ports(2, width=2)  # room for the layout's decode-1 and colocated-2's second
     (tmp_path / "sim.toml").write_text(f"""
 state_dir = "{tmp_path / "state"}"
 manager = "supervisor"

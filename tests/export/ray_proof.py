@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,13 +31,11 @@ from typing import Any
 
 import yaml
 
+# The tools Python has no pdctl installed: its ports come from this checkout's appliance/ports.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from appliance.ports import free_ports  # noqa: E402
+
 READY_TIMEOUT_S = float(os.environ.get("PDCTL_RAY_PROOF_TIMEOUT_S", "1200"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # vLLM's CPU platform sets this block size when none is given (vllm/platforms/cpu.py).
@@ -112,9 +109,10 @@ def main(config_path: str, workdir: str, model: str, kv_dir: str) -> int:
     try:
         block = block_size(config)
         prompt, ids = handoff_prompt(model, block)
+        gcs, client, agent = free_ports(3)
         started_head = subprocess.run(
-            [str(bindir / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
-             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+            [str(bindir / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+             f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
              "--min-worker-port=0", "--max-worker-port=0", "--num-cpus=8", "--include-dashboard=false",
              "--disable-usage-stats", f"--temp-dir={ray_tmp}"],
             env=env, capture_output=True, text=True, timeout=300,

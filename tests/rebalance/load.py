@@ -4,50 +4,19 @@ from __future__ import annotations
 
 import http.client
 import json
-import random
-import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-
-def _ephemeral() -> range:
-    try:
-        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        lo, hi = 32768, 60999
-    return range(lo, hi + 1)
-
-
-def free_span(width: int, avoid: set[int]) -> int:
-    """A base port whose next `width` ports are free now, clear of `avoid` and of the ephemeral range (client
-    connections made during the test must not take a port an instance started later needs)."""
-    ephemeral = _ephemeral()
-    for _ in range(200):
-        base = random.randrange(10000, 65000 - width)
-        span = range(base, base + width)
-        if avoid & set(span) or any(p in ephemeral for p in (base, base + width - 1)):
-            continue
-        ok = True
-        for port in span:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            avoid.update(span)
-            return base
-    raise RuntimeError("no free port span")
+from appliance.ports import free_ports
 
 
 def write_node_config(directory: Path, state_dir: Path, connector: str = "nixl", engine_extra: str = "") -> Path:
     """pdctl.toml for a simulated 8-GPU node on this CPU box: sim engines, every port free."""
-    used: set[int] = set()
-    p = {k: free_span(16, used) for k in ("p_http", "p_hs", "p_nt", "d_http", "d_hs", "d_nt")}
-    proxy, admin, ping = (free_span(1, used) for _ in range(3))
+    # each role's bases with room for 8 instances x their ranks above them
+    p = dict(zip(("p_http", "p_hs", "p_nt", "d_http", "d_hs", "d_nt"), free_ports(6, width=16), strict=True))
+    proxy, admin, ping = free_ports(3)
     path = directory / "pdctl.toml"
     path.write_text(f"""state_dir = {json.dumps(str(state_dir))}
 manager = "supervisor"
