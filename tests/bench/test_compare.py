@@ -14,10 +14,9 @@ from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
 from appliance.node import Node
 from appliance.plan import plan
-from appliance.ports import free_ports
 from appliance.settings import Settings, load_settings
 from tests.bench import PNG_MAGIC
-from tests.support.pdctl import pdctl_in
+from tests.support.pdctl import pdctl, write_config
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -86,55 +85,14 @@ def test_shape_settings_file_reads_back_as_the_same_settings() -> None:
 
 def test_compare_through_pdctl_up_and_down_on_a_rebalanced_node(tmp_path: Path) -> None:
     """Each shape is deployed as the shape says, whatever layout.json holds; the layout stays in force after."""
-    prefill, proxy, admin = free_ports(3)
-    decode, colocated = free_ports(2, width=2)  # room for the layout's decode-1 and colocated-2's second
-    (tmp_path / "sim.toml").write_text(f"""
-state_dir = "{tmp_path / "state"}"
-manager = "supervisor"
-[model]
-served_name = "sim-model"
-[engine]
-kind = "sim"
-health_timeout_s = 90
-[engine.sim]
-prefill_us_per_token = 100
-[prefill]
-http_port = {prefill}
-[decode]
-http_port = {decode}
-[colocated]
-http_port = {colocated}
-[proxy]
-port = {proxy}
-admin_port = {admin}
-""")
+    config = write_config(tmp_path, tmp_path / "state", extra="[engine.sim]\nprefill_us_per_token = 100\n")
+    settings = load_settings(config)
     # A rebalance left this node with two decode instances (Node.record_layout, as `pdctl rebalance` writes it).
-    Node(load_settings(tmp_path / "sim.toml")).record_layout(plan(load_settings(tmp_path / "sim.toml", {"decode": {"instances": 2}}),
-                            load_inventory("sim:cpu")))
+    Node(settings).record_layout(plan(load_settings(config, {"decode": {"instances": 2}}), load_inventory("sim:cpu")))
     recorded = (tmp_path / "state" / "layout.json").read_text()
-    done = pdctl_in(
-        "--config",
-        "sim.toml",
-        "bench",
-        "--compare",
-        "--inventory",
-        "sim:cpu",
-        "--shapes",
-        "colocated-2,disagg-write,disagg-read",
-        "--rates",
-        "3",
-        "--lifetimes",
-        "0",
-        "-n",
-        "6",
-        "--input-len",
-        "200",
-        "--output-len",
-        "16",
-        "--out",
-        "out",
-        cwd=tmp_path,
-    )
+    done = pdctl(config, "bench", "--compare", "--shapes", "colocated-2,disagg-write,disagg-read", "--rates", "3",
+                 "--lifetimes", "0", "-n", "6", "--input-len", "200", "--output-len", "16",
+                 "--out", str(tmp_path / "out"), timeout=400, check=True)
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert data["engine"] == "sim" and not data["interrupted"]
     by_name = {s["name"]: s for s in data["shapes"]}
@@ -142,7 +100,7 @@ admin_port = {admin}
     assert by_name["disagg-write"]["skipped"] and not by_name["disagg-write"]["rates"]
     for name in ("disagg-read", "colocated-2"):
         (rate,) = by_name[name]["rates"]
-        assert by_name[name]["url"] == f"http://127.0.0.1:{proxy}"
+        assert by_name[name]["url"] == f"http://127.0.0.1:{settings.proxy.port}"
         assert rate["summary"]["sent"] == 6 and rate["summary"]["succeeded"] == 6, (name, done.stderr[-3000:])
     for png in ("attainment.png", "latency.png"):
         assert (tmp_path / "out" / png).read_bytes()[:8] == PNG_MAGIC
@@ -152,70 +110,28 @@ admin_port = {admin}
     assert [i["name"] for i in deployed["instances"]] == ["prefill-0", "decode-0"], deployed["instances"]
     shape_file = tomllib.loads((tmp_path / "state" / "bench" / "colocated-2.toml").read_text())
     assert shape_file["colocated"]["instances"] == 2 and shape_file["connector"]["name"] == "none"
-    for port in (proxy, colocated, colocated + 1):
+    colocated = settings.colocated.http_port
+    for port in (settings.proxy.port, colocated, colocated + 1):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"something still listens on {port}"  # torn down
     # The rebalanced layout is still recorded and in force: `pdctl plan` (and so `pdctl up`) applies it.
     assert (tmp_path / "state" / "layout.json").read_text() == recorded
-    after = json.loads(pdctl_in("--config", "sim.toml", "plan", "--json", "--inventory", "sim:cpu", cwd=tmp_path).stdout)
+    after = json.loads(pdctl(config, "plan", "--json", check=True).stdout)
     assert [i["name"] for i in after["instances"]] == ["prefill-0", "decode-0", "decode-1"]
     # What each shape's `pdctl up --ignore-layout` planned, and says so.
-    shown = pdctl_in("--config", "sim.toml", "plan", "--ignore-layout", "--inventory", "sim:cpu", cwd=tmp_path).stdout
+    shown = pdctl(config, "plan", "--ignore-layout", check=True).stdout
     assert "decode-0" in shown and "decode-1" not in shown and "layout.json (pdctl rebalance) ignored" in shown
 
 
 def test_compare_names_the_tuned_colocated_budget_that_won(tmp_path: Path) -> None:
-    prefill, decode, colocated, proxy, admin = free_ports(5)
     # A 300-token prefill costs 60 ms: unchunked it stalls every running stream past the 40 ms ITL target;
     # in 64-token chunks (13 ms each) it does not. The tuned colocated shape must win, and be named.
-    (tmp_path / "sim.toml").write_text(f"""
-state_dir = "{tmp_path / "state"}"
-[model]
-served_name = "sim-model"
-[engine]
-kind = "sim"
-health_timeout_s = 90
-[engine.sim]
-prefill_us_per_token = 200
-decode_step_ms = 4
-[prefill]
-http_port = {prefill}
-[decode]
-http_port = {decode}
-[colocated]
-http_port = {colocated}
-[proxy]
-port = {proxy}
-admin_port = {admin}
-""")
-    done = pdctl_in(
-        "--config",
-        "sim.toml",
-        "bench",
-        "--compare",
-        "--deploy",
-        "processes",
-        "--inventory",
-        "sim:cpu",
-        "--shapes",
-        "disagg-read,colocated-1,colocated-1-mbt64",
-        "--rates",
-        "4",
-        "--lifetimes",
-        "0",
-        "-n",
-        "10",
-        "--input-len",
-        "300",
-        "--output-len",
-        "24",
-        "--itl-ms",
-        "40",
-        "--no-plots",
-        "--out",
-        "out",
-        cwd=tmp_path,
-    )
+    config = write_config(tmp_path, tmp_path / "state",
+                          extra="[engine.sim]\nprefill_us_per_token = 200\ndecode_step_ms = 4\n")
+    done = pdctl(config, "bench", "--compare", "--deploy", "processes", "--shapes",
+                 "disagg-read,colocated-1,colocated-1-mbt64", "--rates", "4", "--lifetimes", "0", "-n", "10",
+                 "--input-len", "300", "--output-len", "24", "--itl-ms", "40", "--no-plots",
+                 "--out", str(tmp_path / "out"), timeout=400, check=True)
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     by_name = {s["name"]: s for s in data["shapes"]}
     assert list(by_name) == ["disagg-read", "colocated-1", "colocated-1-mbt64"]

@@ -17,7 +17,8 @@ from tests.support.processes import ROOT
 
 def write_config(directory: Path, state_dir: Path, manager: str = "supervisor", extra: str = "") -> Path:
     """A pdctl.toml for the simulated engine on this CPU node, every port free, state in `state_dir`."""
-    prefill, decode, colocated, proxy, admin, ping = free_ports(6)
+    prefill, decode, colocated = free_ports(3, width=2)  # room for a second instance of each role
+    proxy, admin, ping = free_ports(3)
     path = directory / "pdctl.toml"
     path.write_text(
         f"""state_dir = {json.dumps(str(state_dir))}
