@@ -24,7 +24,7 @@ import psutil
 from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager, choose_manager
 from appliance.plan import Plan, busy_ports
-from appliance.ports import holders, port_free
+from appliance.ports import holders, port_free, taken
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit
 from appliance.render.templates import RenderOptions, secret_env
 from appliance.roles import ROLES
@@ -101,10 +101,7 @@ def port_conflicts(plan: Plan, manager: ServiceManager, *, proxy_only: bool = Fa
         others = [h for h in seen if h.pid is not None and not manager.runs(h.pid) and psutil.pid_exists(h.pid)]
         if units[unit].state in ACTIVE and not others:
             continue  # held by the node's own processes (or one pdctl may not name: trusted to be its unit's)
-        named = others or seen
-        where = f"port {b.port} on {b.host} ({b.owner})"
-        problems.append(f"{where} is held by another process: {', '.join(map(str, named))}" if named
-                        else f"{where} is already in use")
+        problems.append(taken(b.port, b.host, b.owner, others or seen))
     return problems
 
 

@@ -73,6 +73,12 @@ def holders(addresses: list[tuple[str, int]]) -> dict[tuple[str, int], list[Hold
     return {address: list(seen.values()) for address, seen in found.items()}
 
 
+def taken(port: int, host: str, owner: str, by: list[Holder]) -> str:
+    """One line for a port that is not free: which port, on which address, what binds it there, who holds it."""
+    where = f"port {port} on {host} ({owner})"
+    return f"{where} is held by another process: {', '.join(map(str, by))}" if by else f"{where} is already in use"
+
+
 def _holder(pid: int | None) -> Holder:
     if pid is None:
         return Holder(None)

@@ -20,7 +20,7 @@ from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager
 from appliance.node import Node, http_answer
 from appliance.plan import Instance, Plan
-from appliance.ports import port_free
+from appliance.ports import holders, port_free, taken
 from appliance.proxy.client import AdminClient
 from appliance.rebalance.schedule import Schedule, Step, order, schedule
 from appliance.render.names import instance_unit
@@ -53,17 +53,15 @@ def backends(plan: Plan) -> list[dict[str, Any]]:
 
 
 def busy_new_ports(old: Plan, new: Plan, sched: Schedule) -> list[str]:
-    """Ports new instances need that neither the node's own instances hold nor are free."""
+    """Ports new instances need that neither the node's own instances hold nor are free, one line each naming the
+    process that holds it (where pdctl may see it)."""
     ours = {p for i in old.instances for ports in i.ports.values() for p in ports}
-    problems = []
-    for inst in new.instances:
-        if sched.actions.get(inst.name) not in ("start", "restart"):
-            continue
-        for purpose, ports in inst.ports.items():
-            for port in ports:
-                if port not in ours and not port_free("127.0.0.1", port):
-                    problems.append(f"port {port} ({inst.name} {purpose}) is already in use")
-    return problems
+    busy = [(port, f"{inst.name} {purpose}") for inst in new.instances
+            if sched.actions.get(inst.name) in ("start", "restart")
+            for purpose, ports in inst.ports.items() for port in ports
+            if port not in ours and not port_free("127.0.0.1", port)]
+    found = holders([("127.0.0.1", port) for port, _ in busy]) if busy else {}
+    return [taken(port, "127.0.0.1", owner, found[("127.0.0.1", port)]) for port, owner in busy]
 
 
 def kv_in_use(url: str) -> float | None:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
+import psutil
 import pytest
 
 from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
 from appliance.node import layered, pinned
 from appliance.plan import plan
+from appliance.ports import free_ports
+from appliance.rebalance.apply import busy_new_ports
 from appliance.rebalance.schedule import schedule
-from appliance.settings import Settings
+from appliance.settings import Settings, deep_merge
 from appliance.shapes import parse_role, role_overrides
 from appliance.suggest import Prediction, sim_profile, suggest
 
@@ -29,6 +35,25 @@ def test_parse_role_shapes_and_sets() -> None:
         parse_role("prefill", "lots")
     with pytest.raises(PdctlError, match="both given"):
         role_overrides({"prefill_gpus": 2, "prefill_set": "0,1"})
+
+
+def test_a_port_a_new_instance_needs_names_its_holder() -> None:
+    # every port of either plan claimed for this test: only the socket below holds one
+    bases = iter(free_ports(6, width=8))
+    ports = {role: {key: next(bases) for key in ("http_port", "handshake_port", "notify_port")}
+             for role in ("prefill", "decode")}
+    old = _plan(ports)
+    new = _plan(deep_merge(ports, role_overrides({"prefill_set": "2xTP2", "decode_set": "1xTP4"})))
+    sched = schedule(old.instances, new.instances)
+    (started,) = [i for i in new.instances if i.name not in {o.name for o in old.instances}]
+    port = started.http_port
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        problems = busy_new_ports(old, new, sched)
+    assert port == ports["prefill"]["http_port"] + 1
+    assert problems == [f"port {port} on 127.0.0.1 ({started.name} http) is held by another process: "
+                        f"pid {os.getpid()} ({psutil.Process().name()})"]
 
 
 def test_pinned_reproduces_the_plan() -> None:
