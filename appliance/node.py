@@ -87,7 +87,8 @@ def port_conflicts(plan: Plan, manager: ServiceManager, *, proxy_only: bool = Fa
     """The plan's ports (or only the proxy's) that something other than their own running unit holds, one line
     each: the port, the address, what the plan binds there and the process (pid and name where pdctl may see it).
 
-    A busy port of a running unit is its own unless a process the manager does not run holds it."""
+    A busy port of a running unit is its own unless a process the manager does not run holds it; with
+    `proxy_only` (a proxy that does not answer) only such processes, or ones pdctl may not name, count."""
     busy = [b for b in busy_ports(plan, port_free) if not (proxy_only and b.instance is not None)]
     if not busy:
         return []
@@ -99,8 +100,11 @@ def port_conflicts(plan: Plan, manager: ServiceManager, *, proxy_only: bool = Fa
         seen = found[(b.host, b.port)]
         # (pid_exists after runs(): a process of ours that exited meanwhile, e.g. a restarting proxy, is no holder)
         others = [h for h in seen if h.pid is not None and not manager.runs(h.pid) and psutil.pid_exists(h.pid)]
-        if units[unit].state in ACTIVE and not others:
-            continue  # held by the node's own processes (or one pdctl may not name: trusted to be its unit's)
+        unnamed = [h for h in seen if h.pid is None]
+        if not others and (units[unit].state in ACTIVE or (proxy_only and seen and not unnamed)):
+            # held by its running unit (or a process pdctl may not name: trusted to be the unit's); for the
+            # proxy's wait and status, by a process of the node's own (a proxy still stopping)
+            continue
         problems.append(taken(b.port, b.host, b.owner, others or seen))
     return problems
 
