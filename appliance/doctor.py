@@ -21,8 +21,8 @@ from appliance.engine.command import server_command
 from appliance.errors import PdctlError
 from appliance.heads import read_heads
 from appliance.inventory import Inventory
-from appliance.plan import Plan, all_ports
-from appliance.ports import port_free
+from appliance.plan import Plan, all_ports, busy_ports
+from appliance.ports import holders, port_free, taken
 from appliance.settings import Settings
 
 Status = Literal["ok", "warn", "fail"]
@@ -80,29 +80,23 @@ def probe_engine(python: str, connector: str, timeout: float = 180.0) -> dict[st
     return result
 
 
-def _port_owner(port: int) -> str | None:
+def check_ports(settings: Settings, p: Plan) -> Finding:
+    """Every planned port is free on the address it binds, or held by its own running unit: the same rule as
+    `pdctl up` and `status` (node.port_conflicts: the manager must run the holder; a command line that merely
+    looks like vLLM's is nobody's proof)."""
+    from appliance.node import Node, port_conflicts
+
     try:
-        for conn in psutil.net_connections(kind="inet"):
-            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
-                return " ".join(psutil.Process(conn.pid).cmdline())
-    except (psutil.Error, OSError):
-        return None
-    return None
-
-
-def check_ports(p: Plan) -> Finding:
-    """Every planned port is free, or held by this deployment's own processes."""
-    busy = []
-    for port, owner in all_ports(p.instances, p.proxy):
-        if port_free("127.0.0.1", port):
-            continue
-        holder = _port_owner(port) or "another process"
-        if any(mark in holder for mark in ("appliance.proxy", "appliance.engine", "vllm.entrypoints")):
-            continue  # our own running deployment
-        busy.append(f"{port} ({owner}) held by {holder[:60]}")
+        busy = port_conflicts(p, Node(settings).manager(p))
+    except PdctlError:  # no manager to ask (e.g. systemd chosen where it is not PID 1): every holder is foreign
+        ports = busy_ports(p, port_free)
+        found = holders([(b.host, b.port) for b in ports])
+        busy = [taken(b.port, b.host, b.owner, found[(b.host, b.port)]) for b in ports]
     if busy:
-        return Finding("ports", "fail", "; ".join(busy[:3]), "stop what holds them, or move the base ports in the settings")
-    return Finding("ports", "ok", f"{len(all_ports(p.instances, p.proxy))} planned ports free or ours")
+        more = f" (+{len(busy) - 3} more)" if len(busy) > 3 else ""
+        return Finding("ports", "fail", "; ".join(busy[:3]) + more,
+                       "stop what holds them, or move the base ports in the settings")
+    return Finding("ports", "ok", f"{len(all_ports(p.instances, p.proxy))} planned ports free or held by their own units")
 
 
 def check_model(settings: Settings, p: Plan) -> list[Finding]:
@@ -325,7 +319,7 @@ def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout:
     need = connector.rdma(settings.connector.moriio_backend)
     findings.append(check_rdma(p.connector, need))
     findings.append(check_memlock(settings, p, pins_memory=need is not None))
-    findings.append(check_ports(p))
+    findings.append(check_ports(settings, p))
     findings.extend(check_model(settings, p))
     findings.extend(check_tp(p))
     return findings

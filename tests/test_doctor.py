@@ -74,6 +74,23 @@ def test_busy_port_is_a_failure(tmp_path: Path) -> None:
     assert rc == 1 and ports["status"] == "fail" and str(PREFILL) in ports["detail"]
 
 
+def test_a_foreign_process_that_looks_like_vllm_is_not_ours(tmp_path: Path) -> None:
+    # a command line naming vLLM's server is no proof the port is this deployment's: nothing pdctl runs holds it
+    script = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen();"
+              " print('ready', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(DECODE), "vllm.entrypoints.openai.api_server"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        rc, findings = doctor(tmp_path, sys.executable, "--engine", "sim")
+    finally:
+        holder.kill()
+        holder.wait()
+    ports = next(f for f in findings if f["check"] == "ports")
+    assert rc == 1 and ports["status"] == "fail", ports
+    assert f"port {DECODE} on 127.0.0.1" in ports["detail"] and f"pid {holder.pid}" in ports["detail"]
+
+
 def test_exit_code_follows_failures() -> None:
     assert summary_exit_code([Finding("a", "ok", ""), Finding("b", "warn", "")]) == 0
     assert summary_exit_code([Finding("a", "fail", "")]) == 1
