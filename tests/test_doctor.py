@@ -13,6 +13,10 @@ import pytest
 
 from appliance.connector import get_connector
 from appliance.doctor import Finding, check_rdma, summary_exit_code
+from appliance.inventory import load_inventory
+from appliance.node import Node
+from appliance.plan import plan
+from appliance.settings import load_settings
 from appliance.ports import free_ports, port_free
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
@@ -89,6 +93,26 @@ def test_a_foreign_process_that_looks_like_vllm_is_not_ours(tmp_path: Path) -> N
     ports = next(f for f in findings if f["check"] == "ports")
     assert rc == 1 and ports["status"] == "fail", ports
     assert f"port {DECODE} on 127.0.0.1" in ports["detail"] and f"pid {holder.pid}" in ports["detail"]
+
+
+def test_checks_the_layout_a_rebalance_recorded(tmp_path: Path) -> None:
+    # doctor checks what `pdctl up` would deploy: the recorded layout's second decode, unless --ignore-layout
+    doctor(tmp_path, sys.executable, "--engine", "sim")  # writes the settings file the helper uses
+    settings = load_settings(tmp_path / "pdctl.toml", {"engine": {"kind": "sim"}})
+    rebalanced = plan(load_settings(tmp_path / "pdctl.toml", {"engine": {"kind": "sim"}, "decode": {"instances": 2}}),
+                      load_inventory("sim:cpu"))
+    Node(settings).record_layout(rebalanced)
+    port = rebalanced.instance("decode-1").http_port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        rc, findings = doctor(tmp_path, sys.executable, "--engine", "sim")
+        rows = {f["check"]: f for f in findings}
+        assert rc == 1 and rows["ports"]["status"] == "fail" and f"port {port} " in rows["ports"]["detail"]
+        assert "applied over the settings" in rows["layout"]["detail"]
+        rc, findings = doctor(tmp_path, sys.executable, "--engine", "sim", "--ignore-layout")
+        rows = {f["check"]: f for f in findings}
+        assert rc == 0 and rows["ports"]["status"] == "ok" and "ignored" in rows["layout"]["detail"]
 
 
 def test_exit_code_follows_failures() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from appliance.cli.options import console, obtain, overrides_from, plan_options
+from appliance.cli.options import console, layout_option, node_overrides, obtain, plan_options
 from appliance.doctor import Finding, as_json, refused_findings, run_checks, summary_exit_code
 from appliance.errors import ConfigError, PlanError
 from appliance.inventory import load_inventory
@@ -40,17 +40,22 @@ STYLE = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[r
 
 @click.command()
 @plan_options
+@layout_option
 @click.option("--json", "as_json_", is_flag=True, help="Print the findings as JSON.")
 @click.pass_context
 def doctor(ctx: click.Context, /, as_json_: bool, **options: Any) -> None:
     """Check GPUs, vLLM, the connector library, RDMA, memlock, ports, model, disk and memory."""
     try:
-        settings, inventory = obtain(ctx, overrides_from(options))
+        settings, _ = obtain(ctx)
+        # the plan `pdctl up` would deploy: the layout a rebalance recorded applies here as it does there
+        overrides, layout_note = node_overrides(Node(settings), options)
+        settings, inventory = obtain(ctx, overrides)
     except ConfigError as exc:
         findings = _despite_broken_settings(ctx, exc)
     else:
         try:
-            findings = run_checks(settings, inventory, plan(settings, inventory))
+            layout = [Finding("layout", "ok", layout_note)] if layout_note else []
+            findings = layout + run_checks(settings, inventory, plan(settings, inventory))
         except PlanError as exc:
             # A partitioned AMD node has no plan, but its rows (partition mode, XGMI) say what to change.
             if not inventory.partitioned:
