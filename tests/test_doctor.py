@@ -16,8 +16,8 @@ from appliance.doctor import Finding, check_rdma, summary_exit_code
 from appliance.inventory import load_inventory
 from appliance.node import Node
 from appliance.plan import plan
-from appliance.settings import load_settings
 from appliance.ports import free_ports, port_free
+from appliance.settings import load_settings
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 
