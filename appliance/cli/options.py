@@ -54,7 +54,7 @@ def plan_options(func: F) -> F:
 
 
 def layout_option(func: F) -> F:
-    """--ignore-layout, for the commands that apply the layout a rebalance recorded (up, plan, export)."""
+    """--ignore-layout, for the commands that apply the layout a rebalance recorded (up, plan, doctor, export)."""
     return click.option(
         "--ignore-layout", is_flag=True,
         help="Plan from the settings and flags alone, without the layout `pdctl rebalance` recorded (layout.json "
