@@ -21,8 +21,7 @@ from appliance.engine.command import server_command
 from appliance.errors import PdctlError
 from appliance.heads import read_heads
 from appliance.inventory import Inventory
-from appliance.plan import Plan, all_ports, busy_ports
-from appliance.ports import holders, port_free, taken
+from appliance.plan import Plan, all_ports
 from appliance.settings import Settings
 
 Status = Literal["ok", "warn", "fail"]
@@ -84,14 +83,14 @@ def check_ports(settings: Settings, p: Plan) -> Finding:
     """Every planned port is free on the address it binds, or held by its own running unit: the same rule as
     `pdctl up` and `status` (node.port_conflicts: the manager must run the holder; a command line that merely
     looks like vLLM's is nobody's proof)."""
+    from appliance.manager import ServiceManager
     from appliance.node import Node, port_conflicts
 
     try:
-        busy = port_conflicts(p, Node(settings).manager(p))
-    except PdctlError:  # no manager to ask (e.g. systemd chosen where it is not PID 1): every holder is foreign
-        ports = busy_ports(p, port_free)
-        found = holders([(b.host, b.port) for b in ports])
-        busy = [taken(b.port, b.host, b.owner, found[(b.host, b.port)]) for b in ports]
+        manager: ServiceManager | None = Node(settings).manager(p)
+    except PdctlError:  # no manager to ask (e.g. systemd chosen where it is not PID 1)
+        manager = None
+    busy = port_conflicts(p, manager)
     if busy:
         more = f" (+{len(busy) - 3} more)" if len(busy) > 3 else ""
         return Finding("ports", "fail", "; ".join(busy[:3]) + more,

@@ -83,16 +83,19 @@ def proxy_state(plan: Plan) -> dict[str, Any] | None:
 PORT_FIX = "stop that process, or move the port in pdctl.toml"
 
 
-def port_conflicts(plan: Plan, manager: ServiceManager, *, proxy_only: bool = False) -> list[str]:
+def port_conflicts(plan: Plan, manager: ServiceManager | None, *, proxy_only: bool = False) -> list[str]:
     """The plan's ports (or only the proxy's) that something other than their own running unit holds, one line
     each: the port, the address, what the plan binds there and the process (pid and name where pdctl may see it).
 
     A busy port of a running unit is its own unless a process the manager does not run holds it; with
-    `proxy_only` (a proxy that does not answer) only such processes, or ones pdctl may not name, count."""
+    `proxy_only` (a proxy that does not answer) only such processes, or ones pdctl may not name, count. With no
+    manager to ask (None), no unit runs: every holder is another process."""
     busy = [b for b in busy_ports(plan, port_free) if not (proxy_only and b.instance is not None)]
     if not busy:
         return []
     found = holders([(b.host, b.port) for b in busy])
+    if manager is None:
+        return [taken(b.port, b.host, b.owner, found[(b.host, b.port)]) for b in busy]
     units = manager.status()
     problems = []
     for b in busy:

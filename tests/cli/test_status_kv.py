@@ -22,25 +22,34 @@ def _pdctl(config: Path, *args: str, env: dict[str, str] | None = None) -> subpr
                           env=dict(os.environ, **(env or {"PDCTL_INVENTORY": "sim:cpu"})))
 
 
+def _nixl_settings(tmp_path: Path, proxy: int, top: str = "", connector: str = "") -> str:
+    """A NIXL deployment of simulated engines under supervisord, every port free; `top` and `connector`: more
+    top-level keys and [connector] keys."""
+    return (f'state_dir = "{tmp_path / "state"}"\nmanager = "supervisor"\n{top}'
+            f'[connector]\nname = "nixl"\n{connector}'
+            f"[prefill]\nhttp_port = {free_port()}\nhandshake_port = {free_port()}\n"
+            f"[decode]\nhttp_port = {free_port()}\nhandshake_port = {free_port()}\n"
+            f"[proxy]\nport = {proxy}\nadmin_port = {free_port()}\n")
+
+
+def _complete(proxy: int, times: int, max_tokens: int) -> None:
+    """`times` completions through the proxy, each answered 200."""
+    body = json.dumps({"prompt": "one two three four five six", "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    for _ in range(times):
+        request = urllib.request.Request(f"http://127.0.0.1:{proxy}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            assert answer.status == 200
+
+
 def test_status_reports_the_transfers_the_pushing_prefill_posted(tmp_path: Path) -> None:
     proxy = free_port()
     config = tmp_path / "pdctl.toml"
-    config.write_text(
-        f'state_dir = "{tmp_path / "state"}"\nmanager = "supervisor"\n[engine]\nkind = "sim"\n'
-        '[connector]\nname = "nixl"\nmode = "write"\n'
-        f"[prefill]\nhttp_port = {free_port()}\nhandshake_port = {free_port()}\n"
-        f"[decode]\nhttp_port = {free_port()}\nhandshake_port = {free_port()}\n"
-        f"[proxy]\nport = {proxy}\nadmin_port = {free_port()}\n"
-    )
+    config.write_text(_nixl_settings(tmp_path, proxy, '[engine]\nkind = "sim"\n', 'mode = "write"\n'))
     up = _pdctl(config, "up")
     assert up.returncode == 0, up.stdout + up.stderr
     try:
-        body = json.dumps({"prompt": "one two three four five six", "max_tokens": 4, "ignore_eos": True}).encode()
-        for _ in range(3):
-            request = urllib.request.Request(f"http://127.0.0.1:{proxy}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=30) as answer:
-                assert answer.status == 200
+        _complete(proxy, 3, 4)
         status = _pdctl(config, "status", "--json")
         doc = {i["name"]: i for i in json.loads(status.stdout)["instances"]}
         pushed = doc["prefill-0"]["kv_transfer"]
@@ -67,20 +76,11 @@ def test_status_warns_when_cross_layer_blocks_were_asked_but_descriptors_are_per
     (model / "config.json").write_text(json.dumps(QWEN3_32B))  # the sim moves this shape's 256 KiB per token
     proxy = free_port()
     config = tmp_path / "pdctl.toml"
-    base = (f'state_dir = "{tmp_path / "state"}"\nmanager = "supervisor"\n[model]\npath = "{model}"\n'
-            f'[connector]\nname = "nixl"\n'
-            f"[prefill]\nhttp_port = {free_port()}\nhandshake_port = {free_port()}\n"
-            f"[decode]\nhttp_port = {free_port()}\nhandshake_port = {free_port()}\n"
-            f"[proxy]\nport = {proxy}\nadmin_port = {free_port()}\n")
+    base = _nixl_settings(tmp_path, proxy, f'[model]\npath = "{model}"\n')
     env = {"PDCTL_INVENTORY": "sim:h200-2"}
 
     def hand_offs() -> dict[str, Any]:
-        body = json.dumps({"prompt": "one two three four five six", "max_tokens": 2, "ignore_eos": True}).encode()
-        for _ in range(2):
-            request = urllib.request.Request(f"http://127.0.0.1:{proxy}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=30) as answer:
-                assert answer.status == 200
+        _complete(proxy, 2, 2)
         status = _pdctl(config, "status", "--json", env=env)
         return dict(json.loads(status.stdout))
 

@@ -129,12 +129,7 @@ def test_supervisord_reads_back_every_argument_and_variable(tmp_path: Path) -> N
     (conf,) = render_supervisor(p, OPTS)
     assert conf.mode == 0o600
     (Path(state) / "supervisor" / "logs").mkdir(parents=True)  # supervisord checks that log dirs exist
-    path = tmp_path / "supervisord.conf"
-    path.write_text(conf.text)
-    options = ServerOptions()
-    options.configfile = str(path)
-    options.process_config(do_usage=False)
-    (group,) = options.process_group_configs
+    group = read_back(conf.text, tmp_path)
     assert group.name == "pd"
     programs = {c.name: c for c in group.process_configs}
     assert list(programs) == ["pd-prefill-0", "pd-decode-0", "pd-proxy"]
@@ -155,15 +150,21 @@ def test_supervisor_rejects_values_it_cannot_carry() -> None:
         environment_value({"X": "'quoted'"})
 
 
-def supervisor_env(p: Plan, tmp_path: Path) -> dict[str, dict[str, str]]:
-    """Each engine program's environment as supervisord itself parses the rendered conf."""
-    (conf,) = render_supervisor(p, OPTS)
+def read_back(text: str, tmp_path: Path) -> Any:
+    """The one program group supervisord itself parses from a rendered conf."""
     path = tmp_path / "supervisord.conf"
-    path.write_text(conf.text)
+    path.write_text(text)
     options = ServerOptions()
     options.configfile = str(path)
     options.process_config(do_usage=False)
     (group,) = options.process_group_configs
+    return group
+
+
+def supervisor_env(p: Plan, tmp_path: Path) -> dict[str, dict[str, str]]:
+    """Each engine program's environment as supervisord itself parses the rendered conf."""
+    (conf,) = render_supervisor(p, OPTS)
+    group = read_back(conf.text, tmp_path)
     return {c.name: c.environment or {} for c in group.process_configs if c.name != "pd-proxy"}
 
 
