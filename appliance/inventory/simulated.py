@@ -34,6 +34,7 @@ SIMULATED = {
     "mi300x-8": lambda: _node("amd", "AMD Instinct MI300X", 196_592, 8, "XGMI", "sim:mi300x-8"),
     "h200-8": lambda: _node("nvidia", "NVIDIA H200", 143_771, 8, "NVLINK", "sim:h200-8"),
     "h200-2": lambda: _node("nvidia", "NVIDIA H200", 143_771, 2, "NVLINK", "sim:h200-2"),
+    "h200-1": lambda: _node("nvidia", "NVIDIA H200", 143_771, 1, "NVLINK", "sim:h200-1"),
     "cpu": lambda: Inventory(source="sim:cpu", notes=["simulated CPU-only node"]),
 }
 
