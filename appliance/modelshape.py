@@ -23,6 +23,16 @@ class ModelShape:
     params_total: float
     params_active: float  # per token (MoE: the experts a token visits)
     attention_heads: int = 0  # query heads: a prompt token's attention FLOPs grow with heads x head_dim x context
+    experts: int = 0  # MoE: routed experts per layer (0: dense)
+    experts_per_token: int = 0  # MoE: the experts each token visits
+    expert_params: float = 0.0  # MoE: every layer's routed experts together (part of params_total)
+
+    def experts_touched(self, tokens: float) -> float:
+        """The expected share of the routed experts that `tokens` tokens in one step visit (uniform
+        routing): 1 - (1 - k/E)^tokens. A dense model reads all its weights every step: 1."""
+        if not self.experts or not self.experts_per_token:
+            return 1.0
+        return 1.0 - float((1.0 - self.experts_per_token / self.experts) ** max(0.0, tokens))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -71,5 +81,6 @@ def model_shape(cfg: dict[str, Any]) -> ModelShape | None:
     else:
         mlp_total = mlp_active = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden)
     embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    moe = (experts, per_token, layers * mlp_total) if experts and per_token else (0, 0, 0.0)
     return ModelShape(layers, kv, head_dim, dtype, layers * (attention + mlp_total) + embed,
-                      layers * (attention + mlp_active) + embed, heads)
+                      layers * (attention + mlp_active) + embed, heads, *moe)

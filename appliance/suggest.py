@@ -4,8 +4,10 @@ Candidates: every colocated shape (N instances x TP over the usable GPUs, each w
 budget B = max_num_batched_tokens from BUDGETS and the engine's default) and every prefill:decode split
 (instances x TP per role) that the planner accepts and the model's heads allow.
 
-The engine step (continuous batching): a step costs `step(n) = base + per_seq x n` for n running
-sequences (per_seq: each sequence's KV read). Prefill compute of c prompt tokens attending to k tokens on
+The engine step (continuous batching): a step costs `step(n) = base(n) + per_seq x n` for n running
+sequences (per_seq: each sequence's KV read; base: the weights the step streams, constant for a dense model,
+for an MoE one the non-expert weights and routing plus the share 1 - (1 - k/E)^tokens of the experts the
+step's tokens visit). Prefill compute of c prompt tokens attending to k tokens on
 average is `c x (prefill_us_per_token + k x prefill_us_per_context_token)`. TP t divides a cost by
 eff(t) = t x factor^log2(t) (a factor for prefill and one for decode: TP is never free).
 
@@ -101,6 +103,28 @@ H200_TRANSFER_US_PER_DESCRIPTOR = 4.3
 # running streams' gap by ~1.2 us per prompt token: with a join in the gap, ITL p99 +9-10 ms at 8000 tokens
 # (READ and WRITE with 0.6 ms posts; summarize.py --joins in results/gpu-h200x2/README.md).
 H200_JOIN_US_PER_PROMPT_TOKEN = 1.2
+# MoE (Qwen3-30B-A3B shape, 48 layers x 128 experts, 8 per token; results/gpu-h200x1/moe-s3, 1 x H200): a
+# decode step streams the non-expert weights and the share of the experts its tokens visit, at the dense
+# bandwidth above, plus the routing kernels (router, top-k, token sorting) of each MoE layer: 55 us per layer,
+# from the 1-GPU decode of colocated-1-w8000x200 at 0.6 req/s: median gap 4.7 ms for one running sequence
+# (3.1 GB non-expert + 6.25 % of 58 GB experts + 0.8 GB of KV = 2.05 ms of reads). The same arithmetic gives
+# 17.9 / 29.0 / 32.1 ms at 25 / 150 / 200 running where the 2000/1000 sweeps measured 19.2 / 31 / 32.7 ms.
+H200_MOE_US_PER_LAYER = 55.0
+# A prefill chunk hides much less of its compute under an MoE step's weight streaming than under a dense one
+# (H200_CHUNK_OVERLAP): from colocated-1-mbt256-w8000x200's TTFT min, 682 ms = 31 + 32 chunk steps of 20.3 ms
+# = 19.7 ms (every expert read, one running sequence) + 3.6 ms of chunk compute - 0.15 x 19.5 ms. The same
+# arithmetic gives 23.6 / 46 / 131 ms per step for budgets 512 / 2048 / the whole 8000-token prompt, where
+# those runs' TTFT min gives 23.8 / 47 / 129 ms.
+H200_MOE_CHUNK_OVERLAP = 0.15
+# But a step that mixes running decodes with more prompt tokens than vLLM's largest CUDA graph (512 tokens in
+# these runs: "PIECEWISE=51 (largest=512)") was much slower than that for the MoE shape: the running streams'
+# gaps in such steps had a median of 80 ms in colocated-1-mbt2048-w8000x200 at 1.0 req/s (2,048-token chunks,
+# 46 ms by the arithmetic above, 47 ms per chunk from the same run's TTFT min, when no decode ran beside
+# them). Taken as a floor for such steps: 80 ms / 48 layers = 1.67 ms per MoE layer. Other rates and runs put
+# those gaps' median at 52-91 ms; the cause (eager execution above the largest graph is the suspect) is not
+# established, and the dense runs show no such floor (their prompt steps are compute-bound above it).
+H200_MOE_MIXED_US_PER_LAYER = 1670.0
+VLLM_CUDAGRAPH_MAX_TOKENS = 512  # vLLM 0.24's largest captured CUDA graph (tokens per step) on these runs
 # KV cache: vLLM's budget is GPU memory x gpu_memory_utilization - weights; activations and CUDA graphs come
 # out of the rest. This gives 267,626 tokens per H200 at TP1; vLLM reported 269,312 (README, 2000/1000 runs).
 H200_RESERVE_GIB = 0.0
@@ -131,6 +155,11 @@ class Profile:
     transfer_us_per_token: float = 0.0
     link_gbps: float | None = None
     join_us_per_prompt_token: float = 0.0  # a joining request's first decode step, felt by the running streams
+    expert_step_ms: float = 0.0  # MoE: streaming every routed expert's weights at TP1 (a step reads the share
+    experts: int = 0  # its tokens visit: 1 - (1 - k/E)^tokens); decode_step_ms holds the rest
+    experts_per_token: int = 0
+    mixed_floor_ms: float = 0.0  # a step of running decodes and over graph_tokens prompt tokens: at least this
+    graph_tokens: int = 0  # the largest CUDA graph's tokens (0: no floor)
     kv_bytes_per_token: int | None = None
     layers: int = 1
     block_size: int = VLLM_DEFAULT_BLOCK_SIZE
@@ -222,6 +251,13 @@ class Prediction:
         return self.candidate.layout
 
 
+def _touched(p: Profile, tokens: float) -> float:
+    """The expected share of routed experts a step of `tokens` tokens reads (ModelShape.experts_touched)."""
+    if not p.experts or not p.experts_per_token:
+        return 1.0
+    return 1.0 - float((1.0 - p.experts_per_token / p.experts) ** max(0.0, tokens))
+
+
 def _eff(tp: int, factor: float = 0.9) -> float:
     return float(tp * factor ** math.log2(tp))
 
@@ -249,18 +285,24 @@ def h200_profile(settings: Settings, inventory: Inventory, model: ModelShape, bl
     def kv_tokens(tp: int) -> float:
         return max(0.0, mem * util - model.weight_bytes / tp - H200_RESERVE_GIB * GIB) / kvb
 
+    experts = model.expert_params * model.dtype_bytes  # MoE: the routed experts' bytes (0: dense)
+    routing = model.layers * H200_MOE_US_PER_LAYER / 1000 if experts else 0.0
     name = gpu.name if gpu else "no GPU"
     note = "" if "H200" in name else f" (this node has {name}: uncalibrated there)"
     return Profile(
         prefill_us_per_token=linear / (H200_PREFILL_TFLOPS * 1e12) * 1e6,
-        decode_step_ms=model.weight_bytes / (H200_WEIGHT_TBPS * 1e12) * 1e3,
+        decode_step_ms=(model.weight_bytes - experts) / (H200_WEIGHT_TBPS * 1e12) * 1e3 + routing,
+        expert_step_ms=experts / (H200_WEIGHT_TBPS * 1e12) * 1e3, experts=model.experts,
+        experts_per_token=model.experts_per_token,
+        mixed_floor_ms=model.layers * H200_MOE_MIXED_US_PER_LAYER / 1000 if experts else 0.0,
+        graph_tokens=VLLM_CUDAGRAPH_MAX_TOKENS,
         decode_step_ms_per_seq=0.0,
         max_num_seqs=settings.decode.max_num_seqs or 1024,
         source="constants calibrated on 2 x H200 (vLLM 0.24.0, Qwen3-32B shape), scaled by config.json" + note,
         prefill_tp_factor=H200_PREFILL_TP_FACTOR, decode_tp_factor=H200_DECODE_TP_FACTOR,
         kv_read_tbps=H200_KV_TBPS, ttft_overhead_ms=H200_TTFT_OVERHEAD_MS,
         prefill_us_per_context_token=attention / (H200_PREFILL_TFLOPS * 1e12) * 1e6,
-        chunk_overlap=H200_CHUNK_OVERLAP, post_ms=H200_POST_MS,
+        chunk_overlap=H200_MOE_CHUNK_OVERLAP if experts else H200_CHUNK_OVERLAP, post_ms=H200_POST_MS,
         post_us_per_descriptor=H200_POST_US_PER_DESCRIPTOR,
         transfer_us_per_descriptor=H200_TRANSFER_US_PER_DESCRIPTOR, link_gbps=H200_LINK_GBPS,
         join_us_per_prompt_token=H200_JOIN_US_PER_PROMPT_TOKEN,
@@ -357,17 +399,25 @@ def _itl_attainment(judgement: str, gap: float, slow: float, q: float, output_le
     return _poisson_cdf(_tolerated(judgement, gaps, gap, slow, slo_ms), min(1.0, q) * gaps)
 
 
-def _decode(rate: float, output_len: int, base: float, per_seq: float, stall: float) -> tuple[float, float] | None:
+def _decode(rate: float, output_len: int, base: Callable[[float], float], per_seq: float,
+            stall: float) -> tuple[float, float] | None:
     """(mean gap ms, running sequences) of a decoding engine at `rate` whose time share `stall` goes to
-    other work (prefill chunks, join stalls): n = rate x O x gap, gap = (base + per_seq x n) / (1 - stall)."""
+    other work (prefill chunks, join stalls): n = rate x O x gap, gap = (base(n) + per_seq x n) / (1 - stall).
+    base(n) is the step's weight streaming: constant for a dense model, growing (concave, bounded by
+    base(inf)) with the experts n tokens visit for an MoE one; so the fixed point is unique, found by
+    bisection under the bound base(inf) gives."""
     free = 1.0 - stall
     if free <= 0:
         return None
     a = rate * output_len / 1000 / free
     if a * per_seq >= 1:
         return None
-    n = a * base / (1 - a * per_seq)
-    return (base + per_seq * n) / free, n
+    lo, hi = 0.0, a * base(math.inf) / (1 - a * per_seq)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if a * (base(mid) + per_seq * mid) > mid else (lo, mid)
+    n = hi
+    return (base(n) + per_seq * n) / free, n
 
 
 def _wait(util: float, service_ms: float) -> float | None:
@@ -410,7 +460,10 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
     assert role is not None
     r = rate / role.instances
     dec_eff = _eff(role.tp, p.decode_tp_factor)
-    base, per_seq = p.decode_step_ms / dec_eff, per_seq_gpu / dec_eff
+    per_seq = per_seq_gpu / dec_eff
+
+    def base(tokens: float) -> float:  # a step of `tokens` tokens: the weights it streams (MoE: the experts visited)
+        return (p.decode_step_ms + p.expert_step_ms * _touched(p, tokens)) / dec_eff
     kv_tokens = p.kv_tokens_per_gpu(role.tp)
     capacity = min(p.max_num_seqs, kv_tokens * role.tp / context) if kv_tokens is not None else float(p.max_num_seqs)
     if cand.colocated is not None:
@@ -421,8 +474,14 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
             if chunk < 1:
                 return _saturated(capacity, "chunk budget")
             chunks = math.ceil(input_len / chunk)
-            extra = max(0.0, _compute_ms(p, chunk, input_len / 2, role.tp) - p.chunk_overlap * base)
-            last = max(0.0, _compute_ms(p, chunk, input_len, role.tp) - p.chunk_overlap * base)
+            # a chunk step streams the weights its n + chunk tokens visit; its compute hides under a share of that
+            full = base(n + chunk)
+            more = full - base(n)  # MoE: the experts only the chunk's tokens visit
+            extra = more + max(0.0, _compute_ms(p, chunk, input_len / 2, role.tp) - p.chunk_overlap * full)
+            last = more + max(0.0, _compute_ms(p, chunk, input_len, role.tp) - p.chunk_overlap * full)
+            if p.graph_tokens and n + chunk > p.graph_tokens and p.mixed_floor_ms:
+                floor = p.mixed_floor_ms - (base(n) + per_seq * n)  # the chunk step's least extra over a decode step
+                extra, last = max(extra, floor), max(last, floor)
             solved = _decode(r, output_len, base, per_seq, r * chunks * extra / 1000)
             if solved is None:
                 return _saturated(capacity, "engine throughput")
@@ -431,7 +490,7 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
             n = solved[1]
         assert solved is not None
         gap, n = solved
-        step = base + per_seq * n
+        step = base(n) + per_seq * n
         service = chunks * (step + extra)
         share = r * chunks * gap / 1000  # of the engine's steps that carry a prompt chunk
         wait = _wait(share, service)
@@ -448,7 +507,7 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
         if solved is None:
             return _saturated(capacity, "decode throughput")
         gap, n = solved
-        step = base + per_seq * n
+        step = base(n) + per_seq * n
         ttft = None if wait is None else p.ttft_overhead_ms + service + 2.3 * wait + transfer + step
         slow, q = step + stall, r * gap / 1000
     att = {j: _itl_attainment(j, gap, slow, q, output_len, itl_slo_ms) for j in JUDGEMENTS}

@@ -67,12 +67,14 @@ def _row(p: Prediction) -> dict[str, Any]:
 
 
 def _describe(console: Console, prof: Profile, settings: Settings, inventory: Inventory, model: ModelShape | None,
-              heads: Heads | None, input_len: int, output_len: int, rate: float) -> None:
+              heads: Heads | None, input_len: int, output_len: int, rate: float, split_fits: bool) -> None:
     console.print(f"profile: {prof.source}")
     per_token = prof.prefill_us_per_token + input_len / 2 * prof.prefill_us_per_context_token  # with attention
     console.print(f"  prefill per GPU: {1e6 / per_token:,.0f} prompt tokens/s at {input_len} tokens "
                   f"({per_token:.3g} us/token); demand {rate * input_len:,.0f} tokens/s")
-    console.print(f"  decode step per GPU: {prof.decode_step_ms:.3g} ms + {prof.decode_step_ms_per_seq:g} ms/seq"
+    experts = (f" + {prof.expert_step_ms:.3g} ms x the share of the {prof.experts} experts its tokens visit "
+               f"({prof.experts_per_token} per token)") if prof.experts else ""
+    console.print(f"  decode step per GPU: {prof.decode_step_ms:.3g} ms{experts} + {prof.decode_step_ms_per_seq:g} ms/seq"
                   + (f" + each sequence's KV read at {prof.kv_read_tbps:g} TB/s" if prof.kv_read_tbps else ""))
     console.print(f"  TP t: prefill x{prof.prefill_tp_factor:g}^log2(t), decode x{prof.decode_tp_factor:g}^log2(t) "
                   "per doubling")
@@ -84,7 +86,7 @@ def _describe(console: Console, prof: Profile, settings: Settings, inventory: In
         if tokens is not None:
             console.print(f"  KV cache per GPU at TP1: {tokens:,.0f} tokens = {tokens / (input_len + output_len / 2):,.0f} "
                           f"running sequences of {input_len} + {output_len}/2 tokens")
-    if prof.post_us_per_descriptor:
+    if prof.post_us_per_descriptor and split_fits:
         post, transfer = handoff(prof, input_len)
         layout = "cross-layer blocks" if prof.cross_layer else "per-layer blocks"
         stall = (post if prof.post_on_decode else 0.0) + input_len * prof.join_us_per_prompt_token / 1000
@@ -116,7 +118,8 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
     console.print(f"workload: {input_len} prompt + {output_len} output tokens at {rate:g} req/s; SLO TTFT "
                   f"{slo.ttft_ms:g} ms, ITL {slo.itl_ms:g} ms ({slo.itl_judgement}); {len(inventory.gpus)} GPUs "
                   f"({inventory.source})")
-    _describe(console, prof, settings, inventory, model, heads, input_len, output_len, rate)
+    _describe(console, prof, settings, inventory, model, heads, input_len, output_len, rate,
+              split_fits=any(p.layout == "disaggregated" for p in ranked))
     table = Table(show_header=True, header_style="bold")
     for col in ("rank", "shape", "goodput req/s", *(f"goodput {j}" for j in JUDGEMENTS), f"TTFT p90 @{rate:g}",
                 f"ITL {slo.itl_judgement} @{rate:g}", "running / cap", "SLO", "limited by"):

@@ -32,6 +32,7 @@ from appliance.suggest import Candidate, Profile, Shape, goodput, h200_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results" / "gpu-h200x2"
+RESULTS_1GPU = ROOT / "results" / "gpu-h200x1"
 WITHIN = 0.25
 PASS = 0.9  # the attainment a rate must reach (the runs' SLO attainment)
 # The Qwen3-32B shape the H200 runs served (dummy weights): its published config.json's sizes.
@@ -40,6 +41,14 @@ QWEN3_32B: dict[str, Any] = {
     "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
     "vocab_size": 151936, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
 }
+# The Qwen3-30B-A3B MoE shape the 1 x H200 runs served (results/gpu-h200x1): its published config.json's sizes.
+QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+MODELS = {"qwen3-32b": QWEN3_32B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ class Deployment:
     mode: str = "read"
     block_size: int = 128
     cross_layer: bool = True
+    model: str = "qwen3-32b"  # a key of MODELS
+    inventory: str = "sim:h200-2"  # the node it ran on
 
 
 COLOCATED_TP2_256 = Deployment("colocated 1xTP2 mbt256", Candidate("colocated", colocated=Shape(1, 2), budget=256))
@@ -74,6 +85,14 @@ SUMMARIES: dict[str, list[tuple[str, str]]] = {
 }
 DEPLOYMENTS = {d.label: d for d in (READ_CROSS, WRITE_CROSS, COLOCATED_TP2_256, COLOCATED_2X1_256, READ_LAYERS,
                                     WRITE_LAYERS, READ_16)}
+# The MoE shape on 1 x H200 (session 3, results/gpu-h200x1/moe-s3/summary.json): shape name -> deployment.
+MOE_SUMMARY = "moe-s3/summary.json"
+MOE: dict[str, Deployment] = {
+    f"colocated-1{f'-mbt{b}' if b else ''}": Deployment(
+        f"MoE colocated 1xTP1 {f'mbt{b}' if b else '(vLLM default budget)'}",
+        Candidate("colocated", colocated=Shape(1, 1), budget=b), model="qwen3-30b-a3b", inventory="sim:h200-1")
+    for b in (256, 512, 2048, None)
+}
 # bench.json's shapes (2026-11-30, vLLM defaults unless named).
 FIRST_SWEEP = {
     "disagg-read": READ_16,
@@ -110,7 +129,30 @@ _FEW = ("not steady: 20 requests per rate, so a request saw at most 9 later requ
 _RAMP = ("not steady: 80 requests at 4-6 req/s arrive in 13-20 s while each lasts ~30 s, so the engines never "
          "held their steady occupancy (the steady sweep of colocated 2x1 mbt256 passed 4 req/s and collapsed at "
          "5.5, TTFT 20 s); the model's ceiling for this shape is {predicted:.2f} req/s")
+_M256 = MOE["colocated-1-mbt256"].label
+_M512 = MOE["colocated-1-mbt512"].label
+_M2048 = MOE["colocated-1-mbt2048"].label
+_MOE_TTFT = ("16 requests measured at 0.7 req/s (the Poisson draw's realized rate: 0.54/s) had a TTFT p90 of "
+             "1.14 s (min 682 ms: 32 chunk steps); the model's M/D/1 queue of those 32-step prefills puts the p90 "
+             "at 0.83 s there, and the sample's tail is longer")
+_MOE_LAST = ("chunk steps at the prompt's full context: the gaps with a chunk in them measured a median of 29 ms "
+             "and a p99 of 39-40 ms at 1.5-3.5 req/s; the model's slowest chunk step (the last, 512 tokens at "
+             "8,000 of context) is 27.0 ms, under the 30 ms target")
+_MOE_FLOOR = ("the MoE mixed-step floor (80 ms, suggest.py H200_MOE_MIXED_US_PER_LAYER) is the median of those "
+              "steps' gaps at the lowest rate of another run and is charged to every prompt step; here the mean "
+              "gap stayed under 30 ms at 3 and 4.5 req/s (the model's: 39.6 ms at 3): those steps ran shorter or "
+              "rarer than the floor says")
 MISS_NOTES: dict[tuple[str, str, str], str] = {
+    **{(_M256, "2000/1000", f"{t}/30/max"): _TAIL.format(
+        seen="at 2 req/s every one of 34 requests had a gap over 30 ms; their ITL p99 was 25 ms")
+       for t in (1000, 2000, 3000)},
+    **{(_M256, "8000/200", f"1000/{i}/{j}"): _MOE_TTFT for i in (30, 50) for j in ("p99", "max", "mean")},
+    **{(_M256, "8000/200", f"{t}/30/max"): _TAIL.format(seen="5 of 16 requests had one over 30 ms at 0.7 req/s")
+       for t in (2000, 3000)},
+    **{(_M512, "2000/1000", f"{t}/50/max"): _TAIL.format(
+        seen="at 4 req/s each of 20 requests had one over 50 ms; their ITL p99 was 24.5 ms") for t in (2000, 3000)},
+    **{(_M512, "8000/200", f"{t}/30/{j}"): _MOE_LAST for t in (2000, 3000) for j in ("p99", "max")},
+    **{(_M2048, "2000/1000", f"{t}/30/mean"): _MOE_FLOOR for t in (1000, 2000, 3000)},
     ("colocated 1xTP2 mbt256", "8000/200", "1000/30/max"): _TAIL.format(
         seen="at 0.4 req/s one request in 13 had a gap over 30 ms and one missed TTFT 1 s: 85 % met"),
     ("colocated 1xTP2 mbt256", "8000/200", "2000/30/max"): _TAIL.format(seen="27 % of requests had one over 30 ms at 0.7 req/s"),
@@ -164,18 +206,22 @@ def shown(a: float | None, b: float | None) -> str:
 
 def profile(d: Deployment, shape: ModelShape) -> Profile:
     """The h200 profile with the deployment's hand-off (block size, layout, who posts)."""
-    settings = Settings.model_validate({"engine": {"kind": "vllm"}, "model": {"path": "qwen3-32b"},
+    settings = Settings.model_validate({"engine": {"kind": "vllm"}, "model": {"path": d.model},
                                         "connector": {"name": "nixl", "mode": d.mode}})
-    return h200_profile(settings, load_inventory("sim:h200-2"), shape, d.block_size, d.cross_layer)
+    return h200_profile(settings, load_inventory(d.inventory), shape, d.block_size, d.cross_layer)
 
 
-def measured_rows(results: Path = RESULTS) -> list[dict[str, Any]]:
+def measured_rows(results: Path = RESULTS, results_1gpu: Path = RESULTS_1GPU) -> list[dict[str, Any]]:
     """Every measured goodput interval: deployment, workload, SLO, (a, b), source, steady."""
     rows: list[dict[str, Any]] = []
-    for label, sources in SUMMARIES.items():
+    summaries = [(label, [(results / name, name, shape) for name, shape in sources])
+                 for label, sources in SUMMARIES.items()]
+    summaries += [(d.label, [(results_1gpu / MOE_SUMMARY, f"gpu-h200x1/{MOE_SUMMARY}", shape)])
+                  for shape, d in MOE.items()]
+    for label, files in summaries:
         per: dict[tuple[int, int], dict[str, list[tuple[float, float]]]] = {}
-        for name, shape in sources:
-            for entry in json.loads((results / name).read_text()):
+        for path, _, shape in files:
+            for entry in json.loads(path.read_text()):
                 if entry["shape"] != shape:
                     continue
                 for w in entry["workloads"].values():
@@ -189,7 +235,7 @@ def measured_rows(results: Path = RESULTS) -> list[dict[str, Any]]:
                 a, b = interval(rates)
                 rows.append({"deployment": label, "input_len": inp, "output_len": out, "ttft_ms": float(ttft[4:]),
                              "itl_ms": float(itl[3:]), "judgement": judgement, "a": a, "b": b,
-                             "rates": sorted(r for r, _ in rates), "source": " + ".join(n for n, _ in sources),
+                             "rates": sorted(r for r, _ in rates), "source": " + ".join(n for _, n, _ in files),
                              "steady": True})
     first = json.loads((results / "bench.json").read_text())
     w = first["workload"]
@@ -211,12 +257,14 @@ def measured_rows(results: Path = RESULTS) -> list[dict[str, Any]]:
 
 def check(results: Path = RESULTS) -> list[dict[str, Any]]:
     """The measured rows with the model's prediction and verdict."""
-    shape = model_shape(QWEN3_32B)
-    assert shape is not None
-    deployments = {**DEPLOYMENTS, **{d.label: d for d in FIRST_SWEEP.values()}, **{d.label: d for d, *_ in ISSUE_TABLE}}
+    shapes = {name: model_shape(cfg) for name, cfg in MODELS.items()}
+    deployments = {**DEPLOYMENTS, **{d.label: d for d in FIRST_SWEEP.values()}, **{d.label: d for d, *_ in ISSUE_TABLE},
+                   **{d.label: d for d in MOE.values()}}
     out = []
     for row in measured_rows(results):
         d = deployments[row["deployment"]]
+        shape = shapes[d.model]
+        assert shape is not None
         predicted = goodput(profile(d, shape), d.candidate, row["input_len"], row["output_len"], row["ttft_ms"],
                             row["itl_ms"], row["judgement"], PASS)
         key = (row["deployment"], f"{row['input_len']}/{row['output_len']}",
@@ -231,7 +279,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     """The table, with the counts first."""
     steady = [r for r in rows if r["steady"]]
     lines = [
-        "# `pdctl plan --suggest` (h200 profile) against the measured goodputs on 2 x H200",
+        "# `pdctl plan --suggest` (h200 profile) against the goodputs measured on H200",
+        "",
+        "Qwen3-32B shape on 2 x H200 (results/gpu-h200x2); Qwen3-30B-A3B MoE shape (rows `MoE ...`) on 1 x H200",
+        "(results/gpu-h200x1).",
         "",
         "Written by `python benchmarks/gpu/suggest_check.py`. Goodput in req/s; measured `[a, b)`: passed a, failed",
         "b; within 25 %: the prediction lies in [0.75 a, 1.25 b). Workloads: prompt/output tokens; SLO: TTFT ms /",
