@@ -130,7 +130,7 @@ VLLM_CUDAGRAPH_MAX_TOKENS = 512  # vLLM 0.24's largest captured CUDA graph (toke
 H200_RESERVE_GIB = 0.0
 # vLLM 0.24's max_num_batched_tokens when unset, for an API server on a >= 70 GiB GPU (assumed; the
 # issue's table's default row stalls for the whole 2000-token prompt, so it is >= 2000).
-VLLM_GPU_DEFAULT_BUDGET = 8192
+VLLM_GPU_DEFAULT_BUDGET = 8192  # confirmed: results/gpu-h200x1 (the default run compiled range (1, 8192))
 VLLM_DEFAULT_BLOCK_SIZE = 16  # CUDA
 
 
