@@ -128,9 +128,9 @@ VLLM_CUDAGRAPH_MAX_TOKENS = 512  # vLLM 0.24's largest captured CUDA graph (toke
 # KV cache: vLLM's budget is GPU memory x gpu_memory_utilization - weights; activations and CUDA graphs come
 # out of the rest. This gives 267,626 tokens per H200 at TP1; vLLM reported 269,312 (README, 2000/1000 runs).
 H200_RESERVE_GIB = 0.0
-# vLLM 0.24's max_num_batched_tokens when unset, for an API server on a >= 70 GiB GPU (assumed; the
-# issue's table's default row stalls for the whole 2000-token prompt, so it is >= 2000).
-VLLM_GPU_DEFAULT_BUDGET = 8192  # confirmed: results/gpu-h200x1 (the default run compiled range (1, 8192))
+# vLLM 0.24's max_num_batched_tokens when unset, for an API server on a >= 70 GiB GPU: the MoE run at the
+# default logged "Compiling a graph for compile range (1, 8192)" on an H200 (results/gpu-h200x1).
+VLLM_GPU_DEFAULT_BUDGET = 8192
 VLLM_DEFAULT_BLOCK_SIZE = 16  # CUDA
 
 
