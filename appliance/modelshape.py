@@ -28,11 +28,8 @@ class ModelShape:
     expert_params: float = 0.0  # MoE: every layer's routed experts together (part of params_total)
 
     def experts_touched(self, tokens: float) -> float:
-        """The expected share of the routed experts that `tokens` tokens in one step visit (uniform
-        routing): 1 - (1 - k/E)^tokens. A dense model reads all its weights every step: 1."""
-        if not self.experts or not self.experts_per_token:
-            return 1.0
-        return 1.0 - float((1.0 - self.experts_per_token / self.experts) ** max(0.0, tokens))
+        """The share of the routed experts that `tokens` tokens in one step visit (experts_touched)."""
+        return experts_touched(self.experts, self.experts_per_token, tokens)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -48,6 +45,14 @@ class ModelShape:
     def weight_bytes(self) -> float:
         """All weights, at the model's dtype."""
         return self.params_total * self.dtype_bytes
+
+
+def experts_touched(experts: int, per_token: int, tokens: float) -> float:
+    """The expected share of `experts` routed experts that `tokens` tokens in one step visit, each token
+    `per_token` of them (uniform routing): 1 - (1 - k/E)^tokens. Dense (no experts): all weights, 1."""
+    if not experts or not per_token:
+        return 1.0
+    return 1.0 - float((1.0 - per_token / experts) ** max(0.0, tokens))
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}

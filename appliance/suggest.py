@@ -55,7 +55,7 @@ from appliance.connector import disaggregated_name
 from appliance.errors import PdctlError
 from appliance.heads import Heads
 from appliance.inventory.models import Inventory
-from appliance.modelshape import ModelShape
+from appliance.modelshape import ModelShape, experts_touched
 from appliance.plan import _usable, plan
 from appliance.settings import Settings
 
@@ -252,10 +252,8 @@ class Prediction:
 
 
 def _touched(p: Profile, tokens: float) -> float:
-    """The expected share of routed experts a step of `tokens` tokens reads (ModelShape.experts_touched)."""
-    if not p.experts or not p.experts_per_token:
-        return 1.0
-    return 1.0 - float((1.0 - p.experts_per_token / p.experts) ** max(0.0, tokens))
+    """The share of the routed experts a step of `tokens` tokens reads (1 for a dense model)."""
+    return experts_touched(p.experts, p.experts_per_token, tokens)
 
 
 def _eff(tp: int, factor: float = 0.9) -> float:
