@@ -14,16 +14,27 @@ choice carries tokens gets a timestamp. Tokens per chunk come from ``usage.compl
 server streams usage on every chunk (vLLM's ``stream_options.continuous_usage_stats``), else from the
 chunk's ``token_ids`` if present, else one token per non-empty text chunk. Requests are open loop: each is
 sent at its scheduled arrival time whether or not earlier ones have finished.
+
+The client must not stall its own clock. Every stream's timestamps are taken on one event loop, so a pause
+of that loop is a gap in every running stream at once. CPython's full garbage collection walks every list it
+tracks, element by element: with a rate's prompts (lists of token ids) and earlier token timings alive, one
+full collection took ~50 ms (900 requests of 2000 + 1000 tokens, `benchmarks/bench_client_gc.py`), and the
+H200 sweeps saw such simultaneous 75-104 ms gaps every ~14 s that vLLM's own inter-token histogram did not
+have. So token timings accumulate in arrays (their numbers are not objects the collector walks) and,
+while a rate runs, everything built before it (its prompts, earlier rates' results) is frozen out of the
+collector's walk (`gc.freeze`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import random
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -66,8 +77,8 @@ class InFlight:
     scheduled_s: float
     sent_s: float | None = None
     sent_at: float = 0.0
-    chunk_times_s: list[float] = field(default_factory=list)
-    chunk_tokens: list[int] = field(default_factory=list)
+    chunk_times_s: array[float] = field(default_factory=lambda: array("d"))  # arrays: not walked by the GC
+    chunk_tokens: array[int] = field(default_factory=lambda: array("q"))
     latency_s: float | None = None
     prompt_tokens: int | None = None
     usage_tokens: int | None = None
@@ -97,8 +108,8 @@ class InFlight:
             http_status=self.http_status,
             scheduled_s=self.scheduled_s,
             sent_s=self.sent_s if self.sent_s is not None else self.scheduled_s,
-            chunk_times_s=self.chunk_times_s,
-            chunk_tokens=self.chunk_tokens,
+            chunk_times_s=self.chunk_times_s.tolist(),
+            chunk_tokens=self.chunk_tokens.tolist(),
             latency_s=self.latency_s,
             prompt_tokens=self.prompt_tokens,
             output_tokens=self.usage_tokens if self.usage_tokens is not None else counted,
@@ -260,6 +271,26 @@ async def run_rate(
     times = _schedule(run, rng)
     prompts = [prompt(target.prompt_kind, target.input_len, rng, target.token_range) for _ in times]
     reqs = [InFlight(i, f"bench-{seed}-{i}", t) for i, t in enumerate(times)]
+    with _collector_quiet():
+        return await _run(session, target, run, slo, stop, on_done, seed, prompts, reqs)
+
+
+@contextlib.contextmanager
+def _collector_quiet() -> Iterator[None]:
+    """Freeze what exists now (this rate's prompts, earlier results) out of the garbage collector's full
+    walks while the rate runs (module docstring); garbage made before is collected first, and the freeze is
+    undone after, so nothing is kept for good."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+async def _run(session: aiohttp.ClientSession, target: Target, run: RateRun, slo: Slo, stop: asyncio.Event,
+               on_done: Callable[[RequestResult], None] | None, seed: int, prompts: list[list[int] | str],
+               reqs: list[InFlight]) -> RateResult:
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -36,6 +37,10 @@ class _LiveCollector(Collector):
                                     "The longest any request waited in the proxy for a role with no routable instance")
         longest.add_metric([], m.max_hold_s)
         yield longest
+        frozen = GaugeMetricFamily("pdctl_proxy_gc_frozen_objects",
+                                   "Objects frozen out of the garbage collector's walks at start (see python_gc_*)")
+        frozen.add_metric([], gc.get_freeze_count())
+        yield frozen
         registry = m.registry_source()
         if registry is not None:
             for inst in list(registry.instances.values()):
@@ -86,6 +91,7 @@ class ProxyMetrics:
         self.streamed_chunks = 0  # folded into `tokens` at scrape time (no per-token Counter call)
         self._tokens_reported = 0
         self.registry.register(_LiveCollector(self))
+        GCCollector(registry=self.registry)  # python_gc_collections_total{generation}: how often the walks run
 
     def observe_hold(self, waited_s: float) -> None:
         """Record one request that waited in a hold."""

@@ -354,6 +354,10 @@ def test_moriio_write_client_disconnect_aborts_both_legs(moriio_write: Cluster) 
         async with aiohttp.ClientSession() as s, s.get(moriio_write.proxy.url + "/metrics") as r:
             text = await r.text()
         assert "pdctl_proxy_client_aborts_total 1.0" in text
+        # the startup heap left the collector's walks (a stall of every stream at each full collection)
+        frozen = next(line for line in text.splitlines() if line.startswith("pdctl_proxy_gc_frozen_objects "))
+        assert float(frozen.split()[1]) > 10_000
+        assert 'python_gc_collections_total{generation="2"}' in text
         _, state = await get_json(moriio_write.proxy.admin_url + "/admin/state")
         assert all(i["in_flight"] == 0 for i in state["instances"])
 
