@@ -248,7 +248,19 @@ class Proxy(ProxyState):
             return None, error_response(400, "'stream' must be true or false")
         if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
             return None, error_response(400, "'stream_options' must be an object")
+        if isinstance(body.get("prompt"), list):
+            body["prompt"] = walk_free(body["prompt"])
         return body, None
+
+
+def walk_free(prompt: list[Any]) -> tuple[Any, ...]:
+    """A prompt list (token ids, or a batch of them) as tuples, sent to the engines as the same JSON arrays.
+
+    The garbage collector walks a list element by element at every full collection, and every relayed
+    stream waits for that walk; a tuple of numbers is untracked after the first collection it survives. So
+    the prompts of the requests in flight (thousands of token ids each, held while their tokens stream)
+    cost the walks nothing (240 in flight of 2,000 ids: 9 ms a walk as lists, on the development VM)."""
+    return tuple(tuple(p) if isinstance(p, list) else p for p in prompt)
 
 
 def _failure_response(exc: HandoffError) -> web.Response:
