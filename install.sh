@@ -94,14 +94,15 @@ run "$PREFIX/bin/python" -m pip install -q "$SRC[bench]"   # bench: matplotlib f
 
 # --- GPUs and the engine suited to them ------------------------------------------------------------------
 vendor=none
+gpus=0
 if [ "$DRY" = 0 ]; then
-    vendor=$("$PDCTL" inventory --json 2>/dev/null \
-        | "$PREFIX/bin/python" -c 'import json,sys; g=json.load(sys.stdin)["gpus"]; print(g[0]["vendor"] if g else "none")' \
-        || echo none)
+    read -r vendor gpus < <("$PDCTL" inventory --json 2>/dev/null \
+        | "$PREFIX/bin/python" -c 'import json,sys; g=json.load(sys.stdin)["gpus"]; print(g[0]["vendor"] if g else "none", len(g))' \
+        || echo none 0)
 elif command -v rocm-smi >/dev/null || [ -e /dev/kfd ]; then vendor=amd
 elif command -v nvidia-smi >/dev/null; then vendor=nvidia
 fi
-say "GPUs: $vendor"
+say "GPUs: $vendor ($gpus)"
 case "$vendor" in
     amd) extras="amd" ;;
     nvidia) extras="nvidia" ;;
@@ -152,7 +153,11 @@ else
             echo '[engine]'
             if [ -n "$ENGINE_PY" ]; then echo "python = \"$ENGINE_PY\""; else echo 'kind = "sim"'; fi
             echo '[connector]'
-            echo 'name = "auto"'
+            if [ "$gpus" = 1 ]; then
+                echo 'name = "none"   # one GPU: colocated (a disaggregated deployment needs a GPU per role)'
+            else
+                echo 'name = "auto"'
+            fi
         } > "$tmp"
         chmod 0644 "$tmp"
         mv -f "$tmp" "$CONFIG"

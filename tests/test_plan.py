@@ -145,6 +145,8 @@ def test_proxy_config_lists_every_instance() -> None:
         ({"proxy": {"admin_port": 20005}}, "sim:mi300x-8", "port 20005"),
         ({"prefill": {"gpu_count": 4, "dp": 3}}, "sim:mi300x-8", "DP 3 does not divide"),
         ({"proxy": {"admin_host": "0.0.0.0"}}, "sim:mi300x-8", "exposes the admin API without a token"),
+        ({"connector": {"name": "nixl"}}, "sim:h200-1",
+         "prefill gets no GPU: a disaggregated deployment needs at least one GPU per role, and this node has 1"),
     ],
 )
 def test_impossible_requests_fail_with_reason_and_fix(overrides: dict[str, Any], inventory: str, message: str) -> None:
