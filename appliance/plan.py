@@ -256,7 +256,7 @@ def _allocate(settings: Settings, inventory: Inventory, platform: Platform) -> d
             fix="lower a role's gpu_count, tp or instances",
         )
     empty = [r for r in roles if sizes[r] == 0]
-    if empty and platform != "cpu" and len(roles) > 1:
+    if empty and len(roles) > 1:
         raise PlanError(
             f"{' and '.join(empty)} {'gets' if len(empty) == 1 else 'get'} no GPU: a disaggregated deployment needs at least one GPU per role, and "
             f"this node has {len(usable)} usable GPU(s) of {len(gpus)} ({' + '.join(f'{r} {n}' for r, n in sizes.items())})",
