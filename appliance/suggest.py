@@ -296,7 +296,8 @@ def h200_profile(settings: Settings, inventory: Inventory, model: ModelShape, bl
         graph_tokens=VLLM_CUDAGRAPH_MAX_TOKENS,
         decode_step_ms_per_seq=0.0,
         max_num_seqs=settings.decode.max_num_seqs or 1024,
-        source="constants calibrated on 2 x H200 (vLLM 0.24.0, Qwen3-32B shape), scaled by config.json" + note,
+        source="constants calibrated on 2 x H200 (vLLM 0.24.0, Qwen3-32B shape), scaled by config.json"
+               + ("; MoE terms from 1 x H200 (Qwen3-30B-A3B shape)" if experts else "") + note,
         prefill_tp_factor=H200_PREFILL_TP_FACTOR, decode_tp_factor=H200_DECODE_TP_FACTOR,
         kv_read_tbps=H200_KV_TBPS, ttft_overhead_ms=H200_TTFT_OVERHEAD_MS,
         prefill_us_per_context_token=attention / (H200_PREFILL_TFLOPS * 1e12) * 1e6,
