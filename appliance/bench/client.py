@@ -17,24 +17,22 @@ sent at its scheduled arrival time whether or not earlier ones have finished.
 
 The client must not stall its own clock. Every stream's timestamps are taken on one event loop, so a pause
 of that loop is a gap in every running stream at once. CPython's full garbage collection walks every list it
-tracks, element by element: with a rate's prompts (lists of token ids) and earlier token timings alive, one
+tracks, element by element: with a rate's prompts (lists of token ids) and its token timings in lists, one
 full collection took ~50 ms (900 requests of 2000 + 1000 tokens, `benchmarks/bench_client_gc.py`), and the
 H200 sweeps saw such simultaneous 75-104 ms gaps every ~14 s that vLLM's own inter-token histogram did not
-have. So token timings accumulate in arrays (their numbers are not objects the collector walks) and,
-while a rate runs, everything built before it (its prompts, earlier rates' results) is frozen out of the
-collector's walk (`gc.freeze`).
+have. So a rate's prompts are tuples (a tuple of numbers leaves the collector's walk after the first
+collection it survives) and its token timings grow in arrays (whose numbers are not objects to walk).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import random
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -118,7 +116,7 @@ class InFlight:
         )
 
 
-def _payload(target: Target, prompt_value: list[int] | str) -> dict[str, Any]:
+def _payload(target: Target, prompt_value: Sequence[int] | str) -> dict[str, Any]:
     return {
         "model": target.model,
         "prompt": prompt_value,
@@ -160,7 +158,7 @@ def _on_chunk(req: InFlight, data: dict[str, Any], now: float) -> None:
 
 
 async def send(
-    session: aiohttp.ClientSession, target: Target, req: InFlight, prompt_value: list[int] | str, t0: float
+    session: aiohttp.ClientSession, target: Target, req: InFlight, prompt_value: Sequence[int] | str, t0: float
 ) -> None:
     """Send one streamed request and record its chunk timings into `req` as they arrive.
 
@@ -177,7 +175,7 @@ async def send(
 
 
 async def _stream(
-    session: aiohttp.ClientSession, target: Target, req: InFlight, prompt_value: list[int] | str
+    session: aiohttp.ClientSession, target: Target, req: InFlight, prompt_value: Sequence[int] | str
 ) -> None:
     headers = {"X-Request-Id": req.request_id}
     if target.api_key:
@@ -269,32 +267,27 @@ async def run_rate(
     seed = rate_seed(run.seed, run.rate)
     rng = random.Random(seed)
     times = _schedule(run, rng)
-    prompts = [prompt(target.prompt_kind, target.input_len, rng, target.token_range) for _ in times]
+    prompts = rate_prompts(target, rng, len(times))
     reqs = [InFlight(i, f"bench-{seed}-{i}", t) for i, t in enumerate(times)]
-    with _collector_quiet():
-        return await _run(session, target, run, slo, stop, on_done, seed, prompts, reqs)
+    return await _run(session, target, run, slo, stop, on_done, seed, prompts, reqs)
 
 
-@contextlib.contextmanager
-def _collector_quiet() -> Iterator[None]:
-    """Freeze what exists now (this rate's prompts, earlier results) out of the garbage collector's full
-    walks while the rate runs (module docstring); garbage made before is collected first, and the freeze is
-    undone after, so nothing is kept for good."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+def rate_prompts(target: Target, rng: random.Random, count: int) -> list[tuple[int, ...] | str]:
+    """A rate's prompts; token ids as tuples, which the garbage collector stops walking (module docstring)."""
+    out: list[tuple[int, ...] | str] = []
+    for _ in range(count):
+        p = prompt(target.prompt_kind, target.input_len, rng, target.token_range)
+        out.append(p if isinstance(p, str) else tuple(p))
+    return out
 
 
 async def _run(session: aiohttp.ClientSession, target: Target, run: RateRun, slo: Slo, stop: asyncio.Event,
-               on_done: Callable[[RequestResult], None] | None, seed: int, prompts: list[list[int] | str],
+               on_done: Callable[[RequestResult], None] | None, seed: int, prompts: list[tuple[int, ...] | str],
                reqs: list[InFlight]) -> RateResult:
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
 
-    async def one(req: InFlight, prompt_value: list[int] | str) -> None:
+    async def one(req: InFlight, prompt_value: Sequence[int] | str) -> None:
         delay = t0 + req.scheduled_s - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
