@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What a registration flood costs the proxy (issue 15, finding 4): a MORI-IO READ pair of simulated engines
-behind a real proxy; one DEALER sends N registrations as fast as ZMQ takes them (a mix of fakes that fill the
-registry, malformed ones and 60 KB addresses) while a client streams one completion after another.
+behind a real proxy that plans them; one DEALER sends N registrations as fast as ZMQ takes them (a mix of
+unplanned engines, which the proxy refuses, malformed ones and 60 KB addresses) while a client streams one
+completion after another.
 
 Prints: registrations sent (and refused by ZMQ's queue), the proxy's CPU seconds and log bytes over the
 window, and the streams' latency (max and median) during it.
@@ -81,7 +82,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, moriio_node(Path(tmp), "--decode-step-ms", "1") as node:
         proxy = next(p for p in node.procs if p.name == "proxy")
         ps = psutil.Process(proxy.popen.pid)
-        log_before = proxy.log.stat().st_size
+        log_before = proxy.log_path.stat().st_size
         cpu_before = sum(ps.cpu_times()[:2])
         latencies: list[float] = []
         stop = threading.Event()
@@ -102,7 +103,7 @@ def main() -> int:
         stop.set()
         thread.join(180)
         cpu = sum(ps.cpu_times()[:2]) - cpu_before
-        log_bytes = proxy.log.stat().st_size - log_before
+        log_bytes = proxy.log_path.stat().st_size - log_before
     print(f"registrations: {sent} sent in {send_s:.1f}s ({refused} refused by the sender's queue)")
     print(f"proxy over {args.window_s:g}s: {cpu:.1f} CPU seconds, {log_bytes} log bytes")
     if latencies:

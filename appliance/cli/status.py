@@ -18,7 +18,7 @@ engines themselves report them.
                     appliance/kvstats.py)
     proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts, automatic_restarts,
                     reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
-                    healthy, draining, in_flight, source), requests {total, by_status{code: n},
+                    healthy, draining, in_flight), requests {total, by_status{code: n},
                     leg_failures, client_aborts, held (requests that waited for a role with no instance:
                     a restart, rebalance or mode switch), max_hold_s} | null,
                     port_conflict (why it cannot answer: which of its ports, on which address, another process
@@ -124,7 +124,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         })
     pst = snap.units[PROXY_UNIT]
     admin = snap.proxy
-    keys = ("name", "role", "url", "healthy", "draining", "in_flight", "source")
+    keys = ("name", "role", "url", "healthy", "draining", "in_flight")
     proxy = {
         "unit": PROXY_UNIT,
         "url": plan.proxy.url,

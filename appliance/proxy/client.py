@@ -86,7 +86,7 @@ class AdminClient:
             return False
 
     def state(self) -> dict[str, Any]:
-        """Mode, connector and every instance (name, role, url, source, healthy, draining, in_flight, last_seen)."""
+        """Mode, connector and every instance (name, role, url, healthy, draining, in_flight, last_seen)."""
         result: dict[str, Any] = self._call("GET", "/admin/state")
         return result
 

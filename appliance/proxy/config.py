@@ -6,7 +6,7 @@ import json
 import logging
 import stat
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -19,6 +19,8 @@ from appliance.roles import Mode, Role
 log = logging.getLogger("appliance.proxy")
 
 Routing = Literal["round_robin", "least_outstanding"]
+# RegistrationConfig keys of the dynamic registration pdctl no longer has (its expiry and its instance cap)
+_DYNAMIC_KEYS = frozenset({"ping_interval_s", "expire_after_missed", "max_instances"})
 
 
 class _Model(BaseModel):
@@ -26,21 +28,28 @@ class _Model(BaseModel):
 
 
 class RegistrationConfig(_Model):
-    """The MORI-IO registration listener (a ZMQ ROUTER the engines ping from a DEALER)."""
+    """The MORI-IO registration listener (a ZMQ ROUTER the engines ping from a DEALER). Only the backends
+    may register, each as exactly what the plan says it is; any other registration is refused and counted."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=36367, ge=0, le=65535)
     enabled: bool = False
     allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1"])
-    ping_interval_s: float = Field(default=5.0, gt=0)
-    expire_after_missed: int = Field(default=3, ge=1)
-    max_instances: int = Field(default=256, ge=1)  # registered instances; more is a runaway or an attack
     # A registration may only claim its sender's own address; a sender that registers engines at other
     # addresses (a NAT, a multi-homed host) is listed here: {"sender IP": ["claimed IP", ...]}.
     peer_hosts: dict[str, list[str]] = Field(default_factory=dict)
     # Registrations handled per second (engines ping every few seconds); a flood waits in ZMQ's bounded
     # queues, fair-queued per sender, so it costs bounded CPU and cannot crowd out the engines' pings.
     max_per_s: float = Field(default=1000.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_dynamic_keys(cls, data: Any) -> Any:
+        # plans and proxy.json files written while unplanned engines could register carry these; nothing
+        # registers on its own any more, so they mean nothing and must not stop an installed node from loading
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k not in _DYNAMIC_KEYS}
+        return data
 
 
 class AdminConfig(_Model):

@@ -1,4 +1,5 @@
-"""The instances the proxy knows: static ones from the plan and MORI-IO ones that register over ZMQ."""
+"""The instances the proxy knows, which are the plan's (and what pdctl sets through the admin API), and the
+MORI-IO registration socket: a registration may refresh a planned instance, never add or redirect one."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from appliance.connector.moriio import parse_zmq_address
 from appliance.connector.moriio import zmq_address as zmq_address_of
 from appliance.proxy.config import Backend, RegistrationConfig
 from appliance.proxy.upstream import UpstreamPool
@@ -33,6 +35,18 @@ _MAX_ADDRESS = 128
 LOG_EVERY_S = 10.0  # rejected registrations: one log line per this interval, with the count since the last
 
 
+def canonical_host(host: str) -> str:
+    """One spelling per address: an IP in its compressed form (an IPv4-mapped IPv6 address as the IPv4 one),
+    anything else (a host name) lower-cased."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host.lower()
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
 class BackendState:
     """One backend (an engine instance) and the live state the proxy keeps about it."""
 
@@ -42,7 +56,6 @@ class BackendState:
         role: str,
         url: str,
         *,
-        source: str,
         connect_timeout: float,
         dp_size: int = 1,
         tp_size: int = 1,
@@ -51,14 +64,13 @@ class BackendState:
         self.name = name
         self.role = role
         self.url = url.rstrip("/")
-        self.source = source
         self.dp_size = dp_size
         self.tp_size = tp_size
         self.kv: dict[str, Any] = dict(kv or {})
         parts = urlsplit(self.url)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
-        self.http_address = f"{self.host}:{self.port}"
+        self.address = (canonical_host(self.host), self.port)  # what a registration for it must claim
         self.pool = UpstreamPool(self.host, self.port, connect_timeout)
         self.healthy = False
         self.ever_healthy = False  # passed a probe once: kept when registrations crowd the registry
@@ -75,7 +87,8 @@ class BackendState:
         self.dp_next = 0
         self.failures = 0
         self.failed_probes = 0  # health probes that failed, ever (a planned stop learns from it that it went down)
-        # moriio: the mode the engine runs, from the plan (kv "transfer_mode") or its registration; None: unknown
+        # moriio: the mode the engine runs, from the plan (kv "transfer_mode") or, for a plan that does not say,
+        # its registration (which can only keep it out of routing); None: unknown
         self.transfer_mode: str | None = str(self.kv["transfer_mode"]) if "transfer_mode" in self.kv else None
         self.last_seen: float | None = None  # wall clock of the last registration ping
         self.last_seen_mono: float | None = None
@@ -93,7 +106,6 @@ class BackendState:
             "name": self.name,
             "role": self.role,
             "url": self.url,
-            "source": self.source,
             "healthy": self.healthy,
             "draining": self.draining,
             "stopping": self.stopping,
@@ -114,8 +126,7 @@ class InstanceRegistry:
         self.connect_timeout = connect_timeout
         self.instances: dict[str, BackendState] = {}
         self.by_role: dict[str, list[BackendState]] = {"prefill": [], "decode": [], "both": []}
-        self._by_address: dict[tuple[str, str], BackendState] = {}
-        self.registered = 0  # instances that came from registrations (registration.max_instances counts these)
+        self._by_address: dict[tuple[str, int], BackendState] = {}
         self.on_added = on_added
         self._retired_pools: list[UpstreamPool] = []
 
@@ -125,14 +136,14 @@ class InstanceRegistry:
             by_role[inst.role].append(inst)
         self.by_role = by_role
         # a registration looks its instance up in O(1): a flood of pings must not cost O(instances) each
-        self._by_address = {(i.role, i.http_address): i for i in self.instances.values()}
-        self.registered = sum(1 for i in self.instances.values() if i.source == "registered")
+        self._by_address = {i.address: i for i in self.instances.values()}
 
     def get(self, name: str) -> BackendState | None:
         return self.instances.get(name)
 
-    def find_by_address(self, role: str, http_address: str) -> BackendState | None:
-        return self._by_address.get((role, http_address))
+    def find_by_address(self, host: str, port: int) -> BackendState | None:
+        """The instance served at host:port (any spelling of the same IP), whatever its role; None if none."""
+        return self._by_address.get((canonical_host(host), port))
 
     def _remove(self, inst: BackendState) -> None:
         inst.removed = True
@@ -140,15 +151,14 @@ class InstanceRegistry:
         self._retired_pools.append(inst.pool)
 
     def set_static(self, backends: Iterable[Backend]) -> None:
-        """Replace the static instance set (plan or live rebalance); registered instances stay."""
+        """Replace the instance set (the plan at start, pdctl's admin call during a live rebalance)."""
         wanted = {b.name: b for b in backends}
         for inst in list(self.instances.values()):
-            if inst.source == "static" and inst.name not in wanted:
+            if inst.name not in wanted:
                 self._remove(inst)
         for backend in wanted.values():
             current = self.instances.get(backend.name)
             if current is not None and current.role == backend.role and current.url == backend.url.rstrip("/"):
-                current.source = "static"
                 current.set_dp_size(backend.dp_size)
                 current.tp_size = backend.tp_size
                 current.kv.update(backend.kv)
@@ -161,7 +171,6 @@ class InstanceRegistry:
                 backend.name,
                 backend.role,
                 backend.url,
-                source="static",
                 connect_timeout=self.connect_timeout,
                 dp_size=backend.dp_size,
                 tp_size=backend.tp_size,
@@ -171,71 +180,6 @@ class InstanceRegistry:
             if self.on_added is not None:
                 self.on_added(inst)
         self._rebuild()
-
-    def _free_name(self, role: str) -> str:
-        index = 0
-        while f"{role}-{index}" in self.instances:
-            index += 1
-        return f"{role}-{index}"
-
-    def register(
-        self, role: str, http_address: str, zmq_address: str, dp_size: int, tp_size: int, transfer_mode: str
-    ) -> tuple[BackendState, bool]:
-        """Record a registration ping; returns the instance and whether it is new."""
-        now = time.time()
-        inst = self.find_by_address(role, http_address)
-        created = inst is None
-        if inst is None:
-            host, _, port = http_address.rpartition(":")
-            inst = BackendState(
-                self._free_name(role),
-                role,
-                f"http://[{host}]:{port}" if ":" in host else f"http://{http_address}",
-                source="registered",
-                connect_timeout=self.connect_timeout,
-                dp_size=dp_size,
-                tp_size=tp_size,
-            )
-            self.instances[inst.name] = inst
-            self._rebuild()
-        inst.kv["zmq_address"] = zmq_address
-        inst.set_dp_size(dp_size)
-        inst.tp_size = tp_size
-        inst.transfer_mode = transfer_mode
-        inst.last_seen = now
-        inst.last_seen_mono = time.monotonic()
-        if created and self.on_added is not None:
-            self.on_added(inst)
-        return inst, created
-
-    def evict_for_newcomer(self, min_age_s: float) -> BackendState | None:
-        """Make room for a new registration: drop the oldest registered instance that never passed a probe in
-        min_age_s (planned and once-healthy instances stay); None when there is none such."""
-        cutoff = time.monotonic() - min_age_s
-        never = [i for i in self.instances.values()
-                 if i.source == "registered" and not i.ever_healthy and i.added_mono <= cutoff]
-        if not never:
-            return None
-        oldest = min(never, key=lambda i: i.last_seen_mono or 0.0)
-        self._remove(oldest)
-        self._rebuild()
-        return oldest
-
-    def expire(self, max_age_s: float) -> list[BackendState]:
-        """Remove registered instances whose pings stopped; static ones stay (probes judge them)."""
-        now = time.monotonic()
-        gone = [
-            inst
-            for inst in self.instances.values()
-            if inst.source == "registered"
-            and inst.last_seen_mono is not None
-            and now - inst.last_seen_mono > max_age_s
-        ]
-        for inst in gone:
-            self._remove(inst)
-        if gone:
-            self._rebuild()
-        return gone
 
     async def close_retired(self) -> None:
         """Close connection pools of removed instances (their in-flight requests hold their own connections)."""
@@ -266,9 +210,10 @@ def _show(value: Any) -> str:
 
 def _ip(text: str, what: str) -> str:
     try:
-        return str(ipaddress.ip_address(text))
+        ipaddress.ip_address(text)
     except ValueError:
         raise RegistrationError(f"{what} host {_show(text)} is not an IP address") from None
+    return canonical_host(text)
 
 
 def _port(text: str, what: str) -> int:
@@ -355,6 +300,7 @@ def normalize_registration(data: Any) -> dict[str, Any] | None:
         "role": _ROLE_BY_LETTER[role_letter],
         "http_address": f"{host}:{port}",
         "http_host": host,
+        "http_port": port,
         "zmq_address": zmq_address,
         "zmq_host": zmq_host,
         "dp_size": _positive_int(data, "dp_size"),
@@ -385,7 +331,7 @@ class RegistrationListener:
         self._next_log = 0.0
 
     def start(self) -> None:
-        """Bind the ROUTER socket and start receiving and expiring."""
+        """Bind the ROUTER socket and start receiving."""
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # a peer that sends a larger frame is disconnected by ZMQ before we buffer it
@@ -396,10 +342,7 @@ class RegistrationListener:
         sock.bind(f"tcp://{self.config.host}:{port}")
         self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._sock = sock
-        self._tasks = [
-            asyncio.create_task(self._receive(), name="registration-receive"),
-            asyncio.create_task(self._expire(), name="registration-expire"),
-        ]
+        self._tasks = [asyncio.create_task(self._receive(), name="registration-receive")]
 
     async def stop(self) -> None:
         """Stop the tasks and close the socket."""
@@ -472,59 +415,49 @@ class RegistrationListener:
         if not claimed <= set(allowed):
             raise RegistrationError(f"host {', '.join(sorted(claimed - set(allowed)))} is not in allowed_hosts",
                                     "rejected")
-        known = self.registry.find_by_address(reg["role"], reg["http_address"])
-        if known is not None and known.source == "static":
-            return self._planned(known, reg)
-        mode = self.current_mode()
-        if reg["transfer_mode"] != mode:
-            if known is not None:
-                # keep it out of routing until the proxy's mode matches what the engine runs
-                known.transfer_mode = reg["transfer_mode"]
-            raise RegistrationError(f"{reg['role']} {reg['http_address']} runs transfer_mode "
-                                    f"{reg['transfer_mode']}, the proxy runs {mode}", "mismatched")
-        if known is None and self.registry.registered >= self.config.max_instances:
-            # a fake that has not passed a probe in one expiry window makes room; so the churn a flood can
-            # cause is at most max_instances per window
-            window = self.config.ping_interval_s * self.config.expire_after_missed
-            evicted = self.registry.evict_for_newcomer(window)
-            if evicted is None:
-                raise RegistrationError(f"{reg['role']} {reg['http_address']}: already {self.registry.registered} "
-                                        "registered instances, none of them unhealthy for a whole expiry window "
-                                        "(registration.max_instances)", "rejected")
-            log.warning("dropped %s (%s), never healthy, to register %s", evicted.name, evicted.url,
-                        reg["http_address"])
-        inst, created = self.registry.register(
-            reg["role"], reg["http_address"], reg["zmq_address"], reg["dp_size"], reg["tp_size"], reg["transfer_mode"]
-        )
-        if created:
-            log.info("registered %s %s (zmq %s)", inst.name, inst.url, reg["zmq_address"])
-            return "accepted"
-        return "refreshed"
-
-    def _planned(self, inst: BackendState, reg: dict[str, Any]) -> str:
-        """A ping for an instance the plan owns: it keeps its planned address, ranks and mode whatever it says."""
-        planned = inst.kv.get("zmq_address")
-        planned_zmq = str(planned) if planned is not None else None
-        if planned_zmq is not None and planned_zmq != reg["zmq_address"]:
-            raise RegistrationError(f"{inst.name} is planned at zmq {planned_zmq}; a registration said "
-                                    f"{reg['zmq_address']}", "conflict")
-        if inst.transfer_mode is not None and inst.transfer_mode != reg["transfer_mode"]:
-            raise RegistrationError(f"{inst.name} is planned in transfer_mode {inst.transfer_mode}; a registration "
-                                    f"said {reg['transfer_mode']}", "conflict")
-        if planned_zmq is None:  # a plan written before it carried the address: the first registration sets it
-            inst.kv["zmq_address"] = reg["zmq_address"]
+        inst = self.registry.find_by_address(reg["http_host"], reg["http_port"])
+        check_against_plan(reg, inst)
+        assert inst is not None  # check_against_plan refuses a registration no planned instance matches
         if inst.transfer_mode is None and reg["transfer_mode"] != self.current_mode():
-            inst.transfer_mode = reg["transfer_mode"]  # nor its mode: keep it out of routing as before
+            inst.transfer_mode = reg["transfer_mode"]  # a plan that does not say: keep it out of routing
         inst.last_seen = time.time()
         inst.last_seen_mono = time.monotonic()
         return "refreshed"
 
-    async def _expire(self) -> None:
-        max_age = self.config.ping_interval_s * self.config.expire_after_missed
-        tick = min(self.config.ping_interval_s, 1.0)
-        while True:
-            await asyncio.sleep(tick)
-            for inst in self.registry.expire(max_age):
-                log.warning("expired %s (%s): no registration for %.1fs", inst.name, inst.url, max_age)
-                self.on_result("expired")
-            await self.registry.close_retired()
+
+def _zmq_key(value: str) -> tuple[str, int, int] | None:
+    """A zmq address as (canonical host, handshake, notify), so spellings of one address compare equal."""
+    try:
+        peer = parse_zmq_address(value)
+    except ValueError:
+        return None
+    return canonical_host(peer.host), peer.handshake, peer.notify
+
+
+def check_against_plan(reg: dict[str, Any], inst: BackendState | None) -> None:
+    """Raise RegistrationError unless `reg` (normalized) is the planned instance `inst` (the one at its HTTP
+    address, None when there is none) exactly: role, zmq host and ports, DP and TP sizes, and transfer mode.
+
+    Each of these steers traffic or notifications: the role picks the leg an instance gets, the zmq address is
+    where the peer engine sends KV and write_done, the sizes pick the ranks a request is spread over. A
+    registration therefore adds nothing the plan does not declare and changes nothing the plan does."""
+    said = f"a registration as {reg['role']} {reg['http_address']}"
+    if inst is None:
+        raise RegistrationError(f"{said}: no instance of the plan is served there (only planned instances may "
+                                "register; pdctl adds instances through its admin API)", "unplanned")
+    if inst.role != reg["role"]:
+        raise RegistrationError(f"{said}: that is {inst.name}, a planned {inst.role}", "wrong_role")
+    planned = inst.kv.get("zmq_address")
+    if planned is None:
+        raise RegistrationError(f"{said}: the plan gives {inst.name} no zmq_address, so none is taken from a "
+                                "registration (re-plan with `pdctl up`)", "unplanned")
+    if _zmq_key(str(planned)) != _zmq_key(reg["zmq_address"]):
+        raise RegistrationError(f"{said}: {inst.name} is planned at zmq {planned}, it said {reg['zmq_address']}",
+                                "conflict")
+    if (reg["dp_size"], reg["tp_size"]) != (inst.dp_size, inst.tp_size):
+        raise RegistrationError(f"{said}: {inst.name} is planned with DP {inst.dp_size} x TP {inst.tp_size}, it said "
+                                f"DP {reg['dp_size']} x TP {reg['tp_size']}", "conflict")
+    planned_mode = inst.kv.get("transfer_mode")
+    if planned_mode is not None and str(planned_mode) != reg["transfer_mode"]:
+        raise RegistrationError(f"{said}: {inst.name} is planned in transfer_mode {planned_mode}, it said "
+                                f"{reg['transfer_mode']}", "conflict")

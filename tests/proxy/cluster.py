@@ -64,8 +64,7 @@ def proxy_config(connector: str, mode: str = "read", backends: list[dict[str, An
     config: dict[str, Any] = {
         "host": "127.0.0.1", "port": 0, "mode": mode, "connector": connector, "model": MODEL,
         "admin": {"port": 0},
-        "registration": {"enabled": registration_port is not None, "port": registration_port or 0,
-                         "ping_interval_s": 0.3, "expire_after_missed": 3},
+        "registration": {"enabled": registration_port is not None, "port": registration_port or 0},
         "health": {"probe_interval_s": 0.3, "fail_threshold": 3, "probe_timeout_s": 5},
         "timeouts": {"connect_s": 5, "prefill_s": 30, "first_token_s": 30, "between_tokens_s": 30},
         "backends": backends or [],

@@ -156,7 +156,7 @@ def proxy_config(connector: str, backends: list[dict[str, Any]], **overrides: An
         "connector": connector,
         "model": MODEL,
         "admin": {"port": 0},
-        "registration": {"port": 0, "enabled": connector == "moriio", "ping_interval_s": 0.2},
+        "registration": {"port": 0, "enabled": connector == "moriio"},
         "health": {"probe_interval_s": 0.2, "fail_threshold": 2, "probe_timeout_s": 2},
         "backends": backends,
     }

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgpack
@@ -27,55 +28,66 @@ from tests.proxy.conftest import (
 from tests.support.waiting import eventually as wait_for
 
 
-def registration(engine, kind: str, mode: str = "READ") -> bytes:  # type: ignore[no-untyped-def]
+def registration(engine, kind: str, mode: str = "READ", **fields: Any) -> bytes:  # type: ignore[no-untyped-def]
     return msgpack.packb({"type": kind, "http_address": f"127.0.0.1:{engine.port}",
-                          "zmq_address": engine.zmq_address, "dp_size": 1, "tp_size": 1, "transfer_mode": mode})
+                          "zmq_address": engine.zmq_address, "dp_size": 1, "tp_size": 1, "transfer_mode": mode,
+                          **fields})
 
 
-def test_registration_over_zmq_routes_then_expires_and_survives_garbage() -> None:
+def test_only_planned_instances_register_and_garbage_is_survived() -> None:
+    """The listener over real ZMQ: the planned engines' pings (both formats) refresh them; garbage, foreign
+    hosts and every registration that differs from the plan in a field that steers traffic are refused and
+    counted by reason, and routing keeps the planned addresses."""
     async def scenario() -> None:
-        async with engines("prefill", "decode") as (p, d), running_proxy(
-            proxy_config("moriio", []), wait_ready=False
-        ) as px:
-            assert px.listener is not None
-            ctx = zmq.asyncio.Context()
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(f"tcp://127.0.0.1:{px.listener.port}")
-            # garbage, a wrong mode and a foreign host first: all logged and ignored
-            await dealer.send(b"\xc1 not msgpack")
-            await dealer.send(msgpack.packb({"type": "P", "http_address": "x"}))
-            await dealer.send(msgpack.packb([1, 2, 3]))
-            await dealer.send(registration(p, "P", mode="WRITE"))
-            await dealer.send(msgpack.packb({"type": "D", "http_address": "10.9.9.9:1", "zmq_address":
-                                             "host:10.9.9.9,handshake:1,notify:2", "transfer_mode": "READ"}))
-            # then the older format for prefill and the current one for decode
-            await dealer.send(msgpack.packb({"type": "register", "role": "P", "request_address":
-                                             f"http://127.0.0.1:{p.port}/v1/completions", "handshake_port":
-                                             p.handshake_port, "notify_port": p.notify_port, "dp_size": 1,
-                                             "tp_size": 1, "transfer_mode": "READ"}))
-            await dealer.send(registration(d, "D"))
-            await wait_for(lambda: px.ready()[0], what="registered instances healthy")
-            status, _, _ = await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
-            assert status == 200
-            assert p.requests[0]["id"].startswith(f"___prefill_addr_{p.zmq_address}___decode_addr_{d.zmq_address}_")
-            metrics = px.metrics.render().decode()
-            assert 'pdctl_proxy_registrations_total{result="malformed"} 3.0' in metrics
-            assert 'pdctl_proxy_registrations_total{result="mismatched"} 1.0' in metrics
-            assert 'pdctl_proxy_registrations_total{result="spoofed"} 1.0' in metrics  # 10.9.9.9 claimed from 127.0.0.1
-            # keep pinging decode only: prefill expires after 3 missed pings (0.2 s each)
-            for _ in range(15):
+        async with engines("prefill", "decode") as (p, d):
+            d.handshake_port, d.notify_port = 7301, 7501
+            planned = [backend("prefill-0", "prefill", p, kv={"zmq_address": p.zmq_address, "transfer_mode": "read"}),
+                       backend("decode-0", "decode", d, kv={"zmq_address": d.zmq_address, "transfer_mode": "read"})]
+            async with running_proxy(proxy_config("moriio", planned), wait_ready=False) as px:
+                assert px.listener is not None
+                ctx = zmq.asyncio.Context()
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.connect(f"tcp://127.0.0.1:{px.listener.port}")
+                refused = {
+                    "malformed": [b"\xc1 not msgpack", msgpack.packb({"type": "P", "http_address": "x"}),
+                                  msgpack.packb([1, 2, 3]), msgpack.packb({**CURRENT_D, "http_address": "localhost:1"})],
+                    "spoofed": [msgpack.packb({**CURRENT_D, "http_address": "10.9.9.9:1",
+                                               "zmq_address": "host:10.9.9.9,handshake:1,notify:2"})],
+                    "unplanned": [msgpack.packb({**CURRENT_D, "http_address": f"127.0.0.1:{free_port()}"})],
+                    "wrong_role": [registration(p, "D"), registration(d, "P")],
+                    "conflict": [registration(p, "P", mode="WRITE"), registration(p, "P", dp_size=64),
+                                 registration(d, "D", tp_size=2), registration(p, "P", zmq_address=d.zmq_address),
+                                 registration(d, "D", zmq_address="host:127.0.0.1,handshake:7301,notify:9")],
+                }
+                for payloads in refused.values():
+                    for payload in payloads:
+                        await dealer.send(payload)
+                # then the planned ones: the older format for prefill (IPv4-mapped spelling), the current for decode
+                await dealer.send(msgpack.packb({"type": "register", "role": "P", "request_address":
+                                                 f"http://[::ffff:127.0.0.1]:{p.port}/v1/completions",
+                                                 "handshake_port": p.handshake_port, "notify_port": p.notify_port,
+                                                 "dp_size": 1, "tp_size": 1, "transfer_mode": "READ"}))
                 await dealer.send(registration(d, "D"))
-                await asyncio.sleep(0.1)
-            names = {i.name: i.role for i in px.registry.instances.values()}
-            assert names == {"decode-0": "decode"}
-            assert not px.ready()[0]
-            status, raw, _ = await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
-            assert status == 503 and "prefill" in json.loads(raw)["error"]["message"]
-            dealer.close()
-            ctx.term()
+                want = {f'pdctl_proxy_registrations_total{{result="{result}"}} {float(len(payloads))}'
+                        for result, payloads in refused.items()} | {'pdctl_proxy_registrations_total{result="refreshed"} 2.0'}
+                await wait_for(lambda: want <= set(px.metrics.render().decode().splitlines()), what="every outcome")
+                assert {i.name: i.role for i in px.registry.instances.values()} == {"prefill-0": "prefill",
+                                                                                    "decode-0": "decode"}
+                assert all(i.last_seen is not None for i in px.registry.instances.values())
+                assert px.registry.get("prefill-0").kv["zmq_address"] == p.zmq_address  # type: ignore[union-attr]
+                await wait_for(lambda: px.ready()[0], what="planned instances healthy")
+                status, _, _ = await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+                assert status == 200
+                assert p.requests[0]["id"].startswith(f"___prefill_addr_{p.zmq_address}___decode_addr_{d.zmq_address}_")
+                dealer.close()
+                ctx.term()
 
     asyncio.run(scenario())
+
+
+CURRENT_D = {"type": "D", "zmq_address": "host:127.0.0.1,handshake:1,notify:2", "dp_size": 1, "tp_size": 1,
+             "transfer_mode": "READ"}
 
 
 def test_unhealthy_instance_is_ejected_and_readmitted() -> None:
@@ -211,8 +223,8 @@ def test_admin_api_state_mode_drain_and_instances(tmp_path: Path) -> None:
             client = AdminClient(url, token_file=str(token))
             state = await asyncio.to_thread(client.state)
             assert state["mode"] == "read" and state["connector"] == "moriio"
-            assert {i["name"]: (i["source"], i["healthy"]) for i in state["instances"]} == {
-                "prefill-0": ("static", True), "decode-0": ("static", True)}
+            assert {i["name"]: (i["role"], i["healthy"]) for i in state["instances"]} == {
+                "prefill-0": ("prefill", True), "decode-0": ("decode", True)}
             answer = await asyncio.to_thread(client.set_mode, "write")
             assert answer == {"mode": "write", "previous": "read", "engines_restart_required": True}
             with pytest.raises(ProxyAdminError, match="mode"):

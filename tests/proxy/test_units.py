@@ -6,10 +6,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from appliance.connector import HandoffError, get_connector
 from appliance.connector.moriio import parse_zmq_address, peer_in_request_id
-from appliance.proxy.registry import BackendState, InstanceRegistry, RegistrationError, normalize_registration
+from appliance.proxy.config import Backend, ProxyConfig
+from appliance.proxy.registry import (
+    BackendState,
+    InstanceRegistry,
+    RegistrationError,
+    check_against_plan,
+    normalize_registration,
+)
 from appliance.proxy.routing import Router
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 9, "min_tokens": 3, "stream": True,
@@ -83,7 +91,7 @@ def test_example_decode_is_the_client_request() -> None:
 def _registry(*specs: tuple[str, str]) -> InstanceRegistry:
     registry = InstanceRegistry(1.0)
     for name, role in specs:
-        inst = BackendState(name, role, f"http://127.0.0.1:{9000 + len(registry.instances)}", source="static",
+        inst = BackendState(name, role, f"http://127.0.0.1:{9000 + len(registry.instances)}",
                             connect_timeout=1.0)
         inst.healthy = True
         registry.instances[name] = inst
@@ -154,3 +162,63 @@ def test_registration_mistakes_are_named(change: dict[str, Any], why: str) -> No
         normalize_registration({**CURRENT, **change})
     with pytest.raises(RegistrationError):
         normalize_registration(["not", "a", "map"])
+
+
+@pytest.mark.parametrize(("change", "result"), [
+    ({}, None),
+    ({"http_address": "[::ffff:10.0.0.1]:20005", "zmq_address": "host:::ffff:10.0.0.1,handshake:6301,notify:6105"},
+     None),  # another spelling of the same addresses
+    ({"http_address": "10.0.0.1:20006"}, "unplanned"),
+    ({"http_address": "10.0.0.2:20005"}, "unplanned"),
+    ({"type": "D"}, "wrong_role"),
+    ({"zmq_address": "host:10.0.0.1,handshake:6301,notify:6106"}, "conflict"),
+    ({"zmq_address": "host:10.0.0.9,handshake:6301,notify:6105"}, "conflict"),
+    ({"dp_size": 1024}, "conflict"),
+    ({"tp_size": 2}, "conflict"),
+    ({"transfer_mode": "READ"}, "conflict"),
+])
+def test_a_registration_must_be_its_planned_instance(change: dict[str, Any], result: str | None) -> None:
+    registry = InstanceRegistry(1.0)
+    registry.set_static([Backend(name="prefill-0", role="prefill", url="http://10.0.0.1:20005", dp_size=2, tp_size=4,
+                                 kv={"zmq_address": "host:10.0.0.1,handshake:6301,notify:6105",
+                                     "transfer_mode": "write"})])
+    reg = normalize_registration({**CURRENT, **change})
+    assert reg is not None
+    inst = registry.find_by_address(reg["http_host"], reg["http_port"])
+    if result is None:
+        check_against_plan(reg, inst)
+        return
+    with pytest.raises(RegistrationError) as refused:
+        check_against_plan(reg, inst)
+    assert refused.value.result == result
+
+
+def test_ipv6_spellings_find_one_instance() -> None:
+    registry = InstanceRegistry(1.0)
+    registry.set_static([Backend(name="decode-0", role="decode", url="http://[::1]:40005",
+                                 kv={"zmq_address": "host:::1,handshake:7301,notify:7501"})])
+    for host in ("::1", "0:0:0:0:0:0:0:1", "[::1]", "0::0:1"):
+        assert registry.find_by_address(host, 40005) is registry.get("decode-0"), host
+    assert registry.find_by_address("::1", 40006) is None and registry.find_by_address("127.0.0.1", 40005) is None
+    reg = normalize_registration({"type": "D", "http_address": "[0:0::1]:40005", "transfer_mode": "READ",
+                                  "zmq_address": "host:0::1,handshake:7301,notify:7501"})
+    assert reg is not None
+    check_against_plan(reg, registry.find_by_address(reg["http_host"], reg["http_port"]))
+
+
+def test_a_plan_without_a_zmq_address_takes_none_from_a_registration() -> None:
+    inst = BackendState("prefill-0", "prefill", "http://10.0.0.1:20005", connect_timeout=1.0, dp_size=2, tp_size=4)
+    reg = normalize_registration(CURRENT)
+    assert reg is not None
+    with pytest.raises(RegistrationError, match="no zmq_address") as refused:
+        check_against_plan(reg, inst)
+    assert refused.value.result == "unplanned" and "zmq_address" not in inst.kv
+
+
+def test_configs_written_with_dynamic_registration_still_load() -> None:
+    """Plans and proxy.json files from before planned-only registration carry its expiry and cap keys."""
+    old = {"connector": "moriio", "model": "m", "registration": {"enabled": True, "ping_interval_s": 5.0,
+                                                                 "expire_after_missed": 3, "max_instances": 256}}
+    assert ProxyConfig.model_validate(old).registration.enabled
+    with pytest.raises(ValidationError, match="max_instance"):
+        ProxyConfig.model_validate({**old, "registration": {"max_instance": 1}})  # a misspelling is still refused

@@ -67,8 +67,7 @@ class Node:
         config: dict[str, Any] = {
             "port": self.proxy_port, "connector": connector, "model": MODEL,
             "admin": {"port": self.admin_port},
-            "registration": {"port": self.registration_port, "enabled": connector == "moriio",
-                             "ping_interval_s": 1.0},
+            "registration": {"port": self.registration_port, "enabled": connector == "moriio"},
             "health": {"probe_interval_s": 0.5},
             "backends": backends,
         }
@@ -99,21 +98,32 @@ def colocated_node(workdir: Path, *engine_args: str, **proxy_overrides: Any) -> 
         node.stop()
 
 
+def moriio_engine(node: Node, name: str, role: str, registration_port: int, mode: str, *engine_args: str) -> dict[str, Any]:
+    """Start a MORI-IO engine that pings the proxy at `registration_port`; returns its planned backend (the
+    zmq address and mode the proxy holds it to, as the plan writes them)."""
+    hs, nt = free_port(), free_port()
+    url = node.engine(name, role, "moriio", "--proxy-ping", f"127.0.0.1:{registration_port}", "--handshake-port",
+                      str(hs), "--notify-port", str(nt), "--ping-interval-s", "0.5", "--mode", mode, *engine_args)
+    return {"name": name, "role": role, "url": url,
+            "kv": {"zmq_address": f"host:127.0.0.1,handshake:{hs},notify:{nt}", "transfer_mode": mode}}
+
+
 @contextlib.contextmanager
-def moriio_node(workdir: Path, *engine_args: str, **proxy_overrides: Any) -> Iterator[Node]:
-    """A MORI-IO READ prefill/decode pair that registers with the proxy over ZMQ."""
+def moriio_node(workdir: Path, *engine_args: str, decodes: int = 1, **proxy_overrides: Any) -> Iterator[Node]:
+    """A MORI-IO prefill and `decodes` decodes that the plan declares (the proxy's backends, with their zmq
+    addresses and mode) and that ping the proxy over ZMQ, as vLLM's MoRIIO does."""
     node = Node(workdir)
     try:
         reg = free_port()
-        overrides = {"registration": {"port": reg, "enabled": True, "ping_interval_s": 1.0}, **proxy_overrides}
-        node.proxy("moriio", [], **overrides)
-        for role in ("prefill", "decode"):
-            node.engine(f"{role}-0", role, "moriio", "--proxy-ping", f"127.0.0.1:{node.registration_port}",
-                        "--handshake-port", "0", "--notify-port", "0", "--ping-interval-s", "0.5", *engine_args)
+        mode = str(proxy_overrides.get("mode", "read"))
+        backends = [moriio_engine(node, "prefill-0", "prefill", reg, mode, *engine_args)]
+        backends += [moriio_engine(node, f"decode-{i}", "decode", reg, mode, *engine_args) for i in range(decodes)]
+        overrides = deep_merge({"registration": {"port": reg, "enabled": True}}, proxy_overrides)
+        node.proxy("moriio", backends, **overrides)
         deadline = time.monotonic() + 60
         while http_status(node.proxy_url + "/health") != 200:
             if time.monotonic() > deadline:
-                raise AssertionError(f"moriio node not ready: {node.procs[0].output()[-2000:]}")
+                raise AssertionError(f"moriio node not ready: {node.procs[-1].output()[-2000:]}")
             time.sleep(0.1)
         yield node
     finally:

@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.ports import free_port
 from tests.reliability.node import MODEL, Node, colocated_node, moriio_node
@@ -220,7 +221,7 @@ def test_slow_head_and_slow_body_are_cut(tmp_path: Path) -> None:
 def test_write_mode_rejections_log_no_traceback(tmp_path: Path) -> None:
     """WRITE: both legs start at once; when the engines reject the request (prompt over the context), the
     prefill task's failure is retrieved and the client gets the engine's 400."""
-    with moriio_node(tmp_path, "--mode", "write", *ENGINE, mode="write") as node:
+    with moriio_node(tmp_path, *ENGINE, mode="write") as node:
         for _ in range(20):
             status, _, body = http(node.proxy_port, "POST", "/v1/completions",
                                    {"model": MODEL, "prompt": "word " * 400, "max_tokens": 4})
@@ -263,24 +264,8 @@ def _reg(http_address: str, zmq_address: str, role: str = "P", mode: str = "READ
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """A MORI-IO READ pair the plan owns (static backends with their zmq address and mode), pinging the proxy."""
-    node = Node(tmp_path_factory.mktemp("planned"))
-    try:
-        reg = free_port()
-        backends = []
-        for role in ("prefill", "decode"):
-            hs, nt = free_port(), free_port()
-            url = node.engine(f"{role}-0", role, "moriio", "--proxy-ping", f"127.0.0.1:{reg}", "--handshake-port",
-                              str(hs), "--notify-port", str(nt), "--ping-interval-s", "0.5", *ENGINE)
-            backends.append({"name": f"{role}-0", "role": role, "url": url, "kv": {
-                "zmq_address": f"host:127.0.0.1,handshake:{hs},notify:{nt}", "transfer_mode": "read"}})
-        node.proxy("moriio", backends, registration={"port": reg, "enabled": True, "ping_interval_s": 0.5},
-                   timeouts={"first_token_s": 10, "prefill_s": 10})
-        deadline = time.monotonic() + 60
-        while http_status(node.proxy_url + "/health") != 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
+    with moriio_node(tmp_path_factory.mktemp("planned"), *ENGINE, timeouts={"first_token_s": 10, "prefill_s": 10}) as node:
         yield node
-    finally:
-        node.stop()
 
 
 def test_registrations_cannot_rewrite_a_planned_instance(planned: Node) -> None:
@@ -332,61 +317,182 @@ def test_a_registration_is_bound_to_its_sender(tmp_path: Path) -> None:
     """allowed_hosts lists two hosts; a sender at 127.0.0.1 may not register an engine at 127.0.0.2."""
     node = Node(tmp_path)
     try:
-        node.proxy("moriio", [], registration={"enabled": True, "port": free_port(), "ping_interval_s": 60.0,
+        node.proxy("moriio", [], registration={"enabled": True, "port": free_port(),
                                                "allowed_hosts": ["127.0.0.1", "127.0.0.2"]})
         sender = Registrar(node)
         try:
             sender.send(_reg("127.0.0.2:20005", "host:127.0.0.2,handshake:6301,notify:6105"))
             sender.send(_reg("127.0.0.1:20006", "host:127.0.0.2,handshake:6301,notify:6105"))
             sender.send(_reg("127.0.0.1:20007", "host:127.0.0.1,handshake:6302,notify:6106"))
-            deadline = time.monotonic() + 10
-            while not _admin_state(node)["instances"] and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait_refused(node, 3)
         finally:
             sender.close()
-        urls = [i["url"] for i in _admin_state(node)["instances"]]
-        assert urls == ["http://127.0.0.1:20007"], urls
+        assert _admin_state(node)["instances"] == []
         assert 'registrations_total{result="spoofed"} 2.0' in metrics(node)
+        assert 'registrations_total{result="unplanned"} 1.0' in metrics(node)
     finally:
         node.stop()
 
 
 def test_a_registration_flood_is_bounded(tmp_path: Path) -> None:
-    """Fakes fill the registry and keep pinging, and a stream of garbage follows: a real new engine still gets
-    in (fakes that never passed a probe make room), and the rejections cost a few log lines, not one each."""
-    node = Node(tmp_path)
-    try:
-        node.proxy("moriio", [], registration={"enabled": True, "port": free_port(), "ping_interval_s": 1.0,
-                                               "max_instances": 8, "max_per_s": 2000})
+    """Fakes keep pinging unplanned addresses and a stream of garbage follows: nothing joins the instance set,
+    the planned engines' own pings still refresh them, and the rejections cost a few log lines, not one each."""
+    with moriio_node(tmp_path, *ENGINE, registration={"max_per_s": 2000}) as node:
         fakes = Registrar(node)
         try:
             for port in range(31000, 31008):
                 fakes.send(_reg(f"127.0.0.1:{port}", f"host:127.0.0.1,handshake:{port},notify:{port + 100}"))
             for i in range(3000):
                 fakes.send(_reg("127.0.0.1:1", f"host:127.0.0.1,handshake:{i},notify:x"))
-            hs, nt = free_port(), free_port()
-            node.engine("real", "decode", "moriio", "--proxy-ping", f"127.0.0.1:{node.registration_port}",
-                        "--handshake-port", str(hs), "--notify-port", str(nt), "--ping-interval-s", "0.5")
-            real = node.engines["real"]
+            _wait_refused(node, 3008)
+            seen = {i["name"]: i["last_seen"] for i in _admin_state(node)["instances"]}
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                for port in range(31000, 31008):  # the fakes keep pinging
-                    fakes.send(_reg(f"127.0.0.1:{port}", f"host:127.0.0.1,handshake:{port},notify:{port + 100}"))
-                state = _admin_state(node)["instances"]
-                if any(i["url"] == real and i["healthy"] for i in state):
+            while time.monotonic() < deadline:  # both planned engines refresh after the flood was handled
+                now = {i["name"]: i["last_seen"] for i in _admin_state(node)["instances"]}
+                if all(now[name] != seen[name] for name in seen):
                     break
-                time.sleep(0.2)
+                time.sleep(0.05)
         finally:
             fakes.close()
         state = _admin_state(node)["instances"]
-        assert any(i["url"] == real and i["healthy"] for i in state), state
-        assert len(state) <= 8
+        assert sorted((i["name"], i["healthy"]) for i in state) == [("decode-0", True), ("prefill-0", True)]
+        assert all(now[name] != seen[name] for name in seen), (seen, now)
         out = next(p for p in node.procs if p.name == "proxy").output()
         assert out.count("ignored registration") <= 5, out[-2000:]
-        assert 'registrations_total{result="malformed"} 3000.0' in metrics(node)
+        text = metrics(node)
+        assert 'registrations_total{result="malformed"} 3000.0' in text
+        assert 'registrations_total{result="unplanned"} 8.0' in text
+        assert http(node.proxy_port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
         no_traceback(node)
-    finally:
-        node.stop()
+
+
+# ---- issue 23, item 3: only what the plan declares serves traffic ---------------------------------------------
+
+REFUSED = ("unplanned", "wrong_role", "conflict", "spoofed", "rejected", "malformed")
+
+
+def _refused(node: Node) -> float:
+    """Registrations the proxy refused so far, whatever the reason."""
+    total = 0.0
+    for family in text_string_to_metric_families(metrics(node)):
+        for sample in family.samples:
+            if sample.name == "pdctl_proxy_registrations_total" and sample.labels.get("result") in REFUSED:
+                total += sample.value
+    return total
+
+
+def _wait_refused(node: Node, at_least: float) -> None:
+    deadline = time.monotonic() + 30
+    while _refused(node) < at_least:
+        assert time.monotonic() < deadline, f"{_refused(node)} registrations refused, expected {at_least}"
+        time.sleep(0.05)
+
+
+def _handled(node: Node, before: float, url: str, role: str = "decode") -> None:
+    """Wait until the proxy has acted on an attacker's registration: refused it (counted), or admitted `url`
+    as a `role` instance and found it healthy (what the proxy did before the plan was the allow-list)."""
+    deadline = time.monotonic() + 30
+    while _refused(node) <= before:
+        if any(i["url"] == url and i["role"] == role and i["healthy"] for i in _admin_state(node)["instances"]):
+            return
+        assert time.monotonic() < deadline, "the attacker's registration was neither admitted nor refused"
+        time.sleep(0.05)
+
+
+def _served(engine_url: str) -> float:
+    """Requests a simulated engine accepted (its own counter)."""
+    with urllib.request.urlopen(engine_url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "sim_requests_total")
+
+
+def _canaries(node: Node, count: int) -> list[int]:
+    return [http(node.proxy_port, "POST", "/v1/completions",
+                 {"prompt": f"canary {i} secret prompt", "max_tokens": 2}, timeout=30)[0] for i in range(count)]
+
+
+def _attacker(node: Node, hs: int, nt: int, mode: str = "read") -> str:
+    """A local process that binds its own ports (HTTP, zmq handshake `hs` and notify `nt`) and registers over
+    ZMQ as a new decode (a simulated MoRIIO engine: it pings like vLLM's heartbeat and answers what it is sent)."""
+    url = node.engine("attacker", "decode", "moriio", "--proxy-ping", f"127.0.0.1:{node.registration_port}",
+                      "--handshake-port", str(hs), "--notify-port", str(nt), "--ping-interval-s", "0.2",
+                      "--mode", mode, *ENGINE)
+    return url
+
+
+def test_an_unplanned_decode_gets_no_traffic(tmp_path: Path) -> None:
+    """Issue 23 item 3, first finding: a fake decode that binds a port and registers was sent 49 % of all
+    requests. Now it is refused (counted as unplanned) and answers none of 40 canaries."""
+    with moriio_node(tmp_path, *ENGINE) as node:
+        before = _refused(node)
+        url = _attacker(node, free_port(), free_port())
+        _handled(node, before, url)
+        codes = _canaries(node, 40)
+        assert _served(url) == 0, f"the attacker answered {_served(url)} of 40 canaries"
+        assert codes.count(200) == 40, codes
+        assert sorted(i["name"] for i in _admin_state(node)["instances"]) == ["decode-0", "prefill-0"]
+        assert 'registrations_total{result="unplanned"}' in metrics(node)
+        no_traceback(node)
+
+
+def test_a_dead_instance_cannot_be_replaced_by_registration(tmp_path: Path) -> None:
+    """Second finding: once an instance dies, an attacker registering in its place (its own address, or the
+    dead instance's HTTP address with attacker-owned zmq ports, so that the prefill's write_done would go to
+    it) got 45 % of the requests. Now the dead instance keeps its planned zmq address, the attacker is
+    refused, and every canary is served by the surviving planned decode; the attacker's notify port hears
+    nothing."""
+    with moriio_node(tmp_path, *ENGINE, decodes=2, mode="write") as node:
+        dead = next(i for i in _admin_state(node)["instances"] if i["name"] == "decode-1")
+        next(p for p in node.procs if p.name == "decode-1").stop()
+        deadline = time.monotonic() + 30
+        while any(i["name"] == "decode-1" and i["healthy"] for i in _admin_state(node)["instances"]):
+            assert time.monotonic() < deadline, "the proxy never saw decode-1 die"
+            time.sleep(0.05)
+        hs, nt = free_port(), free_port()  # the attacker's zmq ports: it binds them below
+        claimer = Registrar(node)
+        try:
+            before = _refused(node)
+            claimer.send(_reg(dead["url"].removeprefix("http://"), f"host:127.0.0.1,handshake:{hs},notify:{nt}",
+                              role="D", mode="WRITE"))
+            _wait_refused(node, before + 1)
+            before = _refused(node)
+            url = _attacker(node, hs, nt, "write")
+            _handled(node, before, url)
+            survivor = node.engines["decode-0"]
+            served_before = _served(survivor)
+            codes = _canaries(node, 40)
+        finally:
+            claimer.close()
+        assert _served(url) == 0, f"the attacker answered {_served(url)} of 40 canaries"
+        assert codes.count(200) == 40 and _served(survivor) - served_before == 40, codes
+        with urllib.request.urlopen(url + "/sim/state", timeout=5) as resp:
+            assert json.loads(resp.read())["stats"].get("kv_pulls", 0) == 0  # no write_done reached it
+        after = {i["name"]: i for i in _admin_state(node)["instances"]}
+        assert sorted(after) == ["decode-0", "decode-1", "prefill-0"] and after["decode-1"]["kv"] == dead["kv"]
+        text = metrics(node)
+        assert 'registrations_total{result="unplanned"}' in text and 'registrations_total{result="conflict"}' in text
+        no_traceback(node)
+
+
+def test_a_planned_address_cannot_register_under_another_role(tmp_path: Path) -> None:
+    """Third finding: the planned prefill's HTTP address registered as a decode was listed healthy, and a
+    request sent there waited 15 s for a 504. Now it is refused (wrong_role) and every canary is served."""
+    with moriio_node(tmp_path, *ENGINE, timeouts={"first_token_s": 3, "prefill_s": 3}) as node:
+        prefill = next(i for i in _admin_state(node)["instances"] if i["role"] == "prefill")
+        before = _refused(node)
+        attacker = Registrar(node)
+        try:
+            attacker.send(_reg(prefill["url"].removeprefix("http://"), prefill["kv"]["zmq_address"], role="D"))
+            _handled(node, before, prefill["url"])
+        finally:
+            attacker.close()
+        state = _admin_state(node)["instances"]
+        codes = _canaries(node, 40)
+        assert sorted((i["name"], i["role"]) for i in state) == [("decode-0", "decode"), ("prefill-0", "prefill")]
+        assert codes.count(200) == 40, codes
+        assert 'registrations_total{result="wrong_role"}' in metrics(node)
+        no_traceback(node)
 
 
 # ---- finding 10: state files -----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.ports import free_port
 from tests.reliability.node import MODEL, Node, colocated_node, moriio_node
@@ -255,7 +256,7 @@ def lone_proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """A MORI-IO proxy without engines: the target of admin and registration fuzzing."""
     node = Node(tmp_path_factory.mktemp("lone"))
     try:
-        node.proxy("moriio", [], registration={"enabled": True, "port": free_port(), "ping_interval_s": 60.0})
+        node.proxy("moriio", [], registration={"enabled": True, "port": free_port()})
         yield node
     finally:
         node.stop()
@@ -298,8 +299,15 @@ def _admin_state(node: Node) -> dict[str, Any]:
         return dict(json.loads(resp.read()))
 
 
+def _handled(node: Node) -> float:
+    """Registration messages the proxy has handled, whatever their outcome (each is counted exactly once)."""
+    text = urllib.request.urlopen(node.proxy_url + "/metrics", timeout=5).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "pdctl_proxy_registrations_total")
+
+
 class Registrar:
-    """A DEALER like the engines', plus a sentinel registration that proves earlier frames were processed."""
+    """A DEALER like the engines', which knows when the proxy has handled everything it sent."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -307,23 +315,20 @@ class Registrar:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{node.registration_port}")
-        self.sentinel = 1000
+        self.sent = _handled(node)  # nothing else pings the lone proxy
 
     def send(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames)
+        self.sent += 1
 
     def sync(self) -> dict[str, Any]:
-        """Register a fresh sentinel on this connection and wait until the proxy lists it."""
-        self.sentinel += 1
-        address = f"127.0.0.1:{self.sentinel}"
-        self.sock.send(msgpack.packb(_registration(self.sentinel, "D")))
+        """Wait until the proxy has counted an outcome for every message sent; its admin state then."""
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            state = _admin_state(self.node)
-            if any(i["url"].endswith(address) for i in state["instances"]):
-                return state
+        while (handled := _handled(self.node)) < self.sent:
+            assert time.monotonic() < deadline, f"{handled} of {self.sent} registrations handled"
             time.sleep(0.02)
-        raise AssertionError(f"sentinel {address} never registered: {self.node.procs[0].output()[-2000:]}")
+        assert handled == self.sent, f"{handled} outcomes counted for {self.sent} messages"
+        return _admin_state(self.node)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -338,11 +343,8 @@ def registrar(lone_proxy: Node) -> Iterator[Registrar]:
 
 
 def _check_instances(state: dict[str, Any]) -> None:
-    for inst in state["instances"]:
-        port = int(inst["url"].rsplit(":", 1)[1])
-        assert 0 < port < 65536 and inst["role"] in ("prefill", "decode"), inst
-        assert 1 <= inst["dp_size"] <= 1024 and 1 <= inst["tp_size"] <= 1024, inst
-    assert len(state["instances"]) <= 256
+    # the lone proxy plans no instance, so no registration can add one (only the admin API sets them)
+    assert state["instances"] == [], state["instances"]
 
 
 msgpack_values = st.recursive(
@@ -395,12 +397,11 @@ def test_registration_oversized_frame_is_dropped(lone_proxy: Node, registrar: Re
     big.setsockopt(zmq.LINGER, 0)
     big.connect(f"tcp://127.0.0.1:{lone_proxy.registration_port}")
     try:
-        # a valid registration padded to 8 MiB: were it read, it would register port 4242
+        # a registration padded to 8 MiB: ZMQ drops the connection before the proxy reads (or counts) it
         big.send(msgpack.packb(_registration(4242, padding="x" * (8 * 1024 * 1024))))
-        state = registrar.sync()
-        time.sleep(0.5)
-        state = registrar.sync()
-        assert not any(i["url"].endswith(":4242") for i in state["instances"])
+        registrar.sync()
+        time.sleep(0.5)  # time for the big frame to arrive, were it accepted: sync then counts one too many
+        registrar.sync()
     finally:
         big.close(0)
         ctx.term()

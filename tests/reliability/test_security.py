@@ -21,6 +21,7 @@ import psutil
 import pytest
 import zmq
 import zmq.asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.errors import ConfigError
 from appliance.proxy.app import Proxy
@@ -158,8 +159,8 @@ def test_lax_secret_file_mode_is_reported(tmp_path: Path, caplog: pytest.LogCapt
 
 
 def _registration(port: int, host: str = "127.0.0.1") -> bytes:
-    return msgpack.packb({"type": "P", "http_address": f"{host}:{port}",
-                          "zmq_address": f"host:{host},handshake:6301,notify:6105", "transfer_mode": "READ"})
+    return msgpack.packb({"type": "P", "http_address": f"{host}:{port}", "zmq_address":
+                          f"host:{host},handshake:6301,notify:6105", "transfer_mode": "READ"})
 
 
 async def _register(proxy: Proxy, payloads: list[bytes]) -> None:
@@ -177,37 +178,53 @@ async def _register(proxy: Proxy, payloads: list[bytes]) -> None:
         ctx.term()
 
 
+PLANNED = {"name": "prefill-0", "role": "prefill", "url": "http://127.0.0.1:20001",
+           "kv": {"zmq_address": "host:127.0.0.1,handshake:6301,notify:6105", "transfer_mode": "read"}}
+
+
+async def _outcomes(proxy: Proxy, count: int) -> dict[str, float]:
+    """Registration outcomes once `count` messages have been handled (each is counted exactly once)."""
+    for _ in range(500):
+        found = {s.labels["result"]: s.value for f in text_string_to_metric_families(proxy.metrics.render().decode())
+                 for s in f.samples if s.name == "pdctl_proxy_registrations_total"}
+        if sum(found.values()) >= count:
+            return found
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{count} registrations were never all handled")
+
+
 def test_registrations_are_judged_by_the_real_peer_address() -> None:
-    async def scenario(allowed: list[str], payloads: list[bytes]) -> tuple[set[str], str]:
-        cfg = _config(connector="moriio", registration={"enabled": True, "port": 0, "allowed_hosts": allowed})
+    async def scenario(allowed: list[str], payloads: list[bytes]) -> tuple[dict[str, float], float | None]:
+        cfg = _config(connector="moriio", registration={"enabled": True, "port": 0, "allowed_hosts": allowed},
+                      backends=[PLANNED])
         async with running(cfg) as proxy:
             await _register(proxy, payloads)
-            for _ in range(100):
-                if proxy.registry.instances or proxy.metrics.render().count(b"registrations_total") > 0:
-                    break
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.2)
-            return {i.url for i in proxy.registry.instances.values()}, proxy.metrics.render().decode()
+            outcomes = await _outcomes(proxy, len(payloads))
+            inst = proxy.registry.get("prefill-0")
+            assert inst is not None and list(proxy.registry.instances) == ["prefill-0"]
+            return outcomes, inst.last_seen
 
-    # allowed peer, claiming an allowed host: accepted
-    urls, _ = asyncio.run(scenario(["127.0.0.1"], [_registration(20001)]))
-    assert urls == {"http://127.0.0.1:20001"}
+    # allowed peer, claiming its own (planned) address: a refresh
+    outcomes, seen = asyncio.run(scenario(["127.0.0.1"], [_registration(20001)]))
+    assert outcomes == {"refreshed": 1.0} and seen is not None
     # allowed peer claiming another host: refused as a spoof (test_attacks.py has the live version)
-    urls, metrics = asyncio.run(scenario(["127.0.0.1"], [_registration(20002, "10.1.2.3")]))
-    assert urls == set() and 'result="spoofed"' in metrics
+    outcomes, seen = asyncio.run(scenario(["127.0.0.1", "10.1.2.3"], [_registration(20001, "10.1.2.3")]))
+    assert outcomes == {"spoofed": 1.0} and seen is None
     # the message claims an allowed host, but the connection comes from 127.0.0.1, which is not allowed
-    urls, metrics = asyncio.run(scenario(["127.0.0.2"], [_registration(20003, "127.0.0.2")]))
-    assert urls == set() and 'result="rejected"' in metrics
+    outcomes, seen = asyncio.run(scenario(["127.0.0.2"], [_registration(20001, "127.0.0.2")]))
+    assert outcomes == {"rejected": 1.0} and seen is None
 
 
-def test_registered_instances_are_capped() -> None:
-    async def scenario() -> int:
-        cfg = _config(connector="moriio", registration={"enabled": True, "port": 0, "max_instances": 5})
+def test_no_registration_adds_an_instance() -> None:
+    """Only the plan (and pdctl's admin calls) set the instances: 20 registrations of unplanned engines
+    from an allowed host add none, and each is counted as unplanned."""
+    async def scenario() -> tuple[int, dict[str, float]]:
+        cfg = _config(connector="moriio", registration={"enabled": True, "port": 0})
         async with running(cfg) as proxy:
             await _register(proxy, [_registration(21000 + i) for i in range(20)])
-            return len(proxy.registry.instances)
+            return len(proxy.registry.instances), await _outcomes(proxy, 20)
 
-    assert asyncio.run(scenario()) == 5
+    assert asyncio.run(scenario()) == (0, {"unplanned": 20.0})
 
 
 # ---- no shell, atomic files ----------------------------------------------------------------------------
