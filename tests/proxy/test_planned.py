@@ -74,14 +74,23 @@ def test_planned_stop_holds_new_requests_and_reports_a_cut_stream() -> None:
             assert not any(h.done() for h in held)
             back = await FakeEngine(role="decode", port=port).start()
             try:
+                # The stop's watcher probes every 0.25 s: once it has seen decode-0 down and back it may end the
+                # stop before this report arrives (was_stopping False). Both are the product's behaviour; what
+                # matters is that the instance is back and the held requests are sent.
                 reported = await asyncio.to_thread(admin.started, "decode-0")
-                assert reported == {"instance": "decode-0", "healthy": True, "was_stopping": True}
+                assert reported["instance"] == "decode-0" and reported["healthy"] is True
                 for h in held:
                     status, raw, _ = await h
                     assert status == 200 and sse_events(raw)[-1] == "[DONE]"
                 state = await asyncio.to_thread(admin.state)
                 assert state["holds"]["requests"] == 3 and state["planned_stops"] == []
                 assert 0.3 <= state["holds"]["max_wait_s"] <= time.monotonic() - started
+
+                # A report of an instance that never went down ends its stop: was_stopping says the stop was there.
+                await asyncio.to_thread(admin.stopping, "decode-0", 20, 0, 60)
+                reported = await asyncio.to_thread(admin.started, "decode-0")
+                assert reported == {"instance": "decode-0", "healthy": True, "was_stopping": True}
+                assert (await asyncio.to_thread(admin.state))["planned_stops"] == []
 
                 # A restart nobody reports ends by itself once the proxy saw the instance go down and come back.
                 await asyncio.to_thread(admin.stopping, "decode-0", 20, 0, 60)
