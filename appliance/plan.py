@@ -486,7 +486,8 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     checks.append(Check(name="gpus-disjoint", ok=len(used) == len(set(used)), detail=f"{len(used)} GPU(s) assigned"))
     block = next(iter(block_sizes.values()))
     checks.append(Check(name="block-size", ok=True, detail=f"KV block size {block or 'vLLM default'} on every role"))
-    proxy = _proxy_config(settings, connector, mode, model.served_name)
+    # the hand-off's length rules are vLLM's (connector.handoff_possible): a simulated engine has none
+    proxy = _proxy_config(settings, connector, mode, model.served_name, block if settings.engine.kind == "vllm" else None)
     if not is_loopback(settings.proxy.host) and not settings.proxy.api_key_file:
         warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file is set")
     _check_ports(instances, proxy)
@@ -514,7 +515,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
 
 
 def _proxy_config(settings: Settings, connector: Connector, mode: Mode,
-                  served_name: str) -> ProxyConfig:
+                  served_name: str, block_size: int | None) -> ProxyConfig:
     """The proxy's configuration from the [proxy] settings (its backends are added once the ports are checked)."""
     p = settings.proxy
     try:
@@ -525,6 +526,7 @@ def _proxy_config(settings: Settings, connector: Connector, mode: Mode,
             connector=connector.name,
             routing=p.routing,
             model=served_name,
+            block_size=block_size,
             api_key_file=p.api_key_file,
             registration=RegistrationConfig(enabled=connector.registers_with_proxy, host=p.registration_host,
                                             port=p.ping_port, allowed_hosts=p.allowed_hosts,

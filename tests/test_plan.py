@@ -81,8 +81,10 @@ def test_kv_block_size_per_connector_and_platform() -> None:
     nixl = plan(make({"connector": {"name": "nixl"}}), load_inventory("sim:h200-8"))
     assert [_block_size(i.argv) for i in nixl.instances] == ["128", "128"]
     assert next(c for c in nixl.checks if c.name == "block-size").detail == "KV block size 128 on every role"
-    # the CPU default and colocated shapes keep vLLM's own default, unless the setting names one
-    assert all(_block_size(i.argv) is None for i in plan(make(), load_inventory("sim:cpu")).instances)
+    # the CPU default (ExampleConnector) names vLLM's own default, which its proxy needs to know (which prompt
+    # lengths it can hand over); colocated shapes keep vLLM's default unless the setting names one
+    cpu = plan(make(), load_inventory("sim:cpu"))
+    assert [_block_size(i.argv) for i in cpu.instances] == ["128", "128"] and cpu.proxy.block_size == 128
     coloc = plan(make({"connector": {"name": "none", "block_size": 64}}), load_inventory("sim:h200-8"))
     assert {_block_size(i.argv) for i in coloc.instances} == {"64"}
     # a role's own --block-size wins and is not rendered twice

@@ -11,12 +11,14 @@ engines themselves report them.
     instances[]     name, unit, role, gpus[], port, url, pid|null, state (running|starting|restarting|
                     stopping|stopped|failed|unknown), detail (the manager's own words), health
                     ("healthy"|"unhealthy"|"down"), uptime_s|null, restarts (every restart since the node came up:
-                    planned and automatic), automatic_restarts,
+                    planned and automatic), automatic_restarts, last_exit (how its process last ended by
+                    itself, "exit status 0" | "terminated by SIGKILL" ... | null: it never did; the manager
+                    restarts it whatever the way),
                     kv_transfer|null (NIXL: the KV transfers this engine posted since it started, from its own
                     /metrics: transfers, post_ms_mean, xfer_ms_mean, mb_per_transfer, mb_per_s, descriptors_mean,
                     kb_per_descriptor, failed_transfers, failed_notifications, expired_requests; see
                     appliance/kvstats.py)
-    proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts, automatic_restarts,
+    proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts, automatic_restarts, last_exit,
                     reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
                     healthy, draining, in_flight), requests {total, by_status{code: n},
                     leg_failures, client_aborts, held (requests that waited for a role with no instance:
@@ -119,6 +121,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
             "uptime_s": _uptime(st.started_at, now),
             "restarts": restarts.get(st.name, st.restarts),
             "automatic_restarts": st.restarts,
+            "last_exit": st.last_exit,
             # the engine's own KV transfer histograms, where its connector publishes them
             "kv_transfer": engine_figures(inst.url) if transfer_metrics and snap.health.get(inst.name) else None,
         })
@@ -135,6 +138,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         "uptime_s": _uptime(pst.started_at, now),
         "restarts": restarts.get(PROXY_UNIT, pst.restarts),
         "automatic_restarts": pst.restarts,
+        "last_exit": pst.last_exit,
         "reachable": admin is not None,
         "ready": bool(admin and admin.get("ready")),
         "mode": admin.get("mode") if admin else None,
@@ -245,6 +249,11 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
                   "[green]ready[/green]" if p["ready"] else "[red]not ready[/red]", _duration(p["uptime_s"]),
                   str(p["restarts"]))
     console.print(table)
+    for unit in [*doc["instances"], {**p, "name": "proxy"}]:
+        if unit["last_exit"]:
+            restarting = " and is being restarted" if unit["state"] in ("restarting", "starting") else ""
+            console.print(f"{unit['name']} last stopped by itself ({escape(unit['last_exit'])}){restarting}; "
+                          f"{unit['automatic_restarts']} automatic restart(s)")
     if p["reachable"]:
         reg = ", ".join(f"{r['name']}({r['role']}{'' if r['healthy'] else ', unhealthy'})" for r in p["registered"])
         req = p["requests"] or {}

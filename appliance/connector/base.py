@@ -163,6 +163,8 @@ class Connector(ABC):
     # Variables of env() that pin an engine to this node's addresses or ports: a cluster export leaves them out,
     # the cluster engine (Ray's backend, a pod's own IP) sets its own.
     node_local_env: ClassVar[frozenset[str]] = frozenset()
+    # True: some prompt lengths cannot be handed over (handoff_possible); the proxy then counts a prompt's tokens
+    lengths_matter: ClassVar[bool] = False
 
     # ---- the engine side ------------------------------------------------------------------------
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
@@ -239,6 +241,20 @@ class Connector(ABC):
         leg.pop("min_tokens", None)
         leg.pop("min_completion_tokens", None)
         return leg
+
+    def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
+        """Whether a prompt of this many tokens can go through the hand-off (False: the proxy sends it to a
+        decode instance alone, with alone_body)."""
+        return True
+
+    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The request a decode instance serves without a hand-off, and whether alone_answer must mend its
+        non-streamed answer."""
+        return body, False
+
+    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        """The client's answer from a decode instance's answer to alone_body(body)."""
+        return answer
 
     def decode_body(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from appliance.connector.base import Connector, InstanceContext, RayServeBackend, SimOptions
+from appliance.connector.base import Connector, InstanceContext, Platform, RayServeBackend, SimOptions
 from appliance.roles import Mode
 
 
@@ -19,6 +19,36 @@ class ExampleConnector(Connector):
     vllm_class = "ExampleConnector"
     modes = frozenset({"read"})
     sim_flow = "appliance.engine.sim.connectors:ExampleSim"
+    lengths_matter = True
+
+    def default_block_size(self, platform: Platform) -> int:
+        # vLLM's own defaults, named so that the proxy knows which prompt lengths hand nothing over
+        return 128 if platform == "cpu" else 16
+
+    def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
+        # vLLM 0.32's ExampleConnector stores a prompt of L tokens under its first (L-1)//B*B and looks it up
+        # under (L-2)//B*B. Below B+2 tokens nothing is handed over. At L = kB+1 the lookup is one block short
+        # of what the engine's own prefix cache may hold, and for L = 1 it is -B: a hit on the key of the
+        # empty prompt (stored by any prompt of at most B tokens) reports a negative number of tokens and the
+        # engine core dies (IndexError in _prepare_inputs), prefill and decode alike.
+        return prompt_tokens >= block_size + 2 and prompt_tokens % block_size != 1
+
+    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        # A request with prompt logprobs skips every cache lookup (vLLM sets skip_reading_prefix_cache), the
+        # ExampleConnector's included: the only per-request way to keep the lookup above from running.
+        if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+            return body, False
+        return {**body, "prompt_logprobs": 0}, True
+
+    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        # the client did not ask for prompt logprobs: the answer carries none, as vLLM's own would
+        if "prompt_logprobs" in answer:
+            answer = {**answer, "prompt_logprobs": None}
+        choices = answer.get("choices")
+        if isinstance(choices, list):
+            answer = {**answer, "choices": [{**c, "prompt_logprobs": None} if isinstance(c, dict) and
+                                            "prompt_logprobs" in c else c for c in choices]}
+        return answer
 
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any]:
         extra = {"shared_storage_path": ctx.shared_storage_path, **ctx.extra_config}

@@ -32,6 +32,8 @@ class UnitStatus:
     started_at: float | None = None  # epoch seconds the current process started
     restarts: int = 0  # automatic restarts after failures (restart_counts() has every restart)
     detail: str = ""  # the manager's own words, e.g. "active/running" or "BACKOFF"
+    # how its last process ended by itself, e.g. "exit status 0" or "terminated by SIGKILL" (None: it never did)
+    last_exit: str | None = None
 
 
 class ServiceManager(ABC):

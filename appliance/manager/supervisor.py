@@ -58,6 +58,15 @@ def _raise_limits(minfds: int) -> None:
             resource.setrlimit(res, (hard, hard))
 
 
+def exits_in_log(text: str) -> dict[str, list[str]]:
+    """Each program's ends that no supervisorctl command asked for, from supervisord's log: its "exited: NAME
+    (exit status 0; expected)" lines, whose first words say how (a stop on request logs "stopped:")."""
+    found: dict[str, list[str]] = {}
+    for match in re.finditer(r"exited: (\S+) \(([^;)]*)", text):
+        found.setdefault(match.group(1), []).append(match.group(2).strip())
+    return found
+
+
 def can_raise_limits() -> bool:
     """True when this process may raise hard resource limits (CAP_SYS_RESOURCE in its effective set)."""
     try:
@@ -229,7 +238,7 @@ class SupervisorManager(ServiceManager):
     def status(self) -> dict[str, UnitStatus]:
         result: dict[str, UnitStatus] = {}
         if self.running():
-            restarts = self._restarts()
+            exits = self._exits()
             for info in self._call("getAllProcessInfo"):
                 if info["group"] != GROUP:
                     continue
@@ -240,8 +249,9 @@ class SupervisorManager(ServiceManager):
                     state=state,
                     pid=info["pid"] or None,
                     started_at=float(info["start"]) if info["pid"] else None,
-                    restarts=restarts.get(name, 0),
+                    restarts=len(exits.get(name, [])),
                     detail=info["statename"] + (f" ({info['description']})" if state == "failed" else ""),
+                    last_exit=exits[name][-1] if exits.get(name) else None,
                 )
         missing = "not loaded" if result else "supervisord not running"
         for unit in self.units():
@@ -258,17 +268,13 @@ class SupervisorManager(ServiceManager):
         except psutil.Error:
             return False
 
-    def _restarts(self) -> dict[str, int]:
-        """Automatic restarts since supervisord started: its log's 'exited: NAME (...; not expected)' lines."""
-        counts: dict[str, int] = {}
+    def _exits(self) -> dict[str, list[str]]:
+        """How each program ended by itself since supervisord started, oldest first (its log)."""
         try:
             text = (self.dir / "supervisord.log").read_text(errors="replace")
         except OSError:
-            return counts
-        text = text[text.rfind("supervisord started with pid"):]
-        for match in re.finditer(r"exited: (\S+) \([^)]*not expected\)", text):
-            counts[match.group(1)] = counts.get(match.group(1), 0) + 1
-        return counts
+            return {}
+        return exits_in_log(text[text.rfind("supervisord started with pid"):])
 
     def restart_counts(self) -> dict[str, int]:
         """Spawns after the first since supervisord started (its log's "spawned: 'NAME'" lines)."""

@@ -7,6 +7,7 @@ to drive a systemd booted in a private namespace (the tests do this).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,47 @@ from appliance.statedir import StateDir, write_atomic
 _MARK = "# Rendered by pdctl"
 # sd-messages.h SD_MESSAGE_UNIT_STARTED: systemd logs it each time a unit's start (or restart) job completes
 _UNIT_STARTED = "39f53479d3a045ac8e11786248231fbf"
-_PROPS = "Id,ActiveState,SubState,MainPID,NRestarts,ExecMainStartTimestamp,Result"
+# SD_MESSAGE_UNIT_PROCESS_EXIT (a main process that failed), SD_MESSAGE_UNIT_SUCCESS (one that exited 0) and
+# SD_MESSAGE_UNIT_RESTART_SCHEDULED (Restart= acting): how a unit ended by itself, kept after it runs again,
+# when its ExecMain* properties describe the new process
+_UNIT_PROCESS_EXIT = "98e322203f7a4ed290d09fe03c09fe15"
+_UNIT_SUCCESS = "7ad2d189f7e94e70a38c781354912448"
+_UNIT_RESTART_SCHEDULED = "5eb03494b6584870a536b337290809b3"
+_PROPS = "Id,ActiveState,SubState,MainPID,NRestarts,ExecMainStartTimestamp,Result,ExecMainCode,ExecMainStatus"
+
+
+def exit_words(code: str, status: str) -> str:
+    """How a process ended, in supervisord's words, from systemd's EXIT_CODE/EXIT_STATUS (or ExecMainCode's
+    number: 1 exited, 2 killed, 3 dumped)."""
+    kind = {"1": "exited", "2": "killed", "3": "dumped"}.get(code, code)
+    if kind == "exited":
+        return f"exit status {status}"
+    try:
+        name = signal.Signals(int(status)).name
+    except ValueError:
+        name = f"signal {status}"
+    return f"terminated by {name}" + (" (core dumped)" if kind == "dumped" else "")
+
+
+def exits_in_journal(lines: list[str]) -> dict[str, list[str]]:
+    """Each unit's ends that Restart= answered, oldest first, from `journalctl -o json` lines of the three
+    messages above: the exit logged last before each "restart scheduled"."""
+    last: dict[str, str] = {}
+    found: dict[str, list[str]] = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        unit = str(entry.get("UNIT", "")).removesuffix(".service")
+        message = entry.get("MESSAGE_ID")
+        if message == _UNIT_SUCCESS:
+            last[unit] = "exit status 0"
+        elif message == _UNIT_PROCESS_EXIT:
+            last[unit] = exit_words(str(entry.get("EXIT_CODE", "")), str(entry.get("EXIT_STATUS", "")))
+        elif message == _UNIT_RESTART_SCHEDULED and unit in last:
+            found.setdefault(unit, []).append(last.pop(unit))
+    return found
 
 
 def _state(active: str, sub: str) -> State:
@@ -139,10 +180,34 @@ class SystemdManager(ServiceManager):
                 started_at=float(started[1:]) if started.startswith("@") and pid else None,
                 restarts=int(props.get("NRestarts") or 0),
                 detail=f"{active}/{sub}" + (f" ({props['Result']})" if props.get("Result", "success") != "success" else ""),
+                # waiting for Restart=: its properties still describe the process that ended
+                last_exit=exit_words(props.get("ExecMainCode", ""), props.get("ExecMainStatus", ""))
+                if sub == "auto-restart" else None,
             )
+        restarted = [st.name for st in result.values() if st.restarts and st.last_exit is None]
+        if restarted:
+            exits = self._exits()
+            for name in restarted:
+                result[name].last_exit = exits[name][-1] if exits.get(name) else None
         for name in units:
             result.setdefault(name, UnitStatus(name=name, state="unknown"))
         return result
+
+    def _since_up(self) -> str | None:
+        """When pd.target last became active (journalctl --since's "@epoch"), or None."""
+        since = self._systemctl("show", "--timestamp=unix", "-p", "ActiveEnterTimestamp", "--value", "pd.target",
+                                check=False).stdout.strip()
+        return since if since.startswith("@") else None
+
+    def _exits(self) -> dict[str, list[str]]:
+        """How each unit ended by itself since pd.target came up (journald; empty when unreadable)."""
+        since = self._since_up()
+        if since is None:
+            return {}
+        done = self._run("journalctl", "--no-pager", "-o", "json", "--since", since,
+                         "--output-fields=UNIT,MESSAGE_ID,EXIT_CODE,EXIT_STATUS", f"MESSAGE_ID={_UNIT_PROCESS_EXIT}",
+                         f"MESSAGE_ID={_UNIT_SUCCESS}", f"MESSAGE_ID={_UNIT_RESTART_SCHEDULED}", check=False)
+        return exits_in_journal(done.stdout.splitlines()) if done.returncode == 0 else {}
 
     def runs(self, pid: int) -> bool:
         """By the process's cgroup (…/pd-proxy.service): its pid may not be the MainPID systemd knows, which
@@ -158,9 +223,8 @@ class SystemdManager(ServiceManager):
         """Starts after the first since pd.target came up (systemd's "unit started" journal entries), never
         fewer than systemd's own count of automatic restarts; that count alone when the journal is unreadable."""
         auto = {name: st.restarts for name, st in self.status().items()}
-        since = self._systemctl("show", "--timestamp=unix", "-p", "ActiveEnterTimestamp", "--value", "pd.target",
-                                check=False).stdout.strip()
-        if not since.startswith("@"):
+        since = self._since_up()
+        if since is None:
             return auto
         done = self._run("journalctl", "--no-pager", "-o", "json", "--output-fields=UNIT", "--since", since,
                          f"MESSAGE_ID={_UNIT_STARTED}", check=False)

@@ -123,6 +123,8 @@ class ProxyConfig(_Model):
     api_key_file: str | None = None
     # sent to the engines as their Bearer key (vLLM --api-key); the client's own key is never forwarded
     engine_api_key_file: str | None = None
+    # the engines' KV block size (tokens), for connectors whose hand-off depends on the prompt's length
+    block_size: int | None = Field(default=None, ge=1)
     registration: RegistrationConfig = Field(default_factory=RegistrationConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     timeouts: Timeouts = Field(default_factory=Timeouts)

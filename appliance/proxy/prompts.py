@@ -1,0 +1,96 @@
+"""How many tokens a request's prompt has, for connectors whose hand-off depends on it (lengths_matter).
+
+The proxy has no tokenizer. Token ids are counted; for a text prompt an upper bound comes from its UTF-8
+length (a byte-level BPE or byte-fallback tokenizer spends at least one byte of text per token, plus the few
+special tokens it adds), which settles short prompts for free; otherwise the decode instance's own
+/tokenize counts it exactly: one more local round trip, on a connector whose hand-off crashes the engine otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from appliance.proxy.registry import BackendState
+from appliance.proxy.state import ProxyState
+from appliance.proxy.upstream import UpstreamError
+
+# BOS, EOS and a SentencePiece prefix piece: more than any tokenizer adds to a completion prompt by itself
+_SPECIAL_TOKENS = 3
+# what /tokenize takes from a chat request besides the messages (they change the template's output)
+_CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+              "chat_template_kwargs", "tools", "documents")
+
+
+def known_length(path: str, body: dict[str, Any]) -> int | None:
+    """The prompt's token count when the body settles it (token ids), else None."""
+    prompt = body.get("prompt") if path.endswith("/completions") and "messages" not in body else None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return None
+
+
+def most_tokens(path: str, body: dict[str, Any]) -> int | None:
+    """At most how many tokens a single text prompt becomes, or None when no bound holds (chat templates)."""
+    prompt = body.get("prompt")
+    if "messages" in body or not isinstance(prompt, str):
+        return None
+    return len(prompt.encode()) + _SPECIAL_TOKENS
+
+
+def tokenize_request(path: str, body: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """The /tokenize body that counts the request's prompt, or None when it has no single prompt."""
+    if "messages" in body:
+        return {"model": model, "messages": body["messages"], **{k: body[k] for k in _CHAT_KEYS if k in body}}
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        out: dict[str, Any] = {"model": model, "prompt": prompt}
+        if "add_special_tokens" in body:
+            out["add_special_tokens"] = body["add_special_tokens"]
+        return out
+    return None
+
+
+async def count_tokens(proxy: ProxyState, inst: BackendState, path: str, body: dict[str, Any],
+                       headers: list[tuple[str, str]]) -> int | None:
+    """The prompt's token count from the instance's /tokenize; None when it cannot tell (several prompts, an
+    answer that is not a count): the caller then takes the way that works for every length."""
+    request = tokenize_request(path, body, proxy.config.model)
+    if request is None:
+        return None
+    payload = json.dumps(request, separators=(",", ":")).encode()
+    try:
+        conn, head = await inst.pool.open("POST", "/tokenize", headers, payload, collect=True,
+                                          head_timeout=proxy.config.timeouts.prefill_s)
+    except UpstreamError:
+        return None
+    assert conn.done_fut is not None
+    try:
+        answer = await conn.done_fut
+    except UpstreamError:
+        return None
+    except BaseException:
+        conn.abort()
+        raise
+    inst.pool.release(conn)
+    if head.status != 200:
+        return None
+    try:
+        count = json.loads(answer or b"").get("count")
+    except (ValueError, AttributeError):
+        return None
+    return count if isinstance(count, int) else None
+
+
+async def can_hand_over(proxy: ProxyState, inst: BackendState, path: str, body: dict[str, Any],
+                        headers: list[tuple[str, str]], block_size: int) -> bool:
+    """Whether the connector can hand this request's prompt over; asks `inst` to count it only when the
+    body does not settle it. Unknown counts as no: serving without a hand-off works for every length."""
+    connector = proxy.connector
+    count = known_length(path, body)
+    if count is None:
+        most = most_tokens(path, body)
+        if most is not None and not any(connector.handoff_possible(n, block_size) for n in range(most + 1)):
+            return False
+        count = await count_tokens(proxy, inst, path, body, headers)
+    return count is not None and connector.handoff_possible(count, block_size)
