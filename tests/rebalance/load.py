@@ -52,6 +52,8 @@ class Load:
     url: str
     threads: int = 3
     max_tokens: int = 24
+    timeout_s: float = 120.0  # per request, the proxy's hold included
+    model: str | None = None  # the served name, where the engines check it (real vLLM)
     ok: int = 0
     failures: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -68,14 +70,15 @@ class Load:
     def stop(self) -> None:
         self._stop.set()
         for t in self._workers:
-            t.join(timeout=120)
+            t.join(timeout=self.timeout_s)
 
     def _one(self, n: int, k: int) -> str | None:
         """One streamed request; None when it succeeded, else what went wrong."""
         parts = urlsplit(self.url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
-        body = json.dumps({"prompt": f"client {n} request {k} " * 20, "max_tokens": self.max_tokens,
-                           "stream": True, "ignore_eos": True})
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout_s)
+        request = {"prompt": f"client {n} request {k} " * 20, "max_tokens": self.max_tokens, "stream": True,
+                   "ignore_eos": True}
+        body = json.dumps(request | ({"model": self.model} if self.model else {}))
         try:
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             response = conn.getresponse()
