@@ -65,10 +65,10 @@ def plan_options(func: F) -> F:
 
 
 def layout_option(func: F) -> F:
-    """--ignore-layout, for the commands that apply the layout a rebalance recorded (up, plan, doctor, export)."""
+    """--ignore-layout, for the commands that apply what layout.json records (up, plan, doctor, export)."""
     return click.option(
         "--ignore-layout", is_flag=True,
-        help="Plan from the settings and flags alone, without the layout `pdctl rebalance` recorded (layout.json "
+        help="Plan from the settings and flags alone, without what `pdctl rebalance` / `pdctl mode` recorded (layout.json "
              "stays, in force for the next command without this flag). `bench --compare` deploys its shapes so.",
     )(func)
 

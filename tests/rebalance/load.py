@@ -76,8 +76,9 @@ class Load:
         """One streamed request; None when it succeeded, else what went wrong."""
         parts = urlsplit(self.url)
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout_s)
+        # the usage event counts the tokens: a real engine may send a token that detokenizes to nothing in none
         request = {"prompt": f"client {n} request {k} " * 20, "max_tokens": self.max_tokens, "stream": True,
-                   "ignore_eos": True}
+                   "ignore_eos": True, "stream_options": {"include_usage": True}}
         body = json.dumps(request | ({"model": self.model} if self.model else {}))
         try:
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -92,7 +93,8 @@ class Load:
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         if not events or events[-1] != "[DONE]" or any('"error"' in e for e in events):
             return f"request {n}/{k}: broken stream {text[-300:]!r}"
-        tokens = sum(1 for e in events[:-1] if json.loads(e).get("choices"))
+        usage = [u for u in (json.loads(e).get("usage") for e in events[:-1]) if u]
+        tokens = usage[-1]["completion_tokens"] if usage else 0
         if tokens < self.max_tokens:
             return f"request {n}/{k}: {tokens} of {self.max_tokens} tokens"
         return None
