@@ -3,7 +3,8 @@
 `pdctl up` applies a plan here; `status`, `restart`, `logs`, `down`, `rebalance`, `mode` and `bench --compare`
 load what was applied from here. The files (appliance.statedir): plan.json is what is deployed; proxy.json
 is derived from it; `manager` records which service manager `up` used, so later commands drive the same
-one; layout.json keeps the shape a rebalance left, applied over pdctl.toml until `rebalance --reset`.
+one; layout.json records what `pdctl rebalance` (the roles' shapes) and `pdctl mode` (the transfer mode) left
+the node in, applied over pdctl.toml; an explicit flag or PDCTL_* variable wins over it (`recorded_overrides`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
 EXIT_DOWN = 3
 # Sections of a layout that a command line naming the same role replaces whole (a shape, not a tweak).
 ROLE_SECTIONS = ("prefill", "decode", "colocated")
+# The keys of a role section that make its shape: one of them set explicitly replaces a recorded shape whole.
+SHAPE_KEYS = ("gpus", "gpu_count", "instances", "tp", "dp")
+# Who records what in layout.json: the roles' shapes, the transfer mode (and the connector `auto` ran it on).
+REBALANCE = "pdctl rebalance"
+MODE = "pdctl mode"
 
 
 class NotDeployed(PdctlError):
@@ -113,8 +119,9 @@ def port_conflicts(plan: Plan, manager: ServiceManager | None, *, proxy_only: bo
 
 
 def pinned(plan: Plan) -> dict[str, Any]:
-    """The plan's roles as settings that reproduce it exactly (explicit GPUs, instances, TP, DP) and its mode."""
-    out: dict[str, Any] = {"connector": {"mode": plan.mode}}
+    """The plan's roles as settings that reproduce it exactly (explicit GPUs, instances, TP, DP), its connector
+    and mode."""
+    out: dict[str, Any] = {"connector": {"name": plan.connector, "mode": plan.mode}}
     for role in ROLES:
         insts = plan.role_instances(role)
         if not insts:
@@ -130,6 +137,49 @@ def layered(layout: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]
     """Command-line overrides over a layout: a role the command line names replaces the layout's."""
     kept = {k: v for k, v in layout.items() if not (k in ROLE_SECTIONS and k in overrides)}
     return deep_merge(kept, overrides)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """layout.json: the settings overrides it records and, per section, the command that recorded it."""
+
+    overrides: dict[str, Any]
+    written_by: dict[str, str]
+
+    def writers(self) -> str:
+        """The commands that recorded it, in the order of its sections ("pdctl rebalance, pdctl mode")."""
+        return ", ".join(dict.fromkeys(self.written_by.values()))
+
+
+def recorded_overrides(recorded: Recorded, explicit: dict[str, str], connector_name: str) -> tuple[dict[str, Any], list[str]]:
+    """The parts of `recorded` that apply, and one phrase for each part an explicit setting overrides.
+
+    `explicit`: dotted setting -> the flag or PDCTL_* variable that set it; an explicit setting always wins, and a
+    role shape is replaced whole by any explicit shape key of that role. `connector_name`: what the settings name
+    (the connector `pdctl mode` ran on applies only while they say auto and the recorded mode stands)."""
+    kept: dict[str, Any] = {}
+    ignored: list[str] = []
+    for section, value in recorded.overrides.items():
+        by = recorded.written_by.get(section, REBALANCE)
+        if section in ROLE_SECTIONS:
+            why = [src for key, src in explicit.items()
+                   if key == section or (key.startswith(section + ".") and key.split(".")[1] in SHAPE_KEYS)]
+            if why:
+                ignored.append(f"the {section} shape ({by}) for {', '.join(dict.fromkeys(why))}")
+            else:
+                kept[section] = value
+        elif section == "connector" and isinstance(value, dict):
+            connector = dict(value)
+            auto_name = connector.pop("auto_name", None)
+            if "mode" in connector and "connector.mode" in explicit:
+                ignored.append(f"mode {connector.pop('mode')} ({by}) for {explicit['connector.mode']}")
+            elif auto_name is not None and connector_name == "auto" and "connector.name" not in explicit:
+                connector["name"] = auto_name
+            if connector:
+                kept[section] = connector
+        else:
+            kept[section] = value
+    return kept, ignored
 
 
 REDACTED = "<redacted: secrets.json>"
@@ -202,21 +252,27 @@ class Node:
         return plan
 
     def layout(self) -> dict[str, Any]:
-        """The overrides the last rebalance recorded, or {} when there are none."""
+        """The overrides layout.json records (roles' shapes, transfer mode), or {} when there are none."""
+        return self.recorded().overrides
+
+    def recorded(self) -> Recorded:
+        """What layout.json records and which command recorded each part (empty when there is no file)."""
         path = Path(self.state.layout)
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            return {}
+            return Recorded({}, {})
         except (OSError, ValueError) as exc:
             raise PdctlError(f"{path} cannot be read ({exc})",
                              fix="delete it to return to pdctl.toml's layout") from None
-        return data.get("overrides", {}) if isinstance(data, dict) else {}
-
-    def with_layout(self, overrides: dict[str, Any]) -> dict[str, Any]:
-        """`overrides` on top of the recorded layout (if a rebalance wrote one)."""
-        layout = self.layout()
-        return layered(layout, overrides) if layout else overrides
+        overrides = data.get("overrides", {}) if isinstance(data, dict) else {}
+        if not isinstance(overrides, dict):
+            overrides = {}
+        by = data.get("written_by") if isinstance(data, dict) else None
+        # an older file names one writer for all it holds
+        written_by = {k: str(by.get(k, REBALANCE)) if isinstance(by, dict) else str(by or REBALANCE)
+                      for k in overrides}
+        return Recorded(overrides, written_by)
 
     # -------------------------------------------------------------------------------------- the manager
     def render_options(self) -> RenderOptions:
@@ -260,12 +316,29 @@ class Node:
         return Applied(manager.apply(previous), proxy_changed)
 
     def record_layout(self, plan: Plan | None) -> None:
-        """Record the layout `plan` runs (a rebalance's result), or with None drop it (back to pdctl.toml)."""
+        """Record the roles' shapes `plan` runs (a rebalance's result), or with None drop them (back to pdctl.toml);
+        a recorded mode stays."""
+        shapes = {} if plan is None else {k: v for k, v in pinned(plan).items() if k in ROLE_SECTIONS}
+        self._record(ROLE_SECTIONS, shapes, REBALANCE)
+
+    def record_mode(self, mode: str, auto_connector: str | None) -> None:
+        """Record the transfer mode `pdctl mode` switched to and, when the settings leave the connector to `auto`,
+        the connector the node runs it on (auto picks by mode on some nodes: a later `up` must not switch)."""
+        section: dict[str, Any] = {"mode": mode}
+        if auto_connector is not None:
+            section["auto_name"] = auto_connector
+        self._record(("connector",), {"connector": section}, MODE)
+
+    def _record(self, sections: tuple[str, ...], values: dict[str, Any], by: str) -> None:
+        """Replace `sections` of layout.json with `values`, written by `by`; the file goes when nothing is left."""
+        before = self.recorded()
+        overrides = {k: v for k, v in before.overrides.items() if k not in sections} | values
+        written_by = {k: before.written_by[k] for k in overrides if k not in values} | {k: by for k in values}
         path = Path(self.state.layout)
-        if plan is None:
+        if not overrides:
             path.unlink(missing_ok=True)
             return
-        doc = {"written_by": "pdctl rebalance", "overrides": pinned(plan)}
+        doc = {"written_by": written_by, "overrides": overrides}
         write_atomic(path, json.dumps(doc, indent=2) + "\n")
 
     def ensure_model(self, plan: Plan) -> None:

@@ -270,12 +270,12 @@ def _lookup(origins: dict[str, str], key: str) -> str | None:
     return None
 
 
-def _leaves(data: dict[str, Any], prefix: str = "") -> list[str]:
+def leaves(data: dict[str, Any], prefix: str = "") -> list[str]:
     """Dotted keys of the values in nested settings data ({"decode": {"tp": 3}} -> ["decode.tp"])."""
     out: list[str] = []
     for key, value in data.items():
         dotted = f"{prefix}{key}"
-        out.extend(_leaves(value, dotted + ".") if isinstance(value, dict) and value else [dotted])
+        out.extend(leaves(value, dotted + ".") if isinstance(value, dict) and value else [dotted])
     return out
 
 
@@ -358,10 +358,10 @@ def load_settings(path: str | os.PathLike[str] | None = None, overrides: dict[st
     except Exception as exc:  # pydantic-settings raises SettingsError for unparsable JSON values
         raise ConfigError(f"a PDCTL_* environment variable cannot be read: {exc}") from None
     merged = deep_merge(deep_merge(data, env), overrides or {})
-    origins = {key: str(file) for key in _leaves(data)}
-    origins.update({key: env_name(key) for key in _leaves(env)})
+    origins = {key: str(file) for key in leaves(data)}
+    origins.update({key: env_name(key) for key in leaves(env)})
     named = override_origins or {}
-    origins.update({key: _lookup(named, key) or "a command-line override" for key in _leaves(overrides or {})})
+    origins.update({key: _lookup(named, key) or "a command-line override" for key in leaves(overrides or {})})
     try:
         # Init data only: the environment is already merged, so the env source must not read it again.
         settings = Settings.model_validate(merged)

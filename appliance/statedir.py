@@ -53,7 +53,7 @@ class StateDir:
 
     @property
     def layout(self) -> PurePosixPath:
-        """The layout a rebalance recorded."""
+        """What `pdctl rebalance` (the roles' shapes) and `pdctl mode` (the mode) recorded."""
         return self.root / "layout.json"
 
     @property

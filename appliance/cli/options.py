@@ -12,10 +12,11 @@ import click
 from rich.console import Console
 
 from appliance.choices import ConnectorChoice
+from appliance.errors import PdctlError
 from appliance.inventory import Inventory, load_inventory
-from appliance.node import Node
+from appliance.node import Node, layered, recorded_overrides
 from appliance.plan import Plan, plan
-from appliance.settings import Settings, env_data, load_settings
+from appliance.settings import Settings, env_data, env_name, leaves, load_settings
 from appliance.shapes import role_overrides
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -30,6 +31,16 @@ def console(stderr: bool = False) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     wide = not stream.isatty() and "COLUMNS" not in os.environ
     return Console(stderr=stderr, width=PIPE_WIDTH if wide else None, emoji=False)
+
+
+def confirm(question: str) -> None:
+    """Ask `question` on the terminal; PdctlError (exit 2, nothing changed) when it is declined or cannot be asked
+    (stdin is not a terminal: a script or a pipe must pass --yes)."""
+    if not sys.stdin.isatty():
+        raise PdctlError(f"cannot ask \"{question}\": stdin is not a terminal; nothing was changed",
+                         fix="pass --yes to go ahead without asking")
+    if not click.confirm(question, default=False):
+        raise PdctlError("not confirmed; nothing was changed")
 
 
 def plan_options(func: F) -> F:
@@ -54,24 +65,31 @@ def plan_options(func: F) -> F:
 
 
 def layout_option(func: F) -> F:
-    """--ignore-layout, for the commands that apply the layout a rebalance recorded (up, plan, doctor, export)."""
+    """--ignore-layout, for the commands that apply what layout.json records (up, plan, doctor, export)."""
     return click.option(
         "--ignore-layout", is_flag=True,
-        help="Plan from the settings and flags alone, without the layout `pdctl rebalance` recorded (layout.json "
+        help="Plan from the settings and flags alone, without what `pdctl rebalance` / `pdctl mode` recorded (layout.json "
              "stays, in force for the next command without this flag). `bench --compare` deploys its shapes so.",
     )(func)
 
 
 def node_overrides(node: Node, options: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-    """The plan flags' overrides over the layout a rebalance recorded (unless --ignore-layout), and a line
-    saying whether layout.json was applied or ignored (None when there is none)."""
+    """The plan flags' overrides over what layout.json records (unless --ignore-layout), and one line saying what
+    of it was applied or ignored (None when there is none). A flag or PDCTL_* variable always wins over a record."""
     overrides = overrides_from(options)
-    if not node.layout():
+    recorded = node.recorded()
+    if not recorded.overrides:
         return overrides, None
+    where = f"{node.state.layout} ({recorded.writers()})"
     if options.get("ignore_layout"):
-        return overrides, f"{node.state.layout} (pdctl rebalance) ignored (--ignore-layout); in force without it"
-    return node.with_layout(overrides), (f"{node.state.layout} (pdctl rebalance) applied over the settings "
-                                         "(--ignore-layout leaves it out; `pdctl rebalance --reset` drops it)")
+        return overrides, f"{where} ignored (--ignore-layout); in force without it"
+    explicit = {key: env_name(key) for key in leaves(env_data())} | flag_origins(options)
+    name = options.get("connector") or node.settings.connector.name
+    kept, ignored = recorded_overrides(recorded, explicit, name)
+    applied = (f"{where} applied over the settings (--ignore-layout leaves it out; `pdctl rebalance --reset` drops "
+               "its shapes)") if kept else f"{where} not applied"
+    given_up = f"; explicit settings win over {'; '.join(ignored)}" if ignored else ""
+    return layered(kept, overrides), applied + given_up
 
 
 def overrides_from(options: dict[str, Any]) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from appliance.cli.lifecycle import MANAGER_CHOICE, deployed
+from appliance.cli.options import confirm, obtain
 from appliance.cli.options import console as cli_console
-from appliance.cli.options import obtain
+from appliance.connector import get_connector
 from appliance.errors import PdctlError
 from appliance.node import Node, admin_client, http_answer, layered, pinned
 from appliance.plan import Instance, Plan, plan
@@ -25,7 +26,7 @@ from appliance.proxy.client import AdminClient
 from appliance.rebalance.apply import Options, Rebalancer, busy_new_ports
 from appliance.rebalance.restart import can_roll, switch_mode
 from appliance.rebalance.schedule import Schedule, schedule
-from appliance.settings import Settings
+from appliance.settings import Settings, env_data
 from appliance.shapes import role_overrides
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -84,20 +85,19 @@ def _options(settings: Settings, drain_timeout: float, hold_s: float, timeout_s:
     return Options(drain_timeout_s=drain_timeout, health_timeout_s=health, hold_s=hold_s)
 
 
-def _same_frame(old: Plan, new: Plan) -> None:
-    """A rebalance changes instances only: the proxy, connector, engine and mode stay as they are."""
+def _same_frame(old: Plan, new: Plan, changes: str = "rebalance changes only instances") -> None:
+    """Refuse a new plan that differs from the deployed one in more than a rebalance (instances) or a mode switch
+    (instances and mode) can change on a running node: the proxy reads its connector and settings only at start."""
     for what, a, b, fix in (
         ("connector", old.connector, new.connector, "run `pdctl up`"),
         ("engine", old.engine, new.engine, "run `pdctl up`"),
-        ("mode", old.mode, new.mode, "use `pdctl mode`"),
-        # the backends are the instances, which a rebalance changes
-        ("proxy settings", old.proxy.model_dump(exclude={"backends"}), new.proxy.model_dump(exclude={"backends"}),
-         "run `pdctl up` first (it restarts the proxy)"),
+        # the backends are the instances, which both change; the mode is the proxy's to switch live
+        ("proxy settings", old.proxy.model_dump(exclude={"backends", "mode"}),
+         new.proxy.model_dump(exclude={"backends", "mode"}), "run `pdctl up` first (it restarts the proxy)"),
         ("model", old.model, new.model, "run `pdctl up`"),
     ):
         if a != b:
-            raise PdctlError(f"the {what} changed since the node was deployed; rebalance changes only instances",
-                             fix=fix)
+            raise PdctlError(f"the {what} changed since the node was deployed; {changes}", fix=fix)
 
 
 def _tp_fits(new: Plan) -> None:
@@ -168,9 +168,12 @@ def rebalance(ctx: click.Context, /, reset: bool, dry_run: bool, yes: bool, allo
                          "--decode 2-7, --prefill 2xTP2 --decode 1xTP4, or --reset")
     if reset and asked:
         raise PdctlError("--reset and a new shape both given", fix="use one of them")
-    overrides = {"connector": {"mode": old.mode}} if reset else layered(pinned(old), asked)
+    overrides = {"connector": pinned(old)["connector"]} if reset else layered(pinned(old), asked)
     new_settings, inventory = obtain(ctx, overrides)
     new = plan(new_settings, inventory)
+    if new.mode != old.mode:
+        raise PdctlError(f"the mode changed since the node was deployed ({old.mode} -> {new.mode}); rebalance "
+                         "changes only instances", fix=f"use `pdctl mode {new.mode}`")
     _same_frame(old, new)
     _tp_fits(new)
     sched = schedule(old.instances, new.instances, _health(old))
@@ -190,7 +193,7 @@ def rebalance(ctx: click.Context, /, reset: bool, dry_run: bool, yes: bool, allo
     if dry_run:
         return
     if not yes:
-        click.confirm("apply this rebalance?", abort=True)
+        confirm("apply this rebalance?")
     admin = _admin(old)
     admin.state()  # the proxy must answer before anything stops
     runner = Rebalancer(node, old, new, admin, console.print, _options(settings, drain_timeout, hold_s, timeout_s),
@@ -221,21 +224,32 @@ def mode(ctx: click.Context, new_mode: str | None, yes: bool, allow_downtime: bo
     if new_mode is None:
         console.print(f"mode {admin.state().get('mode')} (plan: {old.mode}, connector {old.connector})")
         return
+    # A switch keeps the connector the node runs (`auto` may pick another one for the other mode, which the
+    # running proxy would not follow) and every other setting: it changes the mode only.
+    if new_mode not in get_connector(old.connector).modes:
+        raise PdctlError(f"the node runs connector {old.connector}, which has no {new_mode} mode",
+                         fix=f"deploy a connector that has it: `pdctl up --mode {new_mode}` (connector auto picks one) "
+                             f"or `--connector NAME`")
     new_settings, inventory = obtain(ctx, layered(pinned(old), {"connector": {"mode": new_mode}}))
-    new = plan(new_settings, inventory)  # the planner refuses a mode the connector lacks
+    new = plan(new_settings, inventory)
+    _same_frame(old, new, "a mode switch changes only the mode")
+    auto = old.connector if settings.connector.name == "auto" else None
     current = admin.state().get("mode")
     sched = schedule(old.instances, new.instances)
     changed = [old.instance(n) for n, a in sched.actions.items() if a == "restart"]
     if current == new_mode and old.mode == new_mode:
+        node.record_mode(new_mode, auto)
         console.print(f"mode is already {new_mode}")
+        _warn_explicit_mode(new_mode, console)
         return
     runner = Rebalancer(node, old, new, admin, console.print, _options(settings, drain_timeout, hold_s, timeout_s),
                         manager)
     if not changed:
         admin.set_mode(new_mode)
         runner.run([])
-        node.record_layout(new)
+        node.record_mode(new_mode, auto)
         console.print(f"[green]mode {new_mode}[/green] (no engine restart needed)")
+        _warn_explicit_mode(new_mode, console)
         return
     if can_roll(old):
         console.print(f"{old.connector} fixes the mode at engine start: restarting engines one at a time, "
@@ -249,10 +263,19 @@ def mode(ctx: click.Context, new_mode: str | None, yes: bool, allow_downtime: bo
                              fix="add --allow-downtime (requests wait in the proxy, none fail while the restart "
                                  "takes less than --hold)")
     if not yes:
-        click.confirm(f"switch to {new_mode}?", abort=True)
+        confirm(f"switch to {new_mode}?")
     switch_mode(runner, new_mode, changed)
-    node.record_layout(new)
+    node.record_mode(new_mode, auto)
     console.print(f"[green]mode {new_mode}[/green]: restarted {', '.join(i.name for i in changed)}")
+    _warn_explicit_mode(new_mode, console)
+
+
+def _warn_explicit_mode(new_mode: str, console: Console) -> None:
+    """Say so when PDCTL_CONNECTOR__MODE names another mode: it wins over the recorded one at the next `pdctl up`."""
+    env_mode = env_data().get("connector", {}).get("mode")
+    if env_mode is not None and env_mode != new_mode:
+        console.print(f"[yellow]warning:[/yellow] PDCTL_CONNECTOR__MODE={env_mode} is set: a `pdctl up` in this "
+                      f"environment returns the node to {env_mode} (explicit settings win over the recorded mode)")
 
 
 @click.command()

@@ -188,8 +188,9 @@ class Connector(ABC):
         return {}
 
     def proxy_kv(self, ctx: InstanceContext) -> dict[str, str | int]:
-        """What the proxy needs to address this instance for the connector's protocol."""
-        return {}
+        """What the proxy needs to address this instance for the connector's protocol; where the mode is fixed at
+        engine start, the mode the engine runs: the proxy routes it no request while it runs another mode."""
+        return {"transfer_mode": ctx.mode} if self.mode_fixed_at_start else {}
 
     def rdma(self, moriio_backend: str) -> RdmaNeed | None:
         """Whether the transfer uses RDMA devices (None: never), given the configured MORI-IO backend."""

@@ -168,7 +168,7 @@ class MoriioConnector(Connector):
 
     def proxy_kv(self, ctx: InstanceContext) -> dict[str, str | int]:
         # the proxy holds a planned instance to this address and mode whatever a registration says
-        return {"zmq_address": zmq_address(ctx.host, ctx.handshake_port, ctx.notify_port), "transfer_mode": ctx.mode}
+        return {**super().proxy_kv(ctx), "zmq_address": zmq_address(ctx.host, ctx.handshake_port, ctx.notify_port)}
 
     def ray_serve(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode,
                   block_size: int | None) -> RayServeBackend:

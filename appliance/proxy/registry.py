@@ -87,8 +87,8 @@ class BackendState:
         self.dp_next = 0
         self.failures = 0
         self.failed_probes = 0  # health probes that failed, ever (a planned stop learns from it that it went down)
-        # moriio: the mode the engine runs, from the plan (kv "transfer_mode") or, for a plan that does not say,
-        # its registration (which can only keep it out of routing); None: unknown
+        # the mode the engine runs (a connector that fixes it at start), from the plan (kv "transfer_mode") or, for
+        # a plan that does not say, its registration (which can only keep it out of routing); None: unknown
         self.transfer_mode: str | None = str(self.kv["transfer_mode"]) if "transfer_mode" in self.kv else None
         self.last_seen: float | None = None  # wall clock of the last registration ping
         self.last_seen_mono: float | None = None

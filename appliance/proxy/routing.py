@@ -21,11 +21,11 @@ class Router:
         self.registry = registry
         self.policy = policy
         self.mode = mode
-        self.checks_mode = checks_mode  # moriio engines fix their transfer mode at start
+        self.checks_mode = checks_mode  # the connector's engines fix their transfer mode at start
         self._rr: dict[str, int] = {"prefill": 0, "decode": 0, "both": 0}
 
     def routable(self, inst: BackendState) -> bool:
-        """Healthy, not draining or in a planned stop, and (moriio) running the proxy's transfer mode."""
+        """Healthy, not draining or in a planned stop, and running the proxy's transfer mode (where known)."""
         if not inst.healthy or inst.draining or inst.stopping:
             return False
         return not (self.checks_mode and inst.transfer_mode is not None and inst.transfer_mode != self.mode())

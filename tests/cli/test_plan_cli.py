@@ -151,3 +151,35 @@ def test_usage_errors_are_one_line() -> None:
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("pdctl: error: "), (args, r.stderr)
     r = pdctl("plan", "--mode", "sideways")
     assert "'sideways' is not one of 'read', 'write'" in r.stderr and "pdctl plan --help" in r.stderr
+
+
+def test_explicit_variables_win_over_the_recorded_layout(tmp_path: Path) -> None:
+    """A shape `pdctl rebalance` recorded in layout.json applies over pdctl.toml, never over an explicit PDCTL_*
+    variable or flag: those win, and `plan` says in its layout line which record it left out and why."""
+    from appliance.inventory import load_inventory
+    from appliance.node import Node
+    from appliance.plan import plan
+    from appliance.settings import load_settings
+    from tests.support.pdctl import pdctl as pdctl_at
+    from tests.support.pdctl import write_config
+
+    config = write_config(tmp_path, tmp_path / "state")
+    settings = load_settings(config)
+    Node(settings).record_layout(plan(load_settings(config, {"decode": {"instances": 4, "tp": 1}}),
+                                      load_inventory("sim:mi300x-8")))
+
+    def decode(*args: str, env: dict[str, str] | None = None) -> tuple[list[tuple[int, int]], str]:
+        shown = pdctl_at(config, "--inventory", "sim:mi300x-8", "plan", *args, env=env)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        as_json = pdctl_at(config, "--inventory", "sim:mi300x-8", "plan", "--json", *args, env=env)
+        shapes = [(i["tp"], i["dp"]) for i in json.loads(as_json.stdout)["instances"] if i["role"] == "decode"]
+        return shapes, shown.stdout
+
+    recorded, line = decode()
+    assert recorded == [(1, 1)] * 4 and "layout.json (pdctl rebalance) applied over the settings" in line, line
+    explicit, line = decode(env={"PDCTL_DECODE__DP": "2", "PDCTL_DECODE__TP": "2"})
+    assert explicit == [(2, 2)], explicit
+    assert "explicit settings win over the decode shape (pdctl rebalance) for PDCTL_DECODE__DP, PDCTL_DECODE__TP" \
+        in line, line
+    flagged, line = decode("--decode", "2xTP2")
+    assert flagged == [(2, 1), (2, 1)] and "for --decode 2xTP2" in line, line

@@ -52,6 +52,8 @@ class Load:
     url: str
     threads: int = 3
     max_tokens: int = 24
+    timeout_s: float = 120.0  # per request, the proxy's hold included
+    model: str | None = None  # the served name, where the engines check it (real vLLM)
     ok: int = 0
     failures: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -68,14 +70,16 @@ class Load:
     def stop(self) -> None:
         self._stop.set()
         for t in self._workers:
-            t.join(timeout=120)
+            t.join(timeout=self.timeout_s)
 
     def _one(self, n: int, k: int) -> str | None:
         """One streamed request; None when it succeeded, else what went wrong."""
         parts = urlsplit(self.url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
-        body = json.dumps({"prompt": f"client {n} request {k} " * 20, "max_tokens": self.max_tokens,
-                           "stream": True, "ignore_eos": True})
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout_s)
+        # the usage event counts the tokens: a real engine may send a token that detokenizes to nothing in none
+        request = {"prompt": f"client {n} request {k} " * 20, "max_tokens": self.max_tokens, "stream": True,
+                   "ignore_eos": True, "stream_options": {"include_usage": True}}
+        body = json.dumps(request | ({"model": self.model} if self.model else {}))
         try:
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             response = conn.getresponse()
@@ -89,7 +93,8 @@ class Load:
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         if not events or events[-1] != "[DONE]" or any('"error"' in e for e in events):
             return f"request {n}/{k}: broken stream {text[-300:]!r}"
-        tokens = sum(1 for e in events[:-1] if json.loads(e).get("choices"))
+        usage = [u for u in (json.loads(e).get("usage") for e in events[:-1]) if u]
+        tokens = usage[-1]["completion_tokens"] if usage else 0
         if tokens < self.max_tokens:
             return f"request {n}/{k}: {tokens} of {self.max_tokens} tokens"
         return None

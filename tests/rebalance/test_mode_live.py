@@ -104,6 +104,14 @@ def test_mode_switch_single_instances_needs_downtime(tmp_node) -> None:
     again = pdctl(config, "up", "--json")
     assert again.returncode == 0 and json.loads(again.stdout)["started_or_restarted"] == [], again.stdout
     assert pdctl(config, "mode", "write", "--yes").stdout.strip() == "mode is already write"
+    # pdctl mode records the mode only, and says who wrote it
+    assert json.loads((state / "layout.json").read_text()) == {
+        "written_by": {"connector": "pdctl mode"}, "overrides": {"connector": {"mode": "write"}}}
+    # a confirmation that cannot be asked (stdin is not a terminal) is a user mistake: one line, exit 2
+    asked = pdctl(config, "rebalance", "--prefill", "2xTP2", "--decode", "1xTP4", "--allow-downtime")
+    assert asked.returncode == 2 and "pass --yes" in asked.stderr, asked.stdout + asked.stderr
+    assert len(asked.stderr.strip().splitlines()) == 1 and "Traceback" not in asked.stderr
+    assert [i["tp"] for i in json.loads((state / "plan.json").read_text())["instances"]] == [4, 4]
     # a rebalance to a TP the model cannot take is refused before anything stops
     tp6 = pdctl(config, "rebalance", "--prefill-gpus", "2", "--decode-gpus", "6", "--yes", "--allow-downtime")
     assert tp6.returncode == 2, tp6.stdout + tp6.stderr
@@ -127,3 +135,91 @@ def test_mode_switch_rolls_with_two_instances_per_role(tmp_node) -> None:
     assert load.ok >= 5
     after = {i["name"]: i["pid"] for i in _check_mode(config, state, "write")["instances"]}
     assert after.keys() == before.keys() and all(after[n] != before[n] for n in before)
+    # and back
+    load = Load(_status(config)["proxy"]["url"]).start()
+    try:
+        done = pdctl(config, "mode", "read", "--yes", "--hold", "60")
+        assert done.returncode == 0, done.stdout + done.stderr
+    finally:
+        load.stop()
+    assert load.failures == [], load.failures[:5]
+    back = {i["name"]: i["pid"] for i in _check_mode(config, state, "read")["instances"]}
+    assert all(back[n] != after[n] for n in after)
+
+
+# ---- NIXL on a CPU node: `connector = "auto"` picks nixl for WRITE and example for READ -------------------------
+
+def cpu(config: Path, *args: str, env: dict[str, str] | None = None):
+    """`pdctl` on the CPU inventory (simulated engines)."""
+    return _pdctl(config, *args, env=env)
+
+
+def _agree(config: Path, state: Path, connector: str, mode: str) -> dict:
+    """plan.json, proxy.json, the running proxy and every engine's definition say `connector` in `mode`, and
+    layout.json records the mode only, written by `pdctl mode`."""
+    plan = json.loads((state / "plan.json").read_text())
+    proxy = json.loads((state / "proxy.json").read_text())
+    assert (plan["connector"], plan["mode"]) == (connector, mode)
+    assert (proxy["connector"], proxy["mode"]) == (connector, mode)
+    push = "NixlPushConnector" if mode == "write" else "NixlConnector"
+    assert {i["kv_transfer_config"]["kv_connector"] for i in plan["instances"]} == {push}
+    assert {b["kv"]["transfer_mode"] for b in proxy["backends"]} == {mode}
+    doc = json.loads(cpu(config, "status", "--json").stdout)
+    assert doc["proxy"]["mode"] == mode and doc["connector"] == connector, doc["proxy"]
+    assert all(i["state"] == "running" and i["health"] == "healthy" for i in doc["instances"]), doc["instances"]
+    return doc
+
+
+def _admin(state: Path):
+    from appliance.node import admin_client
+    from appliance.plan import Plan
+
+    return admin_client(Plan.model_validate_json((state / "plan.json").read_text()), timeout=10)
+
+
+def test_nixl_mode_switch_both_ways_keeps_the_connector_and_is_recorded(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    config = write_node_config(tmp_path, state, connector="auto")
+    try:
+        up = cpu(config, "up", "--mode", "write", "--json")
+        assert up.returncode == 0, up.stdout + up.stderr
+        url = json.loads(up.stdout)["proxy"]
+        # The proxy alone in READ while the engines still push (the first thing a switch does): no request may
+        # go down the READ path to them; with no hold a request is refused before it reaches an engine.
+        admin = _admin(state)
+        admin.set_mode("read")
+        refused = Load(url, threads=1)._one(0, 0)
+        assert refused is not None and "HTTP 503" in refused and "no healthy prefill and decode" in refused, refused
+        admin.set_mode("write")
+        # a confirmation that cannot be asked (stdin is not a terminal) is a user mistake: one line, exit 2
+        asked = cpu(config, "mode", "read", "--allow-downtime")
+        assert asked.returncode == 2 and "pass --yes" in asked.stderr, asked.stdout + asked.stderr
+        assert len(asked.stderr.strip().splitlines()) == 1 and "Traceback" not in asked.stderr
+        assert json.loads((state / "plan.json").read_text())["mode"] == "write"
+        for mode in ("read", "write"):
+            load = Load(url).start()
+            try:
+                done = cpu(config, "mode", mode, "--yes", "--allow-downtime", "--hold", "60")
+                assert done.returncode == 0, done.stdout + done.stderr
+            finally:
+                load.stop()
+            print(f"nixl switch to {mode}: sent {load.ok + len(load.failures)}, failed {len(load.failures)}")
+            assert load.failures == [], load.failures[:5]
+            assert load.ok >= 3
+            _agree(config, state, "nixl", mode)
+            recorded = json.loads((state / "layout.json").read_text())
+            assert recorded == {"written_by": {"connector": "pdctl mode"},
+                                "overrides": {"connector": {"mode": mode, "auto_name": "nixl"}}}, recorded
+            # a later `pdctl up` keeps the node as the switch left it: nothing restarts
+            again = cpu(config, "up", "--json")
+            assert again.returncode == 0 and json.loads(again.stdout)["started_or_restarted"] == [], again.stdout
+            assert "layout.json (pdctl mode) applied over the settings" in again.stderr, again.stderr
+            # so does a restarted proxy, which reads proxy.json
+            assert cpu(config, "restart", "proxy").returncode == 0
+            assert _status(config)["proxy"]["mode"] == mode
+        # an explicit variable wins over the recorded mode, and the command says so in one line
+        planned = cpu(config, "plan", env={"PDCTL_CONNECTOR__MODE": "read"})
+        assert planned.returncode == 0, planned.stdout + planned.stderr
+        assert "explicit settings win over mode write (pdctl mode) for PDCTL_CONNECTOR__MODE" in planned.stdout
+    finally:
+        cpu(config, "down")

@@ -10,7 +10,7 @@ import pytest
 
 from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
-from appliance.node import layered, pinned
+from appliance.node import Recorded, layered, pinned, recorded_overrides
 from appliance.plan import plan
 from appliance.ports import free_ports
 from appliance.rebalance.apply import busy_new_ports
@@ -132,3 +132,30 @@ def test_status_warns_about_failed_and_occupied_gpus() -> None:
         "(move it with `pdctl rebalance`)",
         "GPU 5 occupied by another process (4242); new plans leave it out",
     ]
+
+
+SHAPE = {"gpus": [4, 5, 6, 7], "gpu_count": None, "instances": 4, "tp": 1, "dp": 1}
+RECORD = Recorded({"decode": SHAPE, "connector": {"mode": "read", "auto_name": "nixl"}},
+                  {"decode": "pdctl rebalance", "connector": "pdctl mode"})
+
+
+@pytest.mark.parametrize(("explicit", "name", "kept", "ignored"), [
+    # nothing explicit: the whole record applies, the connector auto chose included
+    ({}, "auto", {"decode": SHAPE, "connector": {"mode": "read", "name": "nixl"}}, []),
+    # the settings name a connector: the record's mode only
+    ({}, "moriio", {"decode": SHAPE, "connector": {"mode": "read"}}, []),
+    # an explicit shape key of a role replaces the recorded shape whole; other keys of the role do not
+    ({"decode.dp": "PDCTL_DECODE__DP", "decode.tp": "PDCTL_DECODE__TP"}, "auto",
+     {"connector": {"mode": "read", "name": "nixl"}},
+     ["the decode shape (pdctl rebalance) for PDCTL_DECODE__DP, PDCTL_DECODE__TP"]),
+    ({"decode.max_num_seqs": "PDCTL_DECODE__MAX_NUM_SEQS"}, "auto",
+     {"decode": SHAPE, "connector": {"mode": "read", "name": "nixl"}}, []),
+    ({"decode": "--decode 2xTP2"}, "auto", {"connector": {"mode": "read", "name": "nixl"}},
+     ["the decode shape (pdctl rebalance) for --decode 2xTP2"]),
+    # an explicit mode drops the recorded mode and the connector auto chose for it
+    ({"connector.mode": "--mode write"}, "auto", {"decode": SHAPE}, ["mode read (pdctl mode) for --mode write"]),
+    # an explicit connector: the recorded mode stays, the auto choice does not apply
+    ({"connector.name": "--connector auto"}, "auto", {"decode": SHAPE, "connector": {"mode": "read"}}, []),
+])
+def test_explicit_settings_win_over_the_record(explicit: dict, name: str, kept: dict, ignored: list) -> None:
+    assert recorded_overrides(RECORD, explicit, name) == (kept, ignored)

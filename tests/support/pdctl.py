@@ -47,8 +47,9 @@ def pdctl(config: Path, *args: str, env: dict[str, str] | None = None, timeout: 
     """Run the real `pdctl` (python -m appliance) with --config and the CPU inventory."""
     full_env = dict(os.environ, PDCTL_INVENTORY="sim:cpu", **(env or {}))
     full_env.pop("PDCTL_CONFIG", None)
+    # stdin is never a terminal here, as in a script: a command that would ask must be told --yes
     done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(config), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=full_env)
+                          capture_output=True, text=True, timeout=timeout, env=full_env, stdin=subprocess.DEVNULL)
     if check and done.returncode != 0:
         raise AssertionError(f"pdctl {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}")
     return done
