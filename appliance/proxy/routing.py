@@ -97,7 +97,7 @@ class HealthChecker:
         self.config = config
         self.on_listener = on_listener
         self.engine_uid = os.geteuid() if config.engine_uid is None else config.engine_uid
-        self._local: frozenset[str] | None = None
+        self._local = frozenset(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs)
         self._listener_checked: dict[str, float] = {}  # per instance: when its listener's owner was last seen right
         self._listener_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, refusals since
         self._task: asyncio.Task[None] | None = None
@@ -149,7 +149,7 @@ class HealthChecker:
             return inst.healthy  # a probe started after this one has answered already: its word stands
         self._answered[inst.name] = seq
         if ok and self._listener_due(inst):
-            ok = await self._listener_ok(inst)
+            ok = self._listener_ok(inst)
         if ok and not inst.healthy:
             log.info("%s (%s) is healthy", inst.name, inst.url)
         elif not ok and inst.healthy:
@@ -168,12 +168,12 @@ class HealthChecker:
         checked = self._listener_checked.get(inst.name)
         return not inst.healthy or checked is None or time.monotonic() - checked >= self.config.listener_check_interval_s
 
-    async def _listener_ok(self, inst: BackendState) -> bool:
+    def _listener_ok(self, inst: BackendState) -> bool:
         """Whether the instance's listener belongs to the engines' user (listeners.verdict); counted, and logged
         once per LOG_EVERY_S per instance when it does not. Unreadable socket tables admit the instance."""
-        if self._local is None:
-            self._local = frozenset(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs)
-        tables = await asyncio.to_thread(listeners.read_tables)
+        # read inline: a few hundred bytes per socket, well under a millisecond, and an instance waiting for
+        # admission at start must not wait for a thread
+        tables = listeners.read_tables()
         result = listeners.verdict(tables, inst.host, inst.port, self.engine_uid, listeners.is_local(inst.host, self._local))
         if self.on_listener is not None:
             self.on_listener(result)
