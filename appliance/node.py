@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import stat
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from secrets import token_urlsafe
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -302,12 +304,35 @@ class Node:
             store = (inst.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("shared_storage_path")
             if store:
                 Path(store).mkdir(parents=True, exist_ok=True)
-        changed = write_atomic(self.state.proxy_config, plan.proxy.model_dump_json(indent=2) + "\n")
+        # the token before the proxy's config that names it: a proxy (re)started meanwhile finds it
+        new_token = self.ensure_admin_token(plan)
+        changed = write_atomic(self.state.proxy_config, plan.proxy.model_dump_json(indent=2) + "\n") or new_token
         public, secrets = redacted(plan)
         # the values first: a plan.json that names a secret always finds it
         write_atomic(self.state.secrets, json.dumps(secrets, indent=2) + "\n", 0o600)
         write_atomic(self.state.plan, public.model_dump_json(indent=2) + "\n", 0o600)
         return changed
+
+    def ensure_admin_token(self, plan: Plan) -> bool:
+        """Make sure the admin token file the plan names exists: the state directory's is generated (0600,
+        owned by the user pdctl runs as) when missing, empty or not ours; True when it was (re)written, so the
+        running proxy, which read the old one at start, restarts. A file the settings name must exist."""
+        path = plan.proxy.admin.token_file
+        if path is None:
+            return False
+        target = Path(path)
+        if path != str(self.state.admin_token):
+            if not os.access(target, os.R_OK):
+                raise PdctlError(f"proxy.admin_token_file {path} cannot be read",
+                                 fix="write a random token into it (mode 0600), or unset it to let pdctl make one")
+            return False
+        try:
+            info = target.lstat()
+            token = target.read_text().strip() if info.st_uid == os.geteuid() and stat.S_ISREG(info.st_mode) else ""
+        except (FileNotFoundError, UnicodeDecodeError):
+            token = ""
+        # an existing token is kept (the units' hooks and scripts hold it); write_atomic tightens its mode
+        return write_atomic(target, (token or token_urlsafe(32)) + "\n", 0o600) and not token
 
     def apply(self, plan: Plan, manager: ServiceManager, previous: Plan | None) -> Applied:
         """Write the state files and the manager's configuration for `plan`, and record the manager."""

@@ -487,7 +487,8 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     block = next(iter(block_sizes.values()))
     checks.append(Check(name="block-size", ok=True, detail=f"KV block size {block or 'vLLM default'} on every role"))
     # the hand-off's length rules are vLLM's (connector.handoff_possible): a simulated engine has none
-    proxy = _proxy_config(settings, connector, mode, model.served_name, block if settings.engine.kind == "vllm" else None)
+    proxy = _proxy_config(settings, connector, mode, model.served_name,
+                          block if settings.engine.kind == "vllm" else None, state)
     if not is_loopback(settings.proxy.host) and not settings.proxy.api_key_file:
         warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file is set")
     _check_ports(instances, proxy)
@@ -515,9 +516,13 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
 
 
 def _proxy_config(settings: Settings, connector: Connector, mode: Mode,
-                  served_name: str, block_size: int | None) -> ProxyConfig:
-    """The proxy's configuration from the [proxy] settings (its backends are added once the ports are checked)."""
+                  served_name: str, block_size: int | None, state: StateDir) -> ProxyConfig:
+    """The proxy's configuration from the [proxy] settings (its backends are added once the ports are checked).
+
+    The admin API always has a token: proxy.admin_token_file, else the state directory's, which `pdctl up`
+    generates; any local process could otherwise replace the backend set with its own address."""
     p = settings.proxy
+    token_file = p.admin_token_file or str(state.admin_token)
     try:
         return ProxyConfig(
             host=p.host,
@@ -531,7 +536,7 @@ def _proxy_config(settings: Settings, connector: Connector, mode: Mode,
             registration=RegistrationConfig(enabled=connector.registers_with_proxy, host=p.registration_host,
                                             port=p.ping_port, allowed_hosts=p.allowed_hosts,
                                             peer_hosts=p.peer_hosts, max_per_s=p.registration_max_per_s),
-            admin=AdminConfig(host=p.admin_host, port=p.admin_port, token_file=p.admin_token_file),
+            admin=AdminConfig(host=p.admin_host, port=p.admin_port, token_file=token_file),
             timeouts=Timeouts(connect_s=p.connect_timeout_s, prefill_s=p.prefill_timeout_s,
                               first_token_s=p.first_token_timeout_s, between_tokens_s=p.between_tokens_timeout_s),
             limits=p.limits,

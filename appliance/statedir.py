@@ -7,6 +7,7 @@ appliance.node agree on it. Pure apart from `write_atomic`; nothing here knows w
     plan.json            the plan `pdctl up` (or a rebalance step) applied: what is deployed; secret
                          environment values (keys like *TOKEN*, *KEY*) are redacted and kept in secrets.json
     secrets.json         0600: those values, by instance and variable
+    admin-token          0600: the proxy's admin API token `pdctl up` generates (unless proxy.admin_token_file)
     proxy.json           the proxy's configuration, derived from plan.json
     layout.json          the shape `pdctl rebalance` / `pdctl mode` left the node in
     manager              the service manager `pdctl up` used (one word)
@@ -45,6 +46,11 @@ class StateDir:
     def secrets(self) -> PurePosixPath:
         """The engines' secret environment values that plan.json leaves out (mode 0600)."""
         return self.root / "secrets.json"
+
+    @property
+    def admin_token(self) -> PurePosixPath:
+        """The proxy's admin API token that `pdctl up` generates when proxy.admin_token_file is not set (0600)."""
+        return self.root / "admin-token"
 
     @property
     def proxy_config(self) -> PurePosixPath:

@@ -131,6 +131,15 @@ def test_proxy_config_lists_every_instance() -> None:
     assert cfg["registration"]["port"] == 36367
 
 
+def test_the_admin_api_always_has_a_token() -> None:
+    """The state directory's token unless proxy.admin_token_file names one; so even off loopback it plans."""
+    settings = make({"proxy": {"admin_host": "0.0.0.0"}})
+    p = plan(settings, load_inventory("sim:mi300x-8"))
+    assert p.proxy.admin.token_file == f"{settings.state_dir}/admin-token"
+    own = plan(make({"proxy": {"admin_token_file": "/etc/pdctl/admin.token"}}), load_inventory("sim:mi300x-8"))
+    assert own.proxy.admin.token_file == "/etc/pdctl/admin.token"
+
+
 @pytest.mark.parametrize(
     ("overrides", "inventory", "message"),
     [
@@ -146,7 +155,6 @@ def test_proxy_config_lists_every_instance() -> None:
         ({"decode": {"handshake_port": 6303}}, "sim:mi300x-8", "port 6303 would be bound by prefill-0 handshake and"),
         ({"proxy": {"admin_port": 20005}}, "sim:mi300x-8", "port 20005"),
         ({"prefill": {"gpu_count": 4, "dp": 3}}, "sim:mi300x-8", "DP 3 does not divide"),
-        ({"proxy": {"admin_host": "0.0.0.0"}}, "sim:mi300x-8", "exposes the admin API without a token"),
         ({"connector": {"name": "nixl"}}, "sim:h200-1",
          "prefill gets no GPU: a disaggregated deployment needs at least one GPU per role, and this node has 1"),
     ],

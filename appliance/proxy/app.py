@@ -90,6 +90,11 @@ class Proxy(ProxyState):
         self.api_port = await self._serve(api, self.config.host, self.config.port, cap)
         self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port,
                                             admin.MAX_CONNECTIONS)
+        if self.admin_token is None:
+            # a proxy.json written by hand or by a pdctl before admin tokens (`pdctl up` writes one now)
+            log.warning("the admin API on %s:%d has no token (admin.token_file): any local process can replace "
+                        "the backends and read every prompt; run `pdctl up`, or set admin.token_file",
+                        self.config.admin.host, self.admin_port)
         if self.config.registration.enabled:
             self.listener = RegistrationListener(
                 self.config.registration,

@@ -35,7 +35,11 @@ class AdminClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         if token is None and token_file is not None:
-            token = Path(token_file).read_text().strip()
+            try:
+                token = Path(token_file).read_text().strip()
+            except OSError as exc:
+                raise ProxyAdminError(f"cannot read the proxy's admin token {token_file}: {exc.strerror}",
+                                      fix="run pdctl as the user that ran `pdctl up` (or root)") from None
         self.token = token
         self.timeout = timeout
 
@@ -54,7 +58,9 @@ class AdminClient:
                 message = json.loads(exc.read()).get("error", exc.reason)
             except ValueError:
                 message = exc.reason
-            raise ProxyAdminError(f"proxy admin {path} answered {exc.code}: {message}") from None
+            fix = None if exc.code != 401 else (
+                "the proxy's admin token changed or is missing: run `pdctl up` (it writes one and restarts the proxy)")
+            raise ProxyAdminError(f"proxy admin {path} answered {exc.code}: {message}", fix=fix) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             if isinstance(reason, TimeoutError) and self._speaks_first():

@@ -75,6 +75,10 @@ class HealthConfig(_Model):
     probe_interval_s: float = Field(default=2.0, gt=0)
     fail_threshold: int = Field(default=3, ge=1)
     probe_timeout_s: float = Field(default=2.0, gt=0)
+    # Who must own an instance's listening socket (appliance.proxy.listeners): checked before an instance is
+    # (re)admitted and again on the first probe after this interval while it stays healthy
+    listener_check_interval_s: float = Field(default=10.0, gt=0)
+    engine_uid: int | None = Field(default=None, ge=0)  # the engines' user; None: the proxy's own
 
 
 class Limits(_Model):

@@ -74,6 +74,10 @@ class ProxyMetrics:
             "pdctl_proxy_registrations", "MORI-IO registration messages by outcome", ["result"],
             registry=self.registry,
         )
+        self.listener_checks = Counter(
+            "pdctl_proxy_listener_checks", "Checks of who owns an instance's listening socket, by result", ["result"],
+            registry=self.registry,
+        )
         self.client_aborts = Counter(
             "pdctl_proxy_client_aborts", "Requests the client abandoned (legs aborted)", registry=self.registry,
         )

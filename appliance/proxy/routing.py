@@ -5,13 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
 from collections.abc import Callable
 
+import psutil
+
+from appliance.proxy import listeners
 from appliance.proxy.config import HealthConfig
 from appliance.proxy.registry import BackendState, InstanceRegistry
 from appliance.proxy.upstream import UpstreamError
 
 log = logging.getLogger("appliance.proxy.routing")
+LOG_EVERY_S = 10.0  # a listener kept out of rotation: one log line per instance per this interval
 
 
 class Router:
@@ -85,9 +91,15 @@ def release(inst: BackendState, rank: int | None) -> None:
 class HealthChecker:
     """Active /health probes every probe_interval_s; passive failure counting from the legs."""
 
-    def __init__(self, registry: InstanceRegistry, config: HealthConfig) -> None:
+    def __init__(self, registry: InstanceRegistry, config: HealthConfig,
+                 on_listener: Callable[[str], None] | None = None) -> None:
         self.registry = registry
         self.config = config
+        self.on_listener = on_listener
+        self.engine_uid = os.geteuid() if config.engine_uid is None else config.engine_uid
+        self._local = frozenset(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs)
+        self._listener_checked: dict[str, float] = {}  # per instance: when its listener's owner was last seen right
+        self._listener_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, refusals since
         self._task: asyncio.Task[None] | None = None
         self._probing: set[str] = set()
         self._started: dict[str, int] = {}  # per instance name: the last probe started, and answered
@@ -136,6 +148,8 @@ class HealthChecker:
         if seq < self._answered.get(inst.name, 0):
             return inst.healthy  # a probe started after this one has answered already: its word stands
         self._answered[inst.name] = seq
+        if ok and self._listener_due(inst):
+            ok = self._listener_ok(inst)
         if ok and not inst.healthy:
             log.info("%s (%s) is healthy", inst.name, inst.url)
         elif not ok and inst.healthy:
@@ -147,6 +161,39 @@ class HealthChecker:
         else:
             inst.failed_probes += 1
         return ok
+
+    def _listener_due(self, inst: BackendState) -> bool:
+        # always before (re)admission; while healthy, sampled: a squatter needs the engine dead first, and a dead
+        # engine fails its probes (then it is checked on its way back) unless the squatter binds between two
+        checked = self._listener_checked.get(inst.name)
+        return not inst.healthy or checked is None or time.monotonic() - checked >= self.config.listener_check_interval_s
+
+    def _listener_ok(self, inst: BackendState) -> bool:
+        """Whether the instance's listener belongs to the engines' user (listeners.verdict); counted, and logged
+        once per LOG_EVERY_S per instance when it does not. Unreadable socket tables admit the instance."""
+        # read inline: a few hundred bytes per socket, well under a millisecond, and an instance waiting for
+        # admission at start must not wait for a thread
+        tables = listeners.read_tables()
+        result = listeners.verdict(tables, inst.host, inst.port, self.engine_uid, listeners.is_local(inst.host, self._local))
+        if self.on_listener is not None:
+            self.on_listener(result)
+        if result in (listeners.OK, listeners.REMOTE):
+            self._listener_checked[inst.name] = time.monotonic()
+            return True
+        now = time.monotonic()
+        last, since = self._listener_logged.get(inst.name, (0.0, 0))
+        if now - last >= LOG_EVERY_S:
+            if result == listeners.UNVERIFIABLE:
+                # fail open: without /proc/net a host would otherwise serve nothing at all (docs/threat-model.md)
+                log.warning("%s (%s): cannot read %s to see who listens there; admitted unchecked (%d more since)",
+                            inst.name, inst.url, " or ".join(listeners.TABLES), since)
+            else:
+                log.warning("%s (%s) answers /health but its listener is not the engines' (uid %d): %s; kept out of "
+                            "rotation (%d more since)", inst.name, inst.url, self.engine_uid, result, since)
+            self._listener_logged[inst.name] = (now, 0)
+        else:
+            self._listener_logged[inst.name] = (last, since + 1)
+        return result == listeners.UNVERIFIABLE
 
     async def _get_health(self, inst: BackendState) -> bool:
         timeout = self.config.probe_timeout_s

@@ -27,7 +27,8 @@ class ProxyState:
         self.admin_token = read_secret(config.admin.token_file)
         self.metrics = ProxyMetrics(lambda: self.registry)
         self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
-        self.health = HealthChecker(self.registry, config.health)
+        self.health = HealthChecker(self.registry, config.health,
+                                    on_listener=lambda result: self.metrics.listener_checks.labels(result).inc())
         self.router = Router(self.registry, config.routing, lambda: self.mode,
                              checks_mode=self.connector.mode_fixed_at_start)
         self.planned = PlannedStops(self.registry, self.health)

@@ -49,8 +49,9 @@ class Node:
         """Wait until `url` answers 200 (or, with ready=False, answers at all)."""
         proc.wait_http(url, timeout, any_answer=not ready)
 
-    def engine(self, name: str, role: str, connector: str, *extra: str) -> str:
-        port = free_port()
+    def engine(self, name: str, role: str, connector: str, *extra: str, port: int | None = None) -> str:
+        """Start a simulated engine (on `port`, else a free one) and wait until it is healthy; its URL."""
+        port = port or free_port()
         argv = [sys.executable, "-m", "appliance.engine.sim", "--port", str(port), "--role", role,
                 "--connector", connector, "--model", MODEL, "--instance-name", name, "--log-level", "warning",
                 *extra]

@@ -5,6 +5,7 @@ expected failures. Each test reproduced its finding before the fix; docs/threat-
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
 import threading
@@ -544,3 +545,83 @@ def test_state_files_keep_secrets_private(tmp_path: Path, monkeypatch: pytest.Mo
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "hf_s3cret_value" not in done.stdout and "HF_TOKEN" in done.stdout
+
+
+# ---- issue 23, item 3's class: a local process squats a dead planned engine's port ------------------------------
+
+# An unprivileged local user's fake engine: /health says 200, every completion answers with SQUATTER, and each
+# prompt it reads is a prompt stolen. Standard library only, run by the system Python as nobody.
+SQUATTER = r"""
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        self._send({"object": "list", "data": [{"id": sys.argv[2], "object": "model"}]})
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._send({"id": "cmpl-squat", "object": "text_completion", "model": sys.argv[2],
+                    "choices": [{"index": 0, "text": "SQUATTER", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _listener_checks(node: Node, result: str) -> float:
+    return sum(s.value for f in text_string_to_metric_families(metrics(node)) for s in f.samples
+               if s.name == "pdctl_proxy_listener_checks_total" and s.labels.get("result") == result)
+
+
+def _healthy(node: Node, name: str) -> bool:
+    return any(i["name"] == name and i["healthy"] for i in _admin_state(node)["instances"])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starts the squatter as another user (needs root)")
+def test_a_squatter_on_a_dead_engines_port_gets_no_traffic(tmp_path: Path) -> None:
+    """Issue 23 item 3's class: a planned engine dies and an unprivileged local process binds its port and
+    answers like vLLM. The proxy's probes found it healthy and sent it 20 of 40 canaries (their prompts).
+    Now the listener's owner is checked before re-admission: it is not the engines' user, so the squatter is
+    kept out (counted foreign_owner) and answers none; the real engine is re-admitted when it is back."""
+    node = Node(tmp_path)
+    try:
+        node.engine("both-0", "both", "none", *ENGINE)
+        port = free_port()
+        node.engine("both-1", "both", "none", *ENGINE, port=port)
+        node.proxy("none", [{"name": n, "role": "both", "url": u} for n, u in node.engines.items()],
+                   health={"probe_interval_s": 0.2})
+        deadline = time.monotonic() + 30
+        while not _healthy(node, "both-1"):
+            assert time.monotonic() < deadline, "both-1 never became healthy"
+            time.sleep(0.05)
+        next(p for p in node.procs if p.name == "both-1").stop()
+        while _healthy(node, "both-1"):
+            assert time.monotonic() < deadline, "the proxy never saw both-1 die"
+            time.sleep(0.05)
+        squatter = node.start("squatter", ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                                           "/usr/bin/python3", "-c", SQUATTER, str(port), MODEL])
+        node.wait_http(squatter, f"http://127.0.0.1:{port}/health")
+        deadline = time.monotonic() + 30
+        while not (_healthy(node, "both-1") or _listener_checks(node, "foreign_owner") > 0):
+            assert time.monotonic() < deadline, "the squatter was neither admitted nor refused"
+            time.sleep(0.05)
+        answers = [http(node.proxy_port, "POST", "/v1/completions",
+                        {"prompt": f"canary {i} secret prompt", "max_tokens": 2}, timeout=30) for i in range(40)]
+        stolen = sum(b"SQUATTER" in body for _, _, body in answers)
+        assert stolen == 0, f"the squatter answered {stolen} of 40 canaries"
+        assert [status for status, _, _ in answers].count(200) == 40
+        assert not _healthy(node, "both-1")
+        squatter.stop()
+        node.engine("both-1", "both", "none", *ENGINE, port=port)
+        deadline = time.monotonic() + 30
+        while not _healthy(node, "both-1"):
+            assert time.monotonic() < deadline, "the real engine was not re-admitted"
+            time.sleep(0.05)
+        out = next(p for p in node.procs if p.name == "proxy").output()
+        assert 0 < out.count("kept out of rotation") <= 2, out[-2000:]  # one line per 10 s
+        no_traceback(node)
+    finally:
+        node.stop()

@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import stat
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from appliance.proxy.app import Proxy
 from appliance.proxy.config import ProxyConfig, load_config, read_secret
 from appliance.settings import Settings
 from appliance.statedir import write_atomic
+from tests.support.pdctl import pdctl, status, write_config
 from tests.support.processes import ROOT
 
 PACKAGE = ROOT / "appliance"
@@ -289,3 +292,65 @@ def test_rendered_secrets_are_private(tmp_path: Path) -> None:
     assert not any("hf_secret" in unit.text for unit in rendered.units)  # units are world-readable
     assert rendered.private and all(f.mode == 0o600 for f in rendered.private)
     assert any("hf_secret" in f.text for f in rendered.private)
+
+
+# ---- the admin API is authenticated by default (issue 23, item 3's class) -----------------------------------
+
+
+def _admin_call(url: str, method: str = "GET", body: Any = None, token: str | None = None) -> int:
+    """The status the admin API answers one call with."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_pdctl_up_gives_the_admin_api_a_token(tmp_path: Path) -> None:
+    """Any local process could POST /admin/instances to a pdctl node (no token on loopback by default) and
+    send every prompt to its own address (200 before). Now `pdctl up` writes a random token (0600, pdctl's
+    user) into the state directory, the proxy refuses a call without it (401), and pdctl's own commands send
+    it; a token deleted is made again by the next `pdctl up`, which restarts the proxy to read it."""
+    state = tmp_path / "state"
+    config = write_config(tmp_path, state)
+    try:
+        up = pdctl(config, "up", "--json")
+        assert up.returncode == 0, up.stdout + up.stderr
+        token_path = state / "admin-token"
+        info = token_path.stat()
+        assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+        token = token_path.read_text().strip()
+        assert len(token) >= 32
+        proxy = json.loads((state / "proxy.json").read_text())
+        assert proxy["admin"]["token_file"] == str(token_path)
+        assert token not in (state / "plan.json").read_text() + (state / "proxy.json").read_text()
+        admin = f"http://127.0.0.1:{proxy['admin']['port']}/admin"
+        squat = [{"name": "decode-0", "role": "decode", "url": "http://127.0.0.1:9"}]
+        for method, path, body in (("GET", "/state", None), ("POST", "/instances", squat),
+                                   ("POST", "/drain", {"instance": "decode-0", "timeout_s": 0}),
+                                   ("POST", "/hold", {"wait_s": 5}), ("POST", "/mode", {"mode": "write"})):
+            assert _admin_call(admin + path, method, body) == 401, path
+            assert _admin_call(admin + path, method, body, token="wrong") == 401, path
+        assert _admin_call(admin + "/state", token=token) == 200
+        for args in (("drain", "decode-0", "--timeout", "5"), ("undrain", "decode-0"), ("mode",),
+                     ("restart", "decode")):
+            done = pdctl(config, *args)
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+        doc = status(config)
+        assert doc["proxy"]["reachable"] and doc["proxy"]["ready"], doc["proxy"]
+        assert sorted(i["url"] for i in doc["proxy"]["registered"]) == sorted(
+            b["url"] for b in proxy["backends"])  # the squat was refused
+        token_path.unlink()
+        again = pdctl(config, "up", "--json")
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "pd-proxy" in json.loads(again.stdout)["started_or_restarted"]
+        fresh = token_path.read_text().strip()
+        assert fresh != token and _admin_call(admin + "/state", token=token) == 401
+        assert _admin_call(admin + "/state", token=fresh) == 200
+        assert status(config)["proxy"]["ready"]
+    finally:
+        pdctl(config, "down")

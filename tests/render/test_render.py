@@ -61,11 +61,14 @@ def test_engine_unit_pins_gpus_limits_restart_and_readiness() -> None:
     ready, started = lines(unit, "ExecStartPost")
     assert shlex.split(ready)[3:] == ["wait-healthy", "http://127.0.0.1:40005/health", "--timeout", "900"]
     # then, and before every stop, the proxy hears of it (a failing hook, "-", never fails the unit)
+    # with the admin token pdctl up writes: the proxy refuses admin calls without it
     assert shlex.split(started.removeprefix("-"))[3:] == ["proxy-notify", "started", "decode-0", "--admin",
-                                                          "http://127.0.0.1:10002"]
+                                                          "http://127.0.0.1:10002", "--token-file",
+                                                          "/var/lib/pdctl/admin-token"]
     (stopping,) = lines(unit, "ExecStop")
     assert shlex.split(stopping.removeprefix("-"))[3:] == [
-        "proxy-notify", "stopping", "decode-0", "--admin", "http://127.0.0.1:10002", "--drain-timeout", "30",
+        "proxy-notify", "stopping", "decode-0", "--admin", "http://127.0.0.1:10002",
+        "--token-file", "/var/lib/pdctl/admin-token", "--drain-timeout", "30",
         "--hold", "120", "--expires", "990"]
     assert "TimeoutStopSec=90s" in unit.splitlines()  # the drain, then the engine's own graceful exit
 
