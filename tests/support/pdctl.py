@@ -1,5 +1,5 @@
 """Running the real `pdctl` in tests: a node's settings file (every port free, state in a tmp folder) and
-`pdctl --config` against it, or `pdctl` in a working folder whose empty settings file keeps the host's out."""
+`pdctl --config` against it, or `pdctl` in a working folder whose own settings file keeps the host's out."""
 
 from __future__ import annotations
 
@@ -55,13 +55,16 @@ def pdctl(config: Path, *args: str, env: dict[str, str] | None = None, timeout: 
 
 
 def env_in(cwd: Path) -> dict[str, str]:
-    """The environment of a pdctl run in `cwd`: an empty settings file there, so the host's /etc/pdctl never leaks in."""
-    (cwd / "pdctl.toml").touch()
-    return {**os.environ, "PDCTL_CONFIG": str(cwd / "pdctl.toml")}
+    """The environment of a pdctl run in `cwd`: its pdctl.toml (unless the test wrote one: state and units under
+    `cwd`), so the host's /etc/pdctl and /var/lib/pdctl never leak in."""
+    settings = cwd / "pdctl.toml"
+    if not settings.exists():
+        settings.write_text(f"state_dir = {json.dumps(str(cwd / 'state'))}\nunit_dir = {json.dumps(str(cwd / 'units'))}\n")
+    return {**os.environ, "PDCTL_CONFIG": str(settings)}
 
 
 def pdctl_in(*args: str, cwd: Path, check: bool = True, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run `pdctl` (python -m appliance) in `cwd`, whose empty pdctl.toml is the settings unless --config says."""
+    """Run `pdctl` (python -m appliance) in `cwd`, whose pdctl.toml (env_in) is the settings unless --config says."""
     done = subprocess.run([sys.executable, "-m", "appliance", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=env_in(cwd))
     if check:
