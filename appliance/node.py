@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
+from pydantic import ValidationError
 
 from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager, choose_manager
@@ -29,7 +30,15 @@ from appliance.render.names import PROXY_UNIT, TARGET, instance_unit
 from appliance.render.templates import RenderOptions, secret_env
 from appliance.roles import ROLES
 from appliance.settings import Settings, deep_merge
-from appliance.statedir import StateDir, make_private_dir, write_atomic
+from appliance.statedir import (
+    StateDir,
+    Transaction,
+    make_private_dir,
+    read_state,
+    state_error,
+    transaction,
+    write_atomic,
+)
 
 if TYPE_CHECKING:
     from appliance.proxy.client import AdminClient
@@ -185,14 +194,31 @@ class Node:
         """The plan `pdctl up` last applied, or None."""
         path = Path(self.state.plan)
         try:
-            plan = Plan.model_validate_json(path.read_text())
-            secrets_path = Path(self.state.secrets)
-            secrets = json.loads(secrets_path.read_text()) if secrets_path.exists() else {}
+            plan = Plan.model_validate_json(read_state(path))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as exc:
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+            raise PdctlError(f"{path} is not a plan pdctl wrote ({where}: {first['msg']})",
+                             fix="run `pdctl up` to write it again") from None
+        except ValueError as exc:
             raise PdctlError(f"{path} cannot be read ({exc})", fix="run `pdctl up` to write it again") from None
+        try:
+            secrets = json.loads(read_state(self.state.secrets))
+        except FileNotFoundError:
+            secrets = {}
+        except ValueError as exc:
+            raise PdctlError(f"{self.state.secrets} cannot be read ({exc})",
+                             fix="run `pdctl up` to write it again") from None
         return _restored(plan, secrets)
+
+    def replaceable(self) -> Plan | None:
+        """The installed plan for `pdctl up`, which writes a new one: None also when plan.json cannot be read."""
+        try:
+            return self.installed()
+        except PdctlError:
+            return None
 
     def deployed(self) -> Plan:
         """The installed plan; NotDeployed (one line, exit 3) when nothing was deployed."""
@@ -205,10 +231,10 @@ class Node:
         """The overrides the last rebalance recorded, or {} when there are none."""
         path = Path(self.state.layout)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_state(path))
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as exc:
+        except ValueError as exc:
             raise PdctlError(f"{path} cannot be read ({exc})",
                              fix="delete it to return to pdctl.toml's layout") from None
         return data.get("overrides", {}) if isinstance(data, dict) else {}
@@ -239,25 +265,37 @@ class Node:
 
     # ------------------------------------------------------------------------------------------ writing
     def write(self, plan: Plan) -> bool:
-        """The state directory (0700), plan.json (secrets redacted), secrets.json (0600) and proxy.json, each
-        written atomically, and the KV store; True when proxy.json changed."""
+        """Write plan.json, secrets.json and proxy.json for `plan`, all or none; True when proxy.json changed."""
+        with transaction() as tx:
+            return self._stage(plan, tx)
+
+    def _stage(self, plan: Plan, tx: Transaction) -> bool:
+        """Stage plan.json (secrets redacted), secrets.json (0600) and proxy.json in the state directory (0700)
+        and make the KV store; True when proxy.json changed."""
         make_private_dir(self.state.root)
         for inst in plan.instances:
             store = (inst.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("shared_storage_path")
             if store:
-                Path(store).mkdir(parents=True, exist_ok=True)
-        changed = write_atomic(self.state.proxy_config, plan.proxy.model_dump_json(indent=2) + "\n")
+                try:
+                    Path(store).mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise state_error(exc, Path(store) / ".") from None
+        changed = tx.write(self.state.proxy_config, plan.proxy.model_dump_json(indent=2) + "\n")
         public, secrets = redacted(plan)
-        # the values first: a plan.json that names a secret always finds it
-        write_atomic(self.state.secrets, json.dumps(secrets, indent=2) + "\n", 0o600)
-        write_atomic(self.state.plan, public.model_dump_json(indent=2) + "\n", 0o600)
+        tx.write(self.state.secrets, json.dumps(secrets, indent=2) + "\n", 0o600)
+        tx.write(self.state.plan, public.model_dump_json(indent=2) + "\n", 0o600)
         return changed
 
     def apply(self, plan: Plan, manager: ServiceManager, previous: Plan | None) -> Applied:
-        """Write the state files and the manager's configuration for `plan`, and record the manager."""
-        proxy_changed = self.write(plan)
-        write_atomic(self.state.manager, manager.name + "\n")
-        return Applied(manager.apply(previous), proxy_changed)
+        """Write the state files for `plan`, record the manager and write its configuration: all of it, or (on
+        a failure, one StateWriteError line) none, the previous state whole and in force."""
+        with transaction() as tx:
+            proxy_changed = self._stage(plan, tx)
+            tx.write(self.state.manager, manager.name + "\n")
+            # in place before the manager starts anything: a proxy (re)started now reads the new proxy.json
+            tx.commit()
+            units = manager.apply(previous)
+        return Applied(units, proxy_changed)
 
     def record_layout(self, plan: Plan | None) -> None:
         """Record the layout `plan` runs (a rebalance's result), or with None drop it (back to pdctl.toml)."""
@@ -293,7 +331,7 @@ class Node:
 
         Refuses (before anything is written) when a port of the plan is held by something else than its unit.
         """
-        previous = self.installed()
+        previous = self.replaceable()
         problems = port_conflicts(plan, manager)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

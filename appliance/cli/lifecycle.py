@@ -229,7 +229,7 @@ def up(ctx: click.Context, /, manager: str | None, timeout_s: float | None, no_w
         console.print(layout_note, markup=False, highlight=False)
     mgr = node.manager(plan, manager, recorded=False)
     if render_only:
-        changed = sorted(node.apply(plan, mgr, node.installed()).units)
+        changed = sorted(node.apply(plan, mgr, node.replaceable()).units)
         where = settings.unit_dir if mgr.name == "systemd" else str(node.state.supervisor)
         click.echo(json.dumps({"rendered": where, "changed": changed}) if as_json else f"rendered into {where}")
         return

@@ -43,11 +43,12 @@ ping_port = {ping}
 
 
 def pdctl(config: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180,
-          check: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run the real `pdctl` (python -m appliance) with --config and the CPU inventory."""
+          check: bool = False, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """Run the real `pdctl` (python -m appliance) with --config and the CPU inventory (after `prefix`, e.g. an
+    nsenter into a mount namespace)."""
     full_env = dict(os.environ, PDCTL_INVENTORY="sim:cpu", **(env or {}))
     full_env.pop("PDCTL_CONFIG", None)
-    done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(config), *args], cwd=ROOT,
+    done = subprocess.run([*prefix, sys.executable, "-m", "appliance", "--config", str(config), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=full_env)
     if check and done.returncode != 0:
         raise AssertionError(f"pdctl {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}")
