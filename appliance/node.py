@@ -279,7 +279,7 @@ class Node:
                 try:
                     Path(store).mkdir(parents=True, exist_ok=True)
                 except OSError as exc:
-                    raise state_error(exc, Path(store) / ".") from None
+                    raise state_error(exc, store, "make", directory=True) from None
         changed = tx.write(self.state.proxy_config, plan.proxy.model_dump_json(indent=2) + "\n")
         public, secrets = redacted(plan)
         tx.write(self.state.secrets, json.dumps(secrets, indent=2) + "\n", 0o600)

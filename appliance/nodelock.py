@@ -60,7 +60,7 @@ def node_lock(state: StateDir, command: str, waiting: Callable[[Holder | None], 
     except FileNotFoundError:
         fd = None
     except OSError as exc:
-        raise state_error(exc, root / ".", "lock") from None
+        raise state_error(exc, root, "lock", directory=True) from None
     if fd is None:
         yield Holder(command, os.getpid(), time.time())
         return

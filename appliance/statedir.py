@@ -116,8 +116,7 @@ class StateWriteError(PdctlError):
     """A state file cannot be written or read; the previous state is whole and still in force."""
 
 
-def _fix(exc: OSError, path: Path) -> str:
-    where = path.parent
+def _fix(exc: OSError, path: Path, where: Path) -> str:
     if exc.errno == errno.EROFS:
         return f"{where} is on a read-only file system: remount it read-write, or set state_dir to a writable folder"
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -129,10 +128,12 @@ def _fix(exc: OSError, path: Path) -> str:
     return f"check {where}"
 
 
-def state_error(exc: OSError, path: str | os.PathLike[str], doing: str = "write") -> StateWriteError:
-    """One line for an OSError on a state file: the path, what failed and the fix, by errno."""
-    target = Path(exc.filename) if exc.filename else Path(path)
-    return StateWriteError(f"cannot {doing} {target}: {exc.strerror or exc}", fix=_fix(exc, target))
+def state_error(exc: OSError, path: str | os.PathLike[str], doing: str = "write", *,
+                directory: bool = False) -> StateWriteError:
+    """One line for an OSError on the state file (or `directory`) `path`: what failed and the fix, by errno."""
+    target = Path(path)
+    where = target if directory else target.parent
+    return StateWriteError(f"cannot {doing} {target}: {exc.strerror or exc}", fix=_fix(exc, target, where))
 
 
 def read_state(path: str | os.PathLike[str]) -> str:
@@ -157,7 +158,7 @@ def make_private_dir(path: str | os.PathLike[str]) -> None:
         if stat.S_IMODE(os.stat(path).st_mode) != 0o700:
             os.chmod(path, 0o700)
     except OSError as exc:
-        raise state_error(exc, Path(path) / ".") from None
+        raise state_error(exc, path, "make or tighten", directory=True) from None
 
 
 def _unchanged(target: Path, text: str, mode: int) -> bool:
@@ -221,7 +222,8 @@ class Transaction:
                 _fsync_dir(directory)
         except OSError as exc:
             self.roll_back()
-            raise state_error(exc, exc.filename or self.staged[0][0]) from None
+            failed = next((t for t, tmp in self.staged if exc.filename in (str(t), str(tmp))), self.staged[0][0])
+            raise state_error(exc, failed) from None
         finally:
             self.staged = [(t, tmp) for t, tmp in self.staged if tmp.exists()]
 

@@ -20,14 +20,15 @@ from tests.support.pdctl import pdctl, status, write_config
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"),
                                 reason="needs root, unshare and nsenter (private mounts)")
 
-# A snapshot of every file under a folder, read inside the namespace that mounts it.
+# A snapshot of every file under a folder, read inside the namespace that mounts it; not the lock file, which
+# names the last command that took the node lock (the failing one), not the deployed state.
 SNAPSHOT = """import json, os, sys
 root = sys.argv[1]
 out = {}
 for d, _, files in os.walk(root):
     for f in files:
         p = os.path.join(d, f)
-        if not os.path.islink(p) and f != "filler":
+        if not os.path.islink(p) and f not in ("filler", "lock"):
             out[os.path.relpath(p, root)] = open(p, errors="replace").read()
 print(json.dumps(out))
 """
@@ -83,7 +84,8 @@ def test_a_full_file_system_keeps_the_previous_state_whole(tmp_path: Path, names
 
     done = pdctl(config, "up", "--render-only", env=_bigger(config), prefix=namespace)
     line = _one_error_line(done)
-    assert "No space left on device" in line and str(state) in line and "free space" in line, line
+    assert line.startswith(f"pdctl: error: cannot write {state / 'plan.json'}: No space left on device (fix: free "
+                           f"space on the file system of {state} (df -h {state})"), line
     after = json.loads(_inside(namespace, sys.executable, "-c", SNAPSHOT, str(state)))
     assert after == before  # every file as it was, and no temporary file left behind
 
@@ -99,7 +101,8 @@ def test_a_read_only_state_dir_is_one_line_and_the_node_keeps_running(tmp_path: 
                      "sh")
         done = pdctl(config, "up", env=_bigger(config), prefix=read_only)
         line = _one_error_line(done)
-        assert "Read-only file system" in line and "remount it read-write" in line and str(state) in line, line
+        assert line.startswith(f"pdctl: error: cannot write {state / 'proxy.json'}: Read-only file system (fix: "
+                               f"{state} is on a read-only file system: remount it read-write"), line
         assert {p: p.read_bytes() for p in state.glob("*.json")} == before
         assert status(config)["state"] == "healthy"
     finally:
