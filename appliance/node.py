@@ -301,7 +301,10 @@ class Node:
         """Record the layout `plan` runs (a rebalance's result), or with None drop it (back to pdctl.toml)."""
         path = Path(self.state.layout)
         if plan is None:
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                raise state_error(exc, path, "remove") from None
             return
         doc = {"written_by": "pdctl rebalance", "overrides": pinned(plan)}
         write_atomic(path, json.dumps(doc, indent=2) + "\n")
@@ -317,12 +320,16 @@ class Node:
             return
         except ImportError:
             pass
+        except OSError as exc:
+            raise state_error(exc, plan.model.path, "write the tiny model to", directory=True) from None
         # pdctl's own environment lacks the model libraries: the engine's Python has them. The generator is one
         # self-contained file, run isolated (-I) so neither pdctl's packages nor PYTHONPATH shadow the engine's.
         python = self.settings.engine.python or sys.executable
         done = subprocess.run([python, "-I", tinymodel.__file__, plan.model.path], capture_output=True, text=True)
         if done.returncode != 0:
-            raise PdctlError(f"cannot generate the tiny model: {done.stderr.strip()}",
+            # the generator's last line says why (an OSError's errno and path, or the missing library)
+            why = (done.stderr.strip().splitlines() or ["it exited with no message"])[-1]
+            raise PdctlError(f"cannot generate the tiny model in {plan.model.path}: {why}",
                              fix="set engine.python to the Python that has vLLM")
 
     # ------------------------------------------------------------------------------------------- running
