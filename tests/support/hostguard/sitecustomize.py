@@ -23,7 +23,13 @@ def host_path(path: Any) -> str | None:
     """`path` as an absolute string when it lies under one of HOST_PATHS, else None (file descriptors too)."""
     if not isinstance(path, (str, bytes, os.PathLike)):
         return None
-    absolute = os.path.normpath(os.path.join(os.getcwd(), os.fsdecode(path)))
+    name = os.fsdecode(path)
+    if not os.path.isabs(name):
+        try:
+            name = os.path.join(os.getcwd(), name)
+        except OSError:  # a working folder that was removed: nothing relative resolves under the host's paths
+            return None
+    absolute = os.path.normpath(name)
     return absolute if any(absolute == h or absolute.startswith(h + "/") for h in HOST_PATHS) else None
 
 
