@@ -23,6 +23,7 @@ from secrets import token_urlsafe
 from typing import TYPE_CHECKING, Any
 
 import psutil
+from pydantic import ValidationError
 
 from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager, choose_manager
@@ -32,7 +33,15 @@ from appliance.render.names import PROXY_UNIT, TARGET, instance_unit
 from appliance.render.templates import RenderOptions, secret_env
 from appliance.roles import ROLES
 from appliance.settings import Settings, deep_merge
-from appliance.statedir import StateDir, make_private_dir, write_atomic
+from appliance.statedir import (
+    StateDir,
+    Transaction,
+    make_private_dir,
+    read_state,
+    state_error,
+    transaction,
+    write_atomic,
+)
 
 if TYPE_CHECKING:
     from appliance.proxy.client import AdminClient
@@ -237,14 +246,31 @@ class Node:
         """The plan `pdctl up` last applied, or None."""
         path = Path(self.state.plan)
         try:
-            plan = Plan.model_validate_json(path.read_text())
-            secrets_path = Path(self.state.secrets)
-            secrets = json.loads(secrets_path.read_text()) if secrets_path.exists() else {}
+            plan = Plan.model_validate_json(read_state(path))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as exc:
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+            raise PdctlError(f"{path} is not a plan pdctl wrote ({where}: {first['msg']})",
+                             fix="run `pdctl up` to write it again") from None
+        except ValueError as exc:
             raise PdctlError(f"{path} cannot be read ({exc})", fix="run `pdctl up` to write it again") from None
+        try:
+            secrets = json.loads(read_state(self.state.secrets))
+        except FileNotFoundError:
+            secrets = {}
+        except ValueError as exc:
+            raise PdctlError(f"{self.state.secrets} cannot be read ({exc})",
+                             fix="run `pdctl up` to write it again") from None
         return _restored(plan, secrets)
+
+    def replaceable(self) -> Plan | None:
+        """The installed plan for `pdctl up`, which writes a new one: None also when plan.json cannot be read."""
+        try:
+            return self.installed()
+        except PdctlError:
+            return None
 
     def deployed(self) -> Plan:
         """The installed plan; NotDeployed (one line, exit 3) when nothing was deployed."""
@@ -261,10 +287,10 @@ class Node:
         """What layout.json records and which command recorded each part (empty when there is no file)."""
         path = Path(self.state.layout)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_state(path))
         except FileNotFoundError:
             return Recorded({}, {})
-        except (OSError, ValueError) as exc:
+        except ValueError as exc:
             raise PdctlError(f"{path} cannot be read ({exc})",
                              fix="delete it to return to pdctl.toml's layout") from None
         overrides = data.get("overrides", {}) if isinstance(data, dict) else {}
@@ -297,23 +323,28 @@ class Node:
 
     # ------------------------------------------------------------------------------------------ writing
     def write(self, plan: Plan) -> bool:
-        """The state directory (0700), plan.json (secrets redacted), secrets.json (0600) and proxy.json, each
-        written atomically, and the KV store; True when proxy.json changed."""
+        """Write plan.json, secrets.json and proxy.json for `plan`, all or none; True when proxy.json changed."""
+        with transaction() as tx:
+            return self._stage(plan, tx)
+
+    def _stage(self, plan: Plan, tx: Transaction) -> bool:
+        """Stage plan.json (secrets redacted), secrets.json (0600) and proxy.json in the state directory (0700)
+        and make the KV store; True when proxy.json changed."""
         make_private_dir(self.state.root)
         for inst in plan.instances:
             store = (inst.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("shared_storage_path")
             if store:
-                Path(store).mkdir(parents=True, exist_ok=True)
+                # the KV store holds prompts' KV: private to pdctl's user wherever the settings put it
+                make_private_dir(store)
         # the token before the proxy's config that names it: a proxy (re)started meanwhile finds it
-        new_token = self.ensure_admin_token(plan)
-        changed = write_atomic(self.state.proxy_config, plan.proxy.model_dump_json(indent=2) + "\n") or new_token
+        new_token = self.ensure_admin_token(plan, tx)
+        changed = tx.write(self.state.proxy_config, plan.proxy.model_dump_json(indent=2) + "\n") or new_token
         public, secrets = redacted(plan)
-        # the values first: a plan.json that names a secret always finds it
-        write_atomic(self.state.secrets, json.dumps(secrets, indent=2) + "\n", 0o600)
-        write_atomic(self.state.plan, public.model_dump_json(indent=2) + "\n", 0o600)
+        tx.write(self.state.secrets, json.dumps(secrets, indent=2) + "\n", 0o600)
+        tx.write(self.state.plan, public.model_dump_json(indent=2) + "\n", 0o600)
         return changed
 
-    def ensure_admin_token(self, plan: Plan) -> bool:
+    def ensure_admin_token(self, plan: Plan, tx: Transaction) -> bool:
         """Make sure the admin token file the plan names exists: the state directory's is generated (0600,
         owned by the user pdctl runs as) when missing, empty or not ours; True when it was (re)written, so the
         running proxy, which read the old one at start, restarts. A file the settings name must exist."""
@@ -331,14 +362,19 @@ class Node:
             token = target.read_text().strip() if info.st_uid == os.geteuid() and stat.S_ISREG(info.st_mode) else ""
         except (FileNotFoundError, UnicodeDecodeError):
             token = ""
-        # an existing token is kept (the units' hooks and scripts hold it); write_atomic tightens its mode
-        return write_atomic(target, (token or token_urlsafe(32)) + "\n", 0o600) and not token
+        # an existing token is kept (the units' hooks and scripts hold it); the write tightens its mode
+        return tx.write(target, (token or token_urlsafe(32)) + "\n", 0o600) and not token
 
     def apply(self, plan: Plan, manager: ServiceManager, previous: Plan | None) -> Applied:
-        """Write the state files and the manager's configuration for `plan`, and record the manager."""
-        proxy_changed = self.write(plan)
-        write_atomic(self.state.manager, manager.name + "\n")
-        return Applied(manager.apply(previous), proxy_changed)
+        """Write the state files for `plan`, record the manager and write its configuration: all of it, or (on
+        a failure, one StateWriteError line) none, the previous state whole and in force."""
+        with transaction() as tx:
+            proxy_changed = self._stage(plan, tx)
+            tx.write(self.state.manager, manager.name + "\n")
+            # in place before the manager starts anything: a proxy (re)started now reads the new proxy.json
+            tx.commit()
+            units = manager.apply(previous)
+        return Applied(units, proxy_changed)
 
     def record_layout(self, plan: Plan | None) -> None:
         """Record the roles' shapes `plan` runs (a rebalance's result), or with None drop them (back to pdctl.toml);
@@ -361,7 +397,10 @@ class Node:
         written_by = {k: before.written_by[k] for k in overrides if k not in values} | {k: by for k in values}
         path = Path(self.state.layout)
         if not overrides:
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                raise state_error(exc, path, "remove") from None
             return
         doc = {"written_by": written_by, "overrides": overrides}
         write_atomic(path, json.dumps(doc, indent=2) + "\n")
@@ -377,12 +416,16 @@ class Node:
             return
         except ImportError:
             pass
+        except OSError as exc:
+            raise state_error(exc, plan.model.path, "write the tiny model to", directory=True) from None
         # pdctl's own environment lacks the model libraries: the engine's Python has them. The generator is one
         # self-contained file, run isolated (-I) so neither pdctl's packages nor PYTHONPATH shadow the engine's.
         python = self.settings.engine.python or sys.executable
         done = subprocess.run([python, "-I", tinymodel.__file__, plan.model.path], capture_output=True, text=True)
         if done.returncode != 0:
-            raise PdctlError(f"cannot generate the tiny model: {done.stderr.strip()}",
+            # the generator's last line says why (an OSError's errno and path, or the missing library)
+            why = (done.stderr.strip().splitlines() or ["it exited with no message"])[-1]
+            raise PdctlError(f"cannot generate the tiny model in {plan.model.path}: {why}",
                              fix="set engine.python to the Python that has vLLM")
 
     # ------------------------------------------------------------------------------------------- running
@@ -391,7 +434,7 @@ class Node:
 
         Refuses (before anything is written) when a port of the plan is held by something else than its unit.
         """
-        previous = self.installed()
+        previous = self.replaceable()
         problems = port_conflicts(plan, manager)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -378,6 +378,22 @@ def load_settings(path: str | os.PathLike[str] | None = None, overrides: dict[st
 LOCATING_KEYS = ("state_dir", "manager", "unit_dir")
 
 
+class _GivenSettings(Settings):
+    """Settings from the data given alone: the PDCTL_* environment is not read again (a bad value there is the
+    error being reported, and must not fail the fallback too)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
 def load_settings_despite_errors(path: str | os.PathLike[str] | None = None) -> tuple[Settings, ConfigError | None]:
     """For commands that report on what runs: the settings, or when they do not validate, the defaults with
     whichever of state_dir / manager / unit_dir the file and PDCTL_* still give validly, and the error."""
@@ -395,8 +411,8 @@ def load_settings_despite_errors(path: str | os.PathLike[str] | None = None) -> 
         for key in LOCATING_KEYS:
             if key in data:
                 try:
-                    Settings.model_validate({key: data[key]})
+                    _GivenSettings.model_validate({key: data[key]})
                 except ValidationError:
                     continue
                 found[key] = data[key]
-    return Settings.model_validate(found), error
+    return _GivenSettings.model_validate(found), error

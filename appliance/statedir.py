@@ -1,7 +1,11 @@
 """The state directory's layout: where each of pdctl's files for one node lives, and the one way to write them.
 
 Every path under `state_dir` is built here, so the planner, the renderers, the service managers and
-appliance.node agree on it. Pure apart from `write_atomic`; nothing here knows what a plan is.
+appliance.node agree on it. Pure apart from the writing and reading at the end; nothing here knows what a plan is.
+
+A state update is all or nothing: `transaction()` writes every new file beside its target first (fsynced), then
+renames them all, and puts the previous files back if a rename or anything after it in the block fails. A
+failure to write (read-only, full, not ours, a symbolic link) is one StateWriteError naming the path and the fix.
 
     (the directory)      mode 0700: only its owner reads what is deployed
     plan.json            the plan `pdctl up` (or a rebalance step) applied: what is deployed; secret
@@ -10,6 +14,7 @@ appliance.node agree on it. Pure apart from `write_atomic`; nothing here knows w
     admin-token          0600: the proxy's admin API token `pdctl up` generates (unless proxy.admin_token_file)
     proxy.json           the proxy's configuration, derived from plan.json
     layout.json          the shape `pdctl rebalance` / `pdctl mode` left the node in
+    lock                 who holds the node lock (appliance.nodelock): the command and its pid
     manager              the service manager `pdctl up` used (one word)
     env/<unit>.env       0600 environment files of systemd units whose environment holds secrets
     supervisor/          supervisord.conf, its socket, pid file, its own log and the programs' logs/
@@ -20,10 +25,16 @@ appliance.node agree on it. Pure apart from `write_atomic`; nothing here knows w
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+
+from appliance.errors import PdctlError
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,11 @@ class StateDir:
     def layout(self) -> PurePosixPath:
         """What `pdctl rebalance` (the roles' shapes) and `pdctl mode` (the mode) recorded."""
         return self.root / "layout.json"
+
+    @property
+    def lock(self) -> PurePosixPath:
+        """The mutating command that holds (or last held) the node lock, and its pid."""
+        return self.root / "lock"
 
     @property
     def manager(self) -> PurePosixPath:
@@ -102,38 +118,165 @@ class StateDir:
         return self.root / "bench"
 
 
+class StateWriteError(PdctlError):
+    """A state file cannot be written or read; the previous state is whole and still in force."""
+
+
+def _fix(exc: OSError, path: Path, where: Path) -> str:
+    if exc.errno == errno.EROFS:
+        return f"{where} is on a read-only file system: remount it read-write, or set state_dir to a writable folder"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"free space on the file system of {where} (df -h {where}), or set state_dir elsewhere"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"run pdctl as the user that owns {where} (root for /var/lib/pdctl), or set state_dir to a folder of yours"
+    if exc.errno == errno.ELOOP:
+        return f"remove the symbolic link {path}; pdctl writes its state files itself"
+    return f"check {where}"
+
+
+def state_error(exc: OSError, path: str | os.PathLike[str], doing: str = "write", *,
+                directory: bool = False) -> StateWriteError:
+    """One line for an OSError on the state file (or `directory`) `path`: what failed and the fix, by errno."""
+    target = Path(path)
+    where = target if directory else target.parent
+    return StateWriteError(f"cannot {doing} {target}: {exc.strerror or exc}", fix=_fix(exc, target, where))
+
+
+def read_state(path: str | os.PathLike[str]) -> str:
+    """A state file's text; never through a symbolic link (FileNotFoundError when there is none)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StateWriteError(f"{path} is a symbolic link, not a file pdctl wrote",
+                                  fix=f"remove it; `pdctl up` writes {Path(path).name} again") from None
+        raise state_error(exc, path, "read") from None
+    with os.fdopen(fd) as handle:
+        return handle.read()
+
+
 def make_private_dir(path: str | os.PathLike[str]) -> None:
-    """Create the directory `path` (and its parents) with mode 0700, or tighten it to 0700 if it exists."""
-    Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    """Create the directory `path` (and its parents) with mode 0700, or tighten it to 0700 if it exists; one
+    that another user owns is refused (its owner could open it again and read or plant what pdctl keeps there)."""
+    try:
+        Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = os.stat(path)
+        if info.st_uid != os.geteuid():
+            raise StateWriteError(f"{path} belongs to uid {info.st_uid}, not to the user pdctl runs as ({os.geteuid()})",
+                                  fix=f"remove it (pdctl makes it again), or chown it to uid {os.geteuid()}")
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.chmod(path, 0o700)
+    except OSError as exc:
+        raise state_error(exc, path, "make or tighten", directory=True) from None
+
+
+def _unchanged(target: Path, text: str, mode: int) -> bool:
+    try:
+        st = os.lstat(target)
+        return stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode and read_state(target) == text
+    except (OSError, UnicodeDecodeError, PdctlError):
+        return False
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Transaction:
+    """The files of one state update: staged beside their targets, then all renamed into place, or none."""
+
+    staged: list[tuple[Path, Path]] = field(default_factory=list)  # (target, its new text's temporary file)
+    kept: list[tuple[Path, Path | None]] = field(default_factory=list)  # (target, the previous file's link)
+
+    def write(self, path: str | os.PathLike[str], text: str, mode: int = 0o644) -> bool:
+        """Stage `text` for `path` (written and fsynced now, in place at commit); False when it is unchanged."""
+        target = Path(path)
+        if _unchanged(target, text, mode):
+            return False
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        except OSError as exc:
+            raise state_error(exc, target) from None
+        self.staged.append((target, Path(tmp)))
+        try:
+            os.fchmod(fd, mode)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            raise state_error(exc, target) from None
+        return True
+
+    def commit(self) -> None:
+        """Rename every staged file into place, keeping the previous ones until the transaction ends."""
+        try:
+            for target, _ in self.staged:
+                # a hard link keeps the previous file, so a failure below puts it back whole
+                previous = None
+                if os.path.lexists(target):
+                    previous = target.with_name(f".{target.name}.previous")
+                    previous.unlink(missing_ok=True)
+                    os.link(target, previous, follow_symlinks=False)
+                self.kept.append((target, previous))
+            for target, tmp in self.staged:
+                os.replace(tmp, target)
+            for directory in {target.parent for target, _ in self.staged}:
+                _fsync_dir(directory)
+        except OSError as exc:
+            self.roll_back()
+            failed = next((t for t, tmp in self.staged if exc.filename in (str(t), str(tmp))), self.staged[0][0])
+            raise state_error(exc, failed) from None
+        finally:
+            self.staged = [(t, tmp) for t, tmp in self.staged if tmp.exists()]
+
+    def roll_back(self) -> None:
+        """Put the previous files back (a file that was new goes) and drop what is still staged."""
+        for target, previous in reversed(self.kept):
+            if previous is None:
+                target.unlink(missing_ok=True)
+            else:
+                os.replace(previous, target)
+        self.kept = []
+        self.discard()
+
+    def discard(self) -> None:
+        """Drop the staged files and the kept previous ones."""
+        for _, tmp in self.staged:
+            tmp.unlink(missing_ok=True)
+        for _, previous in self.kept:
+            if previous is not None:
+                previous.unlink(missing_ok=True)
+        self.staged, self.kept = [], []
+
+
+@contextmanager
+def transaction() -> Iterator[Transaction]:
+    """A state update: stage files with `write`, and `commit` where they must be in place (else at the end);
+    an exception in the block rolls every file back to its previous content."""
+    tx = Transaction()
+    try:
+        yield tx
+        if tx.staged:
+            tx.commit()
+    except BaseException:
+        tx.roll_back()
+        raise
+    tx.discard()
 
 
 def write_atomic(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> bool:
     """Write `text` to `path` via a temporary file and rename (never half-written); False if unchanged.
 
     The file is fsynced before the rename and its directory after it, so a crash leaves the old file or the
-    new one, and a rename that returned is on disk."""
-    target = Path(path)
-    try:
-        if target.read_text() == text and (target.stat().st_mode & 0o777) == mode:
-            return False
-    except (FileNotFoundError, UnicodeDecodeError):
-        pass
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-    return True
+    new one, and a rename that returned is on disk; a failure is one StateWriteError."""
+    with transaction() as tx:
+        return tx.write(path, text, mode)

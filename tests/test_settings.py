@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
+    # PDCTL_CONFIG stays: tests/conftest.py points it at the session's file, never the host's
     for key in list(os.environ):
-        if key.startswith("PDCTL_"):
+        if key.startswith("PDCTL_") and key != "PDCTL_CONFIG":
             monkeypatch.delenv(key)
 
 
@@ -55,6 +56,7 @@ def test_environment_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_config_path_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("PDCTL_CONFIG")
     assert config_path() == DEFAULT_CONFIG_PATH
     monkeypatch.setenv("PDCTL_CONFIG", str(tmp_path / "x.toml"))
     assert config_path() == tmp_path / "x.toml"

@@ -4,7 +4,9 @@ these verbs write its configuration from the plan, start and stop through it, an
 /health and the proxy's readiness.
 
 Exit codes: 0 healthy / done; 1 started but not healthy (the failing unit's last log lines are shown);
-2 a user mistake (one line); 3 nothing deployed or everything stopped.
+2 a user mistake (one line); 3 nothing deployed or everything stopped (also: a `pdctl down` stopped the node
+while `pdctl up` waited for health). Mutating verbs hold the node lock (appliance.nodelock) while they write
+and start or stop; a second one waits, saying which command (pid) holds it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,10 +25,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from appliance.cli.options import console as cli_console
-from appliance.cli.options import layout_option, node_overrides, obtain, obtain_plan, plan_options
+from appliance.cli.options import layout_option, locked, node_overrides, obtain, obtain_plan, plan_options
 from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager, UnitStatus
 from appliance.node import EXIT_DOWN, PORT_FIX, Node, NotDeployed, http_answer, port_conflicts, proxy_state
+from appliance.nodelock import Holder, holder
 from appliance.plan import Plan
 from appliance.proxy.client import PortTaken
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit, role_service
@@ -33,6 +37,20 @@ from appliance.settings import Settings
 
 EXIT_UNHEALTHY = 1
 MANAGER_CHOICE = click.Choice(["auto", "systemd", "supervisor"])
+
+
+class StoppedMeanwhile(PdctlError):
+    """A `pdctl down` took the node down while this `pdctl up` waited for health (exit 3: the node is down)."""
+
+    exit_code = EXIT_DOWN
+
+
+def downed_since(node: Node, me: Holder) -> str | None:
+    """Why a `pdctl up` that held the lock as `me` should stop waiting: a `pdctl down` took the lock after it."""
+    last = holder(node.state)
+    if last and last.command == "pdctl down" and last.since > me.since and last.pid != me.pid:
+        return f"{last} stopped the node while this `pdctl up` waited for health"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -141,9 +159,10 @@ def progress_lines(plan: Plan, snap: Snapshot, elapsed: float, seen: dict[str, s
 
 
 def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: Console, live: bool,
-               lines: bool = False) -> Snapshot:
-    """Poll until ready, a unit fails, another process holds a proxy port, or time runs out; the last snapshot. Progress: a live table
-    (`live`, a terminal) or a line per change (`lines`, a pipe: flushed at once, so a log shows it as it goes)."""
+               lines: bool = False, stopped: Callable[[], str | None] = lambda: None) -> Snapshot:
+    """Poll until ready, a unit fails, another process holds a proxy port, `stopped` says why to give up, or time
+    runs out; the last snapshot. Progress: a live table (`live`, a terminal) or a line per change (`lines`, a
+    pipe: flushed at once, so a log shows it as it goes)."""
     start = time.monotonic()
     snap = snapshot(plan, manager)
     view = Live(progress_table(plan, snap, 0), console=console, transient=True, auto_refresh=False) if live else None
@@ -165,6 +184,8 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
         while (not snap.ready(plan) and not snap.failed() and not snap.port_conflict
                and time.monotonic() - start < timeout_s):
             time.sleep(0.5)
+            if stopped():
+                break
             snap = snapshot(plan, manager)
             report()
     finally:
@@ -228,19 +249,31 @@ def up(ctx: click.Context, /, manager: str | None, timeout_s: float | None, no_w
     if layout_note:
         console.print(layout_note, markup=False, highlight=False)
     mgr = node.manager(plan, manager, recorded=False)
+    # the lock covers writing and starting; the wait for health is shared (a `pdctl down` may end it)
+    with locked(settings, "up", create=True) as me:
+        if render_only:
+            changed = sorted(node.apply(plan, mgr, node.replaceable()).units)
+        else:
+            begun = node.up(plan, mgr)
     if render_only:
-        changed = sorted(node.apply(plan, mgr, node.installed()).units)
         where = settings.unit_dir if mgr.name == "systemd" else str(node.state.supervisor)
         click.echo(json.dumps({"rendered": where, "changed": changed}) if as_json else f"rendered into {where}")
         return
-    begun = node.up(plan, mgr)
     if no_wait:
         if as_json:
             click.echo(json.dumps({"healthy": None, "manager": mgr.name, "started_or_restarted": begun}))
         return
     limit = timeout_s if timeout_s is not None else settings.engine.health_timeout_s + 60
-    snap = wait_ready(plan, mgr, limit, console, live=console.is_terminal and not as_json,
-                      lines=not console.is_terminal and not as_json)
+    try:
+        snap = wait_ready(plan, mgr, limit, console, live=console.is_terminal and not as_json,
+                          lines=not console.is_terminal and not as_json, stopped=lambda: downed_since(node, me))
+    except PdctlError:
+        # a look at the node while a `pdctl down` stops supervisord fails; that down is what to report
+        if not downed_since(node, me):
+            raise
+    why = downed_since(node, me)
+    if why:
+        raise StoppedMeanwhile(why, fix="run `pdctl up` again to start it")
     if as_json:
         click.echo(json.dumps(_summary(plan, mgr, snap, begun), indent=2))
     if snap.ready(plan):
@@ -261,13 +294,15 @@ def up(ctx: click.Context, /, manager: str | None, timeout_s: float | None, no_w
 @click.pass_context
 def down(ctx: click.Context, manager: str | None, as_json: bool) -> None:
     """Stop every engine and the proxy (and the supervisord pdctl started). Exit 3 when nothing was running."""
-    try:
-        _, plan, mgr = deployed(ctx, manager)
-    except NotDeployed:
-        click.echo(json.dumps({"stopped": []}) if as_json else "nothing is deployed; nothing to stop")
-        sys.exit(EXIT_DOWN)
-    running = [unit for unit, st in mgr.status().items() if st.state in ACTIVE]
-    mgr.down()  # also when nothing runs: supervisord itself stops, and a half-stopped node is cleaned up
+    settings, _ = obtain(ctx)
+    with locked(settings, "down"):
+        try:
+            _, plan, mgr = deployed(ctx, manager, settings)
+        except NotDeployed:
+            click.echo(json.dumps({"stopped": []}) if as_json else "nothing is deployed; nothing to stop")
+            sys.exit(EXIT_DOWN)
+        running = [unit for unit, st in mgr.status().items() if st.state in ACTIVE]
+        mgr.down()  # also when nothing runs: supervisord itself stops, and a half-stopped node is cleaned up
     if as_json:
         click.echo(json.dumps({"stopped": running, "manager": mgr.name}))
     else:

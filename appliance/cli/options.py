@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import click
@@ -15,6 +17,7 @@ from appliance.choices import ConnectorChoice
 from appliance.errors import PdctlError
 from appliance.inventory import Inventory, load_inventory
 from appliance.node import Node, layered, recorded_overrides
+from appliance.nodelock import Holder, node_lock
 from appliance.plan import Plan, plan
 from appliance.settings import Settings, env_data, env_name, leaves, load_settings
 from appliance.shapes import role_overrides
@@ -150,3 +153,33 @@ def obtain_plan(ctx: click.Context, overrides: dict[str, Any] | None = None) -> 
     """Settings, inventory and the plan they make."""
     settings, inventory = obtain(ctx, overrides)
     return settings, inventory, plan(settings, inventory)
+
+
+@contextlib.contextmanager
+def locked(settings: Settings, verb: str, *, create: bool = False) -> Iterator[Holder]:
+    """Hold the node lock for `pdctl <verb>` (a mutating command); while another command holds it, say which
+    (command and pid) on stderr and wait for it. `create` makes a missing state directory (`pdctl up`)."""
+    node = Node(settings)
+
+    def waiting(other: Holder | None) -> None:
+        who = str(other) if other else "another pdctl command"
+        click.echo(f"pdctl: waiting for {who}, which holds the node lock on {node.state.root} (Ctrl-C to give up)",
+                   err=True)
+
+    with node_lock(node.state, f"pdctl {verb}", waiting, create=create) as me:
+        yield me
+
+
+def mutating(verb: str) -> Callable[[F], F]:
+    """A command (after click.pass_context) that changes the node: it runs holding the node lock (`locked`)."""
+
+    def wrap(func: F) -> F:
+        @functools.wraps(func)
+        def run(ctx: click.Context, /, *args: Any, **kwargs: Any) -> Any:
+            settings = load_settings((ctx.find_root().obj or {}).get("config_path"))
+            with locked(settings, verb):
+                return func(ctx, *args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return wrap

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from appliance.cli.lifecycle import MANAGER_CHOICE, deployed
-from appliance.cli.options import confirm, obtain
+from appliance.cli.options import confirm, mutating, obtain
 from appliance.cli.options import console as cli_console
 from appliance.connector import get_connector
 from appliance.errors import PdctlError
@@ -152,6 +152,7 @@ def _with(options: list[Callable[[F], F]]) -> Callable[[F], F]:
 @click.option("--dry-run", is_flag=True, help="Show the plan change and the steps; change nothing.")
 @_with(common_options)
 @click.pass_context
+@mutating("rebalance")
 def rebalance(ctx: click.Context, /, reset: bool, dry_run: bool, yes: bool, allow_downtime: bool, drain_timeout: float,
               hold_s: float, timeout_s: float | None, manager: str | None, **options: Any) -> None:
     """Change the GPU split and instance shapes of the running node with the least disruption.
@@ -210,6 +211,7 @@ def rebalance(ctx: click.Context, /, reset: bool, dry_run: bool, yes: bool, allo
 @click.argument("new_mode", required=False, type=click.Choice(["read", "write"]))
 @_with(common_options)
 @click.pass_context
+@mutating("mode")
 def mode(ctx: click.Context, new_mode: str | None, yes: bool, allow_downtime: bool, drain_timeout: float,
          hold_s: float, timeout_s: float | None, manager: str | None) -> None:
     """Show or switch the KV transfer mode (read: decode pulls; write: prefill pushes).
@@ -283,6 +285,7 @@ def _warn_explicit_mode(new_mode: str, console: Console) -> None:
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=60.0, show_default=True,
               help="Seconds to wait for in-flight requests.")
 @click.pass_context
+@mutating("drain")
 def drain(ctx: click.Context, instance: str, timeout_s: float) -> None:
     """Stop sending new requests to INSTANCE and wait for its in-flight ones (it keeps running)."""
     _, p, _ = deployed(ctx, None)
@@ -296,6 +299,7 @@ def drain(ctx: click.Context, instance: str, timeout_s: float) -> None:
 @click.command()
 @click.argument("instance")
 @click.pass_context
+@mutating("undrain")
 def undrain(ctx: click.Context, instance: str) -> None:
     """Let INSTANCE take new requests again."""
     _, p, _ = deployed(ctx, None)

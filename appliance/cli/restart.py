@@ -27,6 +27,7 @@ from appliance.cli.lifecycle import (
     wait_ready,
 )
 from appliance.cli.options import console as cli_console
+from appliance.cli.options import mutating
 from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager
 from appliance.node import admin_client, http_answer
@@ -104,6 +105,7 @@ class PlannedRestart:
 @click.option("--no-wait", is_flag=True, help="Return without waiting for health (instances restart together).")
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.pass_context
+@mutating("restart")
 def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, timeout_s: float | None,
             drain_timeout: float | None, hold_s: float | None, no_wait: bool, as_json: bool) -> None:
     """Restart a role (every instance of it), one instance (e.g. decode-1), the proxy, or everything.

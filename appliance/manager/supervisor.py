@@ -30,7 +30,7 @@ from appliance.manager.base import ServiceManager, State, UnitStatus
 from appliance.plan import Plan
 from appliance.render.supervisor import CONF_NAME, render_supervisor, socket_path
 from appliance.render.templates import RenderOptions
-from appliance.statedir import StateDir, write_atomic
+from appliance.statedir import StateDir, make_private_dir, write_atomic
 
 GROUP = "pd"
 _STATES: dict[str, State] = {
@@ -186,8 +186,7 @@ class SupervisorManager(ServiceManager):
     # ServiceManager
     def apply(self, previous: Plan | None) -> set[str]:
         (rendered,) = render_supervisor(self.plan, self.opts)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.dir, 0o700)
+        make_private_dir(self.dir)
         before = self._process_configs()
         if not write_atomic(self.conf, rendered.text, rendered.mode):
             return set()

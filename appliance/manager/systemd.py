@@ -18,7 +18,7 @@ from appliance.plan import Plan
 from appliance.render.names import PROXY_UNIT, TARGET, services
 from appliance.render.systemd import render_systemd
 from appliance.render.templates import RenderOptions
-from appliance.statedir import StateDir, write_atomic
+from appliance.statedir import StateDir, transaction
 
 _MARK = "# Rendered by pdctl"
 # sd-messages.h SD_MESSAGE_UNIT_STARTED: systemd logs it each time a unit's start (or restart) job completes
@@ -124,14 +124,16 @@ class SystemdManager(ServiceManager):
         if stale:
             self._systemctl("stop", *[p.name for p in stale], check=False)
         changed: set[str] = set()
-        for f in rendered.units:
-            if write_atomic(self.unit_dir / f.name, f.text, f.mode):
-                changed.add(f.name.rsplit(".", 1)[0])
         state = StateDir.at(self.plan.state_dir)
         secret_paths = {Path(state.root / f.name) for f in rendered.private}
-        for f in rendered.private:
-            if write_atomic(state.root / f.name, f.text, f.mode):
-                changed.add(Path(f.name).stem)
+        # every unit and environment file, or none: a full or read-only disk leaves the previous units whole
+        with transaction() as tx:
+            for f in rendered.units:
+                if tx.write(self.unit_dir / f.name, f.text, f.mode):
+                    changed.add(f.name.rsplit(".", 1)[0])
+            for f in rendered.private:
+                if tx.write(state.root / f.name, f.text, f.mode):
+                    changed.add(Path(f.name).stem)
         env_dir = Path(state.env_dir)
         for old in env_dir.glob("*.env") if env_dir.is_dir() else []:
             if old not in secret_paths:

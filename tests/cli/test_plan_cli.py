@@ -8,11 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The shipped file's state_dir is the host's /var/lib/pdctl, whose layout.json `pdctl plan` would apply.
+    monkeypatch.setenv("PDCTL_STATE_DIR", str(tmp_path / "state"))
+
+
 def pdctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_") or k == "PDCTL_STATE_DIR"}
     base["PDCTL_CONFIG"] = str(REPO / "etc" / "pdctl.toml")
     return subprocess.run(
         [sys.executable, "-m", "appliance", *args], capture_output=True, text=True, env={**base, **(env or {})},

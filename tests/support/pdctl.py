@@ -1,5 +1,5 @@
 """Running the real `pdctl` in tests: a node's settings file (every port free, state in a tmp folder) and
-`pdctl --config` against it, or `pdctl` in a working folder whose empty settings file keeps the host's out."""
+`pdctl --config` against it, or `pdctl` in a working folder whose own settings file keeps the host's out."""
 
 from __future__ import annotations
 
@@ -43,12 +43,13 @@ ping_port = {ping}
 
 
 def pdctl(config: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180,
-          check: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run the real `pdctl` (python -m appliance) with --config and the CPU inventory."""
+          check: bool = False, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """Run the real `pdctl` (python -m appliance) with --config and the CPU inventory (after `prefix`, e.g. an
+    nsenter into a mount namespace)."""
     full_env = dict(os.environ, PDCTL_INVENTORY="sim:cpu", **(env or {}))
     full_env.pop("PDCTL_CONFIG", None)
     # stdin is never a terminal here, as in a script: a command that would ask must be told --yes
-    done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(config), *args], cwd=ROOT,
+    done = subprocess.run([*prefix, sys.executable, "-m", "appliance", "--config", str(config), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=full_env, stdin=subprocess.DEVNULL)
     if check and done.returncode != 0:
         raise AssertionError(f"pdctl {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}")
@@ -56,13 +57,16 @@ def pdctl(config: Path, *args: str, env: dict[str, str] | None = None, timeout: 
 
 
 def env_in(cwd: Path) -> dict[str, str]:
-    """The environment of a pdctl run in `cwd`: an empty settings file there, so the host's /etc/pdctl never leaks in."""
-    (cwd / "pdctl.toml").touch()
-    return {**os.environ, "PDCTL_CONFIG": str(cwd / "pdctl.toml")}
+    """The environment of a pdctl run in `cwd`: its pdctl.toml (unless the test wrote one: state and units under
+    `cwd`), so the host's /etc/pdctl and /var/lib/pdctl never leak in."""
+    settings = cwd / "pdctl.toml"
+    if not settings.exists():
+        settings.write_text(f"state_dir = {json.dumps(str(cwd / 'state'))}\nunit_dir = {json.dumps(str(cwd / 'units'))}\n")
+    return {**os.environ, "PDCTL_CONFIG": str(settings)}
 
 
 def pdctl_in(*args: str, cwd: Path, check: bool = True, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run `pdctl` (python -m appliance) in `cwd`, whose empty pdctl.toml is the settings unless --config says."""
+    """Run `pdctl` (python -m appliance) in `cwd`, whose pdctl.toml (env_in) is the settings unless --config says."""
     done = subprocess.run([sys.executable, "-m", "appliance", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=env_in(cwd))
     if check:
