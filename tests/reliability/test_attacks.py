@@ -501,7 +501,7 @@ def test_a_planned_address_cannot_register_under_another_role(tmp_path: Path) ->
 
 def test_state_files_keep_secrets_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What `pdctl up` writes (Node.write, real files): the state directory 0700 even when it existed 0755,
-    plan.json without the engine's HF_TOKEN, secrets.json 0600 with it, read back whole; each file fsynced
+    plan.json without the engine's HF_TOKEN, secrets.json and the admin token 0600, read back whole; each file fsynced
     before the renames and the directory after them (one update, all or nothing); `pdctl plan --json` prints no
     secret either."""
     import os
@@ -536,7 +536,9 @@ def test_state_files_keep_secrets_private(tmp_path: Path, monkeypatch: pytest.Mo
     secrets = state / "secrets.json"
     assert stat.S_IMODE(secrets.stat().st_mode) == 0o600 and "hf_s3cret_value" in secrets.read_text()
     assert stat.S_IMODE((state / "plan.json").stat().st_mode) == 0o600
-    assert synced.count(False) == 3 and synced[-1], synced  # three files, then their directory
+    assert stat.S_IMODE((state / "admin-token").stat().st_mode) == 0o600
+    # four files (admin-token, proxy.json, secrets.json, plan.json), then their directory
+    assert synced.count(False) == 4 and synced[-1], synced
     loaded = Node(settings).installed()
     assert loaded is not None and all(i.env["HF_TOKEN"] == "hf_s3cret_value" for i in loaded.instances)
     toml = tmp_path / "pdctl.toml"
