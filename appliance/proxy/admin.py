@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import Annotated, Any
 
@@ -31,6 +32,7 @@ def state(proxy: ProxyState) -> dict[str, Any]:
     """Everything `pdctl status` wants to know about the proxy."""
     ready, counts = proxy.ready()
     return {
+        "pid": os.getpid(),  # a planned restart (a handover) is done once another process answers
         "mode": proxy.mode,
         "connector": proxy.config.connector,
         "routing": proxy.config.routing,

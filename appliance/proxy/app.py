@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
+import time
 from typing import Any
 
+import zmq
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
@@ -62,8 +66,10 @@ class _OneLineBadRequests(logging.Filter):
 class Proxy(ProxyState):
     """One running proxy; `start()` binds every socket, `stop()` closes them."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, listeners: tuple[socket.socket, socket.socket] | None = None) -> None:
         super().__init__(config)
+        self.listeners = listeners  # (API, admin) sockets bound by the keeper, or None to bind them here
+        self._registration_bind: asyncio.Task[None] | None = None
         self.listener: RegistrationListener | None = None
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.AbstractServer] = []
@@ -76,8 +82,11 @@ class Proxy(ProxyState):
                                            max_model_len=config.max_model_len), limits.large_bodies)
 
     # lifecycle
-    async def start(self) -> None:
-        """Bind the API, the admin API and (connectors that register) the registration socket; start probing."""
+    async def start(self, serve: bool = True) -> None:
+        """Bind the API, the admin API and (connectors that register) the registration socket; start probing.
+
+        serve=False (a successor taking over the keeper's sockets): the sockets are served by `serve_once_ready`,
+        and the registration socket is bound once the proxy before it has released it."""
         server_log = logging.getLogger("aiohttp.server")
         if not any(isinstance(f, _OneLineBadRequests) for f in server_log.filters):
             server_log.addFilter(_OneLineBadRequests())
@@ -91,18 +100,16 @@ class Proxy(ProxyState):
         # handler_cancellation: a client that disconnects cancels its handler, which aborts both legs
         limits = self.config.limits
         cap = fit_to_descriptors(limits.max_connections, "client API")
-        self.api_port = await self._serve(api, self.config.host, self.config.port, cap)
+        api_sock, admin_sock = self.listeners or (None, None)
+        self.api_port = await self._serve(api, self.config.host, self.config.port, cap, api_sock, serve)
         await self.bodies.start()
         self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port,
-                                            admin.MAX_CONNECTIONS)
-        if self.config.registration.enabled:
-            self.listener = RegistrationListener(
-                self.config.registration,
-                self.registry,
-                lambda: self.mode,
-                lambda result: self.metrics.registrations.labels(result).inc(),
-            )
+                                            admin.MAX_CONNECTIONS, admin_sock, serve)
+        if self.config.registration.enabled and serve:
+            self.listener = self._registration_listener()
             self.listener.start()
+        elif self.config.registration.enabled:
+            self._registration_bind = asyncio.create_task(self._bind_registration())
         self.health.start()
         log.info(
             "proxy on %s:%d (admin %s:%d), connector %s, mode %s, %d static backends",
@@ -110,23 +117,65 @@ class Proxy(ProxyState):
             self.config.connector, self.mode, len(self.config.backends),
         )
 
-    async def _serve(self, app: web.Application, host: str, port: int, max_connections: int) -> int:
+    def _registration_listener(self) -> RegistrationListener:
+        return RegistrationListener(
+            self.config.registration,
+            self.registry,
+            lambda: self.mode,
+            lambda result: self.metrics.registrations.labels(result).inc(),
+        )
+
+    async def _bind_registration(self) -> None:
+        """Bind the registration socket as soon as the proxy this one takes over from has released it."""
+        while True:
+            listener = self._registration_listener()
+            try:
+                listener.start()
+            except zmq.ZMQError as exc:
+                await listener.stop()
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                await asyncio.sleep(0.1)
+                continue
+            self.listener = listener
+            log.info("registration socket bound on port %d", listener.port)
+            return
+
+    async def serve_once_ready(self, wait_s: float) -> None:
+        """Start serving the sockets once the engines answer (or after wait_s): a successor that served at once
+        would answer 503 until its first health probes passed, while the proxy before it could still serve."""
+        deadline = time.monotonic() + wait_s
+        while not self.ready()[0] and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for server in self._servers:
+            await server.start_serving()
+
+    async def _serve(self, app: web.Application, host: str, port: int, max_connections: int,
+                     sock: socket.socket | None, serve: bool) -> int:
         # keepalive_timeout: aiohttp closes a connection that has no complete request head this long after it
-        # opened or after its last answer (slow heads and idle sockets alike)
+        # opened or after its last answer (slow heads and idle sockets alike); shutdown_timeout: how long a
+        # stopping proxy lets its requests finish
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                               keepalive_timeout=self.config.limits.idle_timeout_s)
+                               keepalive_timeout=self.config.limits.idle_timeout_s,
+                               shutdown_timeout=self.config.limits.stop_drain_s)
         await runner.setup()
         assert runner.server is not None
         # our own listener instead of web.TCPSite: its protocol factory answers 503 past the connection cap
-        server = await asyncio.get_running_loop().create_server(
-            capped(runner.server, max_connections), host, port, backlog=1024, reuse_address=True,
-        )
+        loop = asyncio.get_running_loop()
+        factory = capped(runner.server, max_connections)
+        if sock is None:
+            server = await loop.create_server(factory, host, port, backlog=1024, reuse_address=True,
+                                              start_serving=serve)
+        else:
+            server = await loop.create_server(factory, sock=sock, backlog=1024, start_serving=serve)
         self._runners.append(runner)
         self._servers.append(server)
         return int(server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
-        """Close every socket and pool."""
+        """Stop accepting, let the requests in flight finish (limits.stop_drain_s), close every socket and pool."""
+        if self._registration_bind is not None:
+            self._registration_bind.cancel()
         await self.health.stop()
         await self.planned.close()
         if self.listener is not None:

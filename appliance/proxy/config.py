@@ -90,6 +90,9 @@ class Limits(_Model):
     # Bodies over 64 KiB are read and parsed (in a worker process) this many at a time; more wait for a turn,
     # up to body_timeout_s, then get 503: the memory large bodies take is bounded.
     large_bodies: int = Field(default=4, ge=1, le=1024)
+    # a stopping proxy (SIGTERM: a restart, a handover to a new proxy) finishes its requests for up to this
+    # long, then cuts what is left; below the units' stop timeout (30 s) so the manager never kills it first
+    stop_drain_s: float = Field(default=25.0, ge=0, le=3600)
 
 
 class Backend(_Model):
