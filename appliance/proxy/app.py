@@ -102,7 +102,6 @@ class Proxy(ProxyState):
         cap = fit_to_descriptors(limits.max_connections, "client API")
         api_sock, admin_sock = self.listeners or (None, None)
         self.api_port = await self._serve(api, self.config.host, self.config.port, cap, api_sock, serve)
-        await self.bodies.start()
         self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port,
                                             admin.MAX_CONNECTIONS, admin_sock, serve)
         if self.config.registration.enabled and serve:

@@ -162,15 +162,14 @@ class BodyReader:
         return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_worker_start)
 
-    async def start(self) -> None:
-        """Start the worker process now, so the first large body does not wait for it."""
-        self._pool = self._new_pool()
-        await asyncio.get_running_loop().run_in_executor(self._pool, _worker_start)
-
     async def parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any] | Problem, bool]:
         """The checked body (or its problem), and whether the worker process parsed it."""
-        if len(raw) <= INLINE_BYTES or self._pool is None:
+        if len(raw) <= INLINE_BYTES:
             return check_body(raw, chat, self.rules), False
+        if self._pool is None:
+            # started at the first large body (the first waits for it, about half a second): a proxy that
+            # never gets one never runs the process
+            self._pool = self._new_pool()
         try:
             checked = await asyncio.get_running_loop().run_in_executor(self._pool, check_body, raw, chat, self.rules)
         except BrokenProcessPool:
