@@ -164,7 +164,8 @@ def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, t
         if not planned.restart_one(inst):
             break
     if PROXY_UNIT in units:
-        hand_over_proxy(plan, mgr, limit, planned.say)
+        # the keeper gives a new proxy 120 s to become ready before it keeps the old one
+        hand_over_proxy(plan, mgr, min(limit, 150.0), planned.say)
     snap = wait_ready(plan, mgr, limit, console, live=console.is_terminal and not as_json,
                       lines=not console.is_terminal and not as_json)
     if as_json:
