@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from tests.rebalance.load import Load
-from tests.reliability.node import MODEL, Node, colocated_node
+from tests.reliability.node import MODEL, Node, colocated_node, moriio_node
 from tests.reliability.test_attacks import ENGINE, http, metrics, no_traceback
 
 CONTEXT = 256  # the engines' and the proxy's max_model_len (ENGINE says --max-model-len 256)
@@ -301,3 +301,20 @@ def test_a_crashed_proxy_takes_its_keeper_down(tmp_path: Path) -> None:
         keeper = next(p for p in node.procs if p.name == "proxy")
         os.kill(_admin_pid(node), signal.SIGKILL)
         assert keeper.popen.wait(timeout=30) == 128 + signal.SIGKILL
+
+
+def test_the_new_proxy_takes_the_registration_socket_over(tmp_path: Path) -> None:
+    """MORI-IO: the old proxy releases the registration socket when it stops and the new one binds it, so
+    the engines' pings reach the new proxy."""
+    with moriio_node(tmp_path, module="appliance.proxy.keeper") as node:
+        keeper = next(p for p in node.procs if p.name == "proxy")
+        old = _admin_pid(node)
+        keeper.popen.send_signal(signal.SIGHUP)
+        # with registered instances only, the new proxy cannot be ready before it has the registration
+        # socket: it serves after 10 s, while the old one still does
+        wait_for(lambda: _admin_pid(node) != old, "the new proxy answering", timeout=60)
+        wait_for(lambda: counter(metrics(node), "pdctl_proxy_registrations_total") > 0, "a ping to the new proxy")
+        status, _, answer = http(node.proxy_port, "POST", "/v1/completions",
+                                 {"model": MODEL, "prompt": "hello", "max_tokens": 4})
+        assert status == 200, answer[:300]
+        no_traceback(node)
