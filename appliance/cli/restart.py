@@ -94,6 +94,33 @@ class PlannedRestart:
             self.started(inst)
 
 
+def hand_over_proxy(plan: Plan, mgr: ServiceManager, timeout_s: float, say: Callable[[str], None]) -> None:
+    """A planned proxy restart: its keeper starts a new proxy on the same listening sockets and the old one
+    finishes its requests (nothing refused or cut); returns once another process answers the admin API.
+    A proxy that does not answer is restarted plainly, as is one that did not hand over within timeout_s."""
+    admin = admin_client(plan, timeout=5)
+    try:
+        before = admin.state().get("pid")
+    except ProxyAdminError:
+        mgr.restart([PROXY_UNIT])
+        time.sleep(0.5)  # a unit still "running" must not pass as restarted
+        return
+    mgr.reload([PROXY_UNIT])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pid = admin.state().get("pid")
+        except ProxyAdminError:
+            pid = None
+        if pid is not None and pid != before:
+            say(f"proxy: handed over to a new proxy (pid {before} -> {pid}); the old one finishes its requests")
+            return
+        time.sleep(0.2)
+    say(f"proxy: no new proxy took over within {timeout_s:g}s; restarting it (its connections drop)")
+    mgr.restart([PROXY_UNIT])
+    time.sleep(0.5)
+
+
 @click.command()
 @click.argument("targets", nargs=-1, metavar="[prefill|decode|proxy|INSTANCE]...")
 @click.option("--manager", type=MANAGER_CHOICE, help="Service manager [default: the one `pdctl up` used].")
@@ -112,7 +139,7 @@ def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, t
 
     Engine instances restart one at a time, drained first; while a role has no instance serving, the proxy
     holds its new requests (bounded) and sends them when it is back, so no request fails. The proxy itself
-    restarts last (its clients' connections drop: that one is not planned away).
+    restarts last, handed over: a new proxy takes its listening sockets and the old one finishes its requests.
     """
     settings, plan, mgr = deployed(ctx, manager)
     names = resolve_targets(plan, targets)
@@ -139,8 +166,8 @@ def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, t
         if not planned.restart_one(inst):
             break
     if PROXY_UNIT in units:
-        mgr.restart([PROXY_UNIT])
-        time.sleep(0.5)  # a unit still "running" must not pass as restarted
+        # the keeper gives a new proxy 120 s to become ready before it keeps the old one
+        hand_over_proxy(plan, mgr, min(limit, 150.0), planned.say)
     snap = wait_ready(plan, mgr, limit, console, live=console.is_terminal and not as_json,
                       lines=not console.is_terminal and not as_json)
     if as_json:

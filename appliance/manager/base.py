@@ -85,6 +85,10 @@ class ServiceManager(ABC):
         """Stop then start the units; returns without waiting for health."""
 
     @abstractmethod
+    def reload(self, names: list[str]) -> None:
+        """Send the units' main processes SIGHUP (the proxy's keeper then hands its sockets to a new proxy)."""
+
+    @abstractmethod
     def down(self) -> None:
         """Stop everything pdctl runs (and the supervisord it launched)."""
 

@@ -219,6 +219,10 @@ class SupervisorManager(ServiceManager):
         for unit in units:
             self._call("startProcess", f"{GROUP}:{unit}", False, ok=(_ALREADY_STARTED,))
 
+    def reload(self, names: list[str]) -> None:
+        for unit in self.expand(names):
+            self._call("signalProcess", f"{GROUP}:{unit}", "HUP")
+
     def down(self) -> None:
         if not self.running():
             return

@@ -158,6 +158,9 @@ class SystemdManager(ServiceManager):
     def restart(self, names: list[str]) -> None:
         self._systemctl("restart", "--no-block", *self._unit_names(names))
 
+    def reload(self, names: list[str]) -> None:
+        self._systemctl("reload", *self._unit_names(names))
+
     def down(self) -> None:
         units = ["pd.target", *[f"{s}.service" for s in services(self.plan)], *[f"{u}.service" for u in self.units()]]
         self._systemctl("stop", *units)

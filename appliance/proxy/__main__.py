@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import gc
 import logging
+import os
 import signal
+import socket
 import sys
 
 from appliance.errors import PdctlError
+from appliance.proxy.body import INT_DIGITS
 from appliance.proxy.config import load_config
+
+_PR_SET_PDEATHSIG = 1
+# a successor serves once its engines answer /health, or after this long (the instances only registered
+# instances bring may need the registration socket, which the old proxy releases when it stops)
+_TAKEOVER_WAIT_S = 10.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,10 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m appliance.proxy", description="pdctl's PD proxy")
     parser.add_argument("--config", required=True, help="ProxyConfig JSON file")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--listen-fds", help="API,ADMIN: listening sockets inherited from the keeper")
+    parser.add_argument("--ready-fd", type=int, help="a pipe to write one byte to once serving (the keeper's)")
+    parser.add_argument("--successor", action="store_true",
+                        help="take over from a running proxy: serve once the engines are healthy")
     args = parser.parse_args(argv)
     # JSON integers of thousands of digits cost quadratic time to parse and print; no request needs more
     # than 640 digits (Python's floor for this limit), so a client cannot stall the event loop with them
-    sys.set_int_max_str_digits(640)
+    sys.set_int_max_str_digits(INT_DIGITS)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
@@ -36,9 +49,22 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     from appliance.proxy.app import Proxy
 
+    listeners = None
+    if args.listen_fds:
+        if sys.platform == "linux":
+            # the keeper going away (even SIGKILLed) stops this proxy too: it finishes its requests and exits
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        api, admin = (socket.socket(fileno=int(fd)) for fd in args.listen_fds.split(","))
+        listeners = (api, admin)
+
     async def run() -> None:
-        proxy = Proxy(config)
-        await proxy.start()
+        proxy = Proxy(config, listeners)
+        await proxy.start(serve=not args.successor)
+        if args.successor:
+            await proxy.serve_once_ready(_TAKEOVER_WAIT_S)
+        if args.ready_fd is not None:
+            os.write(args.ready_fd, b"r")
+            os.close(args.ready_fd)
         # A full garbage collection walks every object the collector tracks, and every relayed stream waits
         # for it: the modules, settings and aiohttp machinery built so far (~50k objects, 13 ms a walk on the
         # development VM) live for good, so they leave the walk; what requests create is still collected.
@@ -48,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # a hang-up is not a stop: under the keeper it hands over (the keeper gets it), alone it does nothing
+        loop.add_signal_handler(signal.SIGHUP, lambda: None if listeners else logging.getLogger("appliance.proxy")
+                                .warning("SIGHUP ignored: a planned restart needs the proxy run by "
+                                         "`python -m appliance.proxy.keeper`"))
         print(f"pd-proxy ready on {config.host}:{proxy.api_port} admin {config.admin.host}:{proxy.admin_port}",
               flush=True)
         try:

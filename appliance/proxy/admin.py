@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from appliance.proxy.config import Backend
 from appliance.proxy.guard import bearer_matches, json_too_deep
 from appliance.proxy.state import ProxyState
 
 _BACKENDS = TypeAdapter(list[Backend])
+MAX_SECONDS = 86_400.0
+_SECONDS = TypeAdapter(Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False, strict=True)])
 MAX_CONNECTIONS = 64  # pdctl makes one call at a time; a few operators' scripts besides
 _MAX_DEPTH = 16  # the deepest admin body (a backend list) nests 4 deep
 _PROXY_KEY: web.AppKey[ProxyState] = web.AppKey("proxy")
@@ -29,6 +32,7 @@ def state(proxy: ProxyState) -> dict[str, Any]:
     """Everything `pdctl status` wants to know about the proxy."""
     ready, counts = proxy.ready()
     return {
+        "pid": os.getpid(),  # a planned restart (a handover) is done once another process answers
         "mode": proxy.mode,
         "connector": proxy.config.connector,
         "routing": proxy.config.routing,
@@ -108,9 +112,7 @@ async def post_drain(request: web.Request) -> web.Response:
     proxy = request.app[_PROXY_KEY]
     body = await _json(request)
     name = _instance_name(body)
-    timeout = body.get("timeout_s", 60)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-        return _error(400, f"'timeout_s' must be a non-negative number, got {timeout!r}")
+    timeout = _seconds(body, "timeout_s", 60.0)
     inst = proxy.registry.get(name)
     if inst is None:
         return _error(404, f"no instance named {name!r}; known: {', '.join(sorted(proxy.registry.instances))}")
@@ -141,23 +143,22 @@ async def post_hold(request: web.Request) -> web.Response:
     """Requests for a role with no routable instance wait up to wait_s (for expires_in_s); wait_s 0 ends it."""
     proxy = request.app[_PROXY_KEY]
     body = await _json(request)
-    values = {}
-    for key, default in (("wait_s", None), ("expires_in_s", 600.0)):
-        value = body.get(key, default) if isinstance(body, dict) else None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            return _error(400, f"'{key}' must be a non-negative number, got {value!r}")
-        values[key] = float(value)
+    values = {key: _seconds(body, key, default) for key, default in (("wait_s", None), ("expires_in_s", 600.0))}
     proxy.hold_wait_s = values["wait_s"]
     proxy.hold_until = time.monotonic() + values["expires_in_s"] if values["wait_s"] > 0 else 0.0
     return web.json_response({"hold_wait_s": proxy.hold_wait_s, "expires_in_s": values["expires_in_s"]})
 
 
-def _seconds(body: Any, key: str, default: float) -> float:
+def _seconds(body: Any, key: str, default: float | None) -> float:
+    """A duration field of an admin body: a finite number of seconds from 0 to a day (JSON lets a client
+    spell NaN, Infinity and 1e400, and a wait of forever is never what an operator meant)."""
     value = body.get(key, default) if isinstance(body, dict) else default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise web.HTTPBadRequest(text=json.dumps({"error": f"'{key}' must be a non-negative number, got {value!r}"}),
-                                 content_type="application/json")
-    return float(value)
+    try:
+        return _SECONDS.validate_python(value)
+    except ValidationError:
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": f"'{key}' must be a number of seconds from 0 to {MAX_SECONDS:g}, got {value!r}"}),
+            content_type="application/json") from None
 
 
 async def post_stopping(request: web.Request) -> web.Response:

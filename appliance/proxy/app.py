@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import errno
 import logging
+import socket
+import time
 from typing import Any
 
+import zmq
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from appliance.connector import HandoffError
 from appliance.proxy import admin
+from appliance.proxy.body import INLINE_BYTES, BodyReader, BodyRules
 from appliance.proxy.config import ProxyConfig
-from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors, json_too_deep
-from appliance.proxy.legs import OUTCOME, LegFailure, error_response, handle_completion
+from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors
+from appliance.proxy.legs import OUTCOME, STAGE, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE
 from appliance.proxy.registry import RegistrationListener
 from appliance.proxy.state import ProxyState
 
 log = logging.getLogger("appliance.proxy")
 
-_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "min_tokens")
 _CHECKED_HEADERS = ("Authorization", "X-Request-Id")
 
 
@@ -63,17 +66,27 @@ class _OneLineBadRequests(logging.Filter):
 class Proxy(ProxyState):
     """One running proxy; `start()` binds every socket, `stop()` closes them."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, listeners: tuple[socket.socket, socket.socket] | None = None) -> None:
         super().__init__(config)
+        self.listeners = listeners  # (API, admin) sockets bound by the keeper, or None to bind them here
+        self._registration_bind: asyncio.Task[None] | None = None
         self.listener: RegistrationListener | None = None
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.AbstractServer] = []
         self.api_port = config.port
         self.admin_port = config.admin.port
+        limits = config.limits
+        self.bodies = BodyReader(BodyRules(model=config.model, max_tokens_limit=config.max_tokens_limit,
+                                           max_json_depth=limits.max_json_depth,
+                                           max_json_values=config.max_json_values, max_n=limits.max_n,
+                                           max_model_len=config.max_model_len), limits.large_bodies)
 
     # lifecycle
-    async def start(self) -> None:
-        """Bind the API, the admin API and (connectors that register) the registration socket; start probing."""
+    async def start(self, serve: bool = True) -> None:
+        """Bind the API, the admin API and (connectors that register) the registration socket; start probing.
+
+        serve=False (a successor taking over the keeper's sockets): the sockets are served by `serve_once_ready`,
+        and the registration socket is bound once the proxy before it has released it."""
         server_log = logging.getLogger("aiohttp.server")
         if not any(isinstance(f, _OneLineBadRequests) for f in server_log.filters):
             server_log.addFilter(_OneLineBadRequests())
@@ -87,22 +100,20 @@ class Proxy(ProxyState):
         # handler_cancellation: a client that disconnects cancels its handler, which aborts both legs
         limits = self.config.limits
         cap = fit_to_descriptors(limits.max_connections, "client API")
-        self.api_port = await self._serve(api, self.config.host, self.config.port, cap)
+        api_sock, admin_sock = self.listeners or (None, None)
+        self.api_port = await self._serve(api, self.config.host, self.config.port, cap, api_sock, serve)
         self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port,
-                                            admin.MAX_CONNECTIONS)
+                                            admin.MAX_CONNECTIONS, admin_sock, serve)
         if self.admin_token is None:
             # a proxy.json written by hand or by a pdctl before admin tokens (`pdctl up` writes one now)
             log.warning("the admin API on %s:%d has no token (admin.token_file): any local process can replace "
                         "the backends and read every prompt; run `pdctl up`, or set admin.token_file",
                         self.config.admin.host, self.admin_port)
-        if self.config.registration.enabled:
-            self.listener = RegistrationListener(
-                self.config.registration,
-                self.registry,
-                lambda: self.mode,
-                lambda result: self.metrics.registrations.labels(result).inc(),
-            )
+        if self.config.registration.enabled and serve:
+            self.listener = self._registration_listener()
             self.listener.start()
+        elif self.config.registration.enabled:
+            self._registration_bind = asyncio.create_task(self._bind_registration())
         self.health.start()
         log.info(
             "proxy on %s:%d (admin %s:%d), connector %s, mode %s, %d static backends",
@@ -110,23 +121,65 @@ class Proxy(ProxyState):
             self.config.connector, self.mode, len(self.config.backends),
         )
 
-    async def _serve(self, app: web.Application, host: str, port: int, max_connections: int) -> int:
+    def _registration_listener(self) -> RegistrationListener:
+        return RegistrationListener(
+            self.config.registration,
+            self.registry,
+            lambda: self.mode,
+            lambda result: self.metrics.registrations.labels(result).inc(),
+        )
+
+    async def _bind_registration(self) -> None:
+        """Bind the registration socket as soon as the proxy this one takes over from has released it."""
+        while True:
+            listener = self._registration_listener()
+            try:
+                listener.start()
+            except zmq.ZMQError as exc:
+                await listener.stop()
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                await asyncio.sleep(0.1)
+                continue
+            self.listener = listener
+            log.info("registration socket bound on port %d", listener.port)
+            return
+
+    async def serve_once_ready(self, wait_s: float) -> None:
+        """Start serving the sockets once the engines answer (or after wait_s): a successor that served at once
+        would answer 503 until its first health probes passed, while the proxy before it could still serve."""
+        deadline = time.monotonic() + wait_s
+        while not self.ready()[0] and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for server in self._servers:
+            await server.start_serving()
+
+    async def _serve(self, app: web.Application, host: str, port: int, max_connections: int,
+                     sock: socket.socket | None, serve: bool) -> int:
         # keepalive_timeout: aiohttp closes a connection that has no complete request head this long after it
-        # opened or after its last answer (slow heads and idle sockets alike)
+        # opened or after its last answer (slow heads and idle sockets alike); shutdown_timeout: how long a
+        # stopping proxy lets its requests finish
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                               keepalive_timeout=self.config.limits.idle_timeout_s)
+                               keepalive_timeout=self.config.limits.idle_timeout_s,
+                               shutdown_timeout=self.config.limits.stop_drain_s)
         await runner.setup()
         assert runner.server is not None
         # our own listener instead of web.TCPSite: its protocol factory answers 503 past the connection cap
-        server = await asyncio.get_running_loop().create_server(
-            capped(runner.server, max_connections), host, port, backlog=1024, reuse_address=True,
-        )
+        loop = asyncio.get_running_loop()
+        factory = capped(runner.server, max_connections)
+        if sock is None:
+            server = await loop.create_server(factory, host, port, backlog=1024, reuse_address=True,
+                                              start_serving=serve)
+        else:
+            server = await loop.create_server(factory, sock=sock, backlog=1024, start_serving=serve)
         self._runners.append(runner)
         self._servers.append(server)
         return int(server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
-        """Close every socket and pool."""
+        """Stop accepting, let the requests in flight finish (limits.stop_drain_s), close every socket and pool."""
+        if self._registration_bind is not None:
+            self._registration_bind.cancel()
         await self.health.stop()
         await self.planned.close()
         if self.listener is not None:
@@ -137,6 +190,7 @@ class Proxy(ProxyState):
             await runner.cleanup()
         self._runners.clear()
         self._servers.clear()
+        self.bodies.close()
         await self.registry.close()
 
     # handlers
@@ -191,10 +245,16 @@ class Proxy(ProxyState):
         except HandoffError as exc:
             status = str(exc.status)
             return _failure_response(exc)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             status = "client_abort"
-            self.metrics.client_aborts.inc()
+            self.metrics.client_aborts.labels(request.get(STAGE, "body")).inc()
             raise
+        except ConnectionResetError as exc:
+            # a client going away is normal (a cut stream, a closed tab): counted, one debug line, no traceback
+            status = "client_abort"
+            self.metrics.client_aborts.labels(request.get(STAGE, "body")).inc()
+            log.debug("client %s left %s (%s): %s", request.remote, path, request.get(STAGE, "body"), exc)
+            return _client_left(request)
         except Exception:
             log.exception("unexpected error while proxying %s", path)
             return error_response(500, "internal proxy error (see the proxy log)")
@@ -202,6 +262,31 @@ class Proxy(ProxyState):
             self.metrics.requests.labels(status, mode_label).inc()
 
     async def _read_body(self, request: web.Request, chat: bool) -> tuple[dict[str, Any] | None, web.Response | None]:
+        for name in _CHECKED_HEADERS:
+            value = request.headers.get(name)
+            # X-Request-Id is forwarded to the engines as latin-1 HTTP: only printable ASCII can cross safely
+            if value is not None and (not value.isascii() or not value.isprintable() or len(value) > 1024):
+                return None, error_response(400, f"header {name} must be printable ASCII of at most 1024 characters")
+        limits = self.config.limits
+        size = request.content_length
+        if size is not None and size > self.config.client_max_size:
+            return None, error_response(413, f"request body is larger than {self.config.client_max_size} bytes")
+        if size is not None and size <= INLINE_BYTES:
+            return await self._checked(request, chat)
+        # a large (or chunked, of unknown size) body waits for one of a bounded number of turns before it is
+        # read: the memory large bodies hold at once is bounded, and so is the worker's queue
+        try:
+            await asyncio.wait_for(self.bodies.slots.acquire(), limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            busy = error_response(503, f"the proxy is reading {limits.large_bodies} large request bodies; retry shortly")
+            busy.force_close()
+            return None, busy
+        try:
+            return await self._checked(request, chat)
+        finally:
+            self.bodies.slots.release()
+
+    async def _checked(self, request: web.Request, chat: bool) -> tuple[dict[str, Any] | None, web.Response | None]:
         limits = self.config.limits
         try:
             raw = await asyncio.wait_for(request.read(), limits.body_timeout_s)
@@ -211,61 +296,19 @@ class Proxy(ProxyState):
             slow = error_response(408, f"the request body did not arrive within {limits.body_timeout_s:g}s")
             slow.force_close()
             return None, slow
-        for name in _CHECKED_HEADERS:
-            value = request.headers.get(name)
-            # X-Request-Id is forwarded to the engines as latin-1 HTTP: only printable ASCII can cross safely
-            if value is not None and (not value.isascii() or not value.isprintable() or len(value) > 1024):
-                return None, error_response(400, f"header {name} must be printable ASCII of at most 1024 characters")
-        if json_too_deep(raw, limits.max_json_depth):
-            return None, error_response(400, f"request body is nested too deeply (more than {limits.max_json_depth} levels)")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            return None, error_response(400, f"request body is not valid JSON: {reason}")
-        if not isinstance(body, dict):
-            return None, error_response(400, "request body must be a JSON object")
-        if "kv_transfer_params" in body:
-            # the connector's parameters steer where engines read or write KV: only the proxy sets them
-            return None, error_response(400, "'kv_transfer_params' is set by the proxy; clients may not send it")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            return None, error_response(400, "'model' must be a string")
-        if model is not None and model != self.config.model:
-            return None, error_response(404, f"The model `{model}` does not exist; this server serves `{self.config.model}`.")
-        if chat:
-            if not isinstance(body.get("messages"), list) or not body["messages"]:
-                return None, error_response(400, "'messages' must be a non-empty list")
-        elif "prompt" not in body or not isinstance(body["prompt"], (str, list)):
-            return None, error_response(400, "'prompt' is required (a string or a list)")
-        for field in _INT_FIELDS:
-            if field not in body or body[field] is None:
-                continue
-            value = body[field]
-            if isinstance(value, bool) or not isinstance(value, int):
-                return None, error_response(400, f"'{field}' must be an integer, got {value!r}")
-            low = 0 if field == "min_tokens" else 1
-            if value < low or value > self.config.max_tokens_limit:
-                return None, error_response(
-                    400, f"'{field}' must be between {low} and {self.config.max_tokens_limit}, got {value}"
-                )
-        if "stream" in body and not isinstance(body["stream"], bool):
-            return None, error_response(400, "'stream' must be true or false")
-        if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
-            return None, error_response(400, "'stream_options' must be an object")
-        if isinstance(body.get("prompt"), list):
-            body["prompt"] = walk_free(body["prompt"])
-        return body, None
+        request[STAGE] = "answer"
+        checked, in_worker = await self.bodies.parse(raw, chat)
+        self.metrics.bodies.labels("worker" if in_worker else "loop").inc()
+        if isinstance(checked, tuple):
+            return None, error_response(*checked)
+        return checked, None
 
 
-def walk_free(prompt: list[Any]) -> tuple[Any, ...]:
-    """A prompt list (token ids, or a batch of them) as tuples, sent to the engines as the same JSON arrays.
-
-    The garbage collector walks a list element by element at every full collection, and every relayed
-    stream waits for that walk; a tuple of numbers is untracked after the first collection it survives. So
-    the prompts of the requests in flight (thousands of token ids each, held while their tokens stream)
-    cost the walks nothing (240 in flight of 2,000 ids: 9 ms a walk as lists, on the development VM)."""
-    return tuple(tuple(p) if isinstance(p, list) else p for p in prompt)
+def _client_left(request: web.Request) -> web.Response:
+    """The handler's answer once the client has gone: the connection is closed, so aiohttp sends nothing."""
+    if request.transport is not None:
+        request.transport.abort()
+    return web.Response(status=499)
 
 
 def _failure_response(exc: HandoffError) -> web.Response:

@@ -24,7 +24,8 @@ _DYNAMIC_KEYS = frozenset({"ping_interval_s", "expire_after_missed", "max_instan
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # a JSON config may spell Infinity and NaN: no timeout or limit of the proxy may be either
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class RegistrationConfig(_Model):
@@ -94,6 +95,17 @@ class Limits(_Model):
     # JSON nesting checked on the raw bytes before parsing; deeper bodies get 400 (an engine's parser
     # may fail on them, and the engine must not look broken because a client sent one)
     max_json_depth: int = Field(default=64, ge=2, le=10_000)
+    # JSON values (prompt token ids, messages, list items) one body may hold, counted on the raw bytes before
+    # parsing; more is 413. Default: 4 prompts of the served model's whole context (plus 4096), or 262,144
+    # when the plan does not know the context (vLLM reads it from the model).
+    max_json_values: int | None = Field(default=None, ge=1024)
+    max_n: int = Field(default=128, ge=1)  # completions per request (OpenAI's own limit)
+    # Bodies over 64 KiB are read and parsed (in a worker process) this many at a time; more wait for a turn,
+    # up to body_timeout_s, then get 503: the memory large bodies take is bounded.
+    large_bodies: int = Field(default=4, ge=1, le=1024)
+    # a stopping proxy (SIGTERM: a restart, a handover to a new proxy) finishes its requests for up to this
+    # long, then cuts what is left; below the units' stop timeout (30 s) so the manager never kills it first
+    stop_drain_s: float = Field(default=25.0, ge=0, le=3600)
 
 
 class Backend(_Model):
@@ -137,6 +149,8 @@ class ProxyConfig(_Model):
     backends: list[Backend] = Field(default_factory=list)
     client_max_size: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_tokens_limit: int = Field(default=1_000_000, ge=1)
+    # the served model's context (vLLM --max-model-len) when the plan sets it: bounds token-id prompts
+    max_model_len: int | None = Field(default=None, ge=1)
 
     @field_validator("connector")
     @classmethod
@@ -155,6 +169,13 @@ class ProxyConfig(_Model):
         if not is_loopback(self.admin.host) and self.admin.token_file is None:
             raise ValueError(f"admin host {self.admin.host!r} exposes the admin API without a token (admin.token_file)")
         return self
+
+    @property
+    def max_json_values(self) -> int:
+        """The JSON values one request body may hold (limits.max_json_values, or derived from the context)."""
+        if self.limits.max_json_values is not None:
+            return self.limits.max_json_values
+        return 262_144 if self.max_model_len is None else 4 * self.max_model_len + 4096
 
     @property
     def url(self) -> str:

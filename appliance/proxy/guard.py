@@ -14,7 +14,7 @@ from aiohttp import web
 
 log = logging.getLogger("appliance.proxy")
 
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 # keep only brackets, and make every { a [ and every } a ]: nesting depth does not depend on the kind
 _SQUARE = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
@@ -47,7 +47,7 @@ def json_too_deep(raw: bytes, limit: int) -> bool:
     """
     if len(raw.translate(None, _OPENERS)) <= limit:
         return False
-    brackets = _STRING.sub(b"", raw).translate(_SQUARE, _NOT_BRACKET)
+    brackets = STRING.sub(b"", raw).translate(_SQUARE, _NOT_BRACKET)
     if b"[" * (limit + 1) in brackets:
         return True
     for _ in range(limit):

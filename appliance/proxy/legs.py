@@ -21,6 +21,8 @@ log = logging.getLogger("appliance.proxy.legs")
 
 # how a request ended when its HTTP status does not say it (a stream that ended with an error event)
 OUTCOME: web.RequestKey[str] = web.RequestKey("pdctl_outcome", str)
+# how far a request got, for counting where clients leave: body, answer, stream, end (pdctl_proxy_client_aborts)
+STAGE: web.RequestKey[str] = web.RequestKey("pdctl_stage", str)
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -312,6 +314,7 @@ async def _relay_stream(
     if not http10:
         response.enable_chunked_encoding()
     await response.prepare(request)
+    request[STAGE] = "stream"
     transport = request.transport
     if transport is None:
         raise ConnectionResetError("client went away")
@@ -341,7 +344,7 @@ async def _relay_stream(
         proxy.metrics.streamed_chunks += conn.chunks
         proxy.health.leg_ok(inst)
         inst.pool.release(conn)
-        await response.write_eof()
+        await _write_end(proxy, request, response)
         return response
     except BaseException:
         relay.stop()
@@ -371,9 +374,20 @@ async def _end_stream_with_error(
     log.warning("stream from %s ended with an error: %s", inst.name, message)
     if not transport.is_closing():
         out(_sse_error(status, message))
-        await response.write_eof()
+        await _write_end(proxy, request, response)
     response.force_close()
     request[OUTCOME] = "stream_error"
+
+
+async def _write_end(proxy: ProxyState, request: web.Request, response: web.StreamResponse) -> None:
+    """The stream's closing chunk; a client that closed after the last event (after [DONE]) has its whole
+    answer, so that is counted, not an error."""
+    request[STAGE] = "end"
+    try:
+        await response.write_eof()
+    except ConnectionResetError:
+        proxy.metrics.client_aborts.labels("end").inc()
+        log.debug("client %s closed before the stream's closing chunk", request.remote)
 
 
 def ended_at_prefill(body: dict[str, Any], answer: dict[str, Any]) -> bool:

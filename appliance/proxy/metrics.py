@@ -79,7 +79,14 @@ class ProxyMetrics:
             registry=self.registry,
         )
         self.client_aborts = Counter(
-            "pdctl_proxy_client_aborts", "Requests the client abandoned (legs aborted)", registry=self.registry,
+            "pdctl_proxy_client_aborts",
+            "Requests the client abandoned (legs aborted), by when: body (while sending it), answer (before the "
+            "answer began), stream (mid-stream), end (after the last event, at the closing chunk)",
+            ["at"], registry=self.registry,
+        )
+        self.bodies = Counter(
+            "pdctl_proxy_request_bodies", "Request bodies parsed, by where: loop (small) or worker (large, a process)",
+            ["parsed_in"], registry=self.registry,
         )
         self.tokens = Counter(
             "pdctl_proxy_streamed_chunks", "SSE chunks relayed to clients", registry=self.registry,

@@ -339,7 +339,11 @@ class RegistrationListener:
         # messages we have not handled yet wait here (per sender, fair-queued); beyond it ZMQ stops reading
         sock.setsockopt(zmq.RCVHWM, 1000)
         port = "*" if self.config.port == 0 else str(self.config.port)
-        sock.bind(f"tcp://{self.config.host}:{port}")
+        try:
+            sock.bind(f"tcp://{self.config.host}:{port}")
+        except zmq.ZMQError:
+            sock.close(linger=0)  # else stop()'s context term() waits for it forever
+            raise
         self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._sock = sock
         self._tasks = [asyncio.create_task(self._receive(), name="registration-receive")]

@@ -41,8 +41,9 @@ class RenderOptions:
 
 
 def proxy_argv(plan: Plan, opts: RenderOptions) -> list[str]:
-    """The proxy's command line: pdctl's Python running appliance.proxy on the state directory's proxy.json."""
-    return [opts.python, "-m", "appliance.proxy", "--config", str(StateDir.at(plan.state_dir).proxy_config)]
+    """The proxy's command line: pdctl's Python running the proxy's keeper (which holds the listening sockets
+    and runs appliance.proxy on them: SIGHUP hands them to a new proxy) on the state directory's proxy.json."""
+    return [opts.python, "-m", "appliance.proxy.keeper", "--config", str(StateDir.at(plan.state_dir).proxy_config)]
 
 
 def ready_argv(opts: RenderOptions, url: str, timeout_s: float, any_answer: bool = False) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import json
 
-from appliance.proxy.app import walk_free
+from appliance.proxy.body import walk_free
 
 
 def test_token_id_prompts_leave_the_collectors_walk_and_serialize_the_same() -> None:

@@ -62,8 +62,9 @@ class Node:
         return url
 
     def proxy(self, connector: str, backends: list[dict[str, Any]], launcher: tuple[str, ...] = (),
-              **overrides: Any) -> Proc:
-        """Start the proxy (its argv after `launcher`, e.g. a prlimit call) with `overrides` on the config."""
+              module: str = "appliance.proxy", **overrides: Any) -> Proc:
+        """Start the proxy (its argv after `launcher`, e.g. a prlimit call; `module` appliance.proxy.keeper runs
+        it under its keeper) with `overrides` on the config."""
         self.proxy_port, self.admin_port, self.registration_port = free_port(), free_port(), free_port()
         config: dict[str, Any] = {
             "port": self.proxy_port, "connector": connector, "model": MODEL,
@@ -77,7 +78,7 @@ class Node:
         self.registration_port = int(config["registration"]["port"])
         path = self.workdir / "proxy.json"
         path.write_text(json.dumps(config))
-        proc = self.start("proxy", [*launcher, sys.executable, "-m", "appliance.proxy", "--config", str(path),
+        proc = self.start("proxy", [*launcher, sys.executable, "-m", module, "--config", str(path),
                                     "--log-level", "warning"])
         self.wait_http(proc, self.proxy_url + "/health", ready=False)  # ready only once engines are there
         return proc

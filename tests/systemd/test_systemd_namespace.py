@@ -157,3 +157,26 @@ def test_a_unit_that_stops_by_itself_comes_back_and_status_says_why(booted) -> N
     ns.run("systemctl", "stop", "pd-decode-0.service")
     assert ns.show("pd-decode-0.service", "ActiveState") == "inactive"
     assert ns.show("pd-decode-0.service", "SubState") == "dead"
+
+
+def test_pdctl_restart_proxy_under_load_cuts_nothing(booted) -> None:
+    """`pdctl restart proxy` is `systemctl reload pd-proxy`: the keeper (the unit's main process, which stays)
+    hands its sockets to a new proxy and the old one finishes its streams; no request is refused, failed or cut."""
+    ns, config, p = booted
+    env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
+    wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
+    keeper = ns.show("pd-proxy.service", "MainPID")
+    load = Load(p.proxy.url, threads=8, max_tokens=200).start()
+    try:
+        wait_until(lambda: load.ok >= 8, what="streams through the first proxy")
+        done = pdctl(config, "restart", "proxy", env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "handed over to a new proxy" in done.stdout, done.stdout
+        after = load.ok
+        wait_until(lambda: load.ok >= after + 8, what="streams through the new proxy")
+    finally:
+        load.stop()
+    figures = restart_figures(status(config, env), load)
+    print(f"systemd, pdctl restart proxy: {figures}")
+    assert load.failures == [], load.failures[:5]
+    assert ns.show("pd-proxy.service", "MainPID") == keeper and ns.show("pd-proxy.service", "NRestarts") == "0"

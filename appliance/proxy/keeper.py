@@ -1,0 +1,186 @@
+"""`python -m appliance.proxy.keeper --config FILE`: the proxy's service process, for planned restarts that
+lose nothing.
+
+The keeper binds the proxy's client and admin listening sockets once and runs the proxy
+(`python -m appliance.proxy`) in a child that serves them. On SIGHUP it starts a new proxy on the same
+sockets; once that one is ready it tells the old one to stop (SIGTERM), and the old one stops accepting and
+finishes its requests while the new one serves the kernel's queue of connections: no connection is refused
+or cut (socket passing, as nginx's and HAProxy's reloads do). The service manager, systemd or supervisord,
+only ever sees the keeper, so the same handover works under both. A proxy that exits on its own (a crash)
+takes the keeper down with its exit status, and the manager restarts the unit as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from appliance.errors import PdctlError
+from appliance.proxy.config import ProxyConfig, load_config
+
+log = logging.getLogger("appliance.proxy.keeper")
+
+_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port that a child proxy can inherit."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    sock.bind(address)
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class Worker:
+    """One proxy process and the pipe it writes a byte to once it serves."""
+
+    proc: subprocess.Popen[bytes]
+    ready_fd: int
+    started: float = field(default_factory=time.monotonic)
+    ready: bool = False
+
+
+class Keeper:
+    """Runs the proxy on inherited sockets and hands them over to a new proxy on SIGHUP."""
+
+    def __init__(self, config_path: str, log_level: str, config: ProxyConfig, handover_timeout_s: float) -> None:
+        self.config_path = config_path
+        self.log_level = log_level
+        self.handover_timeout_s = handover_timeout_s
+        self.sockets = [bind(config.host, config.port), bind(config.admin.host, config.admin.port)]
+        self.current: Worker | None = None
+        self.successor: Worker | None = None
+        self.retiring: list[Worker] = []
+        self.signals: list[int] = []
+
+    def spawn(self, successor: bool) -> Worker:
+        """Start a proxy on the keeper's sockets; a successor serves only once its engines are healthy."""
+        read_end, write_end = os.pipe()
+        fds = [s.fileno() for s in self.sockets]
+        argv = [sys.executable, "-m", "appliance.proxy", "--config", self.config_path, "--log-level", self.log_level,
+                "--listen-fds", ",".join(map(str, fds)), "--ready-fd", str(write_end)]
+        proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=(*fds, write_end))
+        os.close(write_end)
+        return Worker(proc, read_end)
+
+    def _signal(self, signum: int, _frame: object) -> None:
+        self.signals.append(signum)
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (exit 0 once every proxy finished) or until the serving proxy exits."""
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        for sig in _SIGNALS:
+            signal.signal(sig, self._signal)
+        self.current = self.spawn(successor=False)
+        while True:
+            waiting = [w.ready_fd for w in (self.current, self.successor) if w is not None and w.ready_fd >= 0]
+            readable, _, _ = select.select([wake_r, *waiting], [], [], 1.0)
+            if wake_r in readable:
+                os.read(wake_r, 512)
+            for fd in readable:
+                if fd != wake_r:
+                    self._readiness(fd)
+            while self.signals:
+                got = self.signals.pop(0)
+                if got in (signal.SIGTERM, signal.SIGINT):
+                    return self._stop_all()
+                if got == signal.SIGHUP:
+                    self._hand_over()
+            code = self._reap()
+            if code is not None:
+                return code
+
+    def _hand_over(self) -> None:
+        if self.successor is not None:
+            log.info("a handover is already under way (proxy pid %d)", self.successor.proc.pid)
+            return
+        self.successor = self.spawn(successor=True)
+        log.info("handing the listening sockets over to a new proxy (pid %d)", self.successor.proc.pid)
+
+    def _readiness(self, fd: int) -> None:
+        worker = next(w for w in (self.current, self.successor) if w is not None and w.ready_fd == fd)
+        got = os.read(fd, 1)
+        os.close(fd)
+        worker.ready_fd = -1
+        worker.ready = bool(got)
+        if worker is self.successor and worker.ready and self.current is not None:
+            old = self.current
+            old.proc.terminate()  # it stops accepting and finishes its requests
+            self.retiring.append(old)
+            self.current, self.successor = worker, None
+            log.info("proxy pid %d serves; pid %d finishes its requests and exits", worker.proc.pid, old.proc.pid)
+
+    def _reap(self) -> int | None:
+        """The keeper's exit status when the serving proxy ended by itself; None while it runs."""
+        for old in [w for w in self.retiring if w.proc.poll() is not None]:
+            self.retiring.remove(old)
+            log.info("the previous proxy (pid %d) exited with %d", old.proc.pid, old.proc.returncode)
+        new = self.successor
+        if new is not None and (new.proc.poll() is not None or time.monotonic() - new.started > self.handover_timeout_s):
+            new.proc.kill()
+            new.proc.wait()
+            if new.ready_fd >= 0:
+                os.close(new.ready_fd)
+            self.successor = None
+            log.error("the new proxy (pid %d) did not become ready (exit %s): the running one keeps serving",
+                      new.proc.pid, new.proc.returncode)
+        assert self.current is not None
+        code = self.current.proc.poll()
+        if code is None:
+            return None
+        log.error("the proxy (pid %d) exited with %d", self.current.proc.pid, code)
+        for worker in (self.successor, *self.retiring):
+            if worker is not None:
+                worker.proc.terminate()
+        return code if code >= 0 else 128 - code
+
+    def _stop_all(self) -> int:
+        workers = [w for w in (self.current, self.successor, *self.retiring) if w is not None]
+        for worker in workers:
+            if worker.proc.poll() is None:
+                worker.proc.terminate()
+        for worker in workers:
+            worker.proc.wait()
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, bind the sockets and keep a proxy serving them; user mistakes are one line, exit 2."""
+    parser = argparse.ArgumentParser(prog="python -m appliance.proxy.keeper", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="ProxyConfig JSON file")
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--handover-timeout", type=float, default=120.0,
+                        help="seconds a new proxy may take to become ready before the handover is given up")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config)
+        keeper = Keeper(args.config, args.log_level, config, args.handover_timeout)
+    except PdctlError as exc:
+        print(f"pd-proxy: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:
+        print(f"pd-proxy: error: cannot bind: {exc}", file=sys.stderr)
+        return 2
+    return keeper.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
