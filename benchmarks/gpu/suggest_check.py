@@ -28,7 +28,7 @@ from typing import Any
 from appliance.inventory import load_inventory
 from appliance.modelshape import ModelShape, model_shape
 from appliance.settings import Settings
-from appliance.suggest import Candidate, Profile, Shape, goodput, h200_profile
+from appliance.suggest import Candidate, Profile, Shape, goodput, gpu_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results" / "gpu-h200x2"
@@ -208,7 +208,7 @@ def profile(d: Deployment, shape: ModelShape) -> Profile:
     """The h200 profile with the deployment's hand-off (block size, layout, who posts)."""
     settings = Settings.model_validate({"engine": {"kind": "vllm"}, "model": {"path": d.model},
                                         "connector": {"name": "nixl", "mode": d.mode}})
-    return h200_profile(settings, load_inventory(d.inventory), shape, d.block_size, d.cross_layer)
+    return gpu_profile(settings, load_inventory(d.inventory), shape, d.block_size, d.cross_layer)
 
 
 def measured_rows(results: Path = RESULTS, results_1gpu: Path = RESULTS_1GPU) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ import pytest
 from appliance.inventory import load_inventory
 from appliance.modelshape import model_shape
 from appliance.settings import Settings
-from appliance.suggest import _touched, h200_profile, suggest
+from appliance.suggest import _touched, gpu_profile, suggest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,7 +110,7 @@ def test_suggest_ranks_the_measured_moe_winner_first(check: ModuleType, workload
     inventory = load_inventory("sim:h200-1")
     shape = model_shape(check.QWEN3_30B_A3B)
     assert shape is not None
-    ranked = suggest(settings, inventory, h200_profile(settings, inventory, shape, 128), *workload, rate)
+    ranked = suggest(settings, inventory, gpu_profile(settings, inventory, shape, 128), *workload, rate)
     assert str(ranked[0].candidate) == "colocated 1xTP1 mbt512"
 
 
@@ -123,7 +123,7 @@ def test_an_moe_step_reads_the_experts_its_tokens_visit(check: ModuleType) -> No
     assert 0.79 < moe.experts_touched(25) < 0.81 and moe.experts_touched(512) > 0.999
     assert dense.experts_touched(1) == 1.0 and dense.expert_params == 0
     settings = Settings.model_validate({"engine": {"kind": "vllm"}, "model": {"path": "qwen3-30b-a3b"}})
-    prof = h200_profile(settings, load_inventory("sim:h200-1"), moe, 128)
+    prof = gpu_profile(settings, load_inventory("sim:h200-1"), moe, 128)
     # the decode step the runs measured: 4.7 ms with one sequence (the calibration), ~19 and ~32 ms at 25 and 200
     kv_ms = 2500 * moe.kv_bytes_per_token / (prof.kv_read_tbps * 1e12) * 1e3  # type: ignore[operator]
     step = [prof.decode_step_ms + prof.expert_step_ms * _touched(prof, n) + n * kv_ms for n in (1, 25, 200)]
@@ -172,4 +172,4 @@ def _h200(check: ModuleType, ttft_ms: float, itl_ms: float) -> tuple:
     inventory = load_inventory("sim:h200-2")
     shape = model_shape(check.QWEN3_32B)
     assert shape is not None
-    return settings, inventory, h200_profile(settings, inventory, shape, 128)
+    return settings, inventory, gpu_profile(settings, inventory, shape, 128)
