@@ -95,9 +95,12 @@ class Accelerator:
 # load: 2000 tokens in one step (bench.json, colocated-2 at vLLM defaults: TTFT p10 232 ms) and 8000 tokens on
 # the disaggregated prefill (issue14-s2/disagg-read-w8000x200.json: TTFT min 928 ms, incl. an 18 ms hand-off
 # and a 19 ms decode step): 660 TFLOP/s (0.667 of the bf16 peak) and 32 ms.
-# FP8 (W8A8, vLLM's fp8 method): results/gpu-h200x1/s4 (Qwen3-32B shape, --quantization fp8); see there.
+# FP8 GEMMs (W8A8, vLLM's fp8 method): Qwen3-8B shape with --quantization fp8 (results/gpu-h200x1/s4), an
+# 8000-token prompt in one step: TTFT p50 156 ms = 32 + 28.6 ms of bf16 attention + 111 TFLOP of FP8 linear
+# layers in 95 ms: 1,170 TFLOP/s, 0.59 of the FP8 peak (1.77x the bf16 rate). Weights streamed at the same
+# bytes/s as bf16 (the 8B's one-sequence step, 4.0 ms for 8.2 GB, is mostly per-step overhead: no calibration).
 H200 = Accelerator("H200", hbm_tbps=4.8, bf16_tflops=989.0, fp8_tflops=1979.0, weight_share=3.53 / 4.8,
-                   kv_share=3.9 / 4.8, gemm_share=660.0 / 989.0, fp8_gemm_share=660.0 / 989.0,
+                   kv_share=3.9 / 4.8, gemm_share=660.0 / 989.0, fp8_gemm_share=1170.0 / 1979.0,
                    calibrated="2 x H200, vLLM 0.24.0 (results/gpu-h200x2, results/gpu-h200x1)")
 # MI300X (docs/operations.md, "Hardware profiles"): AMD's data sheet: 192 GB HBM3 at 5.3 TB/s, 1,307 TFLOP/s
 # dense bf16, 2,615 dense FP8, 7 XGMI links per GPU. Shares are public measurements, not pdctl's: HBM streaming
@@ -141,7 +144,16 @@ H200_MOE_CHUNK_OVERLAP = 0.15
 # them). Taken as a floor for such steps: 80 ms / 48 layers = 1.67 ms per MoE layer. Other rates and runs put
 # those gaps' median at 52-91 ms; the cause (eager execution above the largest graph is the suspect) is not
 # established, and the dense runs show no such floor (their prompt steps are compute-bound above it).
+# Established since (results/gpu-h200x1/s4): with graphs captured up to 2,048 tokens (--compilation-config
+# '{"max_cudagraph_capture_size": 2048}') the same run's slow gaps had a median of 48 ms at 1.0 req/s (45 ms
+# at p50 of the gaps over 2.5x the median), the chunk's own cost: the floor is eager execution above the
+# largest captured graph, and applies only to steps larger than it.
 H200_MOE_MIXED_US_PER_LAYER = 1670.0
+# A slow step's length varies around the modelled one (chunks of two prompts in one step, contexts, the GPU's
+# own variation): in results/gpu-h200x1/s4 (Qwen3-8B, 3000/300, 1 x H200) the chunk steps' gaps had p90 / p50
+# of 1.10-1.23 at budget 2048 (3, 4.5 and 7 req/s: lognormal sigma 0.07-0.15, median 43-50 ms where the model
+# gives 47.6) and 1.13-1.23 at budget 512 (sigma 0.10-0.16): 0.1.
+SLOW_GAP_SPREAD = 0.1
 VLLM_CUDAGRAPH_MAX_TOKENS = 512  # vLLM 0.24's largest captured CUDA graph (tokens per step) on these runs
 # KV cache: vLLM's budget is GPU memory x gpu_memory_utilization - weights; activations and CUDA graphs come
 # out of the rest. This gives 267,626 tokens per H200 at TP1; vLLM reported 269,312 (README, 2000/1000 runs).
@@ -150,6 +162,19 @@ H200_RESERVE_GIB = 0.0
 # default logged "Compiling a graph for compile range (1, 8192)" on an H200 (results/gpu-h200x1).
 VLLM_GPU_DEFAULT_BUDGET = 8192
 VLLM_DEFAULT_BLOCK_SIZE = 16  # CUDA
+
+
+def _graph_tokens(engine_args: list[str]) -> int:
+    """vLLM's largest captured CUDA graph (tokens per step): --compilation-config's max_cudagraph_capture_size."""
+    for flag, value in zip(engine_args, engine_args[1:], strict=False):
+        if flag in ("--compilation-config", "-cc"):
+            try:
+                size = json.loads(value).get("max_cudagraph_capture_size")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(size, int) and size > 0:
+                return size
+    return VLLM_CUDAGRAPH_MAX_TOKENS
 
 
 def accelerator_of(gpu_name: str) -> Accelerator | None:
@@ -336,7 +361,7 @@ def gpu_profile(settings: Settings, inventory: Inventory, model: ModelShape, blo
         expert_step_ms=experts / (weight_tbps * 1e12) * 1e3, experts=model.experts,
         experts_per_token=model.experts_per_token,
         mixed_floor_ms=model.layers * H200_MOE_MIXED_US_PER_LAYER / 1000 if experts else 0.0,
-        graph_tokens=VLLM_CUDAGRAPH_MAX_TOKENS,
+        graph_tokens=_graph_tokens([*settings.colocated.extra_args, *settings.decode.extra_args]),
         decode_step_ms_per_seq=0.0,
         max_num_seqs=settings.decode.max_num_seqs or 1024,
         source=f"{what}, {how}; scaled by config.json{terms}",
@@ -436,15 +461,21 @@ def _tolerated(judgement: str, gaps: int, gap: float, slow: float, slo_ms: float
     return gaps - lo - (1 if edge else 2)
 
 
-def _itl_attainment(judgement: str, gap: float, slow: float, q: float, output_len: int, slo_ms: float) -> float:
+def _itl_attainment(judgement: str, gap: float, slows: list[float], q: float, output_len: int, slo_ms: float) -> float:
+    """ITL attainment under `judgement`; `slows`: the slow steps a request meets, equally often (a prompt's
+    chunk steps, each its own size), `q`: the share of its gaps that are one of them."""
     if judgement == "mean":
         return 1.0 if gap <= slo_ms else 0.0
-    if slow <= slo_ms:
-        return 1.0
     if gap > slo_ms:
         return 0.0
+    # The slow steps are not all alike (chunks of two prompts, contexts, the GPU's own variation): the share of
+    # them over the target, each one's length lognormal around the modelled one
+    over = sum(0.5 * math.erfc(math.log(slo_ms / x) / SLOW_GAP_SPREAD / math.sqrt(2)) for x in slows if x > 0) / len(slows)
+    slow = max(slows)
+    if over < 1e-4:
+        return 1.0
     gaps = max(0, output_len - 1)
-    return _poisson_cdf(_tolerated(judgement, gaps, gap, slow, slo_ms), min(1.0, q) * gaps)
+    return _poisson_cdf(_tolerated(judgement, gaps, gap, max(slow, slo_ms * 1.0001), slo_ms), min(1.0, q) * gaps * over)
 
 
 def _decode(rate: float, output_len: int, base: Callable[[float], float], per_seq: float,
@@ -518,8 +549,8 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
     if cand.colocated is not None:
         budget = cand.budget or p.default_budget
 
-        def chunked(n: float) -> tuple[int, float, float, tuple[float, float] | None] | None:
-            """With n running: the prompt's chunks, their mean and largest extra over a decode step, and the
+        def chunked(n: float) -> tuple[int, float, list[float], tuple[float, float] | None] | None:
+            """With n running: the prompt's chunks, their mean and each one's extra over a decode step, and the
             engine's (gap, running) that follow (None inside: it cannot keep up); None: no room for a chunk."""
             chunk = min(input_len, budget - math.ceil(n))  # running decode tokens take their share of the budget
             if chunk < 1:
@@ -538,7 +569,7 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
                     extra_i = max(extra_i, p.mixed_floor_ms - (base(n) + per_seq * n))  # the floor, over a decode step
                 extras.append(extra_i)
             extra = sum(extras) / chunks
-            return chunks, extra, max(extras), _decode(r, output_len, base, per_seq, r * chunks * extra / 1000)
+            return chunks, extra, extras, _decode(r, output_len, base, per_seq, r * chunks * extra / 1000)
 
         # The running count n is a fixed point: n running -> chunks -> the engine's time share -> n. The map
         # falls with n for an MoE model (the chunk's experts are read anyway by more running tokens) and jumps
@@ -556,7 +587,7 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
         found = chunked(hi)
         if found is None:
             return _saturated(capacity, "chunk budget")
-        chunks, extra, last, solved = found
+        chunks, extra, extras, solved = found
         if solved is None:
             return _saturated(capacity, "engine throughput")
         gap, n = solved
@@ -565,7 +596,7 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
         share = r * chunks * gap / 1000  # of the engine's steps that carry a prompt chunk
         wait = _wait(share, service)
         ttft = None if wait is None else p.ttft_overhead_ms + service + 2.3 * wait
-        slow, q = step + last, share  # the judgements see the slowest chunk step
+        slows, q = [step + e for e in extras], share  # the judgements see every chunk step
     else:
         pre = cand.prefill
         assert pre is not None
@@ -590,11 +621,11 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
         gap, n = solved
         step = base(n) + per_seq * n
         ttft = None if wait is None else p.ttft_overhead_ms + service + 2.3 * wait + transfer + step
-        slow, q = step + stall, r * gap / 1000
-    att = {j: _itl_attainment(j, gap, slow, q, output_len, itl_slo_ms) for j in JUDGEMENTS}
+        slows, q = [step + stall], r * gap / 1000
+    att = {j: _itl_attainment(j, gap, slows, q, output_len, itl_slo_ms) for j in JUDGEMENTS}
     # the bound that binds: the KV cache, or the engine's max_num_seqs when that is the smaller
     limit = "-" if n <= capacity else "max_num_seqs" if capacity >= p.max_num_seqs else "KV cache"
-    return State(ttft, gap, slow, n, capacity, att, limit)
+    return State(ttft, gap, max(slows), n, capacity, att, limit)
 
 
 def _meets(s: State, judgement: str, ttft_slo_ms: float, target: float) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.inventory import load_inventory
-from appliance.modelshape import read_model_shape
+from appliance.modelshape import model_shape, read_model_shape, with_engine_quantization
 from appliance.settings import Settings
 from appliance.suggest import (
     Candidate,
@@ -165,3 +165,27 @@ def test_the_plan_flags_connector_and_mode_reach_the_suggestion(tmp_path: Path) 
     read, write = (_suggest_json(tmp_path, "--connector", "moriio", "--mode", mode)["profile"] for mode in ("read", "write"))
     assert read["post_on_decode"] is True and write["post_on_decode"] is False
     assert write["write_overlaps_prefill"] is True and "MORI-IO" in write["handoff_source"]
+
+
+def test_the_mission_model_is_sized_from_its_quantization_config_on_the_mi300x_profile() -> None:
+    shape = read_model_shape(REFERENCE)
+    assert shape is not None and shape.quantization == "fp8" and shape.fp8_gemm
+    # FP8 linear weights, bf16 embeddings: ~220 GiB, not the 437.8 GiB of weights sized as bf16
+    assert 215 < shape.weight_bytes / 2**30 < 225 and shape.experts == 128 and shape.experts_per_token == 8
+    cfg = json.loads((REFERENCE / "config.json").read_text())
+    awq = model_shape({**cfg, "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}})
+    assert awq is not None and not awq.fp8_gemm and 110 < awq.weight_bytes / 2**30 < 130  # 4 bits + scales
+    unknown = model_shape({**cfg, "quantization_config": {"quant_method": "something-new"}})
+    assert unknown is not None and unknown.weight_bytes == unknown.params_total * 2  # taken at the dtype
+    bf16 = model_shape({k: v for k, v in cfg.items() if k != "quantization_config"})
+    assert bf16 is not None and with_engine_quantization(bf16, ["--quantization", "fp8"]).weight_bytes == shape.weight_bytes
+    settings = Settings.model_validate({"engine": {"kind": "vllm"}, "model": {"path": str(REFERENCE)},
+                                        "connector": {"name": "moriio", "mode": "write"}})
+    inventory = load_inventory("sim:mi300x-8")
+    prof = gpu_profile(settings, inventory, shape, 16, cross_layer=False)
+    assert not prof.calibrated and prof.band[0] < 1 < prof.band[1] and "MI300X" in prof.source
+    assert "NOT calibrated" in prof.source
+    # MORI-IO: one batched call per layer, a request's contiguous blocks merged, K and V apart
+    assert descriptors(prof, 2000) == 94 * 2 and prof.write_overlaps_prefill
+    h200 = gpu_profile(settings, load_inventory("sim:h200-2"), shape, 128)
+    assert h200.calibrated and "calibrated on" in h200.source
