@@ -7,7 +7,7 @@ carry); kept apart from both so that neither pulls the other in.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,10 @@ class ModelShape:
     experts: int = 0  # MoE: routed experts per layer (0: dense)
     experts_per_token: int = 0  # MoE: the experts each token visits
     expert_params: float = 0.0  # MoE: every layer's routed experts together (part of params_total)
+    embedding_params: float = 0.0  # input embedding + LM head (part of params_total; never quantized)
+    quantization: str = ""  # the checkpoint's quantization_config quant_method ("" : none)
+    linear_bytes: float = 0.0  # bytes per quantized linear weight, scales included (0: dtype_bytes)
+    fp8_gemm: bool = False  # W8A8 FP8: the GEMMs run at the accelerator's FP8 rate
 
     def experts_touched(self, tokens: float) -> float:
         """The share of the routed experts that `tokens` tokens in one step visit (experts_touched)."""
@@ -38,13 +42,23 @@ class ModelShape:
 
     @property
     def prefill_flops(self) -> tuple[float, float]:
-        """FLOPs per prompt token: (2 x active params, attention per token of context it attends to)."""
-        return 2 * self.params_active, 4.0 * self.layers * self.attention_heads * self.head_dim
+        """FLOPs per prompt token: (2 x active params but the embeddings, attention per token of context it
+        attends to). The input embedding is a lookup and the LM head runs for a prompt's last token only."""
+        return 2 * (self.params_active - self.embedding_params), 4.0 * self.layers * self.attention_heads * self.head_dim
 
     @property
     def weight_bytes(self) -> float:
-        """All weights, at the model's dtype."""
-        return self.params_total * self.dtype_bytes
+        """All weights as stored on the GPU: quantized linear layers, embeddings at the model's dtype."""
+        return self.bytes_of(self.params_total - self.embedding_params) + self.embedding_params * self.dtype_bytes
+
+    def bytes_of(self, linear_params: float) -> float:
+        """The bytes of `linear_params` parameters of linear layers (quantized where the checkpoint is)."""
+        return linear_params * (self.linear_bytes or self.dtype_bytes)
+
+    @property
+    def streamed_bytes(self) -> float:
+        """What a decode step reads of the weights: all but the input embedding (a lookup of a few rows)."""
+        return self.weight_bytes - self.embedding_params / 2 * self.dtype_bytes
 
 
 def experts_touched(experts: int, per_token: int, tokens: float) -> float:
@@ -56,6 +70,40 @@ def experts_touched(experts: int, per_token: int, tokens: float) -> float:
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
+# vLLM's quantization methods that keep FP8 weights and run FP8 GEMMs (W8A8); the others below are weight-only
+# (the GEMMs dequantize to the activations' dtype).
+_FP8_METHODS = frozenset({"fp8", "fbgemm_fp8", "ptpc_fp8", "fp_quant"})
+_MXFP4_BITS = 4.25  # 4-bit values + one 8-bit scale per 32 (OCP MX)
+_NVFP4_BITS = 4.5  # 4-bit values + one FP8 scale per 16
+
+
+def quantized_weight(quant: dict[str, Any]) -> tuple[str, float, bool] | None:
+    """(method, bytes per linear weight with its scales, FP8 GEMMs) of a config.json quantization_config, or
+    None when it names no format this model knows (the weights are then taken at the model's dtype)."""
+    method = str(quant.get("quant_method") or "").lower()
+    group = int(quant.get("group_size") or quant.get("q_group_size") or 128)
+    bits = quant.get("bits") or quant.get("w_bit") or quant.get("weight_bits")
+    if method in _FP8_METHODS:
+        return method, 1.0, True
+    if method == "compressed-tensors":
+        weights = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values() if isinstance(g, dict)]
+        if weights and isinstance(weights[0], dict) and weights[0].get("num_bits"):
+            w = weights[0]
+            fp8 = w.get("type") == "float" and int(w["num_bits"]) == 8
+            size = int(w.get("group_size") or 0)
+            return method, int(w["num_bits"]) / 8 + (2 / size if size else 0.0), fp8
+        return None
+    if method == "modelopt":
+        algo = str(quant.get("quant_algo") or (quant.get("quantization") or {}).get("quant_algo") or "").upper()
+        return (method, 1.0, True) if algo == "FP8" else (method, _NVFP4_BITS / 8, False) if "FP4" in algo else None
+    if method == "mxfp4":
+        return method, _MXFP4_BITS / 8, False
+    if method == "bitsandbytes":
+        return method, (0.5 + 4 / 64) if quant.get("load_in_4bit") else 1.0, False
+    if method in ("awq", "gptq", "awq_marlin", "gptq_marlin", "marlin", "auto-round", "quark") and bits:
+        # per group: a 16-bit scale and (asymmetric) a packed zero point
+        return method, int(bits) / 8 + (2 + int(bits) / 8) / group, False
+    return None
 
 
 def read_model_shape(path: str | Path) -> ModelShape | None:
@@ -86,6 +134,23 @@ def model_shape(cfg: dict[str, Any]) -> ModelShape | None:
     else:
         mlp_total = mlp_active = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden)
     embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
-    moe = (experts, per_token, layers * mlp_total) if experts and per_token else (0, 0, 0.0)
+    moe = experts and per_token
+    raw = cfg.get("quantization_config")
+    quant = quantized_weight(raw) if isinstance(raw, dict) else None
+    method, linear, fp8 = quant if quant is not None else ("", 0.0, False)
     return ModelShape(layers, kv, head_dim, dtype, layers * (attention + mlp_total) + embed,
-                      layers * (attention + mlp_active) + embed, heads, *moe)
+                      layers * (attention + mlp_active) + embed, heads, experts=experts if moe else 0,
+                      experts_per_token=per_token if moe else 0,
+                      expert_params=float(layers * mlp_total) if moe else 0.0, embedding_params=float(embed),
+                      quantization=method, linear_bytes=linear, fp8_gemm=fp8)
+
+
+def with_engine_quantization(shape: ModelShape, engine_args: list[str]) -> ModelShape:
+    """The shape as an engine started with `--quantization fp8` serves it (vLLM quantizes a bf16 checkpoint's
+    linear weights to FP8 at load); other --quantization values name the checkpoint's own format."""
+    for i, arg in enumerate(engine_args):
+        value = arg.split("=", 1)[1] if arg.startswith("--quantization=") else (
+            engine_args[i + 1] if arg in ("--quantization", "-q") and i + 1 < len(engine_args) else None)
+        if value is not None and not shape.quantization and value.lower() in _FP8_METHODS:
+            return replace(shape, quantization=value.lower(), linear_bytes=1.0, fp8_gemm=True)
+    return shape

@@ -51,12 +51,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from appliance.connector import disaggregated_name
+from appliance.connector import disaggregated_name, get_connector, resolve_name
 from appliance.errors import PdctlError
 from appliance.heads import Heads
 from appliance.inventory.models import Inventory
 from appliance.modelshape import ModelShape, experts_touched
-from appliance.plan import _usable, plan
+from appliance.plan import _usable, plan, platform_of
 from appliance.settings import Settings
 
 TP_SIZES = (1, 2, 4, 8)
@@ -64,23 +64,52 @@ BUDGETS = (256, 512, 2048)  # the chunked-prefill budgets colocated candidates a
 JUDGEMENTS = ("p99", "max", "mean")
 GIB = 1024**3
 
-# --- h200: calibrated constants (Qwen3-32B shape: 32.8 B params, 64 layers x 64 heads (8 KV) x 128, bf16) ---
-# Each comes from one measurement on 2 x H200 (vLLM 0.24.0; files under results/gpu-h200x2/); the goodputs
-# those runs measured are the check (benchmarks/gpu/suggest_check.py), not the source.
+# --- hardware: each accelerator's public peaks and the share of them vLLM reaches ---------------------------
+# Rates scale with the accelerator: a calibrated constant below is a share of the H200's public peak (4.8 TB/s
+# HBM3e, 989 TFLOP/s dense bf16, 1,979 dense FP8), and another accelerator gets its own peak x its own share.
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One accelerator's public peaks, the shares of them vLLM reaches, and whether pdctl measured those."""
+
+    name: str
+    hbm_tbps: float
+    bf16_tflops: float  # dense
+    fp8_tflops: float  # dense
+    weight_share: float  # of hbm_tbps, streaming a decode step's weights
+    kv_share: float  # of hbm_tbps, each running sequence's KV read
+    gemm_share: float  # of bf16_tflops in a prefill
+    fp8_gemm_share: float  # of fp8_tflops in a prefill with FP8 weights (W8A8)
+    calibrated: str  # what measured the shares on this accelerator ("": nothing, they are assumed)
+    band: tuple[float, float] = (1.0, 1.0)  # uncalibrated: the goodput's plausible range, x the prediction
+
+
 # Decode step, weights: the 1-GPU decode of issue14-s2/disagg-read-w8000x200.json at 0.4 req/s: median gap
 # 18.9 ms with ~1.5 running sequences (Little: 0.4 x 200 x 19 ms) whose KV read is ~0.8 ms -> 18.1 ms for
-# 65.5 GB of weights = 3.62 TB/s.
-H200_WEIGHT_TBPS = 3.62
-# Decode step, each running sequence's KV read: issue14-s2/disagg-read-w2000x1000.json at 2 req/s: mean gap
-# 27.2 ms with 54 running (2 x 1000 x 27.2 ms) of 2,500 tokens at 256 KiB: 35.6 GB in 27.2 - 18.1 = 9.1 ms.
-H200_KV_TBPS = 3.9
-# Prefill compute (2 x active params + 4 x layers x heads x head_dim x context FLOPs per token) and the TTFT
-# outside the engine (HTTP, proxy, tokenizing), solved together from two 1-GPU prefill TTFTs at low load:
-# 2000 tokens in one step (bench.json, colocated-2 at vLLM defaults: TTFT p10 232 ms) and 8000 tokens on the
-# disaggregated prefill (issue14-s2/disagg-read-w8000x200.json: TTFT min 928 ms, incl. an 18 ms hand-off
-# and a 19 ms decode step): 688 TFLOP/s (70 % of the H200's dense bf16 peak) and 31 ms.
-H200_PREFILL_TFLOPS = 688.0
-H200_TTFT_OVERHEAD_MS = 31.0
+# 64.0 GB of weights a step reads (65.5 GB less the input embedding, a lookup) = 3.53 TB/s, 0.736 of 4.8.
+# Each running sequence's KV read: issue14-s2/disagg-read-w2000x1000.json at 2 req/s: mean gap 27.2 ms with
+# 54 running (2 x 1000 x 27.2 ms) of 2,500 tokens at 256 KiB: 35.6 GB in 27.2 - 18.1 = 9.1 ms = 3.9 TB/s.
+# Prefill compute (2 x active params less the embeddings, which are no GEMM, + 4 x layers x heads x head_dim x
+# context FLOPs per token) and the TTFT outside the engine, solved together from two 1-GPU prefill TTFTs at low
+# load: 2000 tokens in one step (bench.json, colocated-2 at vLLM defaults: TTFT p10 232 ms) and 8000 tokens on
+# the disaggregated prefill (issue14-s2/disagg-read-w8000x200.json: TTFT min 928 ms, incl. an 18 ms hand-off
+# and a 19 ms decode step): 660 TFLOP/s (0.667 of the bf16 peak) and 32 ms.
+# FP8 GEMMs (W8A8, vLLM's fp8 method): Qwen3-8B shape with --quantization fp8 (results/gpu-h200x1/s4), an
+# 8000-token prompt in one step: TTFT p50 156 ms = 32 + 28.6 ms of bf16 attention + 111 TFLOP of FP8 linear
+# layers in 95 ms: 1,170 TFLOP/s, 0.59 of the FP8 peak (1.77x the bf16 rate). Weights streamed at the same
+# bytes/s as bf16 (the 8B's one-sequence step, 4.0 ms for 8.2 GB, is mostly per-step overhead: no calibration).
+H200 = Accelerator("H200", hbm_tbps=4.8, bf16_tflops=989.0, fp8_tflops=1979.0, weight_share=3.53 / 4.8,
+                   kv_share=3.9 / 4.8, gemm_share=660.0 / 989.0, fp8_gemm_share=1170.0 / 1979.0,
+                   calibrated="2 x H200, vLLM 0.24.0 (results/gpu-h200x2, results/gpu-h200x1)")
+# MI300X (docs/operations.md, "Hardware profiles"): AMD's data sheet: 192 GB HBM3 at 5.3 TB/s, 1,307 TFLOP/s
+# dense bf16, 2,615 dense FP8, 7 XGMI links per GPU. Shares are public measurements, not pdctl's: HBM streaming
+# reaches ~0.81 of peak in microbenchmarks (vLLM's decode reached 0.74 on the H200, so 0.70 is taken); dense
+# GEMMs deliver ~0.45 of the peak in practice (hipBLASLt, bf16 and FP8 alike). Hence the band.
+MI300X = Accelerator("MI300X", hbm_tbps=5.3, bf16_tflops=1307.0, fp8_tflops=2615.0, weight_share=0.70,
+                     kv_share=0.75, gemm_share=0.45, fp8_gemm_share=0.45, calibrated="", band=(0.6, 1.4))
+ACCELERATORS = (H200, MI300X)
+H200_TTFT_OVERHEAD_MS = 32.0
 # A prefill chunk rides in a decode step: its compute overlaps the step's weight streaming. The share of the
 # step's base hidden under the chunk, from issue14/long-colocated-2-mbt256.json (1 GPU, budget 256, 8000
 # tokens at 0.4 req/s): TTFT min 1,066 ms = 31 + 32 chunk steps of 32.3 ms = 18.6 ms step + 27.3 ms of chunk
@@ -91,29 +120,21 @@ H200_CHUNK_OVERLAP = 0.57
 # TTFT p10 136 ms at TP2 vs 232 ms at TP1, bench.json colocated-1 / colocated-2 at vLLM defaults).
 H200_DECODE_TP_FACTOR = 0.82
 H200_PREFILL_TP_FACTOR = 0.95
-# NIXL hand-off, from the engines' vllm:nixl_* histograms (results/gpu-h200x2/README.md): post 0.25 ms per
-# request (cross-layer, 13 descriptors of a 2000-token prompt) + 4.1 us per descriptor (per-layer, 8,064
-# descriptors of an 8000-token prompt: 33.3 ms); transfer: bytes at 99 GB/s (cross-layer, 1.77 GB in 17.8 ms,
-# NVLink cuda_ipc; a lower bound, vLLM reads it once per step) + 4.3 us per descriptor (per-layer 8000: 52.6 ms).
-H200_POST_MS = 0.25
-H200_POST_US_PER_DESCRIPTOR = 4.1
-H200_LINK_GBPS = 99.0
-H200_TRANSFER_US_PER_DESCRIPTOR = 4.3
 # A request joining the decode: its own first step there (mixed, outside the full CUDA graph) slows the
 # running streams' gap by ~1.2 us per prompt token: with a join in the gap, ITL p99 +9-10 ms at 8000 tokens
 # (READ and WRITE with 0.6 ms posts; summarize.py --joins in results/gpu-h200x2/README.md).
 H200_JOIN_US_PER_PROMPT_TOKEN = 1.2
 # MoE (Qwen3-30B-A3B shape, 48 layers x 128 experts, 8 per token; results/gpu-h200x1/moe-s3, 1 x H200): a
 # decode step streams the non-expert weights and the share of the experts its tokens visit, at the dense
-# bandwidth above, plus the routing kernels (router, top-k, token sorting) of each MoE layer: 55 us per layer,
+# bandwidth above, plus the routing kernels (router, top-k, token sorting) of each MoE layer: 58 us per layer,
 # from the 1-GPU decode of colocated-1-w8000x200 at 0.6 req/s: median gap 4.7 ms for one running sequence
-# (3.1 GB non-expert + 6.25 % of 58 GB experts + 0.8 GB of KV = 2.05 ms of reads). The same arithmetic gives
+# (2.8 GB non-expert + 6.25 % of 58 GB experts + 0.8 GB of KV = 1.92 ms of reads). The same arithmetic gives
 # 17.9 / 29.0 / 32.1 ms at 25 / 150 / 200 running where the 2000/1000 sweeps measured 19.2 / 31 / 32.7 ms.
-H200_MOE_US_PER_LAYER = 55.0
+H200_MOE_US_PER_LAYER = 58.0
 # A prefill chunk hides much less of its compute under an MoE step's weight streaming than under a dense one
 # (H200_CHUNK_OVERLAP): from colocated-1-mbt256-w8000x200's TTFT min, 682 ms = 31 + 32 chunk steps of 20.3 ms
-# = 19.7 ms (every expert read, one running sequence) + 3.6 ms of chunk compute - 0.15 x 19.5 ms. The same
-# arithmetic gives 23.6 / 46 / 131 ms per step for budgets 512 / 2048 / the whole 8000-token prompt, where
+# = 19.7 ms (every expert read, one running sequence) + 2.9 ms of chunk compute - 0.15 x 19.5 ms. The same
+# arithmetic gives 23.6 / 43 / 121 ms per step for budgets 512 / 2048 / the whole 8000-token prompt, where
 # those runs' TTFT min gives 23.8 / 47 / 129 ms.
 H200_MOE_CHUNK_OVERLAP = 0.15
 # But a step that mixes running decodes with more prompt tokens than vLLM's largest CUDA graph (512 tokens in
@@ -123,7 +144,16 @@ H200_MOE_CHUNK_OVERLAP = 0.15
 # them). Taken as a floor for such steps: 80 ms / 48 layers = 1.67 ms per MoE layer. Other rates and runs put
 # those gaps' median at 52-91 ms; the cause (eager execution above the largest graph is the suspect) is not
 # established, and the dense runs show no such floor (their prompt steps are compute-bound above it).
+# Established since (results/gpu-h200x1/s4): with graphs captured up to 2,048 tokens (--compilation-config
+# '{"max_cudagraph_capture_size": 2048}') the same run's slow gaps had a median of 48 ms at 1.0 req/s (45 ms
+# at p50 of the gaps over 2.5x the median), the chunk's own cost: the floor is eager execution above the
+# largest captured graph, and applies only to steps larger than it.
 H200_MOE_MIXED_US_PER_LAYER = 1670.0
+# A slow step's length varies around the modelled one (chunks of two prompts in one step, contexts, the GPU's
+# own variation): in results/gpu-h200x1/s4 (Qwen3-8B, 3000/300, 1 x H200) the chunk steps' gaps had p90 / p50
+# of 1.10-1.23 at budget 2048 (3, 4.5 and 7 req/s: lognormal sigma 0.07-0.15, median 43-50 ms where the model
+# gives 47.6) and 1.13-1.23 at budget 512 (sigma 0.10-0.16): 0.1.
+SLOW_GAP_SPREAD = 0.1
 VLLM_CUDAGRAPH_MAX_TOKENS = 512  # vLLM 0.24's largest captured CUDA graph (tokens per step) on these runs
 # KV cache: vLLM's budget is GPU memory x gpu_memory_utilization - weights; activations and CUDA graphs come
 # out of the rest. This gives 267,626 tokens per H200 at TP1; vLLM reported 269,312 (README, 2000/1000 runs).
@@ -132,6 +162,24 @@ H200_RESERVE_GIB = 0.0
 # default logged "Compiling a graph for compile range (1, 8192)" on an H200 (results/gpu-h200x1).
 VLLM_GPU_DEFAULT_BUDGET = 8192
 VLLM_DEFAULT_BLOCK_SIZE = 16  # CUDA
+
+
+def _graph_tokens(engine_args: list[str]) -> int:
+    """vLLM's largest captured CUDA graph (tokens per step): --compilation-config's max_cudagraph_capture_size."""
+    for flag, value in zip(engine_args, engine_args[1:], strict=False):
+        if flag in ("--compilation-config", "-cc"):
+            try:
+                size = json.loads(value).get("max_cudagraph_capture_size")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(size, int) and size > 0:
+                return size
+    return VLLM_CUDAGRAPH_MAX_TOKENS
+
+
+def accelerator_of(gpu_name: str) -> Accelerator | None:
+    """The hardware profile of a GPU by its reported name (None: no profile for it)."""
+    return next((a for a in ACCELERATORS if a.name.lower() in gpu_name.lower().replace(" ", "")), None)
 
 
 @dataclass(frozen=True)
@@ -163,8 +211,12 @@ class Profile:
     kv_bytes_per_token: int | None = None
     layers: int = 1
     block_size: int = VLLM_DEFAULT_BLOCK_SIZE
-    cross_layer: bool = False  # one descriptor per block (all layers, K and V) instead of layers x 2
+    descriptors: str = "layer-block"  # HandoffFacts.descriptors: how one hand-off is cut into descriptors
     post_on_decode: bool = True  # READ: the decode posts the pull (its step stalls); WRITE: the prefill posts
+    write_overlaps_prefill: bool = False  # WRITE pushes each layer as it is computed (only the last one waits)
+    handoff_source: str = ""
+    calibrated: bool = True  # measured on this accelerator; False: its goodput lies anywhere in `band`
+    band: tuple[float, float] = (1.0, 1.0)
     kv_tokens_per_gpu: Callable[[int], float | None] = field(default=lambda tp: None, compare=False, repr=False)
     default_budget: int = 2048
 
@@ -218,7 +270,7 @@ class State:
     running: float | None  # sequences per decode-capable instance
     capacity: float | None  # the most it can hold (KV cache, max_num_seqs)
     attainment: dict[str, float]  # ITL attainment under each judgement (TTFT apart)
-    limit: str  # what binds: "-", "prefill (TTFT)", "decode (ITL)", "KV cache", ...
+    limit: str  # what binds: "-", "prefill (TTFT)", "decode (ITL)", "KV cache", "max_num_seqs", ...
 
 
 @dataclass(frozen=True)
@@ -270,43 +322,64 @@ def sim_profile(settings: Settings) -> Profile:
                    kv_tokens_per_gpu=lambda tp: tokens / tp, default_budget=2048, block_size=sim.block_size)
 
 
-def h200_profile(settings: Settings, inventory: Inventory, model: ModelShape, block_size: int,
-                 cross_layer: bool = True) -> Profile:
-    """The H200-calibrated constants, scaled to `model` (module constants say where each comes from); the
-    hand-off as the connector renders it: `block_size`, and one descriptor per block when `cross_layer`."""
+def gpu_profile(settings: Settings, inventory: Inventory, model: ModelShape, block_size: int,
+                cross_layer: bool = True) -> Profile:
+    """The calibrated constants on this node's accelerator, scaled to `model` (module constants say where each
+    comes from); the hand-off as the connector renders it (`block_size`, one descriptor per block when
+    `cross_layer`) at the costs its module states."""
     gpu = next((g for g in inventory.gpus if _usable(g)), None)
+    name = gpu.name if gpu else "no GPU"
+    acc = accelerator_of(name)
+    # an accelerator without a profile: the H200's rates, and a band as wide as the MI300X's
+    hw = acc or replace(H200, calibrated="", band=MI300X.band)
     mem = (gpu.memory_total_mib if gpu else 143_771) * 2**20
     util = settings.decode.gpu_memory_utilization or 0.9
     kvb = model.kv_bytes_per_token
     linear, attention = model.prefill_flops
+    weight_tbps = hw.hbm_tbps * hw.weight_share
+    gemm_tflops = hw.fp8_tflops * hw.fp8_gemm_share if model.fp8_gemm else hw.bf16_tflops * hw.gemm_share
 
     def kv_tokens(tp: int) -> float:
         return max(0.0, mem * util - model.weight_bytes / tp - H200_RESERVE_GIB * GIB) / kvb
 
-    experts = model.expert_params * model.dtype_bytes  # MoE: the routed experts' bytes (0: dense)
+    experts = model.bytes_of(model.expert_params)  # MoE: the routed experts' bytes (0: dense)
     routing = model.layers * H200_MOE_US_PER_LAYER / 1000 if experts else 0.0
-    name = gpu.name if gpu else "no GPU"
-    note = "" if "H200" in name else f" (this node has {name}: uncalibrated there)"
+    platform = platform_of(inventory)
+    connector = get_connector(resolve_name(disaggregated_name(settings.connector.name), platform))
+    facts = connector.handoff_facts(platform, cross_layer, settings.connector.moriio_backend)
+    what = f"{hw.name} profile" if acc else f"H200 profile on {name} (no profile for it)"
+    if hw.calibrated:
+        how = f"calibrated on {hw.calibrated}"
+    else:
+        how = (f"NOT calibrated on this hardware (public peaks x assumed shares): goodput could be "
+               f"{hw.band[0]:g}-{hw.band[1]:g}x the figures; `pdctl plan --check` says how to calibrate it")
+    terms = (f"; weights {model.quantization.upper()}" if model.quantization else "") + (
+        "; MoE terms from 1 x H200 (Qwen3-30B-A3B shape)" if experts else "")
     return Profile(
-        prefill_us_per_token=linear / (H200_PREFILL_TFLOPS * 1e12) * 1e6,
-        decode_step_ms=(model.weight_bytes - experts) / (H200_WEIGHT_TBPS * 1e12) * 1e3 + routing,
-        expert_step_ms=experts / (H200_WEIGHT_TBPS * 1e12) * 1e3, experts=model.experts,
+        prefill_us_per_token=linear / (gemm_tflops * 1e12) * 1e6,
+        decode_step_ms=(model.streamed_bytes - experts) / (weight_tbps * 1e12) * 1e3 + routing,
+        expert_step_ms=experts / (weight_tbps * 1e12) * 1e3, experts=model.experts,
         experts_per_token=model.experts_per_token,
         mixed_floor_ms=model.layers * H200_MOE_MIXED_US_PER_LAYER / 1000 if experts else 0.0,
-        graph_tokens=VLLM_CUDAGRAPH_MAX_TOKENS,
+        graph_tokens=_graph_tokens([*settings.colocated.extra_args, *settings.decode.extra_args]),
         decode_step_ms_per_seq=0.0,
         max_num_seqs=settings.decode.max_num_seqs or 1024,
-        source="constants calibrated on 2 x H200 (vLLM 0.24.0, Qwen3-32B shape), scaled by config.json"
-               + ("; MoE terms from 1 x H200 (Qwen3-30B-A3B shape)" if experts else "") + note,
+        source=f"{what}, {how}; scaled by config.json{terms}",
         prefill_tp_factor=H200_PREFILL_TP_FACTOR, decode_tp_factor=H200_DECODE_TP_FACTOR,
-        kv_read_tbps=H200_KV_TBPS, ttft_overhead_ms=H200_TTFT_OVERHEAD_MS,
-        prefill_us_per_context_token=attention / (H200_PREFILL_TFLOPS * 1e12) * 1e6,
-        chunk_overlap=H200_MOE_CHUNK_OVERLAP if experts else H200_CHUNK_OVERLAP, post_ms=H200_POST_MS,
-        post_us_per_descriptor=H200_POST_US_PER_DESCRIPTOR,
-        transfer_us_per_descriptor=H200_TRANSFER_US_PER_DESCRIPTOR, link_gbps=H200_LINK_GBPS,
+        kv_read_tbps=hw.hbm_tbps * hw.kv_share, ttft_overhead_ms=H200_TTFT_OVERHEAD_MS,
+        prefill_us_per_context_token=attention / (hw.bf16_tflops * hw.gemm_share * 1e12) * 1e6,
+        chunk_overlap=H200_MOE_CHUNK_OVERLAP if experts else H200_CHUNK_OVERLAP,
+        post_ms=facts.post_ms if facts else 0.0,
+        post_us_per_descriptor=facts.post_us_per_descriptor if facts else 0.0,
+        transfer_us_per_descriptor=facts.transfer_us_per_descriptor if facts else 0.0,
+        link_gbps=facts.link_gbps if facts else None,
         join_us_per_prompt_token=H200_JOIN_US_PER_PROMPT_TOKEN,
-        kv_bytes_per_token=kvb, layers=model.layers, block_size=block_size, cross_layer=cross_layer,
+        kv_bytes_per_token=kvb, layers=model.layers, block_size=block_size,
+        descriptors=facts.descriptors if facts else "layer-block",
         post_on_decode=settings.connector.mode != "write",
+        write_overlaps_prefill=bool(facts and facts.write_overlaps_prefill),
+        handoff_source=facts.source if facts else "",
+        calibrated=bool(hw.calibrated), band=hw.band,
         kv_tokens_per_gpu=kv_tokens, default_budget=VLLM_GPU_DEFAULT_BUDGET)
 
 
@@ -330,6 +403,7 @@ def bench_profile(path: Path, prefill_tp: int, decode_tp: int, fallback: Profile
     return replace(fallback, prefill_us_per_token=ttft_per_token * 1e6 * _eff(prefill_tp, fallback.prefill_tp_factor),
                    decode_step_ms=itl_ms * _eff(decode_tp, fallback.decode_tp_factor), ttft_overhead_ms=0.0,
                    prefill_us_per_context_token=0.0,  # the measured TTFT per token holds its prompts' attention
+                   calibrated=True, band=(1.0, 1.0),  # its prefill and step, the bulk of every figure, measured here
                    source=f"pdctl bench result {path} (hand-off and KV capacity: {fallback.source})")
 
 
@@ -358,10 +432,10 @@ def handoff_of(settings: Settings, inventory: Inventory) -> tuple[int, bool]:
 
 
 def default_profile(settings: Settings, inventory: Inventory, model: ModelShape | None) -> Profile:
-    """The sim engine's time model, or (real vLLM, a readable config.json) the H200-calibrated one."""
+    """The sim engine's time model, or (real vLLM, a readable config.json) the node's accelerator profile."""
     if settings.engine.kind == "sim" or model is None:
         return sim_profile(settings)
-    return h200_profile(settings, inventory, model, *handoff_of(settings, inventory))
+    return gpu_profile(settings, inventory, model, *handoff_of(settings, inventory))
 
 
 # ---- the model --------------------------------------------------------------------------------------------
@@ -387,15 +461,21 @@ def _tolerated(judgement: str, gaps: int, gap: float, slow: float, slo_ms: float
     return gaps - lo - (1 if edge else 2)
 
 
-def _itl_attainment(judgement: str, gap: float, slow: float, q: float, output_len: int, slo_ms: float) -> float:
+def _itl_attainment(judgement: str, gap: float, slows: list[float], q: float, output_len: int, slo_ms: float) -> float:
+    """ITL attainment under `judgement`; `slows`: the slow steps a request meets, equally often (a prompt's
+    chunk steps, each its own size), `q`: the share of its gaps that are one of them."""
     if judgement == "mean":
         return 1.0 if gap <= slo_ms else 0.0
-    if slow <= slo_ms:
-        return 1.0
     if gap > slo_ms:
         return 0.0
+    # The slow steps are not all alike (chunks of two prompts, contexts, the GPU's own variation): the share of
+    # them over the target, each one's length lognormal around the modelled one
+    over = sum(0.5 * math.erfc(math.log(slo_ms / x) / SLOW_GAP_SPREAD / math.sqrt(2)) for x in slows if x > 0) / len(slows)
+    slow = max(slows)
+    if over < 1e-4:
+        return 1.0
     gaps = max(0, output_len - 1)
-    return _poisson_cdf(_tolerated(judgement, gaps, gap, slow, slo_ms), min(1.0, q) * gaps)
+    return _poisson_cdf(_tolerated(judgement, gaps, gap, max(slow, slo_ms * 1.0001), slo_ms), min(1.0, q) * gaps * over)
 
 
 def _decode(rate: float, output_len: int, base: Callable[[float], float], per_seq: float,
@@ -425,18 +505,19 @@ def _wait(util: float, service_ms: float) -> float | None:
 
 
 def descriptors(p: Profile, input_len: int) -> int:
-    """NIXL descriptors one hand-off posts: one per block (cross-layer), else per block x layer x K/V."""
+    """Descriptors one hand-off posts (per rank): one per block (cross-layer), per block x layer x K/V, or (a
+    request's contiguous blocks merged) per layer x K/V."""
     blocks = math.ceil(input_len / p.block_size)
-    return blocks if p.cross_layer else p.layers * 2 * blocks
+    return {"block": blocks, "layer": p.layers * 2}.get(p.descriptors, p.layers * 2 * blocks)
 
 
-def handoff(p: Profile, input_len: int) -> tuple[float, float]:
-    """(post ms, transfer ms) of one prompt's KV hand-off."""
+def handoff(p: Profile, input_len: int, ranks: int = 1) -> tuple[float, float]:
+    """(post ms, transfer ms) of one prompt's KV hand-off; each of `ranks` TP ranks moves its share at once."""
     d = descriptors(p, input_len)
     post = p.post_ms + d * p.post_us_per_descriptor / 1000 if (p.post_ms or p.post_us_per_descriptor) else 0.0
     transfer = d * p.transfer_us_per_descriptor / 1000 + input_len * p.transfer_us_per_token / 1000
     if p.link_gbps and p.kv_bytes_per_token:
-        transfer += input_len * p.kv_bytes_per_token / (p.link_gbps * 1e9) * 1000
+        transfer += input_len * p.kv_bytes_per_token / ranks / (p.link_gbps * 1e9) * 1000
     return post, transfer
 
 
@@ -467,39 +548,71 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
     capacity = min(p.max_num_seqs, kv_tokens * role.tp / context) if kv_tokens is not None else float(p.max_num_seqs)
     if cand.colocated is not None:
         budget = cand.budget or p.default_budget
-        n, solved = 0.0, None
-        for _ in range(60):  # running decode tokens take their share of the step's token budget: a fixed point
-            chunk = min(input_len, budget - math.ceil(n))
+
+        def chunked(n: float) -> tuple[int, float, list[float], tuple[float, float] | None] | None:
+            """With n running: the prompt's chunks, their mean and each one's extra over a decode step, and the
+            engine's (gap, running) that follow (None inside: it cannot keep up); None: no room for a chunk."""
+            chunk = min(input_len, budget - math.ceil(n))  # running decode tokens take their share of the budget
             if chunk < 1:
-                return _saturated(capacity, "chunk budget")
+                return None
             chunks = math.ceil(input_len / chunk)
-            # a chunk step streams the weights its n + chunk tokens visit; its compute hides under a share of that
-            full = base(n + chunk)
-            more = full - base(n)  # MoE: the experts only the chunk's tokens visit
-            extra = more + max(0.0, _compute_ms(p, chunk, input_len / 2, role.tp) - p.chunk_overlap * full)
-            last = more + max(0.0, _compute_ms(p, chunk, input_len, role.tp) - p.chunk_overlap * full)
-            if p.graph_tokens and n + chunk > p.graph_tokens and p.mixed_floor_ms:
-                floor = p.mixed_floor_ms - (base(n) + per_seq * n)  # the chunk step's least extra over a decode step
-                extra, last = max(extra, floor), max(last, floor)
-            solved = _decode(r, output_len, base, per_seq, r * chunks * extra / 1000)
-            if solved is None:
-                return _saturated(capacity, "engine throughput")
-            if abs(solved[1] - n) < 1e-3:
-                break
-            n = solved[1]
-        assert solved is not None
+            # Each chunk step, over a decode step: it streams the weights its n + c tokens visit, and its compute
+            # (c tokens attending to the prompt so far) hides under a share of that. The prompt is cut into full
+            # chunks and a shorter last one, each attending to what precedes it: the slowest is not
+            # necessarily the last.
+            extras = []
+            for i in range(chunks):
+                c = min(chunk, input_len - i * chunk)
+                full = base(n + c)
+                extra_i = full - base(n) + max(0.0, _compute_ms(p, c, i * chunk + c / 2, role.tp) - p.chunk_overlap * full)
+                if p.graph_tokens and n + c > p.graph_tokens and p.mixed_floor_ms:
+                    extra_i = max(extra_i, p.mixed_floor_ms - (base(n) + per_seq * n))  # the floor, over a decode step
+                extras.append(extra_i)
+            extra = sum(extras) / chunks
+            return chunks, extra, extras, _decode(r, output_len, base, per_seq, r * chunks * extra / 1000)
+
+        # The running count n is a fixed point: n running -> chunks -> the engine's time share -> n. The map
+        # falls with n for an MoE model (the chunk's experts are read anyway by more running tokens) and jumps
+        # with ceil(n): iterating it oscillates, so bisect on where it crosses n.
+        lo, hi = 0.0, float(p.max_num_seqs)
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            at = chunked(mid)
+            if at is None:
+                hi = mid
+            elif at[3] is None or at[3][1] > mid:
+                lo = mid
+            else:
+                hi = mid
+        found = chunked(hi)
+        if found is None:
+            return _saturated(capacity, "chunk budget")
+        chunks, extra, extras, solved = found
+        if solved is None:
+            return _saturated(capacity, "engine throughput")
         gap, n = solved
         step = base(n) + per_seq * n
         service = chunks * (step + extra)
         share = r * chunks * gap / 1000  # of the engine's steps that carry a prompt chunk
         wait = _wait(share, service)
         ttft = None if wait is None else p.ttft_overhead_ms + service + 2.3 * wait
-        slow, q = step + last, share  # the judgements see the slowest chunk: the prompt's last, at full context
+        slows, q = [step + e for e in extras], share  # the judgements see every chunk step
     else:
         pre = cand.prefill
         assert pre is not None
-        post, transfer = handoff(p, input_len)
-        service = _compute_ms(p, input_len, input_len / 2, pre.tp) + (0.0 if p.post_on_decode else post)
+        post, transfer = handoff(p, input_len, pre.tp)
+        compute = _compute_ms(p, input_len, input_len / 2, pre.tp)
+        if p.experts:
+            # An MoE prompt step also streams the experts its tokens visit, most of it not hidden under the
+            # compute (the 8000-token step measured 129 ms on the H200: module constants); a dense one is
+            # compute-bound, its weights folded into the calibrated prefill rate.
+            experts = p.expert_step_ms * _touched(p, input_len) / _eff(pre.tp, p.decode_tp_factor)
+            compute = experts + max(0.0, compute - p.chunk_overlap * experts)
+        if p.write_overlaps_prefill and not p.post_on_decode:
+            # pushed layer by layer while the prefill runs: what is left after it is the last layer's share, or
+            # the part the link could not keep up with
+            transfer = max(transfer / p.layers, transfer - compute)
+        service = compute + (0.0 if p.post_on_decode else post)
         wait = _wait(rate / pre.instances * service / 1000, service)
         stall = (post if p.post_on_decode else 0.0) + input_len * p.join_us_per_prompt_token / 1000 / dec_eff
         solved = _decode(r, output_len, base, per_seq, r * stall / 1000)
@@ -508,10 +621,11 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
         gap, n = solved
         step = base(n) + per_seq * n
         ttft = None if wait is None else p.ttft_overhead_ms + service + 2.3 * wait + transfer + step
-        slow, q = step + stall, r * gap / 1000
-    att = {j: _itl_attainment(j, gap, slow, q, output_len, itl_slo_ms) for j in JUDGEMENTS}
-    limit = "KV cache" if n > capacity else "-"
-    return State(ttft, gap, slow, n, capacity, att, limit)
+        slows, q = [step + stall], r * gap / 1000
+    att = {j: _itl_attainment(j, gap, slows, q, output_len, itl_slo_ms) for j in JUDGEMENTS}
+    # the bound that binds: the KV cache, or the engine's max_num_seqs when that is the smaller
+    limit = "-" if n <= capacity else "max_num_seqs" if capacity >= p.max_num_seqs else "KV cache"
+    return State(ttft, gap, max(slows), n, capacity, att, limit)
 
 
 def _meets(s: State, judgement: str, ttft_slo_ms: float, target: float) -> bool:

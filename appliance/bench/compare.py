@@ -34,10 +34,10 @@ import tomli_w
 
 from appliance.bench.families import DEFAULT_BUDGETS, ShapeName, expand, parse_budgets, parse_name
 from appliance.connector import disaggregated_name, get_connector, resolve_name
-from appliance.errors import PdctlError
+from appliance.errors import PdctlError, PlanError
 from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
-from appliance.plan import Plan, plan, platform_of
+from appliance.plan import Plan, _usable, plan, platform_of
 from appliance.settings import EMBEDDED_MODEL, Settings, deep_merge
 
 DEFAULT_SHAPES = "disagg-read,disagg-write,colocated"
@@ -74,8 +74,13 @@ def shapes(
     platform = platform_of(inventory)
     connector = resolve_name(disaggregated_name(settings.connector.name), platform)
     disagg = {"connector": {"name": connector, "mode": "read"}}
-    base = plan(_with(settings, disagg), inventory)
-    gpus = sorted(g for inst in base.instances for g in inst.gpus)
+    try:
+        base = plan(_with(settings, disagg), inventory)
+        gpus = sorted(g for inst in base.instances for g in inst.gpus)
+        unsplittable = None
+    except PlanError as exc:
+        # A node the planner cannot split (one GPU) still compares its colocated shapes, on every usable GPU.
+        gpus, unsplittable = [g.index for g in inventory.gpus if _usable(g)], f"the planner refuses it: {exc}"
     where = f"GPUs {gpus[0]}-{gpus[-1]}" if gpus else "no GPUs: instance counts"
     heads = None if settings.model.path == EMBEDDED_MODEL else read_heads(settings.model.path)
     names = expand(
@@ -95,7 +100,7 @@ def shapes(
                     shape_name,
                     f"disaggregated, {connector} {mode.upper()} ({where})",
                     {"connector": {"name": connector, "mode": mode}},
-                    None if mode in modes else f"connector '{connector}' has no {mode.upper()} mode",
+                    unsplittable or (None if mode in modes else f"connector '{connector}' has no {mode.upper()} mode"),
                 )
             )
         else:

@@ -9,7 +9,15 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from appliance.cli.options import console, layout_option, node_overrides, obtain, obtain_plan, plan_options
+from appliance.cli.options import (
+    console,
+    layout_option,
+    node_overrides,
+    obtain,
+    obtain_plan,
+    overrides_from,
+    plan_options,
+)
 from appliance.node import Node, redacted
 from appliance.plan import Plan
 from appliance.render.templates import secret_env
@@ -72,15 +80,18 @@ def render_plan(p: Plan, console: Console) -> None:
 def plan(ctx: click.Context, /, as_json: bool, suggest: bool, input_len: int, output_len: int, rate: float,
          ttft_ms: float | None, itl_ms: float | None, profile: str | None, check: tuple[str, ...], **options: Any) -> None:
     """Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."""
+    # --suggest and --check rank or model shapes themselves: of the plan flags, the connector, its mode and the
+    # engine apply to them, the GPUs and TPs do not
+    modelled = {k: v for k, v in overrides_from(options).items() if k in ("connector", "engine")}
     if check:
         from appliance.cli.suggest import print_check
 
-        print_check(ctx, list(check), profile, as_json)
+        print_check(ctx, list(check), profile, as_json, modelled)
         return
     if suggest:
         from appliance.cli.suggest import print_suggestions
 
-        print_suggestions(ctx, input_len, output_len, rate, ttft_ms, itl_ms, profile, as_json)
+        print_suggestions(ctx, input_len, output_len, rate, ttft_ms, itl_ms, profile, as_json, modelled)
         return
     settings, _ = obtain(ctx)
     overrides, layout_note = node_overrides(Node(settings), options)

@@ -18,7 +18,7 @@ from appliance.connector import disaggregated_name
 from appliance.errors import PdctlError
 from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
-from appliance.modelshape import ModelShape, read_model_shape
+from appliance.modelshape import ModelShape, read_model_shape, with_engine_quantization
 from appliance.node import Node
 from appliance.roles import Role
 from appliance.settings import EMBEDDED_MODEL, Settings
@@ -53,7 +53,20 @@ def _profile(settings: Settings, inventory: Inventory, model: ModelShape | None,
 def _model(settings: Settings) -> tuple[Heads | None, ModelShape | None]:
     if settings.model.path == EMBEDDED_MODEL:
         return None, None
-    return read_heads(settings.model.path), read_model_shape(settings.model.path)
+    shape = read_model_shape(settings.model.path)
+    args = [*settings.decode.extra_args, *settings.colocated.extra_args, *settings.prefill.extra_args]
+    return read_heads(settings.model.path), with_engine_quantization(shape, args) if shape else None
+
+
+def calibration(prof: Profile, input_len: int, output_len: int) -> str | None:
+    """How to calibrate an uncalibrated profile on this node: one low rate of `pdctl bench` against the
+    running deployment measures its prefill and decode step (`--profile` fits them); None when calibrated."""
+    if prof.calibrated:
+        return None
+    return (f"calibrate it on this node: with a deployment up, `pdctl bench --rates 0.2 -n 20 --input-len "
+            f"{input_len} --output-len {output_len} --stop-on none --out calibration` (one low rate: each prompt's "
+            "prefill and the decode step alone, a few minutes), then `pdctl plan --suggest --profile "
+            "calibration/bench.json` (and `pdctl plan --check` on a sweep to see how close it is)")
 
 
 def _row(p: Prediction) -> dict[str, Any]:
@@ -79,7 +92,8 @@ def _describe(console: Console, prof: Profile, settings: Settings, inventory: In
     console.print(f"  TP t: prefill x{prof.prefill_tp_factor:g}^log2(t), decode x{prof.decode_tp_factor:g}^log2(t) "
                   "per doubling")
     if model is not None:
-        console.print(f"  model shape: {model.params_total / 1e9:.1f} B params ({model.weight_bytes / 2**30:.1f} GiB), "
+        weights = f"{model.quantization.upper()} weights" if model.quantization else f"{model.dtype_bytes} B weights"
+        console.print(f"  model shape: {model.params_total / 1e9:.1f} B params, {weights} ({model.weight_bytes / 2**30:.1f} GiB), "
                       f"KV {model.kv_bytes_per_token / 1024:g} KiB/token ({model.layers} layers x {model.kv_heads} "
                       f"KV heads x {model.head_dim} x 2 x {model.dtype_bytes} B)")
         tokens = prof.kv_tokens_per_gpu(1)
@@ -88,21 +102,27 @@ def _describe(console: Console, prof: Profile, settings: Settings, inventory: In
                           f"running sequences of {input_len} + {output_len}/2 tokens")
     if prof.post_us_per_descriptor and split_fits:
         post, transfer = handoff(prof, input_len)
-        layout = "cross-layer blocks" if prof.cross_layer else "per-layer blocks"
+        layout = {"block": "cross-layer blocks", "layer": "per layer, contiguous blocks merged"}.get(
+            prof.descriptors, "per-layer blocks")
         stall = (post if prof.post_on_decode else 0.0) + input_len * prof.join_us_per_prompt_token / 1000
-        console.print(f"  KV hand-off: block size {prof.block_size}, {layout}: {descriptors(prof, input_len):,} "
-                      f"descriptors per prompt, posted by the {'decode' if prof.post_on_decode else 'prefill'} in "
-                      f"{post:.2f} ms, moved in {transfer:.1f} ms; a joining request stalls the decode's running "
-                      f"streams {stall:.1f} ms")
+        overlap = (", pushed layer by layer during the prefill" if prof.write_overlaps_prefill
+                   and not prof.post_on_decode else "")
+        console.print(f"  KV hand-off ({prof.handoff_source}): block size {prof.block_size}, {layout}: "
+                      f"{descriptors(prof, input_len):,} descriptors per prompt and rank, posted by the "
+                      f"{'decode' if prof.post_on_decode else 'prefill'} in {post:.2f} ms, moved in {transfer:.1f} ms "
+                      f"at TP1{overlap}; a joining request stalls the decode's running streams {stall:.1f} ms")
     if heads is not None:
         console.print(f"  model: {heads.attention} attention heads: TP {', '.join(map(str, heads.fitting(len(inventory.gpus))))} "
                       "can start (others are left out)")
 
 
 def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate: float, ttft_ms: float | None,
-                      itl_ms: float | None, profile_path: str | None, as_json: bool) -> None:
-    """Rank the colocated shapes and splits for the workload and say why."""
-    overrides = {"slo": {k: v for k, v in (("ttft_ms", ttft_ms), ("itl_ms", itl_ms)) if v is not None}}
+                      itl_ms: float | None, profile_path: str | None, as_json: bool,
+                      modelled: dict[str, Any] | None = None) -> None:
+    """Rank the colocated shapes and splits for the workload and say why (`modelled`: the plan flags'
+    connector, mode and engine overrides)."""
+    overrides = {**(modelled or {}),
+                 "slo": {k: v for k, v in (("ttft_ms", ttft_ms), ("itl_ms", itl_ms)) if v is not None}}
     settings, inventory = obtain(ctx, overrides)
     heads, model = _model(settings)
     prof = _profile(settings, inventory, model, profile_path)
@@ -132,12 +152,17 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
                       "[green]met[/green]" if p.meets_slo else "[red]missed[/red]", p.bottleneck)
     console.print(table)
     best = ranked[0]
-    console.print(f"best: {best.candidate}: predicted goodput {best.goodput_rps:.2f} req/s ({slo.itl_judgement})"
+    low, high = prof.band
+    band = "" if prof.calibrated else f" (uncalibrated here: {low * best.goodput_rps:.2f}-{high * best.goodput_rps:.2f})"
+    console.print(f"best: {best.candidate}: predicted goodput {best.goodput_rps:.2f} req/s ({slo.itl_judgement}){band}"
                   f"{'' if best.meets_slo else ' (nothing meets the SLOs at this rate)'}")
     for layout in ("colocated", "disaggregated"):
         top = next((p for p in ranked if p.layout == layout), None)
         if top is not None and top is not best:
             console.print(f"best {layout}: {top.candidate}: {top.goodput_rps:.2f} req/s")
+    advice = calibration(prof, input_len, output_len)
+    if advice:
+        console.print(f"the profile is not calibrated on this hardware: {advice}")
     c = best.candidate
     if c.colocated is not None:
         mbt = f" PDCTL_COLOCATED__MAX_NUM_BATCHED_TOKENS={c.budget}" if c.budget else ""
@@ -179,9 +204,11 @@ def _verdict(predicted: float, measured: float | None, lowest: float, capped: bo
     return f"{'within' if ok else 'off'} ({error:+.0%} of the rate passed, next {failed:g} failed)"
 
 
-def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | None, as_json: bool) -> None:
+def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | None, as_json: bool,
+                modelled: dict[str, Any] | None = None) -> None:
     """Predicted vs measured goodput (every judgement) and per-rate TTFT p90 / mean gap, per measured shape
-    (several files: their shapes in order, judged with the first file's workload and SLOs)."""
+    (several files: their shapes in order, judged with the first file's workload and SLOs; `modelled`: the
+    plan flags' connector, mode and engine overrides)."""
     from appliance.bench.analysis import JUDGEMENTS as BENCH_JUDGEMENTS
     from appliance.bench.families import capped
     from appliance.bench.results import read_result
@@ -197,7 +224,7 @@ def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | 
         result.shapes.extend(more.shapes)
     bench_path = ", ".join(bench_paths)
     w, slo = result.workload, result.slo
-    settings, inventory = obtain(ctx, {"slo": slo.model_dump()})
+    settings, inventory = obtain(ctx, {**(modelled or {}), "slo": slo.model_dump()})
     heads, model = _model(settings)
     prof = _profile(settings, inventory, model, profile_path)
     rows: list[dict[str, Any]] = []
@@ -224,7 +251,9 @@ def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | 
                           "gap_measured": r.summary.tpot_ms.get("mean"), "running_predicted": s.running,
                           "capacity": s.capacity})
     if as_json:
-        click.echo(json.dumps({"bench": bench_path, "profile": prof.source, "goodput": rows, "rates": rates}, indent=2))
+        click.echo(json.dumps({"bench": bench_path, "profile": prof.source, "calibrated": prof.calibrated,
+                               "band": prof.band, "calibrate": calibration(prof, w.input_len, w.output_len),
+                               "goodput": rows, "rates": rates}, indent=2))
         return
     console = rich_console()
     console.print(f"check: {bench_path} ({result.engine}, {w.input_len} + {w.output_len} tokens, SLO TTFT "
@@ -248,5 +277,9 @@ def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | 
         per_rate.add_row(row["shape"], f"{row['rate']:g}", ms(row["ttft_p90_predicted"]), ms(row["ttft_p90_measured"]),
                          ms(row["gap_predicted"]), ms(row["gap_measured"]), run)
     console.print(per_rate)
+    advice = calibration(prof, w.input_len, w.output_len)
+    if advice:
+        console.print(f"the profile is not calibrated on this hardware (goodput {prof.band[0]:g}-{prof.band[1]:g}x "
+                      f"the predictions): {advice}")
     if not rows:
         console.print("no shape in the file has a bench shape name (disagg-read, colocated-N[-mbtB]) with a measured rate")

@@ -34,6 +34,24 @@ class RdmaNeed:
 
 
 @dataclass(frozen=True)
+class HandoffFacts:
+    """What one prompt's KV hand-off costs with this connector, for `pdctl plan --suggest`: who posts the
+    transfer, how many descriptors it is cut into, and the per-hand-off, per-descriptor and per-byte costs."""
+
+    post_ms: float  # per hand-off
+    post_us_per_descriptor: float
+    transfer_us_per_descriptor: float
+    link_gbps: float  # per rank pair (each TP rank moves its own share of the KV)
+    # "block": one descriptor per block of every layer (cross-layer blocks); "layer-block": one per layer, K/V
+    # and block; "layer": one per layer and K/V, a request's contiguous blocks merged into one
+    descriptors: Literal["block", "layer-block", "layer"]
+    # WRITE: the prefill pushes each layer's KV as soon as that layer is computed, so only the last layer's
+    # share and the completion notice remain after the prefill (False: the whole transfer follows it)
+    write_overlaps_prefill: bool
+    source: str
+
+
+@dataclass(frozen=True)
 class InstanceContext:
     """Everything a connector needs to know about one engine instance of the plan."""
 
@@ -173,6 +191,10 @@ class Connector(ABC):
 
     def default_block_size(self, platform: Platform) -> int | None:
         """The KV cache block size (tokens) the hand-off is fastest with here; None: vLLM's own default."""
+        return None
+
+    def handoff_facts(self, platform: Platform, cross_layer: bool, moriio_backend: str) -> HandoffFacts | None:
+        """What its KV hand-off costs on this platform (None: no model of it; suggest assumes it free)."""
         return None
 
     def rank_port_conflict(self, ctx: InstanceContext, vllm_version: str) -> str | None:

@@ -53,6 +53,19 @@ def test_shapes_on_an_amd_node_split_the_same_eight_gpus() -> None:
     assert "--chunk-tokens" not in shape_plan(tuned_file, inventory, untuned)[1].instances[0].argv
 
 
+def test_a_one_gpu_node_compares_its_colocated_shapes_and_skips_the_split() -> None:
+    # One GPU cannot be split into a prefill and a decode: the colocated shapes still run on it, and
+    # each disaggregated shape says why it is skipped rather than the whole comparison failing.
+    settings, inventory = load_settings(overrides={"engine": {"kind": "sim"}}), load_inventory("sim:h200-1")
+    found = {s.name: s for s in shapes(settings, inventory, ["disagg-read", "colocated"], [512, 2048])}
+    assert list(found) == ["disagg-read", "colocated-1-mbt512", "colocated-1-mbt2048"]
+    assert "prefill gets no GPU" in (found["disagg-read"].skipped or "")
+    for name in ("colocated-1-mbt512", "colocated-1-mbt2048"):
+        assert found[name].skipped is None
+        deployed = shape_plan(settings, inventory, found[name])[1]
+        assert [i.gpus for i in deployed.instances] == [[0]]
+
+
 def test_write_is_skipped_where_the_connector_has_none() -> None:
     settings = load_settings(overrides={"engine": {"kind": "sim"}})
     found = {s.name: s for s in shapes(settings, load_inventory("sim:cpu"))}

@@ -8,15 +8,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from appliance.inventory import load_inventory
-from appliance.modelshape import read_model_shape
+from appliance.modelshape import model_shape, read_model_shape, with_engine_quantization
 from appliance.settings import Settings
 from appliance.suggest import (
     Candidate,
     Shape,
     descriptors,
-    h200_profile,
+    gpu_profile,
     handoff,
     handoff_of,
     state,
@@ -49,7 +50,7 @@ def test_the_decode_kv_cache_bounds_one_h200_as_measured(tmp_path: Path) -> None
     assert shape.kv_bytes_per_token == 64 * 8 * 128 * 2 * 2  # layers x kv_heads x head_dim x K,V x bf16
     assert 32.5e9 < shape.params_total < 33.0e9  # Qwen3-32B: 32.8 B parameters
     inventory = load_inventory("sim:h200-2")
-    prof = h200_profile(_settings(tmp_path / "qwen3-32b"), inventory, shape, block_size=128)
+    prof = gpu_profile(_settings(tmp_path / "qwen3-32b"), inventory, shape, block_size=128)
     free = inventory.gpus[0].memory_total_mib * 2**20 * 0.9 - shape.weight_bytes
     assert prof.kv_tokens_per_gpu(1) == free / shape.kv_bytes_per_token
     assert abs(prof.kv_tokens_per_gpu(1) / 269_312 - 1) < 0.01  # what vLLM 0.24 reported on the H200 decode
@@ -76,8 +77,8 @@ def test_the_hand_off_layout_sets_the_join_stall(tmp_path: Path) -> None:
     # a decode told to run vLLM's Model Runner V2 keeps per-layer blocks whatever the connector asks
     v2 = {**nixl, "decode": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}}
     assert handoff_of(Settings.model_validate(v2), inventory) == (128, False)
-    cross = h200_profile(settings, inventory, shape, 128)
-    layers = h200_profile(settings, inventory, shape, 128, cross_layer=False)
+    cross = gpu_profile(settings, inventory, shape, 128)
+    layers = gpu_profile(settings, inventory, shape, 128, cross_layer=False)
     assert (descriptors(cross, 2000), descriptors(layers, 2000), descriptors(layers, 8000)) == (16, 2048, 8064)
     # Posts as measured: 0.25 ms (13 descriptors), 33.3 ms (8,064).
     assert handoff(cross, 2000)[0] < 0.5 and 30 < handoff(layers, 8000)[0] < 36
@@ -86,7 +87,7 @@ def test_the_hand_off_layout_sets_the_join_stall(tmp_path: Path) -> None:
     assert fast.slow_gap_ms is not None and slow.slow_gap_ms is not None
     assert fast.slow_gap_ms < 30 < slow.slow_gap_ms  # the per-layer post stalls the decode past a 30 ms ITL
     write = Settings.model_validate({**settings.model_dump(), "connector": {"name": "nixl", "mode": "write"}})
-    pushed = h200_profile(write, inventory, shape, 128, cross_layer=False)
+    pushed = gpu_profile(write, inventory, shape, 128, cross_layer=False)
     pushed_state = state(pushed, split, 0.4, 8000, 200, 30)
     assert pushed_state.slow_gap_ms is not None and pushed_state.slow_gap_ms < 30  # WRITE: the prefill posts
 
@@ -96,7 +97,7 @@ def test_tuned_colocated_shapes_rank_with_the_splits(tmp_path: Path) -> None:
     inventory = load_inventory("sim:h200-2")
     shape = read_model_shape(tmp_path / "qwen3-32b")
     assert shape is not None
-    prof = h200_profile(settings, inventory, shape, 16, cross_layer=False)
+    prof = gpu_profile(settings, inventory, shape, 16, cross_layer=False)
     ranked = suggest(settings, inventory, prof, 2000, 1000, 2)
     layouts = {p.layout for p in ranked}
     assert layouts == {"colocated", "disaggregated"}
@@ -140,3 +141,51 @@ def test_check_prints_predictions_next_to_the_measured_sweep(tmp_path: Path) -> 
                            "plan", "--check", str(bench), "--check", str(tmp_path / "other.json")],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and "another workload" in done.stderr and "Traceback" not in done.stderr
+
+
+REFERENCE = ROOT / "tests" / "data" / "qwen3-235b-a22b-fp8"  # the mission's model: its public config.json
+
+
+def _suggest_json(tmp_path: Path, *args: str, model: Path = REFERENCE) -> dict[str, Any]:
+    cfg = tmp_path / "pdctl.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}/state"\n[engine]\nkind = "vllm"\n[model]\npath = "{model}"\n'
+                   "[decode]\nmax_num_seqs = 64\n[prefill]\nmax_num_seqs = 64\n[colocated]\nmax_num_seqs = 64\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
+    done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "--inventory", "sim:mi300x-8",
+                           "plan", "--suggest", "--json", "--input-len", "2000", "--output-len", "1000", "--rate", "5",
+                           "--ttft-ms", "1000", "--itl-ms", "50", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    out: dict[str, Any] = json.loads(done.stdout)
+    return out
+
+
+def test_the_plan_flags_connector_and_mode_reach_the_suggestion(tmp_path: Path) -> None:
+    # `plan --suggest --mode write` models the prefill pushing the KV, not the settings' READ
+    read, write = (_suggest_json(tmp_path, "--connector", "moriio", "--mode", mode)["profile"] for mode in ("read", "write"))
+    assert read["post_on_decode"] is True and write["post_on_decode"] is False
+    assert write["write_overlaps_prefill"] is True and "MORI-IO" in write["handoff_source"]
+
+
+def test_the_mission_model_is_sized_from_its_quantization_config_on_the_mi300x_profile() -> None:
+    shape = read_model_shape(REFERENCE)
+    assert shape is not None and shape.quantization == "fp8" and shape.fp8_gemm
+    # FP8 linear weights, bf16 embeddings: ~220 GiB, not the 437.8 GiB of weights sized as bf16
+    assert 215 < shape.weight_bytes / 2**30 < 225 and shape.experts == 128 and shape.experts_per_token == 8
+    cfg = json.loads((REFERENCE / "config.json").read_text())
+    awq = model_shape({**cfg, "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}})
+    assert awq is not None and not awq.fp8_gemm and 110 < awq.weight_bytes / 2**30 < 130  # 4 bits + scales
+    unknown = model_shape({**cfg, "quantization_config": {"quant_method": "something-new"}})
+    assert unknown is not None and unknown.weight_bytes == unknown.params_total * 2  # taken at the dtype
+    bf16 = model_shape({k: v for k, v in cfg.items() if k != "quantization_config"})
+    assert bf16 is not None and with_engine_quantization(bf16, ["--quantization", "fp8"]).weight_bytes == shape.weight_bytes
+    settings = Settings.model_validate({"engine": {"kind": "vllm"}, "model": {"path": str(REFERENCE)},
+                                        "connector": {"name": "moriio", "mode": "write"}})
+    inventory = load_inventory("sim:mi300x-8")
+    prof = gpu_profile(settings, inventory, shape, 16, cross_layer=False)
+    assert not prof.calibrated and prof.band[0] < 1 < prof.band[1] and "MI300X" in prof.source
+    assert "NOT calibrated" in prof.source
+    # MORI-IO: one batched call per layer, a request's contiguous blocks merged, K and V apart
+    assert descriptors(prof, 2000) == 94 * 2 and prof.write_overlaps_prefill
+    h200 = gpu_profile(settings, load_inventory("sim:h200-2"), shape, 128)
+    assert h200.calibrated and "calibrated on" in h200.source
