@@ -126,6 +126,19 @@ class NixlConnector(Connector):
         if options.role in needs and options.side_channel_port is None:
             raise ValueError(f"connector 'nixl' ({options.mode}) on a {options.role} engine needs --side-channel-port")
 
+    def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
+        # Every length hands over in vLLM 0.32, READ and WRITE alike. The decode asks for prompt_tokens -
+        # num_computed_tokens (nixl/pull_scheduler.py and push_scheduler.py, get_num_new_matched_tokens), and
+        # the scheduler offers it a block-aligned local hit of at most prompt_tokens - 1 (v1/core/sched/
+        # scheduler.py, block_aligned_local), so the count is at least 1 for 1 token, under one block, k*B and
+        # k*B+1, with or without a prefix hit; a load that covers the whole prompt recomputes its last token
+        # (_update_waiting_for_remote_kv). The worker moves only the decode's uncached blocks, end-trimming the
+        # prefill's list to them (nixl/base_worker.py _apply_prefix_caching, which asserts decode <= prefill:
+        # the prefill holds every block of the same prompt). A decode that loads nothing (prompt logprobs)
+        # still tells the prefill to free its blocks (request_finished / the notification-only read). An empty
+        # prompt never reaches an engine: vLLM's input processor refuses it (400).
+        return True
+
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         leg = super().prefill_body(body, prefill, decode, handoff)
         leg["kv_transfer_params"] = {
