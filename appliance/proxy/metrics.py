@@ -77,6 +77,12 @@ class ProxyMetrics:
         self.client_aborts = Counter(
             "pdctl_proxy_client_aborts", "Requests the client abandoned (legs aborted)", registry=self.registry,
         )
+        self.handoff_releases = Counter(
+            "pdctl_proxy_handoff_releases",
+            "Prefills whose client left before their decode leg was sent: releases of their KV sent to a decode "
+            "instance, by result (answered: the engine took it; failed: it could not be reached)", ["result"],
+            registry=self.registry,
+        )
         self.tokens = Counter(
             "pdctl_proxy_streamed_chunks", "SSE chunks relayed to clients", registry=self.registry,
         )

@@ -245,6 +245,14 @@ def test_no_legal_request_kills_an_engine(tmp_path: Path, flow: str) -> None:
         assert short == [], short
         print("refused by vLLM:", refused)
         assert all(s == 400 for _, _, s, _ in refused) and len(refused) <= 4, refused
+        # each prompt of a batch is answered on its own KV: NIXL's prefill answer carries the first prompt's
+        # only, and the decode used it for every prompt (the second's first logprob was off by 0.27)
+        batch = [[240 + (n * 29) % 250 for n in range(265)], [250 + (n * 31) % 240 for n in range(145)]]
+        alone = [_greedy(url, prompt)[0] for prompt in batch]
+        together = _greedy(url, batch)
+        assert [t for t, _ in together] == [t for t, _ in alone], (together, alone)
+        assert all(abs(a - b) < 0.05 for (_, x), (_, y) in zip(together, alone, strict=True)
+                   for a, b in zip(x, y, strict=True)), (together, alone)
         doc = _status(cfg)
         assert doc["state"] == "healthy", doc
         assert {i["name"]: i["pid"] for i in doc["instances"]} == before
@@ -252,6 +260,15 @@ def test_no_legal_request_kills_an_engine(tmp_path: Path, flow: str) -> None:
     finally:
         subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
                        env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)
+
+
+def _greedy(url: str, prompt: Any) -> list[tuple[list[str], list[float]]]:
+    """Each choice's tokens and their logprobs for a greedy 3-token completion of `prompt` (a batch: one each)."""
+    status, text = _send(url, "/v1/completions", {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 3,
+                                                   "temperature": 0, "logprobs": 1})
+    assert status == 200, text
+    choices = sorted(json.loads(text)["choices"], key=lambda c: c["index"])
+    return [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in choices]
 
 
 def _status(cfg: Path) -> dict[str, Any]:
