@@ -563,8 +563,11 @@ async def _disaggregated(
             raise LegFailure(502, f"refusing to send an unsafe {name} header to the engines")
     if proxy.mode == "read" or connector.write_waits_for_prefill:
         def abandoned(kv: dict[str, Any]) -> None:
-            release_handoff(proxy, decode, decode_rank, connector.decode_body(body, prefill, decode, prefill_rank,
-                                                                              kv, handoff), headers)
+            try:
+                leg = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
+            except HandoffError:
+                return  # an answer no decode leg could have used: nothing of it to release
+            release_handoff(proxy, decode, decode_rank, leg, headers)
 
         kv, answer = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers, abandoned)
         if kv is None:

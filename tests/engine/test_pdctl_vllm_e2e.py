@@ -166,7 +166,7 @@ def _send(url: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
         return exc.code, exc.read().decode(errors="replace")
 
 
-def _legal_requests() -> list[tuple[str, dict[str, Any]]]:
+def _legal_requests(seeded_batches: bool = True) -> list[tuple[str, dict[str, Any]]]:
     """What a client may legally send: prompt lengths 0 to a few KV blocks (128 tokens on CPU) around every
     block edge, each twice (the second meets the engines' prefix cache and the connector's store), one and two
     tokens out, stop strings, n, logprobs, echo, streams, chat with empty content, sampled n > 1 and batches of
@@ -196,7 +196,7 @@ def _legal_requests() -> list[tuple[str, dict[str, Any]]]:
         out += [("/v1/completions", {**base, "prompt": "Hello", **extra}),
                 ("/v1/completions", {**base, "prompt": PROMPT, **extra})]
     for batch in batches:
-        for extra in ({}, {"stream": True}, {**sampled, "n": 2}):
+        for extra in ({}, {"stream": True}, *([{**sampled, "n": 2}] if seeded_batches else [])):
             out += [("/v1/completions", {**base, "prompt": batch, **extra})] * 2
     out.append(("/v1/chat/completions", {**base, **sampled, "n": 2, "messages": [{"role": "user", "content": PROMPT}]}))
     return out
@@ -234,7 +234,8 @@ def test_no_legal_request_kills_an_engine(tmp_path: Path, flow: str) -> None:
         assert up.returncode == 0, out
         url = _proxy_url(cfg)
         before = {i["name"]: i["pid"] for i in _status(cfg)["instances"]}
-        answers = [(path, body, *_send(url, path, body)) for path, body in _legal_requests()]
+        # the ExampleConnector serves a batch by a decode alone, with prompt_logprobs: see the test below
+        answers = [(path, body, *_send(url, path, body)) for path, body in _legal_requests(flow != "read")]
         failed = [(p, {k: v for k, v in b.items() if k != "prompt"}, s, t[:200]) for p, b, s, t in answers if s >= 500]
         assert failed == [], failed
         refused = [(p, {k: v for k, v in b.items() if k != "prompt"}, s, t[:200]) for p, b, s, t in answers if s != 200]
@@ -276,3 +277,25 @@ def _status(cfg: Path) -> dict[str, Any]:
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"))
     doc: dict[str, Any] = json.loads(done.stdout)
     return doc
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM 0.32 CPU: a seeded batch with prompt_logprobs kills the engine core "
+                   "(RuntimeError: CPU Generator does not use offset, gpu_model_runner._bookkeeping_sync); the "
+                   "ExampleConnector's decode-alone path adds prompt_logprobs: 0. Open, see docs/operations.md")
+def test_a_seeded_batch_does_not_kill_the_example_connectors_decode(tmp_path: Path) -> None:
+    """Reproduced on a plain vLLM 0.32 CPU engine too (no pdctl): prompts ["Hello", PROMPT, 300 words], n=2,
+    temperature 0.8, seed 1234, prompt_logprobs 0 -> 500 and the engine core is dead."""
+    cfg = _config(tmp_path, "seeded")
+    up = _pdctl(cfg, "up")
+    try:
+        out = up.communicate(timeout=1000)[0]
+        assert up.returncode == 0, out
+        url = _proxy_url(cfg)
+        batch = ["Hello", PROMPT, " ".join(["word"] * 300)]
+        status, text = _send(url, "/v1/completions", {"model": "tiny-qwen3", "prompt": batch, "max_tokens": 4,
+                                                      "temperature": 0.8, "seed": 1234, "n": 2})
+        assert status == 200, text
+        assert _status(cfg)["state"] == "healthy"
+    finally:
+        subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
+                       env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)
