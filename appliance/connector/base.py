@@ -183,6 +183,9 @@ class Connector(ABC):
     node_local_env: ClassVar[frozenset[str]] = frozenset()
     # True: some prompt lengths cannot be handed over (handoff_possible); the proxy then counts a prompt's tokens
     lengths_matter: ClassVar[bool] = False
+    # True: the hand-off carries one engine request's KV, so a request that is several (n > 1, a batch of
+    # prompts) is served by a decode instance alone (alone_body)
+    one_request_per_handoff: ClassVar[bool] = False
 
     # ---- the engine side ------------------------------------------------------------------------
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
@@ -269,6 +272,11 @@ class Connector(ABC):
         """Whether a prompt of this many tokens can go through the hand-off (False: the proxy sends it to a
         decode instance alone, with alone_body)."""
         return True
+
+    def release_body(self, decode_body: dict[str, Any]) -> dict[str, Any] | None:
+        """What a decode instance is sent (POST /v1/completions) so that the prefill frees the KV it holds for
+        `decode_body`, a decode leg that will not be sent (its client left); None: nothing to release."""
+        return None
 
     def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """The request a decode instance serves without a hand-off, and whether alone_answer must mend its

@@ -241,6 +241,17 @@ class MoriioConnector(Connector):
     def request_id(self, prefill: Peer, decode: Peer) -> str:
         return router_request_id(_zmq(prefill), _zmq(decode))
 
+    def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
+        # Every length hands over in vLLM 0.32 (read, not run on AMD hardware here). moriio_connector.py
+        # get_num_new_matched_tokens: READ asks for max(prompt_tokens - num_computed_tokens - 1, 0) (the
+        # decode recomputes the last token), WRITE for prompt_tokens - num_computed_tokens, which the
+        # scheduler's block-aligned local hit (at most prompt_tokens - 1) keeps at 1 or more. READ pairs the
+        # decode's uncached blocks with the prefill's matching suffix (_align_read_blocks) and, with nothing
+        # to pull (1 token, or a full local hit), keeps empty block lists so the worker still tells the
+        # prefill to free; WRITE notifies the prefill of the decode's blocks for the same prompt, and of none
+        # when no token is external. An empty prompt never reaches an engine (vLLM's input processor: 400).
+        return True
+
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         leg = super().prefill_body(body, prefill, decode, handoff)
         leg["kv_transfer_params"] = {

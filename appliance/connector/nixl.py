@@ -28,6 +28,8 @@ from appliance.roles import Mode
 # one contiguous region, so a request is about one descriptor per block (12.6 for 2000 tokens) instead of
 # blocks x layers x K/V. They are NVIDIA's defaults only: that is where they were measured.
 GPU_BLOCK_SIZE = 128
+# the model a release of abandoned prefill KV names: served by no engine, so vLLM refuses the request (404)
+RELEASE_MODEL = "pdctl-release-prefill-kv"
 GPU_EXTRA_CONFIG: dict[str, Any] = {"enable_cross_layers_blocks": True}
 # vLLM 0.24 allocates the cross-layer KV tensor only in its V1 model runner; Model Runner V2, its default for
 # Qwen3, Llama, Mistral, DeepSeek-V2 and more, keeps per-layer blocks and ignores the setting.
@@ -64,6 +66,12 @@ class NixlConnector(Connector):
     read_needs_prefill_kv = True
     # vLLM's NIXL stats: the puller's transfers in READ, the pusher's in WRITE
     transfer_metrics = "vllm:nixl_"
+    # vLLM 0.32 answers a prefill leg with one kv_transfer_params, the first engine request's
+    # (entrypoints/openai/completion/serving.py: final_res_batch[0].kv_transfer_params), and the decode applies
+    # it to every engine request of its leg: the other prompts of a batch were decoded on the first one's KV
+    # (a real CPU run: [A, B] answered B differently from B alone) and their own prefills held until the lease;
+    # n samples all read one set of blocks that the prefill frees after the first read.
+    one_request_per_handoff = True
     # the side channel env() pins to this node; a cluster's NIXL backend or pod sets its own
     node_local_env = frozenset({"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"})
 
@@ -141,6 +149,34 @@ class NixlConnector(Connector):
         needs = ("prefill", "both") if options.mode == "read" else ("prefill", "decode", "both")
         if options.role in needs and options.side_channel_port is None:
             raise ValueError(f"connector 'nixl' ({options.mode}) on a {options.role} engine needs --side-channel-port")
+
+    def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
+        # Every length hands over in vLLM 0.32, READ and WRITE alike. The decode asks for prompt_tokens -
+        # num_computed_tokens (nixl/pull_scheduler.py and push_scheduler.py, get_num_new_matched_tokens), and
+        # the scheduler offers it a block-aligned local hit of at most prompt_tokens - 1 (v1/core/sched/
+        # scheduler.py, block_aligned_local), so the count is at least 1 for 1 token, under one block, k*B and
+        # k*B+1, with or without a prefix hit; a load that covers the whole prompt recomputes its last token
+        # (_update_waiting_for_remote_kv). The worker moves only the decode's uncached blocks, end-trimming the
+        # prefill's list to them (nixl/base_worker.py _apply_prefix_caching, which asserts decode <= prefill:
+        # the prefill holds every block of the same prompt). A decode that loads nothing (prompt logprobs)
+        # still tells the prefill to free its blocks (request_finished / the notification-only read). An empty
+        # prompt never reaches an engine: vLLM's input processor refuses it (400).
+        return True
+
+    def release_body(self, decode_body: dict[str, Any]) -> dict[str, Any] | None:
+        # A prefill that answered keeps its blocks until a decode reads them (READ) or registers for them
+        # (WRITE), or until its lease ends: kv_lease_duration, 30 s in vLLM 0.32 (nixl/base_scheduler.py,
+        # _reqs_need_send; freed by base_worker._reap_expired_send_leases, counted as
+        # vllm:nixl_num_kv_expired_reqs). vLLM frees them early on the decode's word only: a request that
+        # carries do_remote_prefill and is refused by the decode's OpenAI layer is submitted as an aborted
+        # request (entrypoints/generate/base/serving.py _with_kv_transfer_rejection_cleanup ->
+        # AsyncLLM.notify_kv_transfer_request_rejected), whose request_finished sends the prefill a
+        # notification without a transfer (pull_scheduler.py and push_scheduler.py, do_remote_prefill still
+        # set). A model no instance serves is refused before anything else is done (_check_model).
+        params = decode_body.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None
+        return {"model": RELEASE_MODEL, "prompt": [0], "max_tokens": 1, "kv_transfer_params": params}
 
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         leg = super().prefill_body(body, prefill, decode, handoff)

@@ -6,12 +6,13 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import HttpVersion11, web
 
 from appliance.connector import HandoffError
-from appliance.proxy.prompts import can_hand_over
+from appliance.proxy.prompts import can_hand_over, engine_requests
 from appliance.proxy.registry import BackendState
 from appliance.proxy.routing import acquire, release
 from appliance.proxy.state import ProxyState
@@ -141,16 +142,24 @@ class Relay:
 
 
 async def run_prefill(
-    proxy: ProxyState, inst: BackendState, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
+    proxy: ProxyState, inst: BackendState, rank: int | None, path: str, body: dict[str, Any],
+    headers: list[tuple[str, str]], abandoned: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """The prefill leg, bounded by timeouts.prefill_s; returns the engine's kv_transfer_params and its answer."""
+    """The prefill leg, bounded by timeouts.prefill_s; returns the engine's kv_transfer_params and its answer.
+    `abandoned` gets the KV's parameters when the leg answered but its request was cancelled (client gone)."""
     limit = proxy.config.timeouts.prefill_s
     # a task of our own rather than asyncio.wait_for's: when this leg is cancelled while the engine's answer
     # is failing it, the failure is still retrieved (no "Task exception was never retrieved" traceback)
-    leg = asyncio.ensure_future(_prefill(proxy, inst, rank, path, body, headers))
+    leg = asyncio.ensure_future(_prefill(proxy, inst, rank, path, body, headers, abandoned))
     leg.add_done_callback(_retrieve)
     try:
         done, _ = await asyncio.wait((leg,), timeout=limit)
+    except asyncio.CancelledError:
+        if abandoned is not None and leg.done() and not leg.cancelled() and leg.exception() is None:
+            kv = leg.result()[0]
+            if kv:
+                abandoned(kv)
+        raise
     finally:
         if not leg.done():
             leg.cancel()
@@ -169,7 +178,8 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 
 
 async def _prefill(
-    proxy: ProxyState, inst: BackendState, rank: int | None, path: str, body: dict[str, Any], headers: list[tuple[str, str]]
+    proxy: ProxyState, inst: BackendState, rank: int | None, path: str, body: dict[str, Any],
+    headers: list[tuple[str, str]], abandoned: Callable[[dict[str, Any]], None] | None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     acquire(inst, rank)
     conn: Connection | None = None
@@ -208,12 +218,33 @@ async def _prefill(
         proxy.metrics.leg_failures.labels("prefill", exc.reason).inc()
         proxy.health.leg_failed(inst)
         raise upstream_failure("prefill", inst, exc) from None
+    except asyncio.CancelledError:
+        if conn is not None:
+            # the engine's answer may have come in while this leg was being cancelled: its KV is held all the same
+            done = conn.done_fut
+            if abandoned is not None and done is not None and done.done() and not done.cancelled() \
+                    and done.exception() is None:
+                kv = _kv_of(done.result())
+                if kv:
+                    abandoned(kv)
+            conn.abort()
+        raise
     except BaseException:
         if conn is not None:
             conn.abort()
         raise
     finally:
         release(inst, rank)
+
+
+def _kv_of(answer: bytes | None) -> dict[str, Any] | None:
+    """The kv_transfer_params of a prefill engine's answer, if it is a JSON object that has them."""
+    try:
+        data = json.loads(answer or b"")
+    except ValueError:
+        return None
+    kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    return kv if isinstance(kv, dict) else None
 
 
 def _sse_error(status: int, message: str) -> bytes:
@@ -238,8 +269,10 @@ async def run_decode(
     headers: list[tuple[str, str]],
     started: float,
     supervisor: asyncio.Task[Any] | None = None,
+    unsent: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
-    """The decode (or colocated) leg: answers the client, streaming or not."""
+    """The decode (or colocated) leg: answers the client, streaming or not. `unsent` is called when the leg
+    is cancelled (client gone) before it was sent to the engine."""
     stream = body.get("stream") is True
     acquire(inst, rank)
     conn: Connection | None = None
@@ -256,6 +289,12 @@ async def run_decode(
         if whole is not None:
             return whole
         return await _relay_stream(proxy, request, inst, conn, started, supervisor)
+    except asyncio.CancelledError:
+        if conn is not None:
+            conn.abort()
+        elif unsent is not None:
+            unsent()
+        raise
     except BaseException:
         if conn is not None:
             conn.abort()
@@ -469,6 +508,36 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
         decode.routed -= 1
 
 
+def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, decode_body: dict[str, Any],
+                    headers: list[tuple[str, str]]) -> None:
+    """Ask the decode instance to have the prefill free the KV it holds for a decode leg that will not be sent
+    (the client left after the prefill answered), rather than hold it until the connector's own timeout."""
+    body = proxy.connector.release_body(decode_body)
+    if body is None:
+        return
+    task = asyncio.get_running_loop().create_task(_send_release(proxy, decode, rank, body, headers))
+    proxy.releases.add(task)
+    task.add_done_callback(proxy.releases.discard)
+
+
+async def _send_release(proxy: ProxyState, inst: BackendState, rank: int | None, body: dict[str, Any],
+                        headers: list[tuple[str, str]]) -> None:
+    if rank is not None:
+        headers = [*headers, ("X-data-parallel-rank", str(rank))]
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    try:
+        conn, _ = await inst.pool.open("POST", "/v1/completions", headers, payload, collect=True,
+                                       head_timeout=proxy.config.timeouts.first_token_s)
+        assert conn.done_fut is not None
+        await conn.done_fut
+    except UpstreamError as exc:
+        proxy.metrics.handoff_releases.labels("failed").inc()
+        log.warning("could not release a prefill's KV through decode instance %s: %s", inst.name, exc)
+        return
+    inst.pool.release(conn)
+    proxy.metrics.handoff_releases.labels("answered").inc()
+
+
 async def _disaggregated(
     proxy: ProxyState,
     request: web.Request,
@@ -485,10 +554,11 @@ async def _disaggregated(
     prefill_rank = router.pick_dp_rank(prefill)
     decode_rank = router.pick_dp_rank(decode)
     block = proxy.config.block_size
-    if connector.lengths_matter and block is not None and not await can_hand_over(proxy, decode, path, body,
-                                                                                  headers, block):
+    if (connector.one_request_per_handoff and engine_requests(path, body) > 1) or (
+            connector.lengths_matter and block is not None and not await can_hand_over(proxy, decode, path, body,
+                                                                                       headers, block)):
         # a prompt the connector cannot hand over is served by the decode instance alone, never sent down a
-        # hand-off that hands nothing over or crashes the engine
+        # hand-off that hands nothing over, hands over another prompt's KV or crashes the engine
         alone, mend = connector.alone_body(body)
         response = await run_decode(proxy, request, decode, decode_rank, path, alone, headers, started)
         if mend and isinstance(response, web.Response) and response.status == 200 and response.body:
@@ -506,7 +576,14 @@ async def _disaggregated(
         if not (value.isascii() and value.isprintable()):
             raise LegFailure(502, f"refusing to send an unsafe {name} header to the engines")
     if proxy.mode == "read" or connector.write_waits_for_prefill:
-        kv, answer = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers)
+        def abandoned(kv: dict[str, Any]) -> None:
+            try:
+                leg = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
+            except HandoffError:
+                return  # an answer no decode leg could have used: nothing of it to release
+            release_handoff(proxy, decode, decode_rank, leg, headers)
+
+        kv, answer = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers, abandoned)
         if kv is None:
             # vLLM hands no KV over for a prefill that finished the request (its one token was EOS or a stop;
             # MoRIIO, and the shared-storage connector always): the prefill's answer is the whole answer.
@@ -516,7 +593,8 @@ async def _disaggregated(
             if connector.read_needs_prefill_kv:
                 raise LegFailure(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
         decode_body = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
-        return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started)
+        return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started,
+                                unsent=lambda: release_handoff(proxy, decode, decode_rank, decode_body, headers))
 
     decode_body = connector.decode_body(body, prefill, decode, prefill_rank, None, handoff)
     prefill_task = asyncio.ensure_future(run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers))

@@ -88,6 +88,12 @@ class ProxyMetrics:
             "pdctl_proxy_request_bodies", "Request bodies parsed, by where: loop (small) or worker (large, a process)",
             ["parsed_in"], registry=self.registry,
         )
+        self.handoff_releases = Counter(
+            "pdctl_proxy_handoff_releases",
+            "Prefills whose client left before their decode leg was sent: releases of their KV sent to a decode "
+            "instance, by result (answered: the engine took it; failed: it could not be reached)", ["result"],
+            registry=self.registry,
+        )
         self.tokens = Counter(
             "pdctl_proxy_streamed_chunks", "SSE chunks relayed to clients", registry=self.registry,
         )

@@ -22,12 +22,25 @@ _CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "add_special_to
               "chat_template_kwargs", "tools", "documents")
 
 
+# the proxy holds a prompt list as a tuple (app.walk_free); a list is what JSON gives before that
+_SEQUENCES = (list, tuple)
+
+
 def known_length(path: str, body: dict[str, Any]) -> int | None:
     """The prompt's token count when the body settles it (token ids), else None."""
     prompt = body.get("prompt") if path.endswith("/completions") and "messages" not in body else None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, _SEQUENCES) and prompt and all(isinstance(t, int) for t in prompt):
         return len(prompt)
     return None
+
+
+def engine_requests(path: str, body: dict[str, Any]) -> int:
+    """How many engine requests vLLM makes of the request: n for each prompt of a batch (at least 1)."""
+    n = body.get("n")
+    samples = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    prompt = body.get("prompt") if path.endswith("/completions") and "messages" not in body else None
+    batch = len(prompt) if isinstance(prompt, _SEQUENCES) and prompt and not isinstance(prompt[0], int) else 1
+    return samples * batch
 
 
 def most_tokens(path: str, body: dict[str, Any]) -> int | None:

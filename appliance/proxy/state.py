@@ -37,6 +37,8 @@ class ProxyState:
         # (bounded) for one instead of failing. Set through the admin API (/admin/hold), off by default.
         self.hold_wait_s = 0.0
         self.hold_until = 0.0
+        # releases of abandoned hand-offs run after their client's request ended (legs.release_handoff)
+        self.releases: set[asyncio.Task[None]] = set()
         self.registry.set_static(config.backends)
 
     # readiness

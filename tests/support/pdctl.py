@@ -19,6 +19,9 @@ def write_config(directory: Path, state_dir: Path, manager: str = "supervisor", 
     """A pdctl.toml for the simulated engine on this CPU node, every port free, state in `state_dir`."""
     prefill, decode, colocated = free_ports(3, width=2)  # room for a second instance of each role
     proxy, admin, ping = free_ports(3)
+    # the connectors' own ports too (NIXL side channel, MORI-IO handshake and notify): two deployments on
+    # their defaults, another test's among them, fail at the engines' bind
+    hs_p, nt_p, hs_d, nt_d, hs_c, nt_c = free_ports(6, width=2)
     path = directory / "pdctl.toml"
     path.write_text(
         f"""state_dir = {json.dumps(str(state_dir))}
@@ -29,10 +32,16 @@ kind = "sim"
 health_timeout_s = 60
 [prefill]
 http_port = {prefill}
+handshake_port = {hs_p}
+notify_port = {nt_p}
 [decode]
 http_port = {decode}
+handshake_port = {hs_d}
+notify_port = {nt_d}
 [colocated]
 http_port = {colocated}
+handshake_port = {hs_c}
+notify_port = {nt_c}
 [proxy]
 port = {proxy}
 admin_port = {admin}

@@ -1,0 +1,129 @@
+"""Issue 23 item 11: a prefill that answered holds its KV for the decode leg (vLLM's NIXL: until its 30 s
+lease ends). When the client leaves before that leg is sent, the proxy asks the decode instance to release it.
+scripts/abandoned_prefills.py measures the same on real vLLM (prefill KV held 31.5 s before, freed at once after)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from appliance.connector import get_connector
+from tests.proxy.conftest import MODEL, backend, engines, proxy_config, running_proxy
+from tests.support.waiting import eventually
+
+
+class Decode:
+    """A decode instance that answers like vLLM (404 for a model it does not serve) and records each request;
+    `block` makes new connections wait in its full accept queue (an engine too busy to accept) until `serve`."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.requests: list[dict[str, Any]] = []
+        self._filler: socket.socket | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _complete(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        if body.get("model") != MODEL:
+            return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist."}},
+                                     status=404)
+        return web.json_response({"choices": [{"index": 0, "text": " t", "finish_reason": "length"}]})
+
+    def _listen(self) -> socket.socket:
+        """A listening socket on this decode's port (a free one the first time), with an accept queue of one."""
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        sock.listen(0)
+        self.port = sock.getsockname()[1]
+        return sock
+
+    async def serve(self, sock: socket.socket | None = None) -> None:
+        """Accept and answer (on `sock`: the connections waiting in its queue too)."""
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/completions", self._complete)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock or self._listen()).start()
+
+    async def block(self) -> socket.socket:
+        """Stop accepting: the port's new socket has its accept queue filled by one connection; returns it."""
+        assert self._runner is not None
+        await self._runner.cleanup()
+        sock = self._listen()
+        self._filler = socket.create_connection(("127.0.0.1", self.port))
+        return sock
+
+    async def stop(self) -> None:
+        if self._filler is not None:
+            self._filler.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def test_a_prefill_whose_client_left_before_its_decode_leg_is_released_through_the_decode() -> None:
+    async def scenario() -> None:
+        decode = Decode()
+        await decode.serve()
+        try:
+            async with engines("prefill") as (p,), running_proxy(proxy_config(
+                    "nixl", [backend("prefill-0", "prefill", p),
+                             {"name": "decode-0", "role": "decode", "url": decode.url}], mode="read")) as px:
+                blocked = await decode.block()
+                inst = px.registry.get("decode-0")
+                assert inst is not None
+                body = {"model": MODEL, "prompt": "hello", "max_tokens": 8, "stream": True}
+                async with aiohttp.ClientSession() as session:
+                    client = asyncio.ensure_future(session.post(f"http://127.0.0.1:{px.api_port}/v1/completions",
+                                                                json=body))
+                    # the prefill answered and the proxy is sending the decode leg (its connection waits)
+                    await eventually(lambda: p.finished and inst.in_flight == 1, what="decode leg on its way")
+                    client.cancel()
+                    await asyncio.gather(client, return_exceptions=True)
+                await eventually(lambda: inst.in_flight == 0, what="the request ended")
+                await decode.serve(blocked)
+                await eventually(lambda: decode.requests, what="the release reached the decode")
+                kv = decode.requests[0]["kv_transfer_params"]
+                assert kv["do_remote_prefill"] is True and kv["remote_block_ids"] == [3, 4, 5]
+                assert kv["remote_engine_id"] == f"127.0.0.1:{p.handshake_port}"
+                # the release, not the decode leg (which never left the proxy)
+                assert [r["model"] for r in decode.requests] == [get_connector("nixl").release_body(
+                    {"kv_transfer_params": kv})["model"]]  # type: ignore[index]
+                await eventually(lambda: px.releases == set(), what="release task done")
+                text = await _metrics(px.api_port)
+                assert 'pdctl_proxy_handoff_releases_total{result="answered"} 1.0' in text, text
+        finally:
+            await decode.stop()
+
+    asyncio.run(scenario())
+
+
+async def _metrics(port: int) -> str:
+    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+        return await resp.text()
+
+
+def test_release_body_carries_the_prefills_kv_under_a_model_no_engine_serves() -> None:
+    nixl = get_connector("nixl")
+    kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[6]],
+          "remote_engine_id": "e", "remote_request_id": "cmpl-x-0-1", "remote_host": "127.0.0.1", "remote_port": 5600}
+    release = nixl.release_body({"model": MODEL, "prompt": "hello", "kv_transfer_params": kv})
+    assert release is not None and release["kv_transfer_params"] == kv and release["model"] != MODEL
+    assert json.dumps(release)  # sent as it is
+    # a decode leg without the prefill's KV, or a connector that holds none, has nothing to release
+    assert nixl.release_body({"model": MODEL, "prompt": "hello"}) is None
+    assert get_connector("example").release_body({"model": MODEL, "kv_transfer_params": kv}) is None
