@@ -13,6 +13,7 @@ from rich.console import Console
 
 from appliance.choices import ConnectorChoice
 from appliance.inventory import Inventory, load_inventory
+from appliance.machines import simulated_sources
 from appliance.node import Node
 from appliance.plan import Plan, plan
 from appliance.settings import Settings, env_data, load_settings
@@ -46,7 +47,7 @@ def plan_options(func: F) -> F:
         click.option("--decode", "decode_set", metavar="SET|SHAPE",
                      help="Decode GPUs (4-7) or shape (1xTP4, 2xTP2@4-7)."),
         click.option("--inventory", "inventory_source", metavar="SOURCE",
-                     help="Plan for another inventory: sim:mi300x-8, sim:h200-8, sim:cpu or a JSON file."),
+                     help=f"Plan for another inventory: {simulated_sources()} or a JSON file."),
     ]
     for option in reversed(options):
         func = option(func)
