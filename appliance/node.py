@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
-
 from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager, choose_manager
 from appliance.plan import Plan, busy_ports
@@ -93,6 +91,8 @@ def port_conflicts(plan: Plan, manager: ServiceManager | None, *, proxy_only: bo
     busy = [b for b in busy_ports(plan, port_free) if not (proxy_only and b.instance is not None)]
     if not busy:
         return []
+    import psutil  # only where a port is taken: `pdctl status` on a healthy node does not pay for it
+
     found = holders([(b.host, b.port) for b in busy])
     if manager is None:
         return [taken(b.port, b.host, b.owner, found[(b.host, b.port)]) for b in busy]

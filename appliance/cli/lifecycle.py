@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import click
 from rich.console import Console
-from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
@@ -92,14 +92,17 @@ class Snapshot:
 def snapshot(plan: Plan, manager: ServiceManager) -> Snapshot:
     """Ask the manager, every engine's /health and the proxy's admin API."""
     units = manager.status()
-    health = {
-        inst.name: units[instance_unit(inst)].state in ACTIVE and http_answer(inst.url + "/health") == 200
-        for inst in plan.instances
-    }
+    active = [inst for inst in plan.instances if units[instance_unit(inst)].state in ACTIVE]
+    # Every probe at once: a busy or hung engine costs its own timeout, not one per engine in a row.
+    with ThreadPoolExecutor(max_workers=len(active) + 1) as pool:
+        proxy_answer = pool.submit(proxy_state, plan) if units[PROXY_UNIT].state in ACTIVE else None
+        answers = dict(zip([i.name for i in active], pool.map(lambda i: http_answer(i.url + "/health"), active),
+                           strict=True))
+    health = {inst.name: answers.get(inst.name) == 200 for inst in plan.instances}
     proxy, conflict = None, None
-    if units[PROXY_UNIT].state in ACTIVE:
+    if proxy_answer is not None:
         try:
-            proxy = proxy_state(plan)
+            proxy = proxy_answer.result()
         except PortTaken as exc:
             conflict = exc.message
     if proxy is None:
@@ -146,6 +149,8 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
     (`live`, a terminal) or a line per change (`lines`, a pipe: flushed at once, so a log shows it as it goes)."""
     start = time.monotonic()
     snap = snapshot(plan, manager)
+    from rich.live import Live  # only `up` draws a live view
+
     view = Live(progress_table(plan, snap, 0), console=console, transient=True, auto_refresh=False) if live else None
     seen: dict[str, str] = {}
 

@@ -39,6 +39,7 @@ import json
 import sys
 import time
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import click
@@ -97,7 +98,7 @@ def proxy_counters(plan: Plan) -> dict[str, Any] | None:
     return out
 
 
-def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, inventory_source: str | None) -> dict[str, Any]:
+def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, inventory: Inventory) -> dict[str, Any]:
     """The `pdctl status --json` document (see the module docstring)."""
     now = time.time()
     restarts = manager.restart_counts()
@@ -142,7 +143,6 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         "requests": proxy_counters(plan) if admin is not None else None,
         "port_conflict": snap.port_conflict,
     }
-    inventory = load_inventory(inventory_source)
     owner = {g: inst for inst in plan.instances for g in inst.gpus}
     gpus = [
         {
@@ -282,6 +282,14 @@ def status(ctx: click.Context, as_json: bool, manager: str | None) -> None:
 
     Exit code 0 healthy, 1 degraded, 3 down.
     """
+    # The GPU library's start (NVML or amdsmi: up to a second on a GPU host) overlaps reading the plan and
+    # asking the manager and the engines, rather than adding to them (benchmarks/cli_latency.py).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        gpus = pool.submit(load_inventory, (ctx.find_root().obj or {}).get("inventory_source"))
+        _status(ctx, as_json, manager, gpus)
+
+
+def _status(ctx: click.Context, as_json: bool, manager: str | None, gpus: Future[Inventory]) -> None:
     # A broken settings file must not hide what runs: status reads the installed plan, and says what is wrong.
     settings, config_error = load_settings_despite_errors((ctx.find_root().obj or {}).get("config_path"))
     try:
@@ -295,8 +303,7 @@ def status(ctx: click.Context, as_json: bool, manager: str | None) -> None:
             raise config_error from None
         raise
     snap = snapshot(plan, mgr)
-    source = (ctx.find_root().obj or {}).get("inventory_source")
-    doc = status_document(plan, mgr, snap, source)
+    doc = status_document(plan, mgr, snap, gpus.result())
     doc["config_error"] = str(config_error) if config_error else None
     if as_json:
         click.echo(json.dumps(doc, indent=2))
