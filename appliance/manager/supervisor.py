@@ -10,9 +10,9 @@ like systemd, only changed units stop. A supervisord without the extension gets 
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
-import http.client
 import resource
 import socket
 import subprocess
