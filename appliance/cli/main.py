@@ -47,7 +47,7 @@ COMMANDS: dict[str, Verb] = {
     "rebalance": Verb("appliance.cli.rebalance:rebalance",
                       "Change the GPU split and instance shapes of the running node with the least disruption."),
     "restart": Verb("appliance.cli.restart:restart",
-                    "Restart a role (every instance of it), one instance (e.g. decode-1), the proxy, or everything."),
+                    "Restart a role (every instance of it), one instance (e.g. decode-0), the proxy, or everything."),
     "sim-engine": Verb("appliance.engine.sim.cli:sim_engine",
                        "Run a simulated vLLM engine that speaks vLLM's API and KV-connector flows (no GPU)."),
     "status": Verb("appliance.cli.status:status",

@@ -106,7 +106,7 @@ class PlannedRestart:
 @click.pass_context
 def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, timeout_s: float | None,
             drain_timeout: float | None, hold_s: float | None, no_wait: bool, as_json: bool) -> None:
-    """Restart a role (every instance of it), one instance (e.g. decode-1), the proxy, or everything.
+    """Restart a role (every instance of it), one instance (e.g. decode-0), the proxy, or everything.
 
     Engine instances restart one at a time, drained first; while a role has no instance serving, the proxy
     holds its new requests (bounded) and sends them when it is back, so no request fails. The proxy itself
