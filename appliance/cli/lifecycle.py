@@ -123,17 +123,29 @@ def progress_table(plan: Plan, snap: Snapshot, elapsed: float) -> Table:
         table.add_row(instance_unit(inst), ",".join(map(str, inst.gpus)) or "cpu", str(inst.http_port),
                       escape(st.detail or st.state), health)
     st = snap.units[PROXY_UNIT]
-    ready = snap.proxy.get("ready") if snap.proxy else None
+    health = proxy_health(plan, snap)
     table.add_row(PROXY_UNIT, "-", str(plan.proxy.port), escape(st.detail or st.state),
-                  "[green]ready[/green]" if ready else "[yellow]waiting[/yellow]")
+                  "[green]ready[/green]" if health == "ready" else f"[yellow]{escape(health)}[/yellow]")
     return table
+
+
+def proxy_health(plan: Plan, snap: Snapshot) -> str:
+    """The proxy in `pdctl up`'s progress: "ready", what a proxy that answers still waits for (it logs "ready
+    on HOST:PORT" once it listens, long before a vLLM engine has loaded), or "waiting" while it does not answer."""
+    if snap.proxy is None:
+        return "waiting"
+    if snap.proxy.get("ready"):
+        return "ready"
+    healthy = snap.proxy.get("healthy") or {}
+    missing = [role for role in dict.fromkeys(i.role for i in plan.instances) if not healthy.get(role)]
+    return f"listening, waiting for a healthy {' and '.join(missing)} instance" if missing else "listening"
 
 
 def progress_lines(plan: Plan, snap: Snapshot, elapsed: float, seen: dict[str, str]) -> list[str]:
     """The `pdctl up` progress for a pipe or a log: one line per unit whose state or health changed."""
     rows = [(instance_unit(i), snap.units[instance_unit(i)], "healthy" if snap.health.get(i.name) else "waiting")
             for i in plan.instances]
-    rows.append((PROXY_UNIT, snap.units[PROXY_UNIT], "ready" if snap.proxy and snap.proxy.get("ready") else "waiting"))
+    rows.append((PROXY_UNIT, snap.units[PROXY_UNIT], proxy_health(plan, snap)))
     out = []
     for unit, st, health in rows:
         now = f"{st.detail or st.state}, {health}"
@@ -251,7 +263,9 @@ def up(ctx: click.Context, /, manager: str | None, timeout_s: float | None, no_w
     if snap.ready(plan):
         if not as_json:
             what = ", ".join(begun) or "nothing to start"
-            console.print(f"[green]healthy[/green] ({mgr.name}; {what}); proxy {plan.proxy.url}")
+            console.print(f"[green]healthy[/green] ({mgr.name}; {what})")
+            # its own line, never wrapped, so that it can be copied whole at any terminal width
+            console.print(f"proxy {plan.proxy.url}", soft_wrap=True, highlight=False)
         return
     if snap.port_conflict:
         # the units stay as they are: once the port is free the proxy starts (or the next `pdctl up` starts it)
