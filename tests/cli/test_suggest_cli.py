@@ -140,3 +140,26 @@ def test_check_prints_predictions_next_to_the_measured_sweep(tmp_path: Path) -> 
                            "plan", "--check", str(bench), "--check", str(tmp_path / "other.json")],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and "another workload" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_profile_line_says_why_a_gpu_inventory_gets_the_simulated_time_model(tmp_path: Path) -> None:
+    # a fresh CPU box's settings (real vLLM, the embedded model) planning for an H200 pair
+    (tmp_path / "pdctl.toml").write_text('[engine]\nkind = "vllm"\n')
+
+    def profile(*extra: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "appliance", *extra, "plan", "--suggest", "--inventory",
+                               "sim:h200-2"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PDCTL_CONFIG=str(tmp_path / "pdctl.toml")))
+        assert done.returncode == 0, done.stderr
+        line = next(li for li in done.stdout.splitlines() if li.startswith("profile:"))
+        return " ".join(line.split())
+
+    line = profile()
+    assert line.startswith("profile: the simulated engine's time model")
+    assert "not the H200-calibrated one" in line and "model.path is the embedded tiny model" in line, line
+    # with a model directory it has its H200 profile, and with the simulated engine nothing needs saying
+    _model(tmp_path)
+    (tmp_path / "pdctl.toml").write_text(f'[engine]\nkind = "vllm"\n[model]\npath = "{tmp_path / "qwen3-32b"}"\n')
+    assert "H200" in profile() and "simulated" not in profile()
+    (tmp_path / "pdctl.toml").write_text('[engine]\nkind = "sim"\n')
+    assert profile() == "profile: the simulated engine's time model (settings engine.sim)"
