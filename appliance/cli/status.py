@@ -66,6 +66,16 @@ def _uptime(started_at: float | None, now: float) -> float | None:
     return round(now - started_at, 1) if started_at else None
 
 
+def request_counters(plan: Plan, admin: dict[str, Any]) -> dict[str, Any] | None:
+    """The proxy's request counters, from its admin state (`admin`); a proxy an older pdctl started, which keeps
+    running across an upgrade until it restarts, has them only on its /metrics."""
+    totals = admin.get("requests")
+    if not isinstance(totals, dict):
+        return proxy_counters(plan)
+    holds = admin.get("holds") or {}
+    return {**totals, "held": int(holds.get("requests", 0)), "max_hold_s": float(holds.get("max_wait_s", 0.0))}
+
+
 def proxy_counters(plan: Plan) -> dict[str, Any] | None:
     """Request counters from the proxy's Prometheus /metrics, or None when it does not answer."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -140,7 +150,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         "ready": bool(admin and admin.get("ready")),
         "mode": admin.get("mode") if admin else None,
         "registered": [{k: i.get(k) for k in keys} for i in (admin or {}).get("instances", [])],
-        "requests": proxy_counters(plan) if admin is not None else None,
+        "requests": request_counters(plan, admin) if admin is not None else None,
         "port_conflict": snap.port_conflict,
     }
     owner = {g: inst for inst in plan.instances for g in inst.gpus}
