@@ -69,13 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, help="measure the node this settings file deploys")
     parser.add_argument("--against", type=Path, help="another pdctl source tree to time on the same deployment")
     args = parser.parse_args(argv)
-    env = dict(os.environ, PDCTL_INVENTORY=os.environ.get("PDCTL_INVENTORY", "sim:cpu"))
-    env.pop("PDCTL_CONFIG", None)
+    # the commands see the host's GPUs as an operator's would (the inventory auto-detected); the simulated
+    # deployment is planned for this node's CPU
+    env = {k: v for k, v in os.environ.items() if k not in ("PDCTL_CONFIG", "PDCTL_INVENTORY")}
     with tempfile.TemporaryDirectory(prefix="pdctl-cli-latency-") as tmp:
         config = args.config
         if config is None:
             config = write_config(Path(tmp), Path(tmp) / "state")
-            up = _pdctl(config, ["up"], env)
+            up = _pdctl(config, ["--inventory", "sim:cpu", "up"], env)
             if up.returncode != 0:
                 raise SystemExit(f"pdctl up failed: {up.stdout}{up.stderr}")
         try:

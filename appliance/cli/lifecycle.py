@@ -138,7 +138,7 @@ def proxy_health(plan: Plan, snap: Snapshot) -> str:
         return "ready"
     healthy = snap.proxy.get("healthy") or {}
     missing = [role for role in dict.fromkeys(i.role for i in plan.instances) if not healthy.get(role)]
-    return f"listening, waiting for a healthy {' and '.join(missing)} instance" if missing else "listening"
+    return f"listening, waiting for {' and '.join(missing)}" if missing else "listening"
 
 
 def progress_lines(plan: Plan, snap: Snapshot, elapsed: float, seen: dict[str, str]) -> list[str]:
@@ -172,7 +172,7 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
             view.update(progress_table(plan, snap, elapsed), refresh=True)
         elif lines:
             for line in progress_lines(plan, snap, elapsed, seen):
-                console.print(line, markup=False, highlight=False)
+                console.print(line, markup=False, highlight=False, soft_wrap=True)  # a log line is one line
             console.file.flush()
 
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -104,6 +105,8 @@ def test_a_first_run_on_a_pipe(tmp_path: Path) -> None:
     assert lines[-2].startswith("healthy (supervisor; pd-prefill-0, pd-decode-0, pd-proxy)"), lines
     proxy_port = load_settings(config).proxy.port
     assert lines[-1] == f"proxy http://127.0.0.1:{proxy_port}", lines
+    # no line of the log is cut in two at 80 columns
+    assert all(re.match(r"\s*\d+s  pd-[\w-]+: ", line) for line in lines[:-2]), lines
 
     good = config.read_text()
     config.write_text(good + "[bogus]\nx = 1\n")
@@ -189,7 +192,7 @@ def test_up_says_what_a_listening_proxy_waits_for(tmp_path: Path) -> None:
 
     assert health(None) == "waiting"  # not answering yet
     assert health({"ready": False, "healthy": {"prefill": 0, "decode": 0, "both": 0}}) == \
-        "listening, waiting for a healthy prefill and decode instance"
+        "listening, waiting for prefill and decode"
     assert health({"ready": False, "healthy": {"prefill": 1, "decode": 0}}) == \
-        "listening, waiting for a healthy decode instance"
+        "listening, waiting for decode"
     assert health({"ready": True, "healthy": {"prefill": 1, "decode": 1}}) == "ready"
