@@ -70,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", type=Path, help="another pdctl source tree to time on the same deployment")
     args = parser.parse_args(argv)
     # the commands see the host's GPUs as an operator's would (the inventory auto-detected); the simulated
-    # deployment is planned for this node's CPU
-    env = {k: v for k, v in os.environ.items() if k not in ("PDCTL_CONFIG", "PDCTL_INVENTORY")}
+    # deployment is planned for this node's CPU. Bytecode is written (the warm-up run) and used, as pip's
+    # install of pdctl compiles it: with PYTHONDONTWRITEBYTECODE every run would compile pdctl's modules again.
+    drop = ("PDCTL_CONFIG", "PDCTL_INVENTORY", "PYTHONDONTWRITEBYTECODE")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     with tempfile.TemporaryDirectory(prefix="pdctl-cli-latency-") as tmp:
         config = args.config
         if config is None:
