@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 import pytest
@@ -56,3 +58,19 @@ def test_inventory_help_names_every_simulated_machine() -> None:
                                text=True, check=True, timeout=60).stdout
     for name in MACHINES:
         assert f"sim:{name}" in " ".join(plan_help.split())
+
+
+def test_status_loads_none_of_what_it_does_not_use(tmp_path: Path) -> None:
+    # `pdctl status` in an operator's loop: no asyncio/aiohttp stack, no pydantic-settings (no PDCTL_ setting
+    # set), no Prometheus parser, no supervisord internals (psutil stays: the GPU detection reads sysfs with it)
+    (tmp_path / "pdctl.toml").write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    code = ("import sys\nfrom appliance.cli.main import main\n"
+            f"try:\n    main(['--config', {str(tmp_path / 'pdctl.toml')!r}, 'status', '--json'])\n"
+            "except SystemExit:\n    pass\nprint('MODULES', *sorted(sys.modules))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+                          env=env)
+    assert '"state": "down"' in done.stdout  # it ran: nothing is deployed there
+    modules = set(done.stdout.partition("MODULES ")[2].split())
+    unwanted = ("asyncio", "aiohttp", "pydantic_settings", "prometheus_client", "supervisor", "rich.live")
+    assert sorted(m for m in modules if m.split(".")[0] in unwanted or m in unwanted) == []
