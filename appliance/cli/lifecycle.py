@@ -14,12 +14,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from appliance.cli.options import console as cli_console
 from appliance.cli.options import layout_option, node_overrides, obtain, obtain_plan, plan_options
@@ -30,6 +27,10 @@ from appliance.plan import Plan
 from appliance.proxy.client import PortTaken
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit, role_service
 from appliance.settings import Settings
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 EXIT_UNHEALTHY = 1
 MANAGER_CHOICE = click.Choice(["auto", "systemd", "supervisor"])
@@ -114,6 +115,9 @@ def snapshot(plan: Plan, manager: ServiceManager) -> Snapshot:
 
 def progress_table(plan: Plan, snap: Snapshot, elapsed: float) -> Table:
     """The live `pdctl up` view: one row per unit."""
+    from rich.markup import escape
+    from rich.table import Table
+
     table = Table(title=f"waiting for health ({elapsed:.0f}s)", show_header=True, header_style="bold")
     for col in ("unit", "GPUs", "port", "state", "health"):
         table.add_column(col)
@@ -192,6 +196,8 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
 
 def report_failure(plan: Plan, manager: ServiceManager, snap: Snapshot, console: Console, timeout_s: float) -> None:
     """Say which units are not healthy and show their last log lines (on stderr)."""
+    from rich.markup import escape
+
     bad = snap.failed() or [
         instance_unit(i) for i in plan.instances if not snap.health.get(i.name)
     ] or [PROXY_UNIT]

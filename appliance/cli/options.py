@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from rich.console import Console
 
 from appliance.choices import ConnectorChoice
 from appliance.inventory import Inventory, load_inventory
@@ -18,6 +17,9 @@ from appliance.node import Node
 from appliance.plan import Plan, plan
 from appliance.settings import Settings, env_data, load_settings
 from appliance.shapes import role_overrides
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,6 +30,8 @@ PIPE_WIDTH = 1000
 
 def console(stderr: bool = False) -> Console:
     """A rich console; on a pipe or a log (not a terminal, no $COLUMNS) tables and lines are never cut at 80."""
+    from rich.console import Console  # `status --json` and other plain outputs never load rich
+
     stream = sys.stderr if stderr else sys.stdout
     wide = not stream.isatty() and "COLUMNS" not in os.environ
     return Console(stderr=stderr, width=PIPE_WIDTH if wide else None, emoji=False)

@@ -40,12 +40,9 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from appliance.cli.lifecycle import EXIT_UNHEALTHY, MANAGER_CHOICE, Snapshot, deployed, snapshot
 from appliance.cli.options import console
@@ -58,6 +55,9 @@ from appliance.node import EXIT_DOWN, PORT_FIX, NotDeployed, admin_url
 from appliance.plan import Plan, _usable
 from appliance.render.names import PROXY_UNIT, instance_unit
 from appliance.settings import load_settings_despite_errors
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 SCHEMA_VERSION = 1
 
@@ -238,6 +238,9 @@ def _duration(seconds: float | None) -> str:
 
 def render_status(doc: dict[str, Any], console: Console) -> None:
     """The status document as tables for people."""
+    from rich.markup import escape  # rich only for people: `status --json` never loads it
+    from rich.table import Table
+
     colour = {"healthy": "green", "degraded": "yellow", "down": "red"}[doc["state"]]
     console.print(f"[{colour}]{doc['state']}[/{colour}] ({doc['manager']}): {doc['layout']}, connector "
                   f"{doc['connector']}, mode {doc['mode']}, model {escape(doc['model'])}")

@@ -62,7 +62,7 @@ def test_inventory_help_names_every_simulated_machine() -> None:
 
 def test_status_loads_none_of_what_it_does_not_use(tmp_path: Path) -> None:
     # `pdctl status` in an operator's loop: no asyncio/aiohttp stack, no pydantic-settings (no PDCTL_ setting
-    # set), no Prometheus parser, no supervisord internals (psutil stays: the GPU detection reads sysfs with it)
+    # set), no Prometheus parser, no supervisord internals, and for --json no rich (psutil stays: the GPU detection reads sysfs with it)
     (tmp_path / "pdctl.toml").write_text(f'state_dir = "{tmp_path / "state"}"\n')
     code = ("import sys\nfrom appliance.cli.main import main\n"
             f"try:\n    main(['--config', {str(tmp_path / 'pdctl.toml')!r}, 'status', '--json'])\n"
@@ -72,5 +72,5 @@ def test_status_loads_none_of_what_it_does_not_use(tmp_path: Path) -> None:
                           env=env)
     assert '"state": "down"' in done.stdout  # it ran: nothing is deployed there
     modules = set(done.stdout.partition("MODULES ")[2].split())
-    unwanted = ("asyncio", "aiohttp", "pydantic_settings", "prometheus_client", "supervisor", "rich.live")
+    unwanted = ("asyncio", "aiohttp", "pydantic_settings", "prometheus_client", "supervisor", "rich")
     assert sorted(m for m in modules if m.split(".")[0] in unwanted or m in unwanted) == []
