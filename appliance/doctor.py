@@ -196,12 +196,13 @@ def _gpus_row(inventory: Inventory) -> Finding:
                    "check the driver (amd-smi / nvidia-smi) for the listed GPUs" if bad else "")
 
 
-def refused_findings(inventory: Inventory, error: PdctlError) -> list[Finding]:
-    """The node's own rows when no plan can be made for it, and the planner's refusal as the last row."""
-    rows = [_gpus_row(inventory)] if inventory.gpus else []
-    if inventory.vendor == "amd":
-        rows.extend(amd_rows(inventory))
-    return [*rows, Finding("plan", "fail", error.message, error.fix or "")]
+def refused_findings(settings: Settings, inventory: Inventory, error: PdctlError,
+                     probe_timeout: float = 180.0) -> list[Finding]:
+    """When no plan can be made for the node and none is deployed: every check that needs no plan (GPUs,
+    vLLM and the settings' connector library, RDMA), and the planner's refusal as the last row."""
+    named = settings.connector.name if settings.connector.name != "auto" else None
+    return [*node_checks(settings, inventory, named, probe_timeout),
+            Finding("plan", "fail", error.message, error.fix or "")]
 
 
 def check_rdma(connector: str, need: RdmaNeed | None, sysfs: Path = Path("/sys/class/infiniband")) -> Finding:
@@ -282,13 +283,27 @@ def check_memlock(settings: Settings, p: Plan, pins_memory: bool) -> Finding:
 
 def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout: float = 180.0) -> list[Finding]:
     """All doctor checks for this node and plan."""
+    findings = node_checks(settings, inventory, p.connector, probe_timeout)
+    need = get_connector(p.connector).rdma(settings.connector.moriio_backend)
+    findings.append(check_memlock(settings, p, pins_memory=need is not None))
+    findings.append(check_ports(settings, p))
+    findings.extend(check_model(settings, p))
+    findings.extend(check_tp(p))
+    return findings
+
+
+def node_checks(settings: Settings, inventory: Inventory, connector_name: str | None,
+                probe_timeout: float = 180.0) -> list[Finding]:
+    """The checks that need no plan: GPUs, the engine's vLLM and (where a connector is known) its library and
+    RDMA."""
     findings: list[Finding] = []
-    connector = get_connector(p.connector)
+    connector = get_connector(connector_name) if connector_name else None
+    with_connector = f" with the {connector_name} connector" if connector_name else ""
     if inventory.gpus:
         findings.append(_gpus_row(inventory))
     else:
         why = "; ".join(inventory.notes[:2])
-        findings.append(Finding("gpus", "ok", f"no GPUs ({why}): CPU layout with the {p.connector} connector"))
+        findings.append(Finding("gpus", "ok", f"no GPUs ({why}): CPU layout{with_connector}"))
 
     if inventory.vendor == "amd":
         findings.extend(amd_rows(inventory))
@@ -297,7 +312,7 @@ def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout:
         findings.append(Finding("engine", "ok", "simulated engine (no vLLM needed)"))
     else:
         python = engine_python(settings)
-        result = probe_engine(python, p.connector, probe_timeout)
+        result = probe_engine(python, connector_name or "none", probe_timeout)
         if "vllm" in result:
             cmd = server_command("python", "MODEL", settings.engine.vllm_package)
             server = f"python -m {cmd[2]}" + (" serve" if cmd[3] == "serve" else "")
@@ -307,20 +322,16 @@ def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout:
         else:
             findings.append(Finding("vllm", "fail", f"vLLM is not importable by {python}: {result.get('vllm_error')}",
                                     "run ./install.sh, or set engine.python to the Python that has vLLM"))
-        lib = connector.library
+        lib = connector.library if connector else None
         if lib is not None:
             if result.get("connector") == "ok":
-                findings.append(Finding("connector", "ok", f"{lib.label} loads for the {p.connector} connector"))
+                findings.append(Finding("connector", "ok", f"{lib.label} loads for the {connector_name} connector"))
             else:
                 findings.append(Finding("connector", "fail",
                                         f"{lib.label} does not load: {result.get('connector_error', 'vLLM missing')}",
                                         f"install {lib.install} into the engine's environment"))
-    need = connector.rdma(settings.connector.moriio_backend)
-    findings.append(check_rdma(p.connector, need))
-    findings.append(check_memlock(settings, p, pins_memory=need is not None))
-    findings.append(check_ports(settings, p))
-    findings.extend(check_model(settings, p))
-    findings.extend(check_tp(p))
+    if connector is not None and connector_name:
+        findings.append(check_rdma(connector_name, connector.rdma(settings.connector.moriio_backend)))
     return findings
 
 

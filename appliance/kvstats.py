@@ -18,8 +18,6 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 _HISTOGRAMS = {
     "vllm:nixl_xfer_time_seconds": "xfer_s",
     "vllm:nixl_post_time_seconds": "post_s",
@@ -37,6 +35,9 @@ def totals(text: str) -> dict[str, float] | None:
     """Cumulative sums and counts of the NIXL transfer metrics in a /metrics text (all engines of the
     server added), or None when the text has none (another connector, or not NIXL at all). Samples are
     matched by name, so a text stripped of its # TYPE lines reads the same."""
+    # imported here: only NIXL engines publish these, and `pdctl status` elsewhere should not load the parser
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -154,3 +154,32 @@ def with_engine_quantization(shape: ModelShape, engine_args: list[str]) -> Model
         if value is not None and not shape.quantization and value.lower() in _FP8_METHODS:
             return replace(shape, quantization=value.lower(), linear_bytes=1.0, fp8_gemm=True)
     return shape
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The token ids a model accepts, 0 <= id < size, and the file that says so."""
+
+    size: int
+    source: str
+
+
+def read_vocabulary(path: str | Path) -> Vocabulary | None:
+    """The ids a local model directory accepts: the fewer of config.json's vocab_size and one past
+    tokenizer.json's highest id (vLLM refuses a prompt id above its tokenizer's, whatever the config says);
+    None when it has neither (a hub name, a remote model)."""
+    found: list[Vocabulary] = []
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+        found.append(Vocabulary(int(cfg["vocab_size"]), str(Path(path) / "config.json")))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    try:
+        tok = json.loads((Path(path) / "tokenizer.json").read_text())
+        ids = [int(i) for i in tok["model"]["vocab"].values()]
+        ids += [int(added["id"]) for added in tok.get("added_tokens") or []]
+        found.append(Vocabulary(max(ids) + 1, str(Path(path) / "tokenizer.json")))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return min(found, key=lambda v: v.size) if found else None

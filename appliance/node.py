@@ -22,7 +22,6 @@ from pathlib import Path
 from secrets import token_urlsafe
 from typing import TYPE_CHECKING, Any
 
-import psutil
 from pydantic import ValidationError
 
 from appliance.errors import PdctlError
@@ -110,6 +109,8 @@ def port_conflicts(plan: Plan, manager: ServiceManager | None, *, proxy_only: bo
     busy = [b for b in busy_ports(plan, port_free) if not (proxy_only and b.instance is not None)]
     if not busy:
         return []
+    import psutil  # only where a port is taken: `pdctl status` on a healthy node does not pay for it
+
     found = holders([(b.host, b.port) for b in busy])
     if manager is None:
         return [taken(b.port, b.host, b.owner, found[(b.host, b.port)]) for b in busy]

@@ -363,7 +363,7 @@ def _check_connector(connector: Connector, mode: str, platform: Platform) -> Non
         )
 
 
-def _model(settings: Settings, state: StateDir) -> ModelPlan:
+def model_plan(settings: Settings, state: StateDir) -> ModelPlan:
     """The model as the engines load it: the embedded tiny model lives in the state directory."""
     generate = settings.model.path == EMBEDDED_MODEL
     path = str(state.tiny_model) if generate else settings.model.path
@@ -465,7 +465,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     colocated = not connector.disaggregated
     allocation = _allocate(settings, inventory, platform)
     state = StateDir.at(settings.state_dir)
-    model = _model(settings, state)
+    model = model_plan(settings, state)
     shared = settings.connector.shared_storage_path or str(state.kv_store)
     block_sizes = _block_sizes(settings, list(allocation), connector.default_block_size(platform))
 

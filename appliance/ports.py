@@ -12,8 +12,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 # Configured ports are taken below the kernel's ephemeral range: a port handed out by bind(0) is one the
 # kernel may give again at once (to the next bind(0) or as the local end of any outgoing connection) in the
 # window before the deployment that was told about it binds it. Below that range only an explicit bind
@@ -59,6 +57,9 @@ def _clashes(listening: str, host: str) -> bool:
 def holders(addresses: list[tuple[str, int]]) -> dict[tuple[str, int], list[Holder]]:
     """For each (host, port), the processes listening where a bind of it would clash (a wildcard address
     clashes with every address); empty where none is seen, e.g. the port is bound but not listening."""
+    # psutil is imported where a port is taken, not by every command that plans or reads ports (`pdctl status`)
+    import psutil
+
     try:
         connections = psutil.net_connections(kind="tcp")  # one scan of every process's sockets for all of them
     except (psutil.Error, OSError):
@@ -82,6 +83,8 @@ def taken(port: int, host: str, owner: str, by: list[Holder]) -> str:
 def _holder(pid: int | None) -> Holder:
     if pid is None:
         return Holder(None)
+    import psutil
+
     try:
         return Holder(pid, psutil.Process(pid).name())
     except psutil.Error:

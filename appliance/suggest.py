@@ -57,7 +57,7 @@ from appliance.heads import Heads
 from appliance.inventory.models import Inventory
 from appliance.modelshape import ModelShape, experts_touched
 from appliance.plan import _usable, plan, platform_of
-from appliance.settings import Settings
+from appliance.settings import EMBEDDED_MODEL, Settings
 
 TP_SIZES = (1, 2, 4, 8)
 BUDGETS = (256, 512, 2048)  # the chunked-prefill budgets colocated candidates are tried with (as bench)
@@ -432,9 +432,16 @@ def handoff_of(settings: Settings, inventory: Inventory) -> tuple[int, bool]:
 
 
 def default_profile(settings: Settings, inventory: Inventory, model: ModelShape | None) -> Profile:
-    """The sim engine's time model, or (real vLLM, a readable config.json) the node's accelerator profile."""
-    if settings.engine.kind == "sim" or model is None:
+    """The sim engine's time model, or (real vLLM, a readable config.json) the node's accelerator profile; the
+    profile's source says why when a real-vLLM node gets the simulated one."""
+    if settings.engine.kind == "sim":
         return sim_profile(settings)
+    if model is None:
+        prof = sim_profile(settings)
+        what = "the embedded tiny model" if settings.model.path == EMBEDDED_MODEL else repr(settings.model.path)
+        why = (f"; not the accelerator's profile, which sizes its costs from the model's config.json, and model.path "
+               f"is {what}, which has none readable here (point model.path at the served model's directory)")
+        return replace(prof, source=prof.source + why)
     return gpu_profile(settings, inventory, model, *handoff_of(settings, inventory))
 
 

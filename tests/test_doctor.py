@@ -18,6 +18,7 @@ from appliance.node import Node
 from appliance.plan import plan
 from appliance.ports import free_ports, port_free
 from appliance.settings import load_settings
+from tests.support.pdctl import pdctl, write_config
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 
@@ -157,3 +158,28 @@ def test_rdma_row_reads_port_states(tmp_path: Path) -> None:
     assert down.status == "fail" and "none ACTIVE" in down.detail and "xgmi" in down.fix
     assert check_rdma("nixl", get_connector("nixl").rdma("rdma"), tmp_path / "absent").status == "warn"
     assert check_rdma("example", get_connector("example").rdma("rdma"), tmp_path / "absent").status == "ok"
+
+
+def test_settings_the_node_cannot_plan_are_one_row_among_every_check(tmp_path: Path) -> None:
+    # The node: one GPU, pdctl.toml says nixl (a GPU per role), deployed with `--connector none`.
+    config = write_config(tmp_path, tmp_path / "state", extra='[connector]\nname = "nixl"\n')
+    one_gpu = ("--inventory", "sim:h200-1")
+
+    def rows() -> tuple[int, list[tuple[str, str, str]]]:
+        done = pdctl(config, *one_gpu, "doctor", "--json")
+        assert "Traceback" not in done.stderr and not done.stderr.strip(), done.stderr
+        return done.returncode, [(f["check"], f["status"], f["detail"]) for f in json.loads(done.stdout)]
+
+    # nothing deployed: every check that needs no plan, then the refusal
+    rc, found = rows()
+    assert rc == 1 and [r[0] for r in found] == ["gpus", "engine", "rdma", "plan"], found
+    assert found[-1][1] == "fail" and "needs at least one GPU per role" in found[-1][2]
+    pdctl(config, *one_gpu, "up", "--connector", "none", check=True)
+    try:
+        rc, found = rows()
+        checks = [r[0] for r in found]
+        assert rc == 1 and checks[0] == "plan" and "the checks below use the deployed plan" in found[0][2], found
+        assert {"gpus", "engine", "memlock", "ports", "model"} <= set(checks), checks
+        assert all(status != "fail" for check, status, _ in found[1:]), found  # the deployed plan is sound
+    finally:
+        pdctl(config, "down")

@@ -15,7 +15,7 @@ from appliance.errors import PlanError
 from appliance.inventory import load_inventory
 from appliance.inventory.models import Gpu, Inventory
 from appliance.plan import Plan, all_ports, busy_ports, plan
-from appliance.settings import Settings
+from appliance.settings import Settings, load_settings
 
 
 def make(overrides: dict[str, Any] | None = None) -> Settings:
@@ -282,13 +282,13 @@ def test_server_command_follows_the_vllm_package() -> None:
     assert args == server_args(argv("")) and args is not None and args[:2] == ["--model", serve[4]]
 
 
-def test_proxy_limits_and_registration_bounds_come_from_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_proxy_limits_and_registration_bounds_come_from_the_settings(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
     """The proxy's connection limits and registration bounds are settings (file or PDCTL_*), not proxy.json edits."""
     monkeypatch.setenv("PDCTL_PROXY__LIMITS__MAX_CONNECTIONS", "512")
-    settings = Settings.model_validate({
-        **REFERENCE,
-        "proxy": {"limits": {"idle_timeout_s": 5, "max_json_depth": 32}, "registration_max_per_s": 50,
-                  "peer_hosts": {"127.0.0.1": ["127.0.0.2"]}},
+    (tmp_path / "pdctl.toml").write_text("[proxy.limits]\nidle_timeout_s = 5\nmax_json_depth = 32\n")
+    settings = load_settings(tmp_path / "pdctl.toml", {
+        **REFERENCE, "proxy": {"registration_max_per_s": 50, "peer_hosts": {"127.0.0.1": ["127.0.0.2"]}},
     })
     proxy = plan(settings, load_inventory("sim:mi300x-8")).proxy
     assert (proxy.limits.max_connections, proxy.limits.idle_timeout_s, proxy.limits.max_json_depth) == (512, 5, 32)

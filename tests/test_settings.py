@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from appliance import settings as settings_module
 from appliance.errors import ConfigError
-from appliance.settings import DEFAULT_CONFIG_PATH, config_path, load_settings
+from appliance.settings import (
+    DEFAULT_CONFIG_PATH,
+    Settings,
+    config_path,
+    env_data,
+    load_settings,
+    load_settings_despite_errors,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,3 +106,39 @@ def test_bad_environment_value(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDCTL_PROXY__PORT", "not-a-port")
     with pytest.raises(ConfigError, match="proxy.port = 'not-a-port'"):
         load_settings(overrides={})
+
+
+def test_env_data_reads_only_variables_that_name_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The environment source (and pydantic-settings with it) loads only when a PDCTL_ variable names a setting.
+    for key in [k for k in os.environ if k.upper().startswith("PDCTL_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PDCTL_CONFIG", "/nowhere.toml")
+    monkeypatch.setenv("PDCTL_INVENTORY", "sim:cpu")
+    monkeypatch.setenv("PDCTL_TEST_VLLM_PYTHON", "/x/python")
+    assert env_data() == {}
+    monkeypatch.setenv("pdctl_decode__tp", "2")  # as case-insensitive as pydantic-settings is
+    monkeypatch.setenv("PDCTL_STATE_DIR", "/s")
+    assert env_data() == {"decode": {"tp": "2"}, "state_dir": "/s"}
+
+
+def test_a_validated_settings_model_does_not_read_the_environment_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # load_settings merges PDCTL_* below the flags once; re-validating a dump (bench --compare's shapes, the
+    # suggest candidates) must keep the flags' values, not let the environment override them again
+    monkeypatch.setenv("PDCTL_CONNECTOR__NAME", "nixl")
+    assert Settings.model_validate({"connector": {"name": "none"}}).connector.name == "none"
+
+
+def test_a_bad_variable_does_not_hide_what_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # status and doctor read the settings "despite errors": a bad PDCTL_* value is their error to report, and
+    # the state directory still comes from the file (a pydantic traceback before: validating the locating keys
+    # read the bad variable again)
+    (tmp_path / "pdctl.toml").write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    monkeypatch.setenv("PDCTL_CONNECTOR__MODE", "sideways")
+    settings, error = load_settings_despite_errors(tmp_path / "pdctl.toml")
+    assert error is not None and str(error).startswith("PDCTL_CONNECTOR__MODE: connector.mode = 'sideways'")
+    assert settings.state_dir == str(tmp_path / "state") and settings.connector.mode == "read"
+    done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(tmp_path / "pdctl.toml"), "status",
+                           "--json"], capture_output=True, text=True, timeout=120)
+    doc = json.loads(done.stdout)
+    assert done.returncode == 3 and doc["state"] == "down" and "sideways" in doc["config_error"], done.stderr
+    assert "Traceback" not in done.stderr

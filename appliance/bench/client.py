@@ -353,6 +353,22 @@ def _steady_window(planned: Window, results: list[RequestResult], duration: floa
 
 async def discover_model(session: aiohttp.ClientSession, base_url: str, api_key: str | None = None) -> str:
     """The first model the server lists at /v1/models; a clear error when it cannot be asked."""
+    models = [m.get("id") for m in await _model_cards(session, base_url, api_key)]
+    if not models or not models[0]:
+        raise PdctlError(f"{base_url.rstrip('/')}/v1/models lists no model", fix="pass --model NAME")
+    return str(models[0])
+
+
+async def model_root(session: aiohttp.ClientSession, base_url: str, model: str,
+                     api_key: str | None = None) -> str | None:
+    """Where the server loaded `model` from, as vLLM's /v1/models card says (`root`); None when it does not."""
+    for card in await _model_cards(session, base_url, api_key):
+        if card.get("id") == model and isinstance(card.get("root"), str):
+            return str(card["root"])
+    return None
+
+
+async def _model_cards(session: aiohttp.ClientSession, base_url: str, api_key: str | None) -> list[dict[str, Any]]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = base_url.rstrip("/") + "/v1/models"
     try:
@@ -364,7 +380,4 @@ async def discover_model(session: aiohttp.ClientSession, base_url: str, api_key:
         raise PdctlError(
             f"cannot reach {url}: {exc}", fix="start the deployment (pdctl up) or check --url"
         ) from None
-    models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
-    if not models or not models[0]:
-        raise PdctlError(f"{url} lists no model", fix="pass --model NAME")
-    return str(models[0])
+    return [m for m in data.get("data", []) if isinstance(m, dict)] if isinstance(data, dict) else []

@@ -72,11 +72,17 @@ def plot_attainment(result: BenchResult, path: Path) -> Path:
     )
     fig.suptitle(_banner(result), fontsize=8, y=0.995)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    _legend(ax, "lower left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _legend(ax: Any, loc: str) -> None:
+    # no line to name (every request failed): matplotlib would warn "No artists with labels found"
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc=loc)
 
 
 def pick_rate(result: BenchResult) -> float | None:
@@ -126,7 +132,7 @@ def plot_latency(result: BenchResult, path: Path, rate: float | None = None) -> 
     for ax in (ax_t, ax_i):
         ax.set_ylabel("share of requests" if ax is ax_t else "share of gaps")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        _legend(ax, "lower right")
         ax.set_ylim(0, 1.02)
     fig.suptitle(f"Latency distributions at {rate:g} req/s - {_banner(result)}", fontsize=9)
     fig.tight_layout()

@@ -132,6 +132,7 @@ class Workload(Record):
     rate_spec: str = ""
     seed: int
     prompt: Literal["tokens", "words"]
+    token_range: list[int] | None = Field(default=None, description="Prompt ids LO <= id < HI (prompt tokens)")
     ignore_eos: bool = True
     warmup: int = 0
     lifetimes: float = Field(default=0, description="Steady window length in request lifetimes; 0: all measured")
@@ -214,6 +215,27 @@ def shape_goodput(shape: ShapeResult, slo: Slo) -> dict[str, float | None]:
         ]
         out[j] = goodput(points, slo.attainment) if points else None
     return out
+
+
+def every_request_failed(result: BenchResult) -> str | None:
+    """Why nothing was measured when every request sent failed (how many, and the first one's error in the
+    server's words), or None when one succeeded or none was sent."""
+    sent = [r for shape in result.shapes for rate in shape.rates for r in rate.requests if r.status != "interrupted"]
+    if not sent or any(r.success for r in sent):
+        return None
+    first = sent[0]
+    return f"{len(sent)} of {len(sent)} requests; the first: {_said(first.error, first.http_status)}"
+
+
+def _said(error: str | None, status: int | None) -> str:
+    """An error as the client recorded it, with an OpenAI-style JSON body cut down to its message."""
+    text = error or (f"HTTP {status}" if status else "no answer")
+    head, brace, body = text.partition("{")
+    try:
+        message = json.loads(brace + body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text
+    return f"{head.strip().rstrip(':')}: {message}" if head.strip() else str(message)
 
 
 def write_result(result: BenchResult, path: Path) -> None:

@@ -116,6 +116,31 @@ def prompt(
     return " ".join(rng.choice(_WORDS) for _ in range(length))
 
 
+# Prompt ids when the command line names none: clear of the special tokens most tokenizers put first, and
+# below every vocabulary pdctl serves except the embedded tiny model's (695 ids), which `token_range` cuts to.
+DEFAULT_TOKEN_RANGE = (100, 1000)
+
+
+def token_range(given: str | None, vocabulary: int | None, model: str, source: str) -> tuple[int, int]:
+    """The prompt ids: --token-range, refused when it reaches past the model's `vocabulary` (read from
+    `source`), or the default cut to fit it; the default as is when the vocabulary is unknown."""
+    if given is not None:
+        lo, hi = parse_token_range(given)
+        if vocabulary is not None and hi > vocabulary:
+            raise PdctlError(
+                f"--token-range {given} draws ids up to {hi - 1}, but {model} has {vocabulary} token ids "
+                f"(0..{vocabulary - 1}, from {source})",
+                fix=f"keep HI at or below {vocabulary}, or leave --token-range out",
+            )
+        return lo, hi
+    lo, hi = DEFAULT_TOKEN_RANGE
+    if vocabulary is None or vocabulary >= hi:
+        return lo, hi
+    if vocabulary < 2:
+        raise PdctlError(f"{model} has {vocabulary} token ids (from {source}): too few to draw prompts from")
+    return min(lo, vocabulary // 2), vocabulary
+
+
 def parse_token_range(text: str) -> tuple[int, int]:
     """'LO:HI' -> (LO, HI), token ids LO <= id < HI."""
     try:

@@ -17,6 +17,9 @@ from appliance.errors import PdctlError
 from appliance.hosts import url_host
 from appliance.statedir import StateDir
 
+# exit code of a run that measured nothing: every request failed (as `pdctl status` says 1 for a failed node)
+EXIT_NOTHING_MEASURED = 1
+
 if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
     from rich.console import Console
 
@@ -25,6 +28,7 @@ if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
     from appliance.bench.results import BenchResult
     from appliance.bench.sweep import SweepPlan
     from appliance.inventory.models import Inventory
+    from appliance.modelshape import Vocabulary
     from appliance.settings import Settings
 
 
@@ -134,9 +138,8 @@ def _read_key(path: str | None) -> str | None:
 )
 @click.option(
     "--token-range",
-    default="100:1000",
-    show_default=True,
-    help="Token ids are drawn from LO <= id < HI (keep HI below the model's vocabulary).",
+    metavar="LO:HI",
+    help="Token ids are drawn from LO <= id < HI [default: 100:1000, cut to the served model's vocabulary].",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Run seed; each rate derives its own.")
 @click.option("--model", help="Model name to ask for [default: the deployment's, or the server's first].")
@@ -210,7 +213,8 @@ def bench(ctx: click.Context, /, **opts: Any) -> None:
         pyplot()  # no matplotlib: say so before measuring, not after
     if opts["url"] and opts["compare"]:
         raise PdctlError("--url and --compare both given", fix="--compare deploys its own shapes; drop --url")
-    token_range = parse_token_range(opts["token_range"])
+    if opts["token_range"] is not None:
+        parse_token_range(opts["token_range"])  # a malformed range fails before anything is deployed
     overrides: dict[str, Any] = {"engine": {"kind": opts["engine"]}} if opts["engine"] else {}
     settings, inventory = obtain(ctx, overrides)
     slo = _slo(opts, settings)
@@ -219,18 +223,19 @@ def bench(ctx: click.Context, /, **opts: Any) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep = _sweep_plan(opts, slo)
     api_key = _read_key(opts["api_key_file"]) or _read_key(settings.proxy.api_key_file if not opts["url"] else None)
-    work = _Workload(sweep, slo, token_range, api_key)
+    work = _Workload(sweep, slo, opts["token_range"], api_key)
     result = asyncio.run(_measure(ctx, opts, settings, inventory, work, stamp, out_dir))
     _report(result, opts, out_dir)
 
 
 @dataclass(frozen=True)
 class _Workload:
-    """What every shape is measured with: the sweep, the SLO, the prompt tokens' range and the API key."""
+    """What every shape is measured with: the sweep, the SLO, the prompt tokens' range (as given, or None)
+    and the API key."""
 
     sweep: SweepPlan
     slo: Slo
-    token_range: tuple[int, int]
+    token_range: str | None
     api_key: str | None
 
 
@@ -256,7 +261,8 @@ def _slo(opts: dict[str, Any], settings: Settings) -> Slo:
     )
 
 
-def _empty_result(opts: dict[str, Any], work: _Workload, engine: str, model: str, stamp: datetime) -> BenchResult:
+def _empty_result(opts: dict[str, Any], work: _Workload, engine: str, model: str, stamp: datetime,
+                  token_range: tuple[int, int]) -> BenchResult:
     """The result document before any shape is measured: the command, the workload and the SLO."""
     from appliance.bench.results import BenchResult, Workload
 
@@ -274,6 +280,7 @@ def _empty_result(opts: dict[str, Any], work: _Workload, engine: str, model: str
             rate_spec=opts["rates"],
             seed=opts["seed"],
             prompt=opts["prompt_kind"],
+            token_range=list(token_range) if opts["prompt_kind"] == "tokens" else None,
             warmup=opts["warmup"],
             lifetimes=plan.lifetimes,
             stop_on=list(plan.schedule.stop_on),
@@ -287,10 +294,11 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
                    work: _Workload, stamp: datetime, out_dir: Path) -> BenchResult:
     """Sweep the --url (or the deployment's proxy), or with --compare every shape; what was measured so far
     when interrupted (first Ctrl-C)."""
-    from appliance.bench.client import Target, discover_model
+    from appliance.bench.client import Target, discover_model, model_root
     from appliance.bench.compare import PdctlDeployer
     from appliance.bench.runner import run_compare, run_url
     from appliance.bench.sweep import Stopper
+    from appliance.bench.workload import token_range as resolve_token_range
 
     if opts["compare"]:
         chosen = _chosen_shapes(settings, inventory, opts)
@@ -303,22 +311,31 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
     console = _console()
     stopper = Stopper()
     with stopper.installed():
-        if model is None:
-            import aiohttp
+        import aiohttp
 
-            async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession() as session:
+            if model is None:
                 model = await discover_model(session, base_url, work.api_key)
+            # a --url server says where it loaded the model from (vLLM's `root`); pdctl's own engines, the settings
+            loaded_from = await model_root(session, base_url, model, work.api_key) if opts["url"] else None
+        vocabulary = _vocabulary(settings, engine, opts["url"], loaded_from)
+        token_range = resolve_token_range(work.token_range, vocabulary.size if vocabulary else None, model,
+                                          vocabulary.source if vocabulary else "")
+        if opts["prompt_kind"] == "tokens":
+            console.print(f"prompt token ids {token_range[0]}..{token_range[1] - 1} "
+                          + (f"({model} has {vocabulary.size}, from {vocabulary.source})" if vocabulary else
+                             f"({model}'s vocabulary is unknown here: pass --token-range if it is smaller)"))
         target = Target(
             base_url=base_url,
             model=model,
             input_len=opts["input_len"],
             output_len=opts["output_len"],
             prompt_kind=opts["prompt_kind"],
-            token_range=work.token_range,
+            token_range=token_range,
             api_key=work.api_key,
             request_timeout_s=opts["request_timeout"],
         )
-        result = _empty_result(opts, work, engine, model, stamp)
+        result = _empty_result(opts, work, engine, model, stamp, token_range)
         if opts["compare"]:
             root = ctx.find_root().obj or {}
             deployer = PdctlDeployer(
@@ -334,9 +351,25 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
         return result
 
 
+def _vocabulary(settings: Settings, engine: str, url: str | None, root: str | None) -> Vocabulary | None:
+    """The token ids the measured model accepts: from the --url server's model directory where it names one on
+    this host, else from the settings' model (the simulated engine's own vocabulary for engine sim)."""
+    from appliance.engine.sim.tokens import VOCAB_SIZE
+    from appliance.modelshape import Vocabulary, read_vocabulary
+    from appliance.plan import model_plan
+
+    if url:
+        return read_vocabulary(root) if root else None
+    if engine == "sim":
+        return Vocabulary(VOCAB_SIZE, "the simulated engine")
+    return read_vocabulary(model_plan(settings, StateDir.at(settings.state_dir)).path)
+
+
 def _report(result: BenchResult, opts: dict[str, Any], out_dir: Path) -> None:
-    """The tables on stderr; bench.json's and the figures' paths on stdout; exit 130 when interrupted."""
+    """The tables on stderr; bench.json's and the figures' paths on stdout; exit 130 when interrupted, 1 (with
+    the reason) when every request failed."""
     from appliance.bench.report import print_report
+    from appliance.bench.results import every_request_failed
     from appliance.bench.runner import write_plots
 
     console = _console()
@@ -349,6 +382,10 @@ def _report(result: BenchResult, opts: dict[str, Any], out_dir: Path) -> None:
     if result.interrupted:
         console.print("[yellow]interrupted[/]: the files hold every rate measured so far")
         raise SystemExit(130)  # like a shell for SIGINT; `python -m appliance` drops click return codes
+    reason = every_request_failed(result)
+    if reason:
+        click.echo(f"pdctl: error: every request failed, so nothing was measured: {reason}", err=True)
+        raise SystemExit(EXIT_NOTHING_MEASURED)
 
 
 def _sweep_plan(opts: dict[str, Any], slo: Slo) -> SweepPlan:

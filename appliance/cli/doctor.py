@@ -11,10 +11,10 @@ from rich.table import Table
 from appliance.cli.options import console, layout_option, node_overrides, obtain, plan_options
 from appliance.doctor import Finding, as_json, refused_findings, run_checks, summary_exit_code
 from appliance.errors import ConfigError, PlanError
-from appliance.inventory import load_inventory
+from appliance.inventory import Inventory, load_inventory
 from appliance.node import Node
-from appliance.plan import plan
-from appliance.settings import example_settings, load_settings_despite_errors
+from appliance.plan import Plan, plan
+from appliance.settings import Settings, example_settings, load_settings_despite_errors
 
 
 def _despite_broken_settings(ctx: click.Context, error: ConfigError) -> list[Finding]:
@@ -24,15 +24,30 @@ def _despite_broken_settings(ctx: click.Context, error: ConfigError) -> list[Fin
     settings, _ = load_settings_despite_errors(obj.get("config_path"))
     inventory = load_inventory(ctx.params.get("inventory_source") or obj.get("inventory_source"))
     p = Node(settings).installed()
-    what = "the deployed plan" if p else "the default settings"
-    if p is None:
-        p = plan(settings, inventory)
-    elif p.engine == "vllm" and p.instances:
-        settings.engine.python = p.instances[0].argv[0]  # the deployed engines' Python
-    settings.engine.kind = p.engine
-    first = Finding("settings", "fail", f"{error.message}; the checks below use {what}",
+    first = Finding("settings", "fail",
+                    f"{error.message}; the checks below use {'the deployed plan' if p else 'the default settings'}",
                     error.fix or f"correct it (every key: {example_settings()})")
-    return [first, *run_checks(settings, inventory, p)]
+    if p is None:
+        return [first, *run_checks(settings, inventory, plan(settings, inventory))]
+    return [first, *_deployed_checks(settings, inventory, p)]
+
+
+def _despite_no_plan(settings: Settings, inventory: Inventory, error: PlanError) -> list[Finding]:
+    """The settings cannot be planned on this node: the refusal is one row (the first), then the deployed plan's
+    checks, or where nothing is deployed every check that needs no plan."""
+    p = Node(settings).installed()
+    if p is None:
+        return refused_findings(settings, inventory, error)
+    first = Finding("plan", "fail", f"{error.message}; the checks below use the deployed plan", error.fix or "")
+    return [first, *_deployed_checks(settings, inventory, p)]
+
+
+def _deployed_checks(settings: Settings, inventory: Inventory, p: Plan) -> list[Finding]:
+    """Every check, of the plan that runs, with the engine Python it runs."""
+    if p.engine == "vllm" and p.instances:
+        settings.engine.python = p.instances[0].argv[0]
+    settings.engine.kind = p.engine
+    return run_checks(settings, inventory, p)
 
 
 STYLE = {"ok": "[green]ok[/green]", "warn": "[yellow]warn[/yellow]", "fail": "[red]FAIL[/red]"}
@@ -57,10 +72,9 @@ def doctor(ctx: click.Context, /, as_json_: bool, **options: Any) -> None:
             layout = [Finding("layout", "ok", layout_note)] if layout_note else []
             findings = layout + run_checks(settings, inventory, plan(settings, inventory))
         except PlanError as exc:
-            # A partitioned AMD node has no plan, but its rows (partition mode, XGMI) say what to change.
-            if not inventory.partitioned:
-                raise
-            findings = refused_findings(inventory, exc)
+            # No plan for these settings (a partitioned AMD node, a connector the node cannot run): the rest of
+            # the checks still say what to change.
+            findings = _despite_no_plan(settings, inventory, exc)
     if as_json_:
         click.echo(as_json(findings))
     else:

@@ -15,14 +15,11 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.live import Live
-from rich.markup import escape
-from rich.table import Table
 
 from appliance.cli.options import console as cli_console
 from appliance.cli.options import layout_option, locked, node_overrides, obtain, obtain_plan, plan_options
@@ -34,6 +31,10 @@ from appliance.plan import Plan
 from appliance.proxy.client import PortTaken
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit, role_service
 from appliance.settings import Settings
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 EXIT_UNHEALTHY = 1
 MANAGER_CHOICE = click.Choice(["auto", "systemd", "supervisor"])
@@ -110,14 +111,17 @@ class Snapshot:
 def snapshot(plan: Plan, manager: ServiceManager) -> Snapshot:
     """Ask the manager, every engine's /health and the proxy's admin API."""
     units = manager.status()
-    health = {
-        inst.name: units[instance_unit(inst)].state in ACTIVE and http_answer(inst.url + "/health") == 200
-        for inst in plan.instances
-    }
+    active = [inst for inst in plan.instances if units[instance_unit(inst)].state in ACTIVE]
+    # Every probe at once: a busy or hung engine costs its own timeout, not one per engine in a row.
+    with ThreadPoolExecutor(max_workers=len(active) + 1) as pool:
+        proxy_answer = pool.submit(proxy_state, plan) if units[PROXY_UNIT].state in ACTIVE else None
+        answers = dict(zip([i.name for i in active], pool.map(lambda i: http_answer(i.url + "/health"), active),
+                           strict=True))
+    health = {inst.name: answers.get(inst.name) == 200 for inst in plan.instances}
     proxy, conflict = None, None
-    if units[PROXY_UNIT].state in ACTIVE:
+    if proxy_answer is not None:
         try:
-            proxy = proxy_state(plan)
+            proxy = proxy_answer.result()
         except PortTaken as exc:
             conflict = exc.message
     if proxy is None:
@@ -129,6 +133,9 @@ def snapshot(plan: Plan, manager: ServiceManager) -> Snapshot:
 
 def progress_table(plan: Plan, snap: Snapshot, elapsed: float) -> Table:
     """The live `pdctl up` view: one row per unit."""
+    from rich.markup import escape
+    from rich.table import Table
+
     table = Table(title=f"waiting for health ({elapsed:.0f}s)", show_header=True, header_style="bold")
     for col in ("unit", "GPUs", "port", "state", "health"):
         table.add_column(col)
@@ -138,17 +145,29 @@ def progress_table(plan: Plan, snap: Snapshot, elapsed: float) -> Table:
         table.add_row(instance_unit(inst), ",".join(map(str, inst.gpus)) or "cpu", str(inst.http_port),
                       escape(st.detail or st.state), health)
     st = snap.units[PROXY_UNIT]
-    ready = snap.proxy.get("ready") if snap.proxy else None
+    health = proxy_health(plan, snap)
     table.add_row(PROXY_UNIT, "-", str(plan.proxy.port), escape(st.detail or st.state),
-                  "[green]ready[/green]" if ready else "[yellow]waiting[/yellow]")
+                  "[green]ready[/green]" if health == "ready" else f"[yellow]{escape(health)}[/yellow]")
     return table
+
+
+def proxy_health(plan: Plan, snap: Snapshot) -> str:
+    """The proxy in `pdctl up`'s progress: "ready", what a proxy that answers still waits for (it logs "ready
+    on HOST:PORT" once it listens, long before a vLLM engine has loaded), or "waiting" while it does not answer."""
+    if snap.proxy is None:
+        return "waiting"
+    if snap.proxy.get("ready"):
+        return "ready"
+    healthy = snap.proxy.get("healthy") or {}
+    missing = [role for role in dict.fromkeys(i.role for i in plan.instances) if not healthy.get(role)]
+    return f"listening, waiting for {' and '.join(missing)}" if missing else "listening"
 
 
 def progress_lines(plan: Plan, snap: Snapshot, elapsed: float, seen: dict[str, str]) -> list[str]:
     """The `pdctl up` progress for a pipe or a log: one line per unit whose state or health changed."""
     rows = [(instance_unit(i), snap.units[instance_unit(i)], "healthy" if snap.health.get(i.name) else "waiting")
             for i in plan.instances]
-    rows.append((PROXY_UNIT, snap.units[PROXY_UNIT], "ready" if snap.proxy and snap.proxy.get("ready") else "waiting"))
+    rows.append((PROXY_UNIT, snap.units[PROXY_UNIT], proxy_health(plan, snap)))
     out = []
     for unit, st, health in rows:
         now = f"{st.detail or st.state}, {health}"
@@ -165,6 +184,8 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
     pipe: flushed at once, so a log shows it as it goes)."""
     start = time.monotonic()
     snap = snapshot(plan, manager)
+    from rich.live import Live  # only `up` draws a live view
+
     view = Live(progress_table(plan, snap, 0), console=console, transient=True, auto_refresh=False) if live else None
     seen: dict[str, str] = {}
 
@@ -174,7 +195,7 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
             view.update(progress_table(plan, snap, elapsed), refresh=True)
         elif lines:
             for line in progress_lines(plan, snap, elapsed, seen):
-                console.print(line, markup=False, highlight=False)
+                console.print(line, markup=False, highlight=False, soft_wrap=True)  # a log line is one line
             console.file.flush()
 
     try:
@@ -196,6 +217,8 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
 
 def report_failure(plan: Plan, manager: ServiceManager, snap: Snapshot, console: Console, timeout_s: float) -> None:
     """Say which units are not healthy and show their last log lines (on stderr)."""
+    from rich.markup import escape
+
     bad = snap.failed() or [
         instance_unit(i) for i in plan.instances if not snap.health.get(i.name)
     ] or [PROXY_UNIT]
@@ -279,7 +302,9 @@ def up(ctx: click.Context, /, manager: str | None, timeout_s: float | None, no_w
     if snap.ready(plan):
         if not as_json:
             what = ", ".join(begun) or "nothing to start"
-            console.print(f"[green]healthy[/green] ({mgr.name}; {what}); proxy {plan.proxy.url}")
+            console.print(f"[green]healthy[/green] ({mgr.name}; {what})")
+            # its own line, never wrapped, so that it can be copied whole at any terminal width
+            console.print(f"proxy {plan.proxy.url}", soft_wrap=True, highlight=False)
         return
     if snap.port_conflict:
         # the units stay as they are: once the port is free the proxy starts (or the next `pdctl up` starts it)

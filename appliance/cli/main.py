@@ -3,32 +3,61 @@
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
 import click
 
 from appliance import __version__
 from appliance.errors import run_command
+from appliance.machines import simulated_sources
 
-# name -> "module:attribute"; modules are imported only when their command runs,
-# so `pdctl plan` does not pay for aiohttp, matplotlib or the vendor GPU libraries.
-COMMANDS: dict[str, str] = {
-    "export": "appliance.cli.export:export",
-    "inventory": "appliance.cli.inventory:inventory",
-    "bench": "appliance.cli.bench:bench",
-    "plan": "appliance.cli.plan:plan",
-    "up": "appliance.cli.lifecycle:up",
-    "down": "appliance.cli.lifecycle:down",
-    "restart": "appliance.cli.restart:restart",
-    "proxy-notify": "appliance.cli.restart:proxy_notify",
-    "logs": "appliance.cli.lifecycle:logs",
-    "status": "appliance.cli.status:status",
-    "wait-healthy": "appliance.cli.lifecycle:wait_healthy",
-    "sim-engine": "appliance.engine.sim.cli:sim_engine",
-    "doctor": "appliance.cli.doctor:doctor",
-    "rebalance": "appliance.cli.rebalance:rebalance",
-    "mode": "appliance.cli.rebalance:mode",
-    "drain": "appliance.cli.rebalance:drain",
-    "undrain": "appliance.cli.rebalance:undrain",
+
+class Verb(NamedTuple):
+    """A sub-command: where it lives ("module:attribute") and the one line `pdctl --help` shows for it."""
+
+    target: str
+    summary: str
+    hidden: bool = False
+
+
+# Modules are imported only when their command runs, so `pdctl plan` does not pay for aiohttp, matplotlib or
+# the vendor GPU libraries, and `pdctl --help` imports none of them (tests/cli/test_main.py checks that each
+# summary is its command's own first sentence).
+COMMANDS: dict[str, Verb] = {
+    "bench": Verb("appliance.cli.bench:bench",
+                  "Sweep request rates with Poisson arrivals and report SLO attainment, latencies and goodput."),
+    "doctor": Verb("appliance.cli.doctor:doctor",
+                   "Check GPUs, vLLM, the connector library, RDMA, memlock, ports, model, disk and memory."),
+    "down": Verb("appliance.cli.lifecycle:down", "Stop every engine and the proxy (and the supervisord pdctl started)."),
+    "drain": Verb("appliance.cli.rebalance:drain",
+                  "Stop sending new requests to INSTANCE and wait for its in-flight ones (it keeps running)."),
+    "export": Verb("appliance.cli.export:export",
+                   "Write the plan as a multi-node deployment: same model, roles, parallelism and KV connector."),
+    "inventory": Verb("appliance.cli.inventory:inventory",
+                      "Show the GPUs of this node (or of --inventory), their links, health and processes."),
+    "logs": Verb("appliance.cli.lifecycle:logs",
+                 "Show a role's, an instance's or the proxy's logs (journald or supervisor log files)."),
+    "mode": Verb("appliance.cli.rebalance:mode",
+                 "Show or switch the KV transfer mode (read: decode pulls; write: prefill pushes)."),
+    "plan": Verb("appliance.cli.plan:plan",
+                 "Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."),
+    "proxy-notify": Verb("appliance.cli.restart:proxy_notify",
+                         "Tell the proxy INSTANCE is stopping or has started (the engine units' ExecStop/"
+                         "ExecStartPost hooks).", hidden=True),
+    "rebalance": Verb("appliance.cli.rebalance:rebalance",
+                      "Change the GPU split and instance shapes of the running node with the least disruption."),
+    "restart": Verb("appliance.cli.restart:restart",
+                    "Restart a role (every instance of it), one instance (e.g. decode-0), the proxy, or everything."),
+    "sim-engine": Verb("appliance.engine.sim.cli:sim_engine",
+                       "Run a simulated vLLM engine that speaks vLLM's API and KV-connector flows (no GPU)."),
+    "status": Verb("appliance.cli.status:status",
+                   "Per instance: role, GPUs, port, PID, service state, health, uptime, restarts; the proxy; the GPUs."),
+    "undrain": Verb("appliance.cli.rebalance:undrain", "Let INSTANCE take new requests again."),
+    "up": Verb("appliance.cli.lifecycle:up",
+               "Plan, render, start, and wait until every instance is healthy and the proxy has every role."),
+    "wait-healthy": Verb("appliance.cli.lifecycle:wait_healthy",
+                         "Wait until URL answers 200 (units' ExecStartPost: report started only when the engine is "
+                         "healthy).", hidden=True),
 }
 
 
@@ -39,12 +68,21 @@ class LazyGroup(click.Group):
         return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        target = COMMANDS.get(cmd_name)
-        if target is None:
+        verb = COMMANDS.get(cmd_name)
+        if verb is None:
             return None
-        module_name, attr = target.split(":")
+        module_name, attr = verb.target.split(":")
         command: click.Command = getattr(importlib.import_module(module_name), attr)
         return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list from the registry's summaries: listing commands imports none of them."""
+        shown = {name: verb for name, verb in sorted(COMMANDS.items()) if not verb.hidden}
+        limit = formatter.width - 6 - max(len(name) for name in shown)
+        # a bare Command shortens the summary exactly as click shortens a loaded command's help
+        rows = [(name, click.Command(name, help=verb.summary).get_short_help_str(limit)) for name, verb in shown.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -62,7 +100,7 @@ class LazyGroup(click.Group):
     "inventory_source",
     envvar="PDCTL_INVENTORY",
     default=None,
-    help="GPU inventory: auto (default), sim:mi300x-8, sim:h200-8, sim:cpu, or a JSON file [env PDCTL_INVENTORY].",
+    help=f"GPU inventory: auto (default), {simulated_sources()}, or a JSON file [env PDCTL_INVENTORY].",
 )
 @click.pass_context
 def cli(ctx: click.Context, config_path: str | None, inventory_source: str | None) -> None:

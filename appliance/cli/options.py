@@ -8,19 +8,22 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from rich.console import Console
 
 from appliance.choices import ConnectorChoice
 from appliance.errors import PdctlError
 from appliance.inventory import Inventory, load_inventory
+from appliance.machines import simulated_sources
 from appliance.node import Node, layered, recorded_overrides
 from appliance.nodelock import Holder, node_lock
 from appliance.plan import Plan, plan
 from appliance.settings import Settings, env_data, env_name, leaves, load_settings
 from appliance.shapes import role_overrides
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -31,6 +34,8 @@ PIPE_WIDTH = 1000
 
 def console(stderr: bool = False) -> Console:
     """A rich console; on a pipe or a log (not a terminal, no $COLUMNS) tables and lines are never cut at 80."""
+    from rich.console import Console  # `status --json` and other plain outputs never load rich
+
     stream = sys.stderr if stderr else sys.stdout
     wide = not stream.isatty() and "COLUMNS" not in os.environ
     return Console(stderr=stderr, width=PIPE_WIDTH if wide else None, emoji=False)
@@ -60,7 +65,7 @@ def plan_options(func: F) -> F:
         click.option("--decode", "decode_set", metavar="SET|SHAPE",
                      help="Decode GPUs (4-7) or shape (1xTP4, 2xTP2@4-7)."),
         click.option("--inventory", "inventory_source", metavar="SOURCE",
-                     help="Plan for another inventory: sim:mi300x-8, sim:h200-8, sim:cpu or a JSON file."),
+                     help=f"Plan for another inventory: {simulated_sources()} or a JSON file."),
     ]
     for option in reversed(options):
         func = option(func)

@@ -135,7 +135,7 @@ def hand_over_proxy(plan: Plan, mgr: ServiceManager, timeout_s: float, say: Call
 @mutating("restart")
 def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, timeout_s: float | None,
             drain_timeout: float | None, hold_s: float | None, no_wait: bool, as_json: bool) -> None:
-    """Restart a role (every instance of it), one instance (e.g. decode-1), the proxy, or everything.
+    """Restart a role (every instance of it), one instance (e.g. decode-0), the proxy, or everything.
 
     Engine instances restart one at a time, drained first; while a role has no instance serving, the proxy
     holds its new requests (bounded) and sends them when it is back, so no request fails. The proxy itself

@@ -41,12 +41,10 @@ import json
 import sys
 import time
 import urllib.request
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from appliance.cli.lifecycle import EXIT_UNHEALTHY, MANAGER_CHOICE, Snapshot, deployed, snapshot
 from appliance.cli.options import console
@@ -60,11 +58,24 @@ from appliance.plan import Plan, _usable
 from appliance.render.names import PROXY_UNIT, instance_unit
 from appliance.settings import load_settings_despite_errors
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 SCHEMA_VERSION = 1
 
 
 def _uptime(started_at: float | None, now: float) -> float | None:
     return round(now - started_at, 1) if started_at else None
+
+
+def request_counters(plan: Plan, admin: dict[str, Any]) -> dict[str, Any] | None:
+    """The proxy's request counters, from its admin state (`admin`); a proxy an older pdctl started, which keeps
+    running across an upgrade until it restarts, has them only on its /metrics."""
+    totals = admin.get("requests")
+    if not isinstance(totals, dict):
+        return proxy_counters(plan)
+    holds = admin.get("holds") or {}
+    return {**totals, "held": int(holds.get("requests", 0)), "max_hold_s": float(holds.get("max_wait_s", 0.0))}
 
 
 def proxy_counters(plan: Plan) -> dict[str, Any] | None:
@@ -99,7 +110,7 @@ def proxy_counters(plan: Plan) -> dict[str, Any] | None:
     return out
 
 
-def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, inventory_source: str | None) -> dict[str, Any]:
+def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, inventory: Inventory) -> dict[str, Any]:
     """The `pdctl status --json` document (see the module docstring)."""
     now = time.time()
     restarts = manager.restart_counts()
@@ -143,10 +154,9 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         "ready": bool(admin and admin.get("ready")),
         "mode": admin.get("mode") if admin else None,
         "registered": [{k: i.get(k) for k in keys} for i in (admin or {}).get("instances", [])],
-        "requests": proxy_counters(plan) if admin is not None else None,
+        "requests": request_counters(plan, admin) if admin is not None else None,
         "port_conflict": snap.port_conflict,
     }
-    inventory = load_inventory(inventory_source)
     owner = {g: inst for inst in plan.instances for g in inst.gpus}
     gpus = [
         {
@@ -232,6 +242,9 @@ def _duration(seconds: float | None) -> str:
 
 def render_status(doc: dict[str, Any], console: Console) -> None:
     """The status document as tables for people."""
+    from rich.markup import escape  # rich only for people: `status --json` never loads it
+    from rich.table import Table
+
     colour = {"healthy": "green", "degraded": "yellow", "down": "red"}[doc["state"]]
     console.print(f"[{colour}]{doc['state']}[/{colour}] ({doc['manager']}): {doc['layout']}, connector "
                   f"{doc['connector']}, mode {doc['mode']}, model {escape(doc['model'])}")
@@ -291,6 +304,14 @@ def status(ctx: click.Context, as_json: bool, manager: str | None) -> None:
 
     Exit code 0 healthy, 1 degraded, 3 down.
     """
+    # The GPU library's start (NVML or amdsmi: up to a second on a GPU host) overlaps reading the plan and
+    # asking the manager and the engines, rather than adding to them (benchmarks/cli_latency.py).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        gpus = pool.submit(load_inventory, (ctx.find_root().obj or {}).get("inventory_source"))
+        _status(ctx, as_json, manager, gpus)
+
+
+def _status(ctx: click.Context, as_json: bool, manager: str | None, gpus: Future[Inventory]) -> None:
     # A broken settings file must not hide what runs: status reads the installed plan, and says what is wrong.
     settings, config_error = load_settings_despite_errors((ctx.find_root().obj or {}).get("config_path"))
     try:
@@ -304,8 +325,7 @@ def status(ctx: click.Context, as_json: bool, manager: str | None) -> None:
             raise config_error from None
         raise
     snap = snapshot(plan, mgr)
-    source = (ctx.find_root().obj or {}).get("inventory_source")
-    doc = status_document(plan, mgr, snap, source)
+    doc = status_document(plan, mgr, snap, gpus.result())
     doc["config_error"] = str(config_error) if config_error else None
     if as_json:
         click.echo(json.dumps(doc, indent=2))

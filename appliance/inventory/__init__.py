@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from appliance.errors import InventoryError
 from appliance.inventory.models import Gpu, GpuProcess, Inventory, Link, LinkType, Vendor
-from appliance.inventory.simulated import SIMULATED, simulated
+from appliance.inventory.simulated import simulated
+from appliance.machines import simulated_sources
 
 __all__ = [
     "Gpu",
@@ -17,7 +18,6 @@ __all__ = [
     "Inventory",
     "Link",
     "LinkType",
-    "SIMULATED",
     "Vendor",
     "detect",
     "load_inventory",
@@ -55,7 +55,7 @@ def load_inventory(source: str | None) -> Inventory:
     except FileNotFoundError:
         raise InventoryError(
             f"inventory file {source} does not exist",
-            fix="pass sim:mi300x-8, sim:h200-8, sim:cpu, or a file written by `pdctl inventory --json`",
+            fix=f"pass {simulated_sources()}, or a file written by `pdctl inventory --json`",
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InventoryError(f"cannot read inventory file {source}: {exc}") from None

@@ -10,9 +10,11 @@ like systemd, only changed units stop. A supervisord without the extension gets 
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import resource
+import socket
 import subprocess
 import sys
 import time
@@ -21,9 +23,6 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-import psutil
-from supervisor.xmlrpc import SupervisorTransport
 
 from appliance.errors import PdctlError
 from appliance.manager.base import ServiceManager, State, UnitStatus
@@ -42,6 +41,38 @@ _STATES: dict[str, State] = {
     "EXITED": "stopped",
     "FATAL": "failed",
 }
+class UnixConnection(http.client.HTTPConnection):
+    """HTTP to supervisord over its unix socket."""
+
+    def __init__(self, socket_path: str) -> None:
+        super().__init__("localhost")
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        """Open the unix socket instead of a TCP connection."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class UnixTransport(xmlrpc.client.Transport):
+    """XML-RPC over supervisord's unix socket with the standard library alone: supervisor's own transport
+    (supervisor.xmlrpc) loads supervisord's HTTP server and XML tree modules, ~65 ms of CPU that every
+    `pdctl status` paid (benchmarks/cli_latency.py)."""
+
+    def __init__(self, socket_path: str) -> None:
+        super().__init__()
+        self.socket_path = socket_path
+
+    def make_connection(self, host: object) -> http.client.HTTPConnection:
+        """A fresh connection to the socket for each call (supervisord closes idle ones)."""
+        return UnixConnection(self.socket_path)
+
+
 # supervisord faults (supervisor.xmlrpc.Faults) that mean "already there" for idempotent calls.
 _UNKNOWN_METHOD, _BAD_NAME, _NOT_RUNNING, _ALREADY_STARTED, _ALREADY_ADDED = 1, 10, 70, 60, 90
 
@@ -102,8 +133,7 @@ class SupervisorManager(ServiceManager):
 
     # plumbing
     def _server(self) -> Any:
-        transport = SupervisorTransport(None, None, f"unix://{self.socket}")
-        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor
+        return self._server_root().supervisor
 
     def running(self) -> bool:
         """True when our supervisord answers on its socket."""
@@ -180,8 +210,7 @@ class SupervisorManager(ServiceManager):
         return touched
 
     def _server_root(self) -> Any:
-        transport = SupervisorTransport(None, None, f"unix://{self.socket}")
-        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
+        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=UnixTransport(str(self.socket)))
 
     # ServiceManager
     def apply(self, previous: Plan | None) -> set[str]:
@@ -265,6 +294,8 @@ class SupervisorManager(ServiceManager):
         """Whether our supervisord is an ancestor of `pid` (it runs only this plan's programs)."""
         if not self.running():
             return False
+        import psutil  # only asked when a port is taken: status's every run does not pay for it
+
         try:
             supervisord = int(self._call("getPID"))
             return any(parent.pid == supervisord for parent in psutil.Process(pid).parents())

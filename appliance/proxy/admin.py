@@ -44,6 +44,7 @@ def state(proxy: ProxyState) -> dict[str, Any]:
             "requests": proxy.metrics.held_requests,
             "max_wait_s": round(proxy.metrics.max_hold_s, 3),
         },
+        "requests": proxy.metrics.request_totals(),
         "planned_stops": sorted(proxy.planned.active),
         "instances": [inst.state() for inst in proxy.registry.instances.values()],
     }

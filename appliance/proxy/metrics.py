@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from appliance.proxy.histogram import FastHistogram
 from appliance.proxy.registry import InstanceRegistry
@@ -17,6 +19,11 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HOLD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def _totals(counter: Counter) -> Iterator[Sample]:
+    """A counter's running totals, one per label set (not its _created timestamps)."""
+    return (s for metric in counter.collect() for s in metric.samples if s.name.endswith("_total"))
 
 
 class _LiveCollector(Collector):
@@ -115,6 +122,16 @@ class ProxyMetrics:
         self.held.observe(waited_s)
         self.held_requests += 1
         self.max_hold_s = max(self.max_hold_s, waited_s)
+
+    def request_totals(self) -> dict[str, Any]:
+        """Client requests by HTTP status, failed legs and abandoned requests since the proxy started: the
+        counters /metrics exposes, in the admin state, so `pdctl status` need not load a Prometheus parser."""
+        by_status: dict[str, int] = {}
+        for sample in _totals(self.requests):
+            by_status[sample.labels["status"]] = by_status.get(sample.labels["status"], 0) + int(sample.value)
+        return {"total": sum(by_status.values()), "by_status": by_status,
+                "leg_failures": sum(int(s.value) for s in _totals(self.leg_failures)),
+                "client_aborts": sum(int(s.value) for s in _totals(self.client_aborts))}
 
     def render(self) -> bytes:
         """Prometheus text exposition."""

@@ -20,7 +20,7 @@ from appliance.bench.analysis import (
     percentile,
     token_gaps,
 )
-from appliance.bench.workload import arrivals, parse_rates, parse_token_range, prompt, rate_seed
+from appliance.bench.workload import arrivals, parse_rates, parse_token_range, prompt, rate_seed, token_range
 from appliance.errors import PdctlError
 
 
@@ -115,3 +115,15 @@ def test_each_rate_gets_its_own_prompts() -> None:
     assert isinstance(p, list) and len(p) == 300 and all(100 <= t < 1000 for t in p) and p != q
     words = prompt("words", 50, random.Random(3), (0, 1))
     assert isinstance(words, str) and len(words.split()) == 50
+
+
+def test_token_range_default_fits_the_vocabulary() -> None:
+    assert token_range(None, None, "m", "") == (100, 1000)  # unknown vocabulary: the default as is
+    assert token_range(None, 32000, "m", "x") == (100, 1000)
+    assert token_range(None, 695, "tiny-qwen3", "x") == (100, 695)  # the embedded model
+    assert token_range(None, 150, "m", "x") == (75, 150)
+    assert token_range("5:10", 10, "m", "x") == (5, 10)
+    with pytest.raises(PdctlError, match=r"draws ids up to 999, but tiny-qwen3 has 695 token ids \(0..694, from f\)"):
+        token_range("100:1000", 695, "tiny-qwen3", "f")
+    with pytest.raises(PdctlError, match="too few"):
+        token_range(None, 1, "m", "x")

@@ -289,3 +289,50 @@ def test_steady_sweep_stops_at_the_ceiling_and_judges_only_the_window(deployment
     assert sum(r["summary"]["unmeasured"] for r in rates) > 0  # warm-up arrivals were sent and left out
     unmeasured = [q for r in rates for q in r["requests"] if not q["measured"]]
     assert all(q["chunk_times_s"] == [] and q["latency_s"] > 0 for q in unmeasured if q["success"])
+
+
+def test_a_run_in_which_every_request_failed_exits_non_zero_and_says_why(deployment: str, tmp_path: Path) -> None:
+    # ids past the simulated engine's vocabulary (32000), as 100:1000 was past the embedded model's (695)
+    done = pdctl_in("bench", "--url", deployment, "--token-range", "40000:40100", "--rates", "4", "-n", "4",
+                    "--stop-on", "none", "--lifetimes", "0", "--input-len", "20", "--output-len", "4", "--out", "out",
+                    cwd=tmp_path, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("pdctl: error: every request failed") and "out of vocabulary" in last, done.stderr
+    assert "4 of 4 requests; the first: HTTP 400: Token id 4" in last and '{"error"' not in last
+    assert "No artists with labels" not in done.stderr and "Traceback" not in done.stderr
+    assert (tmp_path / "out" / "bench.json").is_file()  # what was sent is kept for a look
+
+
+@pytest.fixture
+def small_vocabulary_engine(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A simulated engine serving a model directory whose tokenizer has 300 ids (its config says 1024)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 1024}))
+    vocab = {f"t{i}": i for i in range(3, 300)}
+    added = [{"id": i, "content": f"<s{i}>"} for i in range(3)]
+    (model / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": added}))
+    engine = Proc("engine", [PY, "-m", "appliance.engine.sim", "--port", "0", "--model", str(model), "--log-level",
+                             "warning"], tmp_path, ready_line=True, session=True)
+    try:
+        yield json.loads(engine.read_line(re.compile(r'"url": "http://')))["url"], model
+    finally:
+        engine.stop()
+
+
+def test_the_default_token_range_comes_from_the_served_models_vocabulary(
+        small_vocabulary_engine: tuple[str, Path], tmp_path: Path) -> None:
+    url, model = small_vocabulary_engine
+    common = ["--rates", "4", "-n", "3", "--stop-on", "none", "--lifetimes", "0", "--input-len", "50",
+              "--output-len", "2", "--no-plots"]
+    done = pdctl_in("bench", "--url", url, *common, "--out", "out", cwd=tmp_path)
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert data["workload"]["token_range"] == [100, 300]
+    assert f"{model} has 300, from {model / 'tokenizer.json'}" in " ".join(done.stderr.split())
+    # ids the server would refuse are refused before anything is sent, in one line
+    done = pdctl_in("bench", "--url", url, *common, "--token-range", "100:1000", "--out", "o2", cwd=tmp_path,
+                    check=False)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "draws ids up to 999" in done.stderr and "has 300 token ids" in done.stderr
+    assert not (tmp_path / "o2" / "bench.json").exists()

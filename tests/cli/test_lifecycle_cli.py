@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,9 +16,13 @@ import psutil
 import pytest
 from rich.console import Console
 
-from appliance.cli.lifecycle import wait_ready
+from appliance.cli.lifecycle import Snapshot, proxy_health, wait_ready
+from appliance.inventory import load_inventory
+from appliance.manager import UnitStatus
 from appliance.node import Node
+from appliance.plan import plan as make_plan
 from appliance.ports import free_port as _free_port
+from appliance.render.names import PROXY_UNIT
 from appliance.settings import load_settings
 from tests.support.pdctl import pdctl, status, write_config
 from tests.support.waiting import wait_until
@@ -81,7 +86,8 @@ def test_a_first_run_on_a_pipe(tmp_path: Path) -> None:
     config = _config(tmp_path, _free_port())
     # Engines that take 5 s to "load", as vLLM does: up is still waiting when its first lines must arrive.
     config.write_text(config.read_text() + '[engine.sim]\nextra_args = ["--load-s", "5"]\n')
-    env = dict(os.environ, PDCTL_INVENTORY="sim:cpu")
+    # an 80-column terminal's width: the proxy's URL must still come whole, on a line of its own
+    env = dict(os.environ, PDCTL_INVENTORY="sim:cpu", COLUMNS="80")
     up = subprocess.Popen([sys.executable, "-m", "appliance", "--config", str(config), "up"], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -96,7 +102,11 @@ def test_a_first_run_on_a_pipe(tmp_path: Path) -> None:
     assert up.returncode == 0, err
     lines = [first, *rest.splitlines()]
     assert any("pd-proxy: RUNNING, ready" in line for line in lines), lines
-    assert lines[-1].startswith("healthy"), lines
+    assert lines[-2].startswith("healthy (supervisor; pd-prefill-0, pd-decode-0, pd-proxy)"), lines
+    proxy_port = load_settings(config).proxy.port
+    assert lines[-1] == f"proxy http://127.0.0.1:{proxy_port}", lines
+    # no line of the log is cut in two at 80 columns
+    assert all(re.match(r"\s*\d+s  pd-[\w-]+: ", line) for line in lines[:-2]), lines
 
     good = config.read_text()
     config.write_text(good + "[bogus]\nx = 1\n")
@@ -170,3 +180,19 @@ def _bound(sock: socket.socket, port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_up_says_what_a_listening_proxy_waits_for(tmp_path: Path) -> None:
+    # The proxy logs "ready on HOST:PORT" as soon as it listens; vLLM engines then load for minutes.
+    plan = make_plan(load_settings(_config(tmp_path, _free_port())), load_inventory("sim:cpu"))
+    units = {PROXY_UNIT: UnitStatus(name=PROXY_UNIT, state="running")}
+
+    def health(proxy: dict[str, object] | None) -> str:
+        return proxy_health(plan, Snapshot(units, {}, proxy))
+
+    assert health(None) == "waiting"  # not answering yet
+    assert health({"ready": False, "healthy": {"prefill": 0, "decode": 0, "both": 0}}) == \
+        "listening, waiting for prefill and decode"
+    assert health({"ready": False, "healthy": {"prefill": 1, "decode": 0}}) == \
+        "listening, waiting for decode"
+    assert health({"ready": True, "healthy": {"prefill": 1, "decode": 1}}) == "ready"

@@ -189,3 +189,26 @@ def test_the_mission_model_is_sized_from_its_quantization_config_on_the_mi300x_p
     assert descriptors(prof, 2000) == 94 * 2 and prof.write_overlaps_prefill
     h200 = gpu_profile(settings, load_inventory("sim:h200-2"), shape, 128)
     assert h200.calibrated and "calibrated on" in h200.source
+
+
+def test_the_profile_line_says_why_a_gpu_inventory_gets_the_simulated_time_model(tmp_path: Path) -> None:
+    # a fresh CPU box's settings (real vLLM, the embedded model) planning for an H200 pair
+    (tmp_path / "pdctl.toml").write_text('[engine]\nkind = "vllm"\n')
+
+    def profile(*extra: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "appliance", *extra, "plan", "--suggest", "--inventory",
+                               "sim:h200-2"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PDCTL_CONFIG=str(tmp_path / "pdctl.toml")))
+        assert done.returncode == 0, done.stderr
+        line = next(li for li in done.stdout.splitlines() if li.startswith("profile:"))
+        return " ".join(line.split())
+
+    line = profile()
+    assert line.startswith("profile: the simulated engine's time model")
+    assert "not the accelerator's profile" in line and "model.path is the embedded tiny model" in line, line
+    # with a model directory it has its H200 profile, and with the simulated engine nothing needs saying
+    _model(tmp_path)
+    (tmp_path / "pdctl.toml").write_text(f'[engine]\nkind = "vllm"\n[model]\npath = "{tmp_path / "qwen3-32b"}"\n')
+    assert "H200" in profile() and "simulated" not in profile()
+    (tmp_path / "pdctl.toml").write_text('[engine]\nkind = "sim"\n')
+    assert profile() == "profile: the simulated engine's time model (settings engine.sim)"

@@ -328,3 +328,42 @@ def test_admin_client_says_a_zmq_socket_on_the_admin_port_is_another_service() -
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def test_the_admin_state_carries_the_request_counters_metrics_has(tmp_path: Path) -> None:
+    # `pdctl status` reads them there (no Prometheus parser to load on every run): they must be /metrics' own
+    from prometheus_client.parser import text_string_to_metric_families
+
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+
+    async def scenario() -> None:
+        async with engines("both") as (e,), running_proxy(
+            proxy_config("none", [backend("both-0", "both", e)], api_key_file=str(key))
+        ) as px:
+            auth = {"Authorization": "Bearer s3cret"}
+            assert (await post(px.api_port, "/v1/completions", {"prompt": "x"}))[0] == 401
+            for _ in range(2):
+                assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2},
+                                   headers=auth))[0] == 200
+            assert (await post(px.api_port, "/v1/completions", b"{not json", headers=auth))[0] == 400
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"http://127.0.0.1:{px.api_port}/metrics") as r:
+                    text = await r.text()
+                async with s.get(f"http://127.0.0.1:{px.admin_port}/admin/state") as r:
+                    state = await r.json()
+            by_status: dict[str, int] = {}
+            legs = aborts = 0
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if not sample.name.endswith("_total"):
+                        continue
+                    if family.name == "pdctl_proxy_requests":
+                        by_status[sample.labels["status"]] = by_status.get(sample.labels["status"], 0) + int(sample.value)
+                    legs += int(sample.value) if family.name == "pdctl_proxy_leg_failures" else 0
+                    aborts += int(sample.value) if family.name == "pdctl_proxy_client_aborts" else 0
+            assert by_status == {"200": 2, "401": 1, "400": 1}
+            assert state["requests"] == {"total": 4, "by_status": by_status, "leg_failures": legs,
+                                         "client_aborts": aborts}
+
+    asyncio.run(scenario())

