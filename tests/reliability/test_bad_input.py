@@ -442,8 +442,8 @@ def test_lone_proxy_never_crashed(lone_proxy: Node) -> None:
 def _run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     import os
 
+    # the session's PDCTL_CONFIG (tests/conftest.py) stays: without it pdctl reads the host's /etc/pdctl
     full = dict(os.environ, PDCTL_INVENTORY="sim:cpu", **(env or {}))
-    full.pop("PDCTL_CONFIG", None)
     return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120, env=full)
 
 
