@@ -1,11 +1,11 @@
 """What the proxy reads of a request's prompt before choosing a hand-off (appliance/proxy/prompts.py), on
-bodies as the proxy holds them: prompt lists become tuples when the body is read (app.walk_free)."""
+bodies as the proxy holds them: prompt lists become tuples when the body is read (body.walk_free)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from appliance.proxy.app import walk_free
+from appliance.proxy.body import walk_free
 from appliance.proxy.prompts import engine_requests, known_length
 
 
