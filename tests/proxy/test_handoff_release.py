@@ -179,3 +179,36 @@ def test_a_prefill_that_answers_after_its_client_left_is_released_through_the_de
             await decode.stop()
 
     asyncio.run(scenario())
+
+
+def test_kept_prefill_legs_are_bounded_and_aborted_when_the_proxy_stops() -> None:
+    """At most the client connection cap of legs are kept (more are aborted as before), and a stopping proxy
+    aborts what it still keeps after its drain time: no work outlives it."""
+    async def scenario() -> None:
+        decode = Decode()
+        await decode.serve()
+        gate = asyncio.Event()
+        try:
+            async with engines("prefill", prefill_gate=gate) as (p,):
+                async with running_proxy(proxy_config(
+                        "nixl", [backend("prefill-0", "prefill", p),
+                                 {"name": "decode-0", "role": "decode", "url": decode.url}], mode="read",
+                        limits={"max_connections": 1, "stop_drain_s": 0})) as px:
+                    dec = px.registry.get("decode-0")
+                    assert dec is not None
+                    async with aiohttp.ClientSession() as session:
+                        kept = await _cut_during_prefill(px, p, session, "one")
+                        await eventually(lambda: dec.routed == 0 and len(px.kept) == 1, what="first leg kept")
+                        over = await _cut_during_prefill(px, p, session, "two")
+                        await eventually(lambda: over in p.aborted, what="the second leg aborted")
+                    assert kept not in p.aborted and len(px.kept) == 1
+                    text = await _metrics(px.api_port)
+                    assert _kept("over_cap") in text, text
+                await eventually(lambda: kept in p.aborted, what="the kept leg aborted at stop")
+                assert not px.kept and not px.releases and not decode.requests
+                assert _kept("stopped") in px.metrics.render().decode()
+        finally:
+            gate.set()
+            await decode.stop()
+
+    asyncio.run(scenario())
