@@ -186,6 +186,9 @@ class Connector(ABC):
     # True: the hand-off carries one engine request's KV, so a request that is several (n > 1, a batch of
     # prompts) is served by a decode instance alone (alone_body)
     one_request_per_handoff: ClassVar[bool] = False
+    # True: release_body can free a prefill's KV whose decode leg will not be sent, so the proxy keeps reading a
+    # prefill leg whose client left (its answer carries what the release needs) instead of aborting it
+    releases_abandoned_kv: ClassVar[bool] = False
 
     # ---- the engine side ------------------------------------------------------------------------
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:

@@ -72,6 +72,7 @@ class NixlConnector(Connector):
     # (a real CPU run: [A, B] answered B differently from B alone) and their own prefills held until the lease;
     # n samples all read one set of blocks that the prefill frees after the first read.
     one_request_per_handoff = True
+    releases_abandoned_kv = True  # release_body
     # the side channel env() pins to this node; a cluster's NIXL backend or pod sets its own
     node_local_env = frozenset({"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"})
 

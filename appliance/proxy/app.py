@@ -100,6 +100,7 @@ class Proxy(ProxyState):
         # handler_cancellation: a client that disconnects cancels its handler, which aborts both legs
         limits = self.config.limits
         cap = fit_to_descriptors(limits.max_connections, "client API")
+        self.keep_cap = cap
         api_sock, admin_sock = self.listeners or (None, None)
         self.api_port = await self._serve(api, self.config.host, self.config.port, cap, api_sock, serve)
         self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port,
@@ -186,12 +187,24 @@ class Proxy(ProxyState):
             await self.listener.stop()
         for server in self._servers:
             server.close()
+        deadline = time.monotonic() + self.config.limits.stop_drain_s
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
+        await self._finish_after_clients(deadline)
         self._servers.clear()
         self.bodies.close()
         await self.registry.close()
+
+    async def _finish_after_clients(self, deadline: float) -> None:
+        # kept prefill legs and releases outlive their clients' requests: they get what is left of the drain
+        # time, then the kept legs are aborted (vLLM frees a prefill that is still computing) and nothing is left
+        while (work := self.kept | self.releases) and (left := deadline - time.monotonic()) > 0:
+            await asyncio.wait(work, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        while work := self.kept | self.releases:
+            for task in work:
+                task.cancel()
+            await asyncio.wait(work)
 
     # handlers
     def _unauthorized(self, request: web.Request) -> web.Response | None:

@@ -146,12 +146,15 @@ async def run_prefill(
     headers: list[tuple[str, str]], abandoned: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The prefill leg, bounded by timeouts.prefill_s; returns the engine's kv_transfer_params and its answer.
-    `abandoned` gets the KV's parameters when the leg answered but its request was cancelled (client gone)."""
+    `abandoned` gets the KV's parameters when the leg answered but its request was cancelled (client gone);
+    with a connector that can release them, a leg still waiting for its answer then is kept until it comes."""
     limit = proxy.config.timeouts.prefill_s
+    until = time.monotonic() + limit
     # a task of our own rather than asyncio.wait_for's: when this leg is cancelled while the engine's answer
     # is failing it, the failure is still retrieved (no "Task exception was never retrieved" traceback)
     leg = asyncio.ensure_future(_prefill(proxy, inst, rank, path, body, headers, abandoned))
     leg.add_done_callback(_retrieve)
+    kept = False
     try:
         done, _ = await asyncio.wait((leg,), timeout=limit)
     except asyncio.CancelledError:
@@ -159,9 +162,14 @@ async def run_prefill(
             kv = leg.result()[0]
             if kv:
                 abandoned(kv)
+        elif abandoned is not None and not leg.done() and proxy.connector.releases_abandoned_kv:
+            # vLLM frees a prefill it is still computing when its leg is aborted, but not one it has finished
+            # and whose answer is on its way (the blocks wait for a decode or the lease), and the proxy cannot
+            # tell the two apart: it reads the answer, whose kv_transfer_params the release needs
+            kept = keep_prefill(proxy, inst, leg, until, abandoned)
         raise
     finally:
-        if not leg.done():
+        if not leg.done() and not kept:
             leg.cancel()
             await asyncio.wait((leg,))  # its clean-up (abort the engine leg, release the counts) runs first
     if not done:
@@ -169,6 +177,44 @@ async def run_prefill(
         proxy.health.leg_failed(inst)
         raise LegFailure(504, f"prefill on {inst.name} did not finish within {limit:g}s")
     return leg.result()
+
+
+def keep_prefill(proxy: ProxyState, inst: BackendState, leg: asyncio.Future[Any], until: float,
+                 abandoned: Callable[[dict[str, Any]], None]) -> bool:
+    """Read a prefill leg whose client left to its end (at most until `until`, monotonic) and hand its KV to
+    `abandoned`; False, and the leg is to be aborted, when proxy.keep_cap legs are kept already."""
+    if len(proxy.kept) >= proxy.keep_cap:
+        proxy.metrics.kept_prefills.labels("over_cap").inc()
+        return False
+    inst.routed += 1  # a drain of the prefill instance waits for the leg, as it did for its request
+    task = asyncio.get_running_loop().create_task(_keep(proxy, inst, leg, until, abandoned))
+    proxy.kept.add(task)
+    task.add_done_callback(proxy.kept.discard)
+    return True
+
+
+async def _keep(proxy: ProxyState, inst: BackendState, leg: asyncio.Future[Any], until: float,
+                abandoned: Callable[[dict[str, Any]], None]) -> None:
+    outcome = "stopped"  # cancelled: the proxy is stopping
+    try:
+        done, _ = await asyncio.wait((leg,), timeout=max(0.0, until - time.monotonic()))
+        if not done:
+            outcome = "timeout"
+            proxy.metrics.leg_failures.labels("prefill", "timeout").inc()
+            proxy.health.leg_failed(inst)
+        elif leg.cancelled() or leg.exception() is not None:
+            outcome = "failed"  # counted by the leg itself
+        else:
+            outcome = "answered"
+            kv = leg.result()[0]
+            if kv:
+                abandoned(kv)
+    finally:
+        if not leg.done():
+            leg.cancel()
+            await asyncio.wait((leg,))  # the leg aborts its engine connection and releases its counts
+        inst.routed -= 1
+        proxy.metrics.kept_prefills.labels(outcome).inc()
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -101,6 +101,14 @@ class ProxyMetrics:
             "instance, by result (answered: the engine took it; failed: it could not be reached)", ["result"],
             registry=self.registry,
         )
+        self.kept_prefills = Counter(
+            "pdctl_proxy_kept_prefills",
+            "Prefill legs read to their end after their client left, so that their KV can be released, by outcome "
+            "(answered: the answer came, its KV is released as pdctl_proxy_handoff_releases counts; failed: the "
+            "leg failed, as pdctl_proxy_leg_failures counts; "
+            "timeout: no answer within timeouts.prefill_s; stopped: the proxy stopped first; over_cap: too many "
+            "kept at once, aborted instead)", ["outcome"], registry=self.registry,
+        )
         self.tokens = Counter(
             "pdctl_proxy_streamed_chunks", "SSE chunks relayed to clients", registry=self.registry,
         )

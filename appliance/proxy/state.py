@@ -39,6 +39,10 @@ class ProxyState:
         self.hold_until = 0.0
         # releases of abandoned hand-offs run after their client's request ended (legs.release_handoff)
         self.releases: set[asyncio.Task[None]] = set()
+        # prefill legs read to their end after their client left (legs.run_prefill), at most keep_cap at once:
+        # each holds an engine connection its client no longer does (app.Proxy sets it to the connection cap)
+        self.kept: set[asyncio.Task[None]] = set()
+        self.keep_cap = config.limits.max_connections
         self.registry.set_static(config.backends)
 
     # readiness

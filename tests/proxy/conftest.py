@@ -33,6 +33,7 @@ class FakeEngine:
     token_delay_s: float = 0.0
     prefill_status: int = 200
     prefill_delay_s: float = 0.0
+    prefill_gate: asyncio.Event | None = None  # set: the prefills waiting on it answer (a prefill still computing)
     crash_after_tokens: int | None = None
     health_status: int = 200
     status_before_stream: int = 200
@@ -96,6 +97,8 @@ class FakeEngine:
     async def _prefill(self, body: dict[str, Any], kv: dict[str, Any], rid: str) -> web.Response:
         if self.prefill_delay_s:
             await asyncio.sleep(self.prefill_delay_s)
+        if self.prefill_gate is not None:
+            await self.prefill_gate.wait()
         if self.prefill_status != 200:
             return web.json_response({"error": {"message": "prefill exploded"}}, status=self.prefill_status)
         self.finished.append(rid)

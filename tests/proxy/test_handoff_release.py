@@ -127,3 +127,88 @@ def test_release_body_carries_the_prefills_kv_under_a_model_no_engine_serves() -
     # a decode leg without the prefill's KV, or a connector that holds none, has nothing to release
     assert nixl.release_body({"model": MODEL, "prompt": "hello"}) is None
     assert get_connector("example").release_body({"model": MODEL, "kv_transfer_params": kv}) is None
+
+
+def _kept(outcome: str) -> str:
+    return f'pdctl_proxy_kept_prefills_total{{outcome="{outcome}"}} 1.0'
+
+
+async def _cut_during_prefill(px: Any, p: Any, session: aiohttp.ClientSession, prompt: str) -> str:
+    """A stream whose client leaves while its prefill leg waits for the engine's answer; the leg's request id."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": True}
+    seen = len(p.requests)
+    client = asyncio.ensure_future(session.post(f"http://127.0.0.1:{px.api_port}/v1/completions", json=body))
+    await eventually(lambda: len(p.requests) > seen, what="the prefill leg reached the engine")
+    client.cancel()
+    await asyncio.gather(client, return_exceptions=True)
+    rid: str = p.requests[seen]["id"]
+    return rid
+
+
+def test_a_prefill_that_answers_after_its_client_left_is_released_through_the_decode() -> None:
+    """vLLM frees a prefill it is still computing when its leg is aborted, but not one that finished while its
+    answer was on the way: the proxy reads the answer to its end and releases the KV it names."""
+    async def scenario() -> None:
+        decode = Decode()
+        await decode.serve()
+        gate = asyncio.Event()
+        try:
+            async with engines("prefill", prefill_gate=gate) as (p,), running_proxy(proxy_config(
+                    "nixl", [backend("prefill-0", "prefill", p),
+                             {"name": "decode-0", "role": "decode", "url": decode.url}], mode="read")) as px:
+                prefill, dec = px.registry.get("prefill-0"), px.registry.get("decode-0")
+                assert prefill is not None and dec is not None
+                async with aiohttp.ClientSession() as session:
+                    rid = await _cut_during_prefill(px, p, session, "hello")
+                    await eventually(lambda: dec.routed == 0, what="the client's request ended")
+                # its prefill leg is still read, and counted on the instance (a drain waits for it)
+                assert p.aborted == [] and prefill.routed == 1 and prefill.in_flight == 1 and len(px.kept) == 1
+                gate.set()
+                await eventually(lambda: decode.requests, what="the release reached the decode")
+                assert p.aborted == [] and p.finished == [rid]
+                kv = decode.requests[0]["kv_transfer_params"]
+                assert kv["do_remote_prefill"] is True and kv["remote_block_ids"] == [3, 4, 5]
+                assert [r["model"] for r in decode.requests] == [get_connector("nixl").release_body(
+                    {"kv_transfer_params": kv})["model"]]  # type: ignore[index]
+                await eventually(lambda: not px.releases and not px.kept, what="release and kept leg done")
+                assert prefill.routed == 0 and prefill.in_flight == 0
+                text = await _metrics(px.api_port)
+                assert 'pdctl_proxy_handoff_releases_total{result="answered"} 1.0' in text, text
+                assert _kept("answered") in text, text
+        finally:
+            await decode.stop()
+
+    asyncio.run(scenario())
+
+
+def test_kept_prefill_legs_are_bounded_and_aborted_when_the_proxy_stops() -> None:
+    """At most the client connection cap of legs are kept (more are aborted as before), and a stopping proxy
+    aborts what it still keeps after its drain time: no work outlives it."""
+    async def scenario() -> None:
+        decode = Decode()
+        await decode.serve()
+        gate = asyncio.Event()
+        try:
+            async with engines("prefill", prefill_gate=gate) as (p,):
+                async with running_proxy(proxy_config(
+                        "nixl", [backend("prefill-0", "prefill", p),
+                                 {"name": "decode-0", "role": "decode", "url": decode.url}], mode="read",
+                        limits={"max_connections": 1, "stop_drain_s": 0})) as px:
+                    dec = px.registry.get("decode-0")
+                    assert dec is not None
+                    async with aiohttp.ClientSession() as session:
+                        kept = await _cut_during_prefill(px, p, session, "one")
+                        await eventually(lambda: dec.routed == 0 and len(px.kept) == 1, what="first leg kept")
+                        over = await _cut_during_prefill(px, p, session, "two")
+                        await eventually(lambda: over in p.aborted, what="the second leg aborted")
+                    assert kept not in p.aborted and len(px.kept) == 1
+                    text = await _metrics(px.api_port)
+                    assert _kept("over_cap") in text, text
+                await eventually(lambda: kept in p.aborted, what="the kept leg aborted at stop")
+                assert not px.kept and not px.releases and not decode.requests
+                assert _kept("stopped") in px.metrics.render().decode()
+        finally:
+            gate.set()
+            await decode.stop()
+
+    asyncio.run(scenario())
