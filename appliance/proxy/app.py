@@ -100,7 +100,7 @@ class Proxy(ProxyState):
         # handler_cancellation: a client that disconnects cancels its handler, which aborts both legs
         limits = self.config.limits
         cap = fit_to_descriptors(limits.max_connections, "client API")
-        self.keep_cap = cap
+        self.keep_cap = min(cap, limits.max_kept_prefills)
         api_sock, admin_sock = self.listeners or (None, None)
         self.api_port = await self._serve(api, self.config.host, self.config.port, cap, api_sock, serve)
         self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port,

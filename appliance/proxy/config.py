@@ -103,6 +103,10 @@ class Limits(_Model):
     # Bodies over 64 KiB are read and parsed (in a worker process) this many at a time; more wait for a turn,
     # up to body_timeout_s, then get 503: the memory large bodies take is bounded.
     large_bodies: int = Field(default=4, ge=1, le=1024)
+    # Prefill legs read to their end after their client left, so that their KV can be released (legs.py):
+    # each costs the prefill a prompt's compute that nobody reads, so a client that sends and cuts requests
+    # in a loop makes the prefill work for at most this many at once; beyond it a leg is aborted, as before.
+    max_kept_prefills: int = Field(default=64, ge=0, le=65536)
     # a stopping proxy (SIGTERM: a restart, a handover to a new proxy) finishes its requests for up to this
     # long, then cuts what is left; below the units' stop timeout (30 s) so the manager never kills it first
     stop_drain_s: float = Field(default=25.0, ge=0, le=3600)

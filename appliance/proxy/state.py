@@ -40,9 +40,9 @@ class ProxyState:
         # releases of abandoned hand-offs run after their client's request ended (legs.release_handoff)
         self.releases: set[asyncio.Task[None]] = set()
         # prefill legs read to their end after their client left (legs.run_prefill), at most keep_cap at once:
-        # each holds an engine connection its client no longer does (app.Proxy sets it to the connection cap)
+        # each holds an engine connection its client no longer does and costs the prefill compute nobody reads
         self.kept: set[asyncio.Task[None]] = set()
-        self.keep_cap = config.limits.max_connections
+        self.keep_cap = min(config.limits.max_kept_prefills, config.limits.max_connections)
         self.registry.set_static(config.backends)
 
     # readiness

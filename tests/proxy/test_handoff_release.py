@@ -182,7 +182,7 @@ def test_a_prefill_that_answers_after_its_client_left_is_released_through_the_de
 
 
 def test_kept_prefill_legs_are_bounded_and_aborted_when_the_proxy_stops() -> None:
-    """At most the client connection cap of legs are kept (more are aborted as before), and a stopping proxy
+    """At most limits.max_kept_prefills legs are kept (more are aborted as before), and a stopping proxy
     aborts what it still keeps after its drain time: no work outlives it."""
     async def scenario() -> None:
         decode = Decode()
@@ -193,7 +193,7 @@ def test_kept_prefill_legs_are_bounded_and_aborted_when_the_proxy_stops() -> Non
                 async with running_proxy(proxy_config(
                         "nixl", [backend("prefill-0", "prefill", p),
                                  {"name": "decode-0", "role": "decode", "url": decode.url}], mode="read",
-                        limits={"max_connections": 1, "stop_drain_s": 0})) as px:
+                        limits={"max_kept_prefills": 1, "stop_drain_s": 0})) as px:
                     dec = px.registry.get("decode-0")
                     assert dec is not None
                     async with aiohttp.ClientSession() as session:
