@@ -455,6 +455,11 @@ def _check_rank_ports(connector: Connector, ctx: InstanceContext, settings: Sett
                         f"({dp_only}{key}.tp = 1, {key}.dp = {ranks})")
 
 
+# vLLM flags that cut a prompt's prefill over several steps even with chunked prefill off (the threshold caps
+# what one step gives a prompt before the no-chunking rule is applied)
+_SPLIT_PREFILL_FLAGS = ("--enable-chunked-prefill", "--long-prefill-token-threshold")
+
+
 def _check_whole_prefills(settings: Settings, ctx: InstanceContext, model: ModelPlan) -> str | None:
     """Refuse an engine that runs every prefill whole (whole_prefills) with a step too small for the longest
     prompt (vLLM would refuse to start); a warning when the role's extra_args turn chunked prefill back on."""
@@ -470,9 +475,10 @@ def _check_whole_prefills(settings: Settings, ctx: InstanceContext, model: Model
             "request's prefill is split), so a step must hold the longest prompt",
             fix=f"set {key}.max_num_batched_tokens to at least {context}, or lower model.max_model_len",
         )
-    if any(a == "--enable-chunked-prefill" or a.startswith("--enable-chunked-prefill=") for a in rs.extra_args):
-        return (f"{key}.extra_args turn chunked prefill on: on a {ctx.platform} node a seeded request whose prefill "
-                "is split kills the engine core (vLLM 0.32)")
+    split = [a.split("=", 1)[0] for a in rs.extra_args if a.split("=", 1)[0] in _SPLIT_PREFILL_FLAGS]
+    if split:
+        return (f"{key}.extra_args {' '.join(split)} split prefills: on a {ctx.platform} node a seeded request whose "
+                "prefill is split kills the engine core (vLLM 0.32)")
     return None
 
 

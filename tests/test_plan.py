@@ -115,9 +115,12 @@ def test_cpu_engines_prefill_every_prompt_in_one_step() -> None:
                    "colocated": {"max_num_batched_tokens": 1024}}), load_inventory("sim:cpu"))
     assert plan(make({"decode": {"max_num_batched_tokens": 2048}}), load_inventory("sim:cpu")).warnings == []
     # an operator who turns it back on is told what that risks
-    mine = plan(make({"prefill": {"extra_args": ["--enable-chunked-prefill"]}}), load_inventory("sim:cpu"))
-    assert mine.warnings == ["prefill.extra_args turn chunked prefill on: on a cpu node a seeded request whose "
-                             "prefill is split kills the engine core (vLLM 0.32)"]
+    mine = plan(make({"prefill": {"extra_args": ["--enable-chunked-prefill"]},
+                      "decode": {"extra_args": ["--long-prefill-token-threshold=64"]}}), load_inventory("sim:cpu"))
+    assert mine.warnings == [f"{role}.extra_args {flag} split prefills: on a cpu node a seeded request whose "
+                             "prefill is split kills the engine core (vLLM 0.32)"
+                             for role, flag in (("prefill", "--enable-chunked-prefill"),
+                                                ("decode", "--long-prefill-token-threshold"))]
 
 
 def test_cpu_write_mode_is_a_nixl_push_with_host_buffers() -> None:
