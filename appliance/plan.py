@@ -28,7 +28,7 @@ from appliance.connector import (
     resolve_name,
 )
 from appliance.connector.base import PLATFORMS
-from appliance.engine.command import engine_command
+from appliance.engine.command import context_length, engine_command, whole_prefills
 from appliance.engine.version import split_package
 from appliance.errors import PlanError
 from appliance.hosts import is_loopback, url_host
@@ -455,6 +455,33 @@ def _check_rank_ports(connector: Connector, ctx: InstanceContext, settings: Sett
                         f"({dp_only}{key}.tp = 1, {key}.dp = {ranks})")
 
 
+# vLLM flags that cut a prompt's prefill over several steps even with chunked prefill off (the threshold caps
+# what one step gives a prompt before the no-chunking rule is applied)
+_SPLIT_PREFILL_FLAGS = ("--enable-chunked-prefill", "--long-prefill-token-threshold")
+
+
+def _check_whole_prefills(settings: Settings, ctx: InstanceContext, model: ModelPlan) -> str | None:
+    """Refuse an engine that runs every prefill whole (whole_prefills) with a step too small for the longest
+    prompt (vLLM would refuse to start); a warning when the role's extra_args turn chunked prefill back on."""
+    if not whole_prefills(ctx.platform):
+        return None
+    key = "colocated" if ctx.role == "both" else ctx.role
+    rs = settings.role(ctx.role)
+    budget, context = rs.max_num_batched_tokens, context_length(settings, model)
+    if budget is not None and context is not None and budget < context:
+        raise PlanError(
+            f"{key}.max_num_batched_tokens {budget} is below max_model_len {context}: on a {ctx.platform} node every "
+            "prompt is prefilled in one engine step (vLLM's CPU build kills its engine core when a seeded "
+            "request's prefill is split), so a step must hold the longest prompt",
+            fix=f"set {key}.max_num_batched_tokens to at least {context}, or lower model.max_model_len",
+        )
+    split = [a.split("=", 1)[0] for a in rs.extra_args if a.split("=", 1)[0] in _SPLIT_PREFILL_FLAGS]
+    if split:
+        return (f"{key}.extra_args {' '.join(split)} split prefills: on a {ctx.platform} node a seeded request whose "
+                "prefill is split kills the engine core (vLLM 0.32)")
+    return None
+
+
 def plan(settings: Settings, inventory: Inventory) -> Plan:
     """Turn settings and an inventory into a full Plan, or raise PlanError saying what to change."""
     platform = platform_of(inventory)
@@ -478,6 +505,9 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
             ctx = _context(settings, role, index, gpus, mode, platform, shared, block_sizes[role])
             if settings.engine.kind == "vllm":
                 _check_rank_ports(connector, ctx, settings)
+                whole = _check_whole_prefills(settings, ctx, model)
+                if whole is not None and whole not in warnings:
+                    warnings.append(whole)
             instance, noted = _instance(settings, inventory, connector, ctx, gpus, model, service)
             instances.append(instance)
             warnings.extend(noted)

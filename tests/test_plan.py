@@ -93,6 +93,36 @@ def test_kv_block_size_per_connector_and_platform() -> None:
     assert all(_block_size(i.argv) is None and "--block-size=32" in i.argv for i in mine.instances)
 
 
+def test_cpu_engines_prefill_every_prompt_in_one_step() -> None:
+    """vLLM 0.32's CPU build kills its engine core on a step that prefills part of a seeded request's prompt
+    (a seeded batch of three 900-token prompts, or one seeded 2040-token prompt while 16 other sequences
+    decode): CPU engines run with chunked prefill off, GPU engines keep vLLM's default."""
+    for overrides in ({}, {"connector": {"mode": "write"}}, {"connector": {"name": "none"}}):
+        cpu = plan(make(overrides), load_inventory("sim:cpu"))
+        assert all("--no-enable-chunked-prefill" in i.argv for i in cpu.instances), overrides
+        assert not cpu.warnings
+    gpu = plan(make({"connector": {"name": "nixl"}}), load_inventory("sim:h200-8"))
+    assert not any("chunked-prefill" in a for i in gpu.instances for a in i.argv)
+    # the simulated engine has no such crash and its own chunking
+    sim = plan(make({"engine": {"kind": "sim"}, "decode": {"max_num_batched_tokens": 256}}), load_inventory("sim:cpu"))
+    assert not any("chunked-prefill" in a for i in sim.instances for a in i.argv)
+    # without chunking vLLM refuses a step smaller than the context: said before anything starts
+    with pytest.raises(PlanError, match=r"decode.max_num_batched_tokens 256 is below max_model_len 2048") as exc:
+        plan(make({"decode": {"max_num_batched_tokens": 256}}), load_inventory("sim:cpu"))
+    assert "at least 2048" in exc.value.fix
+    with pytest.raises(PlanError, match=r"colocated.max_num_batched_tokens 1024 is below max_model_len 1536"):
+        plan(make({"connector": {"name": "none"}, "model": {"max_model_len": 1536},
+                   "colocated": {"max_num_batched_tokens": 1024}}), load_inventory("sim:cpu"))
+    assert plan(make({"decode": {"max_num_batched_tokens": 2048}}), load_inventory("sim:cpu")).warnings == []
+    # an operator who turns it back on is told what that risks
+    mine = plan(make({"prefill": {"extra_args": ["--enable-chunked-prefill"]},
+                      "decode": {"extra_args": ["--long-prefill-token-threshold=64"]}}), load_inventory("sim:cpu"))
+    assert mine.warnings == [f"{role}.extra_args {flag} split prefills: on a cpu node a seeded request whose "
+                             "prefill is split kills the engine core (vLLM 0.32)"
+                             for role, flag in (("prefill", "--enable-chunked-prefill"),
+                                                ("decode", "--long-prefill-token-threshold"))]
+
+
 def test_cpu_write_mode_is_a_nixl_push_with_host_buffers() -> None:
     # the CPU default (ExampleConnector) has no WRITE: auto picks NIXL there, pushing from host memory
     p = plan(make({"connector": {"mode": "write"}}), load_inventory("sim:cpu"))

@@ -6,7 +6,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
-from appliance.connector.base import Connector, InstanceContext
+from appliance.connector.base import Connector, InstanceContext, Platform
 from appliance.engine.version import split_package, version_tuple
 from appliance.hosts import reach_host
 
@@ -64,6 +64,19 @@ def _flag(argv: list[str], name: str, value: object | None) -> None:
         argv.extend([name, str(value)])
 
 
+def whole_prefills(platform: Platform) -> bool:
+    """Whether a real vLLM engine on this platform must compute each prompt's prefill in one step (chunked
+    prefill off): vLLM 0.32's CPU build kills its engine core on any step that prefills part of a seeded
+    request's prompt (`gen.set_offset` in gpu_model_runner._bookkeeping_sync: "CPU Generator does not use
+    offset"), and whether a prompt is cut depends on what else the engine runs, not on the request."""
+    return platform == "cpu"
+
+
+def context_length(settings: Settings, model: ModelPlan) -> int | None:
+    """The engine's --max-model-len: the setting, 2048 for the embedded tiny model, else the model's own (None)."""
+    return settings.model.max_model_len or (2048 if model.generate else None)
+
+
 def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_config: dict[str, Any] | None,
               ports: dict[str, list[int]]) -> list[str]:
     """vLLM's OpenAI server arguments for one instance (parallelism, Wide-EP knobs, batching, connector)."""
@@ -86,7 +99,7 @@ def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_con
     _flag(argv, "--max-num-seqs", rs.max_num_seqs)
     _flag(argv, "--gpu-memory-utilization", rs.gpu_memory_utilization)
     # The embedded tiny model is float32 (vLLM would downcast it) with a 2048-token context.
-    _flag(argv, "--max-model-len", settings.model.max_model_len or (2048 if model.generate else None))
+    _flag(argv, "--max-model-len", context_length(settings, model))
     _flag(argv, "--dtype", settings.model.dtype or ("float32" if model.generate else None))
     # Clients and `pdctl bench` read usage.prompt_tokens_details.cached_tokens: the KV that came from prefill.
     argv.append("--enable-prompt-tokens-details")
@@ -95,6 +108,8 @@ def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_con
         # (minutes at start on a small box), and a KV cache sized in bytes rather than the legacy GiB knob.
         argv += ["--enforce-eager", "--distributed-executor-backend", "uni",
                  "--kv-cache-memory-bytes", f"{settings.engine.cpu_kv_cache_mib}M"]
+    if whole_prefills(ctx.platform):
+        argv.append("--no-enable-chunked-prefill")
     _flag(argv, "--load-format", settings.model.load_format)
     if settings.model.trust_remote_code:
         argv.append("--trust-remote-code")

@@ -56,6 +56,7 @@ def vllm_argv(
         "--max-model-len", "2048",
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
+        "--no-enable-chunked-prefill",
     ]  # fmt: skip
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config, separators=(",", ":"))]
