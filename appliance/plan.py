@@ -325,10 +325,12 @@ def _block_sizes(settings: Settings, roles: list[Role], default: int | None) -> 
     """Each role's KV block size; the disaggregated roles must agree, since the hand-off copies whole blocks."""
     sizes: dict[Role, int | None] = {}
     for role in roles:
-        sizes[role] = _extra_block_size(settings.role(role).extra_args) or settings.connector.block_size or default
+        sizes[role] = _extra_block_size(settings.role(role).extra_args) or settings.connector.block_size
     named = {size for size in sizes.values() if size is not None}
+    if not named:
+        return {role: default for role in roles}
     if len(named) == 1:
-        # one role names a size: the other gets it too rather than vLLM's default (which may differ)
+        # one role names a size: the other gets it too rather than the connector's or vLLM's default
         return {role: next(iter(named)) for role in roles}
     if len(named) > 1:
         said = " and ".join(f"{r} {sizes[r]}" for r in roles)

@@ -87,6 +87,12 @@ def test_kv_block_size_per_connector_and_platform() -> None:
     assert [_block_size(i.argv) for i in cpu.instances] == ["128", "128"] and cpu.proxy.block_size == 128
     coloc = plan(make({"connector": {"name": "none", "block_size": 64}}), load_inventory("sim:h200-8"))
     assert {_block_size(i.argv) for i in coloc.instances} == {"64"}
+    # one role's size (not the connector's default) is the other's too: ExampleConnector's folder names and
+    # NIXL's hand-off need one size on both roles
+    one = plan(make({"connector": {"name": "nixl"}, "decode": {"extra_args": ["--block-size", "16"]}}),
+               load_inventory("sim:h200-8"))
+    assert [_block_size(i.argv) for i in one.instances] == ["16", "16"]
+    assert all(i.argv.count("--block-size") == 1 for i in one.instances)
     # a role's own --block-size wins and is not rendered twice
     both = {"extra_args": ["--block-size=32"]}
     mine = plan(make({"connector": {"name": "nixl"}, "prefill": both, "decode": both}), load_inventory("sim:h200-8"))
@@ -177,8 +183,9 @@ def test_the_admin_api_always_has_a_token() -> None:
         ({"prefill": {"gpu_count": 6}, "decode": {"gpu_count": 6}}, "sim:mi300x-8", "needs prefill 6 + decode 6 = 12"),
         ({"prefill": {"gpu_count": 4, "tp": 3}}, "sim:mi300x-8", "TP 3 (from the settings) x DP 1 = 3 GPUs, but each instance has 4"),
         ({"prefill": {"gpu_count": 3, "instances": 2}}, "sim:mi300x-8", "cannot be split into 2 equal"),
-        ({"connector": {"name": "nixl"}, "decode": {"extra_args": ["--block-size", "16"]}}, "sim:h200-8",
-         "prefill and decode must use the same KV block size, but they use prefill 128 and decode 16"),
+        ({"connector": {"name": "nixl"}, "prefill": {"extra_args": ["--block-size", "32"]},
+          "decode": {"extra_args": ["--block-size", "16"]}}, "sim:h200-8",
+         "prefill and decode must use the same KV block size, but they use prefill 32 and decode 16"),
         ({"connector": {"name": "example", "mode": "write"}}, "sim:cpu", "has no write mode"),
         ({"connector": {"name": "moriio"}}, "sim:h200-8", "needs AMD GPUs"),
         ({"prefill": {"gpu_count": 2}}, "sim:cpu", "this node has none"),
