@@ -21,7 +21,7 @@ def write_config(directory: Path, state_dir: Path, manager: str = "supervisor", 
     proxy, admin, ping = free_ports(3)
     # the connectors' own ports too (NIXL side channel, MORI-IO handshake and notify): two deployments on
     # their defaults, another test's among them, fail at the engines' bind
-    hs_p, nt_p, hs_d, nt_d, hs_c, nt_c = free_ports(6, width=2)
+    hs_p, nt_p, hs_d, nt_d, hs_c, nt_c = free_ports(6, width=32)  # DP x TP ranks of up to 8 GPUs a role
     path = directory / "pdctl.toml"
     path.write_text(
         f"""state_dir = {json.dumps(str(state_dir))}
