@@ -85,12 +85,13 @@ def admin_client(plan: Plan, timeout: float) -> AdminClient:
 
 
 def proxy_state(plan: Plan) -> dict[str, Any] | None:
-    """The proxy's /admin/state, or None when it does not answer; PortTaken when another service answers there."""
-    from appliance.proxy.client import PortTaken, ProxyAdminError
+    """The proxy's /admin/state, or None when it does not answer; PortTaken when another service answers there,
+    AdminRefused when the proxy answers but refuses pdctl's token."""
+    from appliance.proxy.client import AdminRefused, PortTaken, ProxyAdminError
 
     try:
         return admin_client(plan, timeout=3).state()
-    except PortTaken:
+    except (PortTaken, AdminRefused):
         raise
     except (ProxyAdminError, OSError):
         return None

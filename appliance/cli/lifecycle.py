@@ -28,7 +28,7 @@ from appliance.manager import ACTIVE, ServiceManager, UnitStatus
 from appliance.node import EXIT_DOWN, PORT_FIX, Node, NotDeployed, http_answer, port_conflicts, proxy_state
 from appliance.nodelock import Holder, holder
 from appliance.plan import Plan
-from appliance.proxy.client import PortTaken
+from appliance.proxy.client import AdminRefused, PortTaken
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit, role_service
 from appliance.settings import Settings
 
@@ -95,6 +95,8 @@ class Snapshot:
     proxy: dict[str, Any] | None
     # why the proxy cannot answer: another process holds one of its ports (which port, address, process)
     port_conflict: str | None = None
+    # the proxy answers but refuses pdctl's admin token (a rotated token, a user who cannot read it): the line
+    proxy_refused: str | None = None
     at: float = field(default_factory=time.time)
 
     def ready(self, plan: Plan) -> bool:
@@ -118,17 +120,19 @@ def snapshot(plan: Plan, manager: ServiceManager) -> Snapshot:
         answers = dict(zip([i.name for i in active], pool.map(lambda i: http_answer(i.url + "/health"), active),
                            strict=True))
     health = {inst.name: answers.get(inst.name) == 200 for inst in plan.instances}
-    proxy, conflict = None, None
+    proxy, conflict, refused = None, None, None
     if proxy_answer is not None:
         try:
             proxy = proxy_answer.result()
         except PortTaken as exc:
             conflict = exc.message
-    if proxy is None:
+        except AdminRefused as exc:
+            refused = str(exc)
+    if proxy is None and refused is None:
         # A proxy kept out of its port never answers: say whose port it is (psutil names the process where it
         # may), rather than wait on it.
         conflict = next(iter(port_conflicts(plan, manager, proxy_only=True)), conflict)
-    return Snapshot(units, health, proxy, conflict)
+    return Snapshot(units, health, proxy, conflict, refused)
 
 
 def progress_table(plan: Plan, snap: Snapshot, elapsed: float) -> Table:

@@ -24,7 +24,8 @@ engines themselves report them.
                     leg_failures, client_aborts, held (requests that waited for a role with no instance:
                     a restart, rebalance or mode switch), max_hold_s} | null,
                     port_conflict (why it cannot answer: which of its ports, on which address, another process
-                    holds, and which process where pdctl may see it) | null
+                    holds, and which process where pdctl may see it) | null,
+                    refused (the proxy answers but refuses pdctl's admin token: the line and its fix) | null
     warnings[]      GPUs reported failed or held by a process outside pdctl (new plans leave them out); an
                     instance whose plan asks for cross-layer KV blocks but whose transfers post per-layer
                     NIXL descriptors (vLLM ignored the setting: the hand-off posts layers x 2 times as many)
@@ -156,6 +157,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         "registered": [{k: i.get(k) for k in keys} for i in (admin or {}).get("instances", [])],
         "requests": request_counters(plan, admin) if admin is not None else None,
         "port_conflict": snap.port_conflict,
+        "refused": snap.proxy_refused,
     }
     owner = {g: inst for inst in plan.instances for g in inst.gpus}
     gpus = [
@@ -335,5 +337,7 @@ def _status(ctx: click.Context, as_json: bool, manager: str | None, gpus: Future
             click.echo(f"pdctl: error: {config_error} (status shows the deployed plan)", err=True)
     if snap.port_conflict:
         click.echo(f"pdctl: error: {snap.port_conflict} (fix: {PORT_FIX})", err=True)
+    if snap.proxy_refused:
+        click.echo(f"pdctl: error: {snap.proxy_refused}", err=True)
     if doc["state"] != "healthy":
         sys.exit(EXIT_UNHEALTHY if doc["state"] == "degraded" else EXIT_DOWN)

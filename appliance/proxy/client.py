@@ -22,6 +22,10 @@ class PortTaken(ProxyAdminError):
     """Another service answers on the proxy's admin port."""
 
 
+class AdminRefused(ProxyAdminError):
+    """The proxy answers but refuses pdctl's admin token (401), or the token file cannot be read."""
+
+
 class AdminClient:
     """Talks to one proxy's admin API; every method returns the decoded JSON answer."""
 
@@ -38,8 +42,8 @@ class AdminClient:
             try:
                 token = Path(token_file).read_text().strip()
             except OSError as exc:
-                raise ProxyAdminError(f"cannot read the proxy's admin token {token_file}: {exc.strerror}",
-                                      fix="run pdctl as the user that ran `pdctl up` (or root)") from None
+                raise AdminRefused(f"cannot read the proxy's admin token {token_file}: {exc.strerror}",
+                                   fix="run pdctl as the user that ran `pdctl up` (or root)") from None
         self.token = token
         self.timeout = timeout
 
@@ -58,9 +62,11 @@ class AdminClient:
                 message = json.loads(exc.read()).get("error", exc.reason)
             except ValueError:
                 message = exc.reason
-            fix = None if exc.code != 401 else (
-                "the proxy's admin token changed or is missing: run `pdctl up` (it writes one and restarts the proxy)")
-            raise ProxyAdminError(f"proxy admin {path} answered {exc.code}: {message}", fix=fix) from None
+            if exc.code == 401:
+                raise AdminRefused(f"proxy admin {path} answered 401: {message}",
+                                   fix="the proxy's admin token changed or is missing: run `pdctl up` (it writes "
+                                       "one and restarts the proxy)") from None
+            raise ProxyAdminError(f"proxy admin {path} answered {exc.code}: {message}") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             if isinstance(reason, TimeoutError) and self._speaks_first():

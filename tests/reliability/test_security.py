@@ -346,6 +346,15 @@ def test_pdctl_up_gives_the_admin_api_a_token(tmp_path: Path) -> None:
         assert doc["proxy"]["reachable"] and doc["proxy"]["ready"], doc["proxy"]
         assert sorted(i["url"] for i in doc["proxy"]["registered"]) == sorted(
             b["url"] for b in proxy["backends"])  # the squat was refused
+        # a token the proxy no longer holds is named as such by status, not shown as a proxy that is down
+        token_path.write_text("not-the-proxys-token\n")
+        refused = pdctl(config, "status", "--json")
+        assert refused.returncode != 0 and "answered 401" in refused.stderr and "run `pdctl up`" in refused.stderr, \
+            refused.stderr
+        assert "answered 401" in json.loads(refused.stdout)["proxy"]["refused"]
+        assert not json.loads(refused.stdout)["proxy"]["port_conflict"]
+        token_path.write_text(token + "\n")
+        assert status(config)["proxy"]["refused"] is None
         token_path.unlink()
         again = pdctl(config, "up", "--json")
         assert again.returncode == 0, again.stdout + again.stderr
