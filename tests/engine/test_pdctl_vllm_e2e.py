@@ -262,13 +262,18 @@ def test_no_legal_request_kills_an_engine(tmp_path: Path, flow: str) -> None:
         assert [t for t, _ in together] == [t for t, _ in alone], (together, alone)
         assert all(abs(a - b) < 0.05 for (_, x), (_, y) in zip(together, alone, strict=True)
                    for a, b in zip(x, y, strict=True)), (together, alone)
-        doc = _status(cfg)
-        assert doc["state"] == "healthy", doc
-        assert {i["name"]: i["pid"] for i in doc["instances"]} == before
-        assert all(i["automatic_restarts"] == 0 for i in doc["instances"]), doc["instances"]
+        _assert_unharmed(cfg, before)
     finally:
         subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
                        env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)
+
+
+def _assert_unharmed(cfg: Path, before: dict[str, int]) -> None:
+    """The node is healthy and no engine stopped: the same PIDs as `before`, no automatic restart."""
+    doc = _status(cfg)
+    assert doc["state"] == "healthy", doc
+    assert {i["name"]: i["pid"] for i in doc["instances"]} == before
+    assert all(i["automatic_restarts"] == 0 for i in doc["instances"]), doc["instances"]
 
 
 def _greedy(url: str, prompt: Any) -> list[tuple[list[str], list[float]]]:
@@ -314,10 +319,7 @@ def test_a_seeded_batch_does_not_kill_the_example_connectors_decode(tmp_path: Pa
         status, text = _send(url, "/v1/completions", {**seeded, "prompt": distinct})
         assert status == 200, text
         assert len(json.loads(text)["choices"]) == 3
-        doc = _status(cfg)
-        assert doc["state"] == "healthy", doc
-        assert {i["name"]: i["pid"] for i in doc["instances"]} == before
-        assert all(i["automatic_restarts"] == 0 for i in doc["instances"]), doc["instances"]
+        _assert_unharmed(cfg, before)
     finally:
         subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
                        env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)
