@@ -100,8 +100,10 @@ class Snapshot:
     at: float = field(default_factory=time.time)
 
     def ready(self, plan: Plan) -> bool:
-        """Every instance healthy, the proxy running and reporting every role it needs."""
-        return (all(self.health.get(i.name) for i in plan.instances)
+        """Every instance running (past the manager's start window) and healthy, the proxy running and
+        reporting every role it needs."""
+        return (all(self.health.get(i.name) and self.units[instance_unit(i)].state == "running"
+                    for i in plan.instances)
                 and self.units[PROXY_UNIT].state == "running"
                 and bool(self.proxy and self.proxy.get("ready")))
 

@@ -192,7 +192,10 @@ class Rebalancer:
                 seen = proxy.get(name, {})
                 routable = seen.get("healthy") and (parked or (
                     not seen.get("draining") and seen.get("transfer_mode") in (None, mode)))
-                if routable and http_answer(inst.url + "/health") == 200:
+                # Started means the manager says so too (supervisord's startsecs): an engine that answers
+                # /health at once is still "starting" there, and would be reported so right after the step.
+                started = states[instance_unit(inst)].state == "running"
+                if routable and started and http_answer(inst.url + "/health") == 200:
                     pending.pop(name)
             if not pending:
                 return

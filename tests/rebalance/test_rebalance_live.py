@@ -39,7 +39,7 @@ def _agree(config: Path, state: Path) -> dict:
     doc = status(config)
     assert doc["_rc"] == 0, json.dumps(doc["instances"]) + json.dumps(doc["proxy"])
     assert {(i["name"], i["role"], i["url"]) for i in doc["instances"]} == want
-    assert all(i["state"] == "running" and i["health"] == "healthy" for i in doc["instances"])
+    assert all(i["state"] == "running" and i["health"] == "healthy" for i in doc["instances"]), doc["instances"]
     assert {(r["name"], r["role"], r["url"]) for r in doc["proxy"]["registered"]} == want
     conf = (state / "supervisor" / "supervisord.conf").read_text()
     programs = {line[9:-1] for line in conf.splitlines() if line.startswith("[program:")}
