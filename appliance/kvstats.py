@@ -38,8 +38,10 @@ def totals(text: str) -> dict[str, float] | None:
     # imported here: only NIXL engines publish these, and `pdctl status` elsewhere should not load the parser
     from prometheus_client.parser import text_string_to_metric_families
 
+    # vLLM's /metrics runs to hundreds of KB of histograms; the pure-Python parser reads only the NIXL lines
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith("vllm:nixl_"))
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
             base, _, suffix = sample.name.rpartition("_")
             if base in _HISTOGRAMS and suffix in ("sum", "count"):

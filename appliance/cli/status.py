@@ -116,7 +116,13 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
     now = time.time()
     restarts = manager.restart_counts()
     instances = []
+    # the engines' own KV transfer histograms, where their connector publishes them: every engine asked at once
     transfer_metrics = get_connector(plan.connector).transfer_metrics is not None
+    asked = [i for i in plan.instances if transfer_metrics and snap.health.get(i.name)]
+    kv: dict[str, Any] = {}
+    if asked:
+        with ThreadPoolExecutor(max_workers=len(asked)) as pool:
+            kv = dict(zip([i.name for i in asked], pool.map(lambda i: engine_figures(i.url), asked), strict=True))
     for inst in plan.instances:
         st = snap.units[instance_unit(inst)]
         instances.append({
@@ -134,8 +140,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
             "restarts": restarts.get(st.name, st.restarts),
             "automatic_restarts": st.restarts,
             "last_exit": st.last_exit,
-            # the engine's own KV transfer histograms, where its connector publishes them
-            "kv_transfer": engine_figures(inst.url) if transfer_metrics and snap.health.get(inst.name) else None,
+            "kv_transfer": kv.get(inst.name),
         })
     pst = snap.units[PROXY_UNIT]
     admin = snap.proxy
