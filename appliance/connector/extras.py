@@ -51,6 +51,6 @@ class ExtraConfigTable:
             others = [f"vLLM {', '.join(elsewhere)} does" if elsewhere else ""]
             if key in self.instead:
                 others.append(f"in vLLM {version} only {self.instead[key]} reads it")
-            said = "; ".join(o for o in others if o) or f"no release read ({', '.join(READ_RELEASES)}) reads it"
+            said = "; ".join(o for o in others if o) or f"no release pdctl read ({', '.join(READ_RELEASES)}) reads it"
             why.append(f"extra_config key '{key}' is not read by vLLM {version}'s {self.vllm_class} ({said})")
         return why

@@ -82,7 +82,7 @@ def test_ignored_names_the_key_the_version_and_what_reads_it_instead() -> None:
     assert nixl.ignored(["enable_cross_layers_blocks"], "") == []  # unknown version: no claim
     assert nixl.ignored(["kv_lease_duratoin"], "0.32.0") == [
         "extra_config key 'kv_lease_duratoin' is not read by vLLM 0.32.0's NixlConnector "
-        "(no release read (0.24.0, 0.32.0) reads it)"]
+        "(no release pdctl read (0.24.0, 0.32.0) reads it)"]
 
 
 @pytest.mark.parametrize(("version", "expected"), [
