@@ -16,7 +16,7 @@ from typing import Literal
 import psutil
 
 from appliance.connector import get_connector
-from appliance.connector.base import RdmaNeed
+from appliance.connector.base import Connector, RdmaNeed
 from appliance.engine.command import server_command
 from appliance.errors import PdctlError
 from appliance.heads import read_heads
@@ -330,9 +330,28 @@ def node_checks(settings: Settings, inventory: Inventory, connector_name: str | 
                 findings.append(Finding("connector", "fail",
                                         f"{lib.label} does not load: {result.get('connector_error', 'vLLM missing')}",
                                         f"install {lib.install} into the engine's environment"))
+        if connector is not None and "vllm" in result:
+            findings.extend(check_extra_config(connector, list(settings.connector.extra_config), result["vllm"]))
     if connector is not None and connector_name:
         findings.append(check_rdma(connector_name, connector.rdma(settings.connector.moriio_backend)))
     return findings
+
+
+def check_extra_config(connector: Connector, keys: list[str], version: str) -> list[Finding]:
+    """A warning for each of the settings' connector.extra_config `keys` that the engine's vLLM `version` will
+    not read with this connector (its table says which release reads what); no row when there are no keys."""
+    table = connector.extra_config_keys
+    if table is None or not keys:
+        return []
+    ignored = table.ignored(keys, version)
+    if not ignored:
+        unsure = [key for key in keys if table.read_by(key, version) is None]
+        read = [key for key in keys if key not in unsure]
+        return [Finding("extra_config", "ok", "; ".join(
+            ([f"vLLM {version}'s {table.vllm_class} reads {', '.join(read)}"] if read else [])
+            + ([f"whether vLLM {version} reads {', '.join(unsure)} is not known"] if unsure else [])))]
+    return [Finding("extra_config", "warn", f"{why}: the engines will ignore it",
+                    "remove it from connector.extra_config, or run a vLLM release that reads it") for why in ignored]
 
 
 def summary_exit_code(findings: list[Finding]) -> int:

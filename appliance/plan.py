@@ -397,6 +397,7 @@ def _context(settings: Settings, role: Role, index: int, gpus: list[int], mode: 
         kv_buffer_device=settings.connector.kv_buffer_device,
         extra_config=settings.connector.extra_config,
         block_size=block_size,
+        vllm_version=split_package(settings.engine.vllm_package)[1],
     )
 
 

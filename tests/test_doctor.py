@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from appliance.connector import get_connector
-from appliance.doctor import Finding, check_rdma, summary_exit_code
+from appliance.doctor import Finding, check_extra_config, check_rdma, summary_exit_code
 from appliance.inventory import load_inventory
 from appliance.node import Node
 from appliance.plan import plan
@@ -26,11 +26,11 @@ VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 PROXY, ADMIN, PREFILL, DECODE = free_ports(4)
 
 
-def doctor(tmp_path: Path, python: str, *extra: str) -> tuple[int, list[dict[str, str]]]:
+def doctor(tmp_path: Path, python: str, *extra: str, toml: str = "") -> tuple[int, list[dict[str, str]]]:
     cfg = tmp_path / "pdctl.toml"
     cfg.write_text(f'state_dir = "{tmp_path}/state"\n[engine]\npython = "{python}"\n'
                    f"[proxy]\nport = {PROXY}\nadmin_port = {ADMIN}\n[prefill]\nhttp_port = {PREFILL}\n"
-                   f"[decode]\nhttp_port = {DECODE}\n")
+                   f"[decode]\nhttp_port = {DECODE}\n{toml}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
     r = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "--inventory", "sim:cpu", "doctor",
                         "--json", *extra], capture_output=True, text=True, env=env, timeout=300)
@@ -67,6 +67,34 @@ def test_passes_with_the_cpu_default(tmp_path: Path) -> None:
     assert rc == 0, findings
     vllm = next(f for f in findings if f["check"] == "vllm")
     assert vllm["status"] == "ok" and "vLLM" in vllm["detail"]
+
+
+def test_warns_of_each_extra_config_key_the_engines_vllm_will_ignore(tmp_path: Path) -> None:
+    # vLLM 0.32's NIXL connector reads kv_lease_duration, not enable_cross_layers_blocks (its Mooncake store
+    # connector does), and no release reads the misspelt key
+    assert VLLM_PYTHON
+    keys = '[connector]\nextra_config = {enable_cross_layers_blocks = true, kv_lease_duration = 60, kv_lease_duratoin = 9}\n'
+    rc, findings = doctor(tmp_path, VLLM_PYTHON, "--connector", "nixl", toml=keys)
+    rows = [f for f in findings if f["check"] == "extra_config"]
+    # (rc depends on this host's memlock limit, which NIXL needs raised: not what this test is about)
+    assert [(f["status"], f["detail"]) for f in rows] == [
+        ("warn", "extra_config key 'enable_cross_layers_blocks' is not read by vLLM 0.32.0's NixlConnector (vLLM "
+                 "0.24.0 does; in vLLM 0.32.0 only MooncakeStoreConnector reads it): the engines will ignore it"),
+        ("warn", "extra_config key 'kv_lease_duratoin' is not read by vLLM 0.32.0's NixlConnector (no release pdctl read "
+                 "(0.24.0, 0.32.0) reads it): the engines will ignore it")], rows
+    assert all("connector.extra_config" in f["fix"] for f in rows)
+    # the simulated engine reads no vLLM config: nothing to say
+    rc, findings = doctor(tmp_path, sys.executable, "--engine", "sim", "--connector", "nixl", toml=keys)
+    assert rc == 0 and not [f for f in findings if f["check"] == "extra_config"], findings
+
+
+def test_extra_config_keys_that_are_read_or_not_known_are_no_warning() -> None:
+    nixl = get_connector("nixl")
+    assert check_extra_config(nixl, [], "0.32.0") == []
+    assert check_extra_config(get_connector("none"), ["anything"], "0.32.0") == []
+    assert check_extra_config(nixl, ["kv_lease_duration", "enable_cross_layers_blocks"], "0.28.0") == [Finding(
+        "extra_config", "ok", "vLLM 0.28.0's NixlConnector reads kv_lease_duration; "
+        "whether vLLM 0.28.0 reads enable_cross_layers_blocks is not known")]
 
 
 def test_busy_port_is_a_failure(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 from tests.support.pdctl import complete, write_config
@@ -47,8 +48,19 @@ def _fresh_venv(tmp_path: Path, wheel: Path) -> Path:
     return venv
 
 
+def test_the_checkouts_units_are_the_packaged_templates() -> None:
+    # the design's top-level units/ is a relative link into the package data, as etc/pdctl.toml is: one copy
+    link = ROOT / "units"
+    assert link.is_symlink() and not Path(os.readlink(link)).is_absolute(), os.readlink(link)
+    assert link.resolve() == (ROOT / "appliance" / "data" / "units").resolve()
+    assert sorted(p.name for p in link.iterdir())
+
+
 def test_installed_wheel_brings_a_deployment_up_and_down(tmp_path: Path) -> None:
     wheel = _build_wheel(tmp_path)
+    # every unit template the checkout's units/ shows travels in the wheel
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"appliance/data/units/{p.name}" for p in (ROOT / "units").iterdir()} <= shipped, sorted(shipped)
     venv = _fresh_venv(tmp_path, wheel)
     config = write_config(tmp_path, tmp_path / "state")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PDCTL_CONFIG")}

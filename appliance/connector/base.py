@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
+from appliance.connector.extras import ExtraConfigTable
 from appliance.roles import Mode, Role
 
 Platform = Literal["rocm", "cuda", "cpu"]
@@ -72,6 +73,7 @@ class InstanceContext:
     kv_buffer_device: str | None = None
     extra_config: dict[str, Any] = field(default_factory=dict)
     block_size: int | None = None
+    vllm_version: str = ""  # the engine's vLLM release ("": unknown): what it reads of the connector's config
 
     @property
     def ranks(self) -> int:
@@ -170,6 +172,8 @@ class Connector(ABC):
     write_waits_for_prefill: ClassVar[bool] = False
     # The simulated engine's flow for this connector, "module:Class", imported only when a sim engine runs it.
     sim_flow: ClassVar[str]
+    # The kv_connector_extra_config keys each vLLM release reads for this connector (None: it renders none).
+    extra_config_keys: ClassVar[ExtraConfigTable | None] = None
     # The library vLLM loads for this connector, if any.
     library: ClassVar[Library | None] = None
     # True: in READ mode the decode needs the prefill's kv_transfer_params; a prefill that returns none without

@@ -6,7 +6,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.connector.base import Connector, InstanceContext, Platform, RayServeBackend, SimOptions
+from appliance.connector.extras import ExtraConfigTable
 from appliance.roles import Mode
+
+# The one kv_connector_extra_config key vLLM's ExampleConnector reads, in 0.24.0 and 0.32.0 alike
+# (vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py, its __init__).
+EXTRA_CONFIG = ExtraConfigTable("ExampleConnector", {"shared_storage_path": frozenset({"0.24.0", "0.32.0"})})
 
 
 class ExampleConnector(Connector):
@@ -20,6 +25,7 @@ class ExampleConnector(Connector):
     modes = frozenset({"read"})
     sim_flow = "appliance.engine.sim.connectors:ExampleSim"
     lengths_matter = True
+    extra_config_keys = EXTRA_CONFIG
 
     def default_block_size(self, platform: Platform) -> int:
         # vLLM's own defaults, named so that the proxy knows which prompt lengths hand nothing over
@@ -51,7 +57,8 @@ class ExampleConnector(Connector):
         return answer
 
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any]:
-        extra = {"shared_storage_path": ctx.shared_storage_path, **ctx.extra_config}
+        extra = {**EXTRA_CONFIG.kept({"shared_storage_path": ctx.shared_storage_path}, ctx.vllm_version),
+                 **ctx.extra_config}
         return {"kv_connector": self.vllm_class, "kv_role": ctx.kv_role, "kv_connector_extra_config": extra}
 
     def ray_serve(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode,

@@ -25,6 +25,7 @@ from appliance.connector.base import (
     RdmaNeed,
     SimOptions,
 )
+from appliance.connector.extras import ExtraConfigTable
 from appliance.roles import Mode
 
 # vLLM's MoRIIO router request id: "___prefill_addr_{zmq}___decode_addr_{zmq}_{32 hex}"; vLLM may append
@@ -61,6 +62,19 @@ def strip_node_keys(kv: dict[str, Any]) -> dict[str, Any]:
 MORIIO_LINK_GBPS = {"rdma": 50.0 * 0.8, "xgmi": 64.0 * 0.8}
 MORIIO_POST_MS = 0.5
 MORIIO_US_PER_DESCRIPTOR = 2.0
+
+
+# ---- kv_connector_extra_config: the keys each vLLM release's MoRIIO connector reads --------------------------
+# vllm/distributed/kv_transfer/kv_connector/v1/moriio/ of 0.24.0 and 0.32.0: moriio_common.py (MoRIIOConfig.
+# from_vllm_config, get_moriio_mode, resolve_host_ip) and moriio_connector.py (_set_port_defaults, the
+# handshake and defer timeouts); 0.32.0 adds recv_abort_timeout.
+_BOTH = frozenset({"0.24.0", "0.32.0"})
+EXTRA_CONFIG = ExtraConfigTable("MoRIIOConnector", {
+    **dict.fromkeys(("backend", "defer_timeout", "handshake_port", "host_ip", "http_port", "notify_port",
+                     "num_workers", "post_batch_size", "proxy_ip", "proxy_ping_port", "qp_per_transfer",
+                     "read_mode", "transfer_timeout"), _BOTH),
+    "recv_abort_timeout": frozenset({"0.32.0"}),
+})
 
 
 class PeerAddress(NamedTuple):
@@ -135,6 +149,7 @@ class MoriioConnector(Connector):
     sim_flow = "appliance.engine.sim.connectors:MoriioSim"
     library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
     read_needs_prefill_kv = True
+    extra_config_keys = EXTRA_CONFIG
 
     def handoff_facts(self, platform: Platform, cross_layer: bool, moriio_backend: str) -> HandoffFacts:
         return HandoffFacts(post_ms=MORIIO_POST_MS, post_us_per_descriptor=MORIIO_US_PER_DESCRIPTOR,
@@ -182,6 +197,7 @@ class MoriioConnector(Connector):
             "backend": ctx.moriio_backend,
             "host_ip": ctx.host,
         }
+        extra = EXTRA_CONFIG.kept(extra, ctx.vllm_version)
         extra.update(ctx.extra_config)
         return {"kv_connector": self.vllm_class, "kv_role": ctx.kv_role, "kv_connector_extra_config": extra}
 

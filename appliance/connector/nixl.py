@@ -19,6 +19,7 @@ from appliance.connector.base import (
     RdmaNeed,
     SimOptions,
 )
+from appliance.connector.extras import ExtraConfigTable
 from appliance.errors import ExportError
 from appliance.roles import Mode
 
@@ -46,6 +47,21 @@ H200_HANDOFF = HandoffFacts(post_ms=0.25, post_us_per_descriptor=4.1, transfer_u
                             source="NIXL on 2 x H200 (NVLink), vllm:nixl_* histograms (results/gpu-h200x2)")
 
 
+# ---- kv_connector_extra_config: the keys each vLLM release's NIXL connector reads ---------------------------
+# Every get_from_extra_config of vllm/distributed/kv_transfer/kv_connector/v1/nixl/ in 0.24.0 and 0.32.0:
+# base_scheduler.py (bidirectional_kv_xfer, decoder_kv_blocks_ttl, kv_lease_duration, kv_recompute_threshold),
+# base_worker.py (backends, enforce_handshake_compat, engine_ttl, kv_lease_duration, num_threads),
+# push_scheduler.py (push_registration_timeout); 0.24.0's connector.py also enable_cross_layers_blocks
+# (prefer_cross_layer_blocks). 0.32.0's nixl/ never reads it: only mooncake/store/worker.py does.
+_BOTH = frozenset({"0.24.0", "0.32.0"})
+EXTRA_CONFIG = ExtraConfigTable("NixlConnector", {
+    **dict.fromkeys(("backends", "bidirectional_kv_xfer", "decoder_kv_blocks_ttl", "enforce_handshake_compat",
+                     "engine_ttl", "kv_lease_duration", "kv_recompute_threshold", "num_threads",
+                     "push_registration_timeout"), _BOTH),
+    "enable_cross_layers_blocks": frozenset({"0.24.0"}),
+}, instead={"enable_cross_layers_blocks": "MooncakeStoreConnector"})
+
+
 def _cross_layer_blocks(extra_config: Mapping[str, Any]) -> bool:
     """Whether a kv_connector_extra_config asks for cross-layer blocks, read the way vLLM reads it."""
     return str(extra_config.get("enable_cross_layers_blocks", "False")).lower() == "true"
@@ -64,6 +80,7 @@ class NixlConnector(Connector):
     sim_flow = "appliance.engine.sim.connectors:NixlSim"
     library = Library("nixl", "nixl._api:nixl_agent", "nixl")
     read_needs_prefill_kv = True
+    extra_config_keys = EXTRA_CONFIG
     # vLLM's NIXL stats: the puller's transfers in READ, the pusher's in WRITE
     transfer_metrics = "vllm:nixl_"
     # vLLM 0.32 answers a prefill leg with one kv_transfer_params, the first engine request's
@@ -97,9 +114,10 @@ class NixlConnector(Connector):
         return ctx.kv_buffer_device or ("cpu" if ctx.platform == "cpu" else None)
 
     def _extra_config(self, ctx: InstanceContext) -> dict[str, Any]:
-        """kv_connector_extra_config: NVIDIA's measured defaults with GPU buffers, then the user's extra_config."""
+        """kv_connector_extra_config: NVIDIA's measured defaults with GPU buffers (those the engine's vLLM reads),
+        then the user's extra_config."""
         on_gpu = ctx.platform == "cuda" and self._buffer_device(ctx) in (None, "cuda")
-        extra: dict[str, Any] = dict(GPU_EXTRA_CONFIG) if on_gpu else {}
+        extra = EXTRA_CONFIG.kept(GPU_EXTRA_CONFIG, ctx.vllm_version) if on_gpu else {}
         extra.update(ctx.extra_config)
         return extra
 
@@ -120,7 +138,9 @@ class NixlConnector(Connector):
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ctx.handshake_port),
         }
         # NVIDIA only, where it was measured; elsewhere whoever asks for cross-layer blocks picks the runner.
-        if ctx.platform == "cuda" and _cross_layer_blocks(self._extra_config(ctx)):
+        # a release that ignores the setting keeps its own runner
+        if (ctx.platform == "cuda" and _cross_layer_blocks(self._extra_config(ctx))
+                and EXTRA_CONFIG.read_by("enable_cross_layers_blocks", ctx.vllm_version) is not False):
             env.update(CROSS_LAYER_ENV)
         return env
 

@@ -7,8 +7,9 @@ import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
 from appliance.connector.base import Connector, InstanceContext, Platform
-from appliance.engine.version import split_package, version_tuple
+from appliance.engine.version import split_package
 from appliance.hosts import reach_host
+from appliance.releases import version_tuple
 
 if TYPE_CHECKING:
     from appliance.settings import Settings

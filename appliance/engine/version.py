@@ -4,7 +4,6 @@ installed package metadata, without importing vLLM."""
 from __future__ import annotations
 
 import functools
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +14,6 @@ _QUERY = (
     "names = m.packages_distributions().get('vllm') or []\n"
     "print(f'{names[0]} {m.version(names[0])}' if names else '')\n"
 )
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """'0.32.0+cpu' -> (0, 32, 0): the release numbers, for comparisons."""
-    match = re.match(r"\d+(?:\.\d+)*", version.strip())
-    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
 
 
 def split_package(package: str) -> tuple[str, str]:
