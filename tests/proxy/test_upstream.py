@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from appliance.proxy.upstream import _HIGH_WATER, Connection, Head, UpstreamError, UpstreamPool
+from appliance.proxy.upstream import _HIGH_WATER, Connection, Head, Unchunked, UpstreamError, UpstreamPool
 
 OK_CHUNKED = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 EVENTS = (b"data: one\n\n", b"data: two\n\n")
@@ -584,3 +584,26 @@ def test_a_slow_client_pauses_reading_from_the_engine_and_the_stream_arrives_int
             client.close()
 
     run(scenario)
+
+
+def test_trailers_over_64_kib_are_a_protocol_error() -> None:
+    async def scenario() -> None:
+        async with scripted() as (engine, pool):
+            conn, _, _ = await _open(pool, engine, OK_CHUNKED + FRAMING + b"0\r\nX-Big: " + b"y" * 70_000)
+            with pytest.raises(UpstreamError) as failed:
+                await settle(conn.done_fut)
+            assert (failed.value.reason, str(failed.value)) == ("protocol", f"{pool.address}: trailers too large")
+
+    run(scenario)
+
+
+# ---- an HTTP/1.0 client's relay: the framing taken off ---------------------------------------------------
+
+def test_unchunked_writes_the_data_alone_whatever_the_cut() -> None:
+    body = CHUNKED_BODY[:-2] + b"X-Trailer: 1\r\n\r\n"
+    for cut in range(len(body) + 1):
+        out: list[bytes] = []
+        writer = Unchunked(out.append)
+        writer.write(body[:cut])
+        writer.write(body[cut:])
+        assert b"".join(out) == b"".join(EVENTS), cut
