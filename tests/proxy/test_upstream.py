@@ -128,6 +128,14 @@ def run(scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(scenario())  # type: ignore[arg-type]
 
 
+async def _request(pool: UpstreamPool, engine: ScriptedEngine, collect: bool) -> tuple[Connection, Peer]:
+    """Send a request on a new connection; (the client's connection, the engine's side of it) once it is read."""
+    conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=collect)
+    peer = await engine.peer()
+    await peer.request()
+    return conn, peer
+
+
 async def _open(pool: UpstreamPool, engine: ScriptedEngine, answer: bytes, collect: bool = True,
                 peer: Peer | None = None) -> tuple[Connection, Head, Peer]:
     """Send a request on the pool (on `peer`'s connection where it is reused); the engine answers `answer` in
@@ -217,9 +225,7 @@ def _never(exc: Exception) -> None:
 def test_streamed_answer_one_byte_per_read_is_relayed_intact() -> None:
     async def scenario() -> None:
         async with scripted() as (engine, pool):
-            conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=False)
-            peer = await engine.peer()
-            await peer.request()
+            conn, peer = await _request(pool, engine, collect=False)
             sink = Sink()
             conn.relay_to(sink, None, _never)  # type: ignore[arg-type]
             whole = OK_CHUNKED + CHUNKED_BODY
@@ -249,9 +255,7 @@ def test_trailers_end_a_collected_body_and_leave_the_connection_reusable() -> No
 def test_trailers_end_a_streamed_body_and_the_connection_is_not_reused() -> None:
     async def scenario() -> None:
         async with scripted() as (engine, pool):
-            conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=False)
-            peer = await engine.peer()
-            await peer.request()
+            conn, peer = await _request(pool, engine, collect=False)
             await peer.send(OK_CHUNKED + FRAMING + b"0\r\nX-Checksum: 1\r\n\r\n")
             await settle(conn.done_fut)
             sink = Sink()
@@ -268,9 +272,7 @@ def test_trailers_end_a_streamed_body_and_the_connection_is_not_reused() -> None
 def test_interim_1xx_answers_are_skipped(split: bool) -> None:
     async def scenario() -> None:
         async with scripted() as (engine, pool):
-            conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=True)
-            peer = await engine.peer()
-            await peer.request()
+            conn, peer = await _request(pool, engine, collect=True)
             interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
             final = b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok"
             await send_in_pieces(peer, conn, [interim, final] if split else [interim + final])
@@ -320,9 +322,7 @@ def test_http_1_0_and_connection_close_answers_are_not_reused() -> None:
 def test_engine_closing_mid_answer_is_a_reset_and_the_connection_is_not_reused(answer: bytes, collect: bool) -> None:
     async def scenario() -> None:
         async with scripted() as (engine, pool):
-            conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=collect)
-            peer = await engine.peer()
-            await peer.request()
+            conn, peer = await _request(pool, engine, collect=collect)
             await peer.send(answer)
             peer.close()
             with pytest.raises(UpstreamError) as failed:
@@ -364,9 +364,7 @@ def test_bad_chunk_size_lines_are_protocol_errors(line: bytes, collect: bool) ->
     # a size the proxy reads differently from the client would desynchronize the client's stream
     async def scenario() -> None:
         async with scripted() as (engine, pool):
-            conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=collect)
-            peer = await engine.peer()
-            await peer.request()
+            conn, peer = await _request(pool, engine, collect=collect)
             sink = Sink()
             if not collect:
                 conn.relay_to(sink, None, _never)  # type: ignore[arg-type]
@@ -384,9 +382,7 @@ def test_chunk_data_longer_than_its_size_is_a_protocol_error() -> None:
     async def scenario() -> None:
         async with scripted() as (engine, pool):
             for collect in (True, False):
-                conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=collect)
-                peer = await engine.peer()
-                await peer.request()
+                conn, peer = await _request(pool, engine, collect=collect)
                 if not collect:
                     conn.relay_to(Sink(), None, _never)  # type: ignore[arg-type]
                 await peer.send(OK_CHUNKED + b"5\r\nhello!\r\n3\r\nabc\r\n0\r\n\r\n")
@@ -401,9 +397,7 @@ def test_chunk_data_longer_than_its_size_is_a_protocol_error() -> None:
 def test_a_chunk_size_line_that_never_ends_is_a_protocol_error(collect: bool) -> None:
     async def scenario() -> None:
         async with scripted() as (engine, pool):
-            conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=collect)
-            peer = await engine.peer()
-            await peer.request()
+            conn, peer = await _request(pool, engine, collect=collect)
             if not collect:
                 conn.relay_to(Sink(), None, _never)  # type: ignore[arg-type]
             await peer.send(OK_CHUNKED + b"1;" + b"x" * 70_000)
@@ -417,9 +411,7 @@ def test_a_chunk_size_line_that_never_ends_is_a_protocol_error(collect: bool) ->
 def test_a_head_over_64_kib_is_a_protocol_error() -> None:
     async def scenario() -> None:
         async with scripted() as (engine, pool):
-            conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=True)
-            peer = await engine.peer()
-            await peer.request()
+            conn, peer = await _request(pool, engine, collect=True)
             await peer.send(b"HTTP/1.1 200 OK\r\n" + b"X-Big: " + b"y" * (64 * 1024) + b"\r\n")
             assert conn.head_fut is not None
             with pytest.raises(UpstreamError) as failed:
@@ -440,9 +432,7 @@ def test_a_head_over_64_kib_is_a_protocol_error() -> None:
 def test_bad_heads_are_protocol_errors(answer: bytes, message: str) -> None:
     async def scenario() -> None:
         async with scripted() as (engine, pool):
-            conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=True)
-            peer = await engine.peer()
-            await peer.request()
+            conn, peer = await _request(pool, engine, collect=True)
             await peer.send(answer)
             with pytest.raises(UpstreamError) as failed:
                 await settle(conn.done_fut)
@@ -560,9 +550,7 @@ def test_a_slow_client_pauses_reading_from_the_engine_and_the_stream_arrives_int
     async def scenario() -> None:
         client = SlowClient()
         async with scripted() as (engine, pool):
-            conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=False)
-            peer = await engine.peer()
-            await peer.request()
+            conn, peer = await _request(pool, engine, collect=False)
             transport = await client.start()
             failures: list[Exception] = []
             conn.relay_to(transport, None, failures.append)  # type: ignore[arg-type]
