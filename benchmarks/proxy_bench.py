@@ -5,8 +5,11 @@ Prints, for the proxy process (`python -m appliance.proxy`, connector none, in f
   latency     8 concurrent streams; each worker rotates a direct, a proxied and a piped request (interleaved, so
               machine noise hits all alike): added TTFT p50/p99 and the ITL p99 ratio against direct
   cpu         the proxy process's own CPU time (psutil, user + system) over the tokens it relayed, at 8 streams;
-              the same for a plain TCP pipe (no HTTP, no parsing: uvloop protocols copying bytes) on the same
-              path, which is the floor any user-space relay pays here (one recv + one send per token)
+              the same for an aiohttp-client relay (an aiohttp server whose handler forwards the request with
+              aiohttp.ClientSession and writes the streamed body as it comes: what pd-proxy would cost with
+              aiohttp's client instead of appliance/proxy/upstream.py) and for a plain TCP pipe (no HTTP, no
+              parsing: uvloop protocols copying bytes) on the same path, the floor any user-space relay pays here
+              (one recv + one send per token)
   throughput  256 streams x 1000 tokens (direct, proxy, proxy, direct): proxied / direct tokens per second,
               and the proxy's CPU per token there
   disconnect  client closes mid-stream -> the engine counts the abort (sim_requests_aborted_total)
@@ -117,6 +120,42 @@ def run_tcp_pipe(listen_port: int, engine_port: int) -> None:
     asyncio.run(serve())
 
 
+# ---- the aiohttp-client relay (what upstream.py saves) ----------------------------------------------
+
+def run_aiohttp_relay(listen_port: int, engine_port: int) -> None:
+    """A minimal proxy on aiohttp's server and client: each request is forwarded to the engine with one shared
+    ClientSession and its body written back piece by piece as it comes, as pd-proxy does with upstream.py."""
+    import uvloop
+    from aiohttp import web
+
+    engine = f"http://127.0.0.1:{engine_port}"
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        session: aiohttp.ClientSession = request.app["session"]
+        body = await request.read()
+        async with session.request(request.method, engine + request.path, data=body,
+                                   headers={"Content-Type": "application/json"}) as upstream:
+            response = web.StreamResponse(status=upstream.status,
+                                          headers={"Content-Type": upstream.headers.get("Content-Type", "")})
+            await response.prepare(request)
+            async for data in upstream.content.iter_any():
+                await response.write(data)
+            await response.write_eof()
+            return response
+
+    async def serve() -> None:
+        app = web.Application()
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        app.router.add_route("*", "/{tail:.*}", relay)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", listen_port, backlog=1024).start()
+        await asyncio.Event().wait()
+
+    uvloop.install()
+    asyncio.run(serve())
+
+
 # ---- client side ----------------------------------------------------------------------------------
 
 @dataclass
@@ -219,15 +258,17 @@ async def section_latency(args: argparse.Namespace, direct: str, via: str, piped
     print(f"targets: proxy added TTFT p99 <= 1 ms, ITL p99 ratio <= 1.05 [{load()}]")
 
 
-async def section_cpu(args: argparse.Namespace, proxy: psutil.Process, pipe: psutil.Process, via: str,
-                      piped: str) -> None:
+async def section_cpu(args: argparse.Namespace, proxy: psutil.Process, relay: psutil.Process, pipe: psutil.Process,
+                      via: str, relayed: str, piped: str) -> None:
     c, t = 8, args.cpu_tokens
     print(f"\n## cpu: {c} concurrent streams x {t} tokens, relay process CPU per token [{load()}]")
     for _ in range(args.cpu_repeats):
         s, _, u, sy = await measured(proxy, lambda: run_load(via, c, 1, t))
+        sa, _, ua, sya = await measured(relay, lambda: run_load(relayed, c, 1, t))
         sp, _, up, syp = await measured(pipe, lambda: run_load(piped, c, 1, t))
-        print(f"pd-proxy {per_token(u, sy, s.tokens)}   plain TCP pipe {per_token(up, syp, sp.tokens)} [{load()}]")
-    print("target <= 10 us/token")
+        print(f"pd-proxy (upstream.py) {per_token(u, sy, s.tokens)}   aiohttp-client relay "
+              f"{per_token(ua, sya, sa.tokens)}   plain TCP pipe {per_token(up, syp, sp.tokens)} [{load()}]")
+    print("target <= 10 us/token for pd-proxy; the aiohttp-client relay is what upstream.py is measured against")
 
 
 async def section_throughput(args: argparse.Namespace, proxy: psutil.Process, pipe: psutil.Process, direct: str,
@@ -319,7 +360,7 @@ def start(cmd: list[str]) -> subprocess.Popen[bytes]:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    engine_port, proxy_port, admin_port, pipe_port = free_ports(4)
+    engine_port, proxy_port, admin_port, pipe_port, relay_port = free_ports(5)
     engine_cmd = [sys.executable, "-m", "appliance.engine.sim", "--port", str(engine_port), "--role", "both",
                   "--connector", "none", "--model", MODEL, "--decode-step-ms", str(args.step_ms),
                   "--decode-step-ms-per-seq", "0.0", "--prefill-us-per-token", "1", "--max-num-seqs", "1024",
@@ -334,21 +375,24 @@ async def main_async(args: argparse.Namespace) -> None:
             start(engine_cmd),
             start([sys.executable, "-m", "appliance.proxy", "--config", str(cfg), "--log-level", "WARNING"]),
             start([sys.executable, str(Path(__file__).resolve()), "--tcp-pipe", str(pipe_port), str(engine_port)]),
+            start([sys.executable, str(Path(__file__).resolve()), "--aiohttp-relay", str(relay_port),
+                   str(engine_port)]),
         ]
         try:
             direct = f"http://127.0.0.1:{engine_port}"
             via = f"http://127.0.0.1:{proxy_port}"
             piped = f"http://127.0.0.1:{pipe_port}"
-            for url in (direct, via, piped):
+            relayed = f"http://127.0.0.1:{relay_port}"
+            for url in (direct, via, piped, relayed):
                 await wait_http(url + "/health")
-            proxy, pipe = psutil.Process(procs[1].pid), psutil.Process(procs[2].pid)
-            for base in (via, direct, piped):  # warm every path
+            proxy, pipe, relay = (psutil.Process(p.pid) for p in procs[1:4])
+            for base in (via, direct, piped, relayed):  # warm every path
                 await run_load(base, 8, 2, 20)
             print(f"# proxy bench: engine decode step {args.step_ms} ms, {os.cpu_count()} CPUs, {load()}")
             if "latency" in args.sections:
                 await section_latency(args, direct, via, piped)
             if "cpu" in args.sections:
-                await section_cpu(args, proxy, pipe, via, piped)
+                await section_cpu(args, proxy, relay, pipe, via, relayed, piped)
             if "throughput" in args.sections:
                 await section_throughput(args, proxy, pipe, direct, via, piped)
             if "disconnect" in args.sections:
@@ -379,9 +423,14 @@ def main() -> None:
     parser.add_argument("--memory-requests", type=int, default=20_000)
     parser.add_argument("--tcp-pipe", nargs=2, type=int, metavar=("LISTEN_PORT", "ENGINE_PORT"),
                         help=argparse.SUPPRESS)  # internal: run the plain TCP pipe
+    parser.add_argument("--aiohttp-relay", nargs=2, type=int, metavar=("LISTEN_PORT", "ENGINE_PORT"),
+                        help=argparse.SUPPRESS)  # internal: run the aiohttp-client relay
     args = parser.parse_args()
     if args.tcp_pipe:
         run_tcp_pipe(*args.tcp_pipe)
+        return
+    if args.aiohttp_relay:
+        run_aiohttp_relay(*args.aiohttp_relay)
         return
     args.sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     unknown = args.sections - set(SECTIONS)

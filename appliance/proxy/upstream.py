@@ -14,7 +14,9 @@ from typing import Any
 
 from appliance.proxy.histogram import FastHistogram
 
-_HEAD_LIMIT = 64 * 1024
+_HEAD_LIMIT = 64 * 1024  # a response head, or a chunked body's trailers
+_SIZE_LINE_LIMIT = 4096  # a chunk size line with its extensions
+_HEX = b"0123456789abcdefABCDEF"
 _READ, _CHUNKED, _LENGTH, _EOF, _DONE = range(5)
 _HIGH_WATER = 1 << 20  # client send buffer above this: stop reading from the engine
 _LOW_WATER = 1 << 18
@@ -37,6 +39,17 @@ class Head:
         self.status = status
         self.headers = headers
         self.keep_alive = keep_alive
+
+
+def chunk_size(line: bytes) -> int:
+    """The size a chunk size line gives (hex digits, then optionally ";" and extensions), or -1 where it is not one.
+
+    Stricter than int(line, 16), which also takes a sign, "0x", "_" and white space: the relayed framing reaches
+    the client byte for byte, so where the two read a size differently the client's stream would fall apart."""
+    size = line.split(b";", 1)[0].rstrip(b" \t")
+    if not 0 < len(size) <= 16 or size.translate(None, _HEX):
+        return -1
+    return int(size, 16)
 
 
 def _silence(fut: asyncio.Future[Any]) -> None:
@@ -153,20 +166,27 @@ class Connection(asyncio.Protocol):
                 eol = data.find(b"\r\n", pos)
                 if eol < 0:
                     # the size line is cut: forward what is whole, keep the rest for the next read
+                    if n - pos > _SIZE_LINE_LIMIT:
+                        self._protocol_error("chunk size line too long")
+                        return
                     self._frag = data[pos:]
                     data = data[:pos]
                     n = pos
                     break
-                try:
-                    size = int(data[pos:eol], 16)
-                except ValueError:
-                    size = self._odd_size_line(data[pos:eol])
+                line = data[pos:eol]
+                if 0 < len(line) <= 16 and not line.translate(None, _HEX):
+                    size = int(line, 16)
+                else:
+                    size = self._odd_size_line(line)
                     if size < 0:
                         return
                 if size == 0:
                     self._end_chunked(data, pos, eol, chunks, now)
                     return
                 pos = eol + size + 4
+                if pos <= n and data[pos - 2 : pos] != b"\r\n":
+                    self._protocol_error("chunk data longer than its size")
+                    return
                 chunks += 1
         self._left = pos - n
         if chunks:
@@ -272,11 +292,10 @@ class Connection(asyncio.Protocol):
 
     def _odd_size_line(self, line: bytes) -> int:
         # chunk extensions ("1a;name=value") are legal, if unusual; anything else is a broken stream
-        try:
-            return int(line.split(b";", 1)[0], 16)
-        except ValueError:
+        size = chunk_size(line)
+        if size < 0:
             self._protocol_error("bad chunk size line")
-            return -1
+        return size
 
     def _end_chunked(self, data: bytes, pos: int, eol: int, chunks: int, now: float) -> None:
         if chunks:
@@ -323,6 +342,8 @@ class Connection(asyncio.Protocol):
             self._collect_chunked(data)
         elif state == _LENGTH:
             if len(data) >= self._remaining:
+                if len(data) > self._remaining:
+                    self._beyond_answer()
                 data = data[: self._remaining]
                 self._remaining = 0
                 self._emit_plain(data)
@@ -332,7 +353,17 @@ class Connection(asyncio.Protocol):
                 self._emit_plain(data)
         elif state == _EOF:
             self._emit_plain(data)
-        # bytes after a finished response (none are expected) are dropped
+        else:
+            self._beyond_answer()
+
+    def _beyond_answer(self) -> None:
+        # Bytes after a finished answer (or on an idle connection) would be read as the head of the next
+        # request's answer: another request's bytes for that client. The connection is not used again.
+        if self.head is not None:
+            self.head.keep_alive = False
+        if self._state == _DONE and self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
 
     def _emit_plain(self, data: bytes) -> None:
         if self._collect is not None:
@@ -381,11 +412,11 @@ class Connection(asyncio.Protocol):
         if "chunked" in headers.get("transfer-encoding", "").lower():
             self._state = _CHUNKED
         elif "content-length" in headers:
-            try:
-                self._remaining = int(headers["content-length"])
-            except ValueError:
+            length = headers["content-length"]
+            if not (length.isascii() and length.isdigit()):
                 self._protocol_error("bad content-length")
                 return
+            self._remaining = int(length)
             self._state = _LENGTH
         elif status in (204, 304):
             self._remaining = 0
@@ -416,10 +447,12 @@ class Connection(asyncio.Protocol):
         while pos < n:
             eol = view.find(b"\r\n", pos)
             if eol < 0:
+                if n - pos > _SIZE_LINE_LIMIT:
+                    self._protocol_error("chunk size line too long")
+                    return
                 break
-            try:
-                size = int(view[pos:eol].split(b";", 1)[0], 16)
-            except ValueError:
+            size = chunk_size(view[pos:eol])
+            if size < 0:
                 self._protocol_error("bad chunk size line")
                 return
             if size == 0:
@@ -428,15 +461,21 @@ class Connection(asyncio.Protocol):
                 else:
                     trailer_end = view.find(b"\r\n\r\n", eol + 2)
                     if trailer_end < 0:
+                        if n - eol > _HEAD_LIMIT:
+                            self._protocol_error("trailers too large")
+                            return
                         break
                     end = trailer_end + 4
-                if n < end:
-                    break
+                if end < n:
+                    self._beyond_answer()
                 self._finish()
                 return
             stop = eol + 2 + size + 2
             if stop > n:
                 break
+            if view[stop - 2 : stop] != b"\r\n":
+                self._protocol_error("chunk data longer than its size")
+                return
             collect.append(view[eol + 2 : eol + 2 + size])
             pos = stop
         if pos < n:

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 
 from appliance.engine.sim import SimConfig, SimServer
+from tests.support.httpclient import post
 
 
 @contextlib.asynccontextmanager
@@ -35,16 +36,17 @@ async def drained(session: aiohttp.ClientSession, server: SimServer) -> bool:
     return s["kv_blocks_held"] == 0 and s["requests_running"] == 0 and s["requests_waiting_for_kv"] == 0
 
 
-async def post(
+async def complete(
     session: aiohttp.ClientSession,
     server: SimServer,
     body: dict[str, Any],
     request_id: str | None = None,
     path: str = "/v1/completions",
 ) -> tuple[int, dict[str, Any]]:
+    """POST one (unstreamed) request to the engine; its status and decoded JSON answer."""
     headers = {"X-Request-Id": request_id} if request_id else {}
-    async with session.post(f"{server.url}{path}", json=body, headers=headers) as resp:
-        return resp.status, dict(await resp.json())
+    status, raw, _ = await post(server.url, path, body, headers, timeout=None, session=session)
+    return status, dict(json.loads(raw))
 
 
 async def stream(

@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.waiting import eventually as until
 
-from .simutil import drained, post, running, state, stream, words
+from .simutil import complete, drained, running, state, stream, words
 
 
 def test_completion_shapes_and_determinism() -> None:
@@ -25,7 +25,7 @@ def test_completion_shapes_and_determinism() -> None:
             assert models["object"] == "list" and models["data"][0]["id"] == "m1"
 
             body = {"model": "m1", "prompt": "hello world", "max_tokens": 7, "ignore_eos": True}
-            status, first = await post(session, server, body, request_id="req-1")
+            status, first = await complete(session, server, body, request_id="req-1")
             assert status == 200
             assert first["id"] == "cmpl-req-1" and first["object"] == "text_completion"
             choice = first["choices"][0]
@@ -37,27 +37,27 @@ def test_completion_shapes_and_determinism() -> None:
                 "completion_tokens": 7,
                 "prompt_tokens_details": {"cached_tokens": 0},
             }
-            _, again = await post(session, server, body)
+            _, again = await complete(session, server, body)
             assert again["choices"][0]["text"] == choice["text"]  # greedy output is reproducible
-            _, seeded = await post(session, server, {**body, "seed": 42})
+            _, seeded = await complete(session, server, {**body, "seed": 42})
             assert seeded["choices"][0]["text"] != choice["text"]
 
             # a prompt of token ids is taken as is
-            _, ids = await post(session, server, {"prompt": [5, 6, 7, 8, 9], "max_tokens": 2})
+            _, ids = await complete(session, server, {"prompt": [5, 6, 7, 8, 9], "max_tokens": 2})
             assert ids["usage"]["prompt_tokens"] == 5
 
             # missing max_tokens: vLLM's default (the rest of the context), cut by the natural EOS
-            _, natural = await post(session, server, {"prompt": "hi there"})
+            _, natural = await complete(session, server, {"prompt": "hi there"})
             assert natural["choices"][0]["finish_reason"] == "stop"
             assert 64 <= natural["usage"]["completion_tokens"] <= 512
 
             # min_tokens pushes the EOS out
-            _, longer = await post(
+            _, longer = await complete(
                 session, server, {"prompt": "hi there", "min_tokens": 600, "max_tokens": 600}
             )
             assert longer["usage"]["completion_tokens"] == 600
 
-            status, chat = await post(
+            status, chat = await complete(
                 session,
                 server,
                 {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3},
@@ -118,7 +118,7 @@ def test_streaming_chunks_like_vllm() -> None:
 def test_bad_requests_answer_like_vllm(body: dict, status: int, needle: str) -> None:
     async def main() -> None:
         async with running(max_model_len=64) as server, aiohttp.ClientSession() as session:
-            got, answer = await post(session, server, body)
+            got, answer = await complete(session, server, body)
             assert got == status
             assert needle in answer["error"]["message"]
             assert answer["error"]["code"] == status
@@ -159,7 +159,7 @@ def test_faults_settable_at_runtime() -> None:
             body = {"prompt": words(30), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
             async with session.post(f"{server.url}/sim/fault", json={"prefill_fail": True}) as resp:
                 assert resp.status == 200 and (await resp.json())["prefill_fail"] is True
-            status, answer = await post(session, server, body)
+            status, answer = await complete(session, server, body)
             assert status == 500 and "fault injected" in answer["error"]["message"]
 
             async with session.post(
@@ -167,7 +167,7 @@ def test_faults_settable_at_runtime() -> None:
             ):
                 pass
             with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(post(session, server, body), 0.5)
+                await asyncio.wait_for(complete(session, server, body), 0.5)
             await until(lambda: drained(session, server))
 
             async with session.post(
@@ -180,7 +180,7 @@ def test_faults_settable_at_runtime() -> None:
                 assert (await resp.json())["prefill_delay_s"] == 0.2
             loop = asyncio.get_running_loop()
             started = loop.time()
-            status, answer = await post(session, server, body)
+            status, answer = await complete(session, server, body)
             assert status == 200 and loop.time() - started >= 0.2
 
     asyncio.run(main())

@@ -13,7 +13,7 @@ import zmq.asyncio
 
 from tests.support.waiting import eventually as until
 
-from .simutil import drained, post, running, state, stream, words
+from .simutil import complete, drained, running, state, stream, words
 
 PROMPT = words(300)  # 300 tokens, 19 blocks of 16
 
@@ -38,7 +38,7 @@ def test_nixl_pull_flow() -> None:
                 "remote_host": None,
                 "remote_port": None,
             }
-            status, first = await post(
+            status, first = await complete(
                 session,
                 prefill,
                 {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": kv},
@@ -74,7 +74,7 @@ def test_nixl_pull_flow() -> None:
             assert d["stats"]["kv_pulls"] == 1 and "kv_pull_failures" not in d["stats"]
 
             # Pulling the same blocks again finds them gone: the decode recomputes instead.
-            status, again = await post(session, decode, {**body, "stream_options": None}, request_id="r1")
+            status, again = await complete(session, decode, {**body, "stream_options": None}, request_id="r1")
             assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             assert (await state(session, decode))["stats"]["kv_pull_failures"] == 1
 
@@ -88,7 +88,7 @@ def test_nixl_abort_timeout_frees_unclaimed_blocks() -> None:
             aiohttp.ClientSession() as session,
         ):
             kv = {"do_remote_decode": True}
-            status, _ = await post(
+            status, _ = await complete(
                 session, prefill, {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": kv}
             )
             assert status == 200
@@ -106,14 +106,14 @@ def test_nixl_decode_abort_frees_prefill_blocks() -> None:
             running(role="decode", connector="nixl", kv_transfer_us_per_token=10000) as decode,
             aiohttp.ClientSession() as session,
         ):
-            _, first = await post(
+            _, first = await complete(
                 session,
                 prefill,
                 {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
             )
             body = {"prompt": PROMPT, "max_tokens": 8, "kv_transfer_params": first["kv_transfer_params"]}
             # The decode's pull takes 3 s here; the client gives up long before.
-            task = asyncio.create_task(post(session, decode, body))
+            task = asyncio.create_task(complete(session, decode, body))
             await until(lambda: _waiting_for_kv(session, decode))
             task.cancel()
             await until(lambda: drained(session, decode))
@@ -196,7 +196,7 @@ def test_moriio_read_flow() -> None:
                 "remote_engine_id": None,
                 "remote_block_ids": None,
             }
-            status, first = await post(
+            status, first = await complete(
                 session,
                 prefill,
                 {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": p_kv},
@@ -228,7 +228,7 @@ def test_moriio_read_flow() -> None:
                 "remote_dp_size": 1,
                 "remote_tp_size": 1,
             }
-            status, out = await post(
+            status, out = await complete(
                 session,
                 decode,
                 {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": d_kv},
@@ -240,7 +240,7 @@ def test_moriio_read_flow() -> None:
             await until(lambda: drained(session, decode))
             assert (await state(session, prefill))["stats"]["kv_sends"] == 1
 
-            status, bad = await post(
+            status, bad = await complete(
                 session, decode, {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}}
             )
             assert status == 400 and "transfer_id" in bad["error"]["message"]
@@ -304,7 +304,7 @@ def test_moriio_write_flow_and_timeout() -> None:
             # WRITE: both legs at once; the decode waits (blocks allocated) until the prefill pushes.
             decode_task = asyncio.create_task(stream(session, decode, d_body, request_id=request_id))
             await until(lambda: _waiting_for_kv(session, decode))
-            status, _ = await post(session, prefill, p_body, request_id=request_id)
+            status, _ = await complete(session, prefill, p_body, request_id=request_id)
             assert status == 200
             events, _ = await decode_task
             assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 300
@@ -317,7 +317,7 @@ def test_moriio_write_flow_and_timeout() -> None:
                 prefill.connector.info()["zmq_address"], decode.connector.info()["zmq_address"]
             )
             d_body["kv_transfer_params"]["transfer_id"] = "tx-never"
-            status, answer = await post(
+            status, answer = await complete(
                 session, decode, {**d_body, "stream_options": None}, request_id=lonely
             )
             assert status == 500 and "did not write the KV" in answer["error"]["message"]
@@ -336,13 +336,13 @@ def test_example_shared_storage_flow(tmp_path: os.PathLike[str]) -> None:
             running(role="decode", connector="example", shared_storage=storage) as decode,
             aiohttp.ClientSession() as session,
         ):
-            status, first = await post(session, prefill, {"prompt": PROMPT, "max_tokens": 1})
+            status, first = await complete(session, prefill, {"prompt": PROMPT, "max_tokens": 1})
             assert status == 200 and first["kv_transfer_params"] is None
             assert len(os.listdir(storage)) == 1
-            status, out = await post(session, decode, {"prompt": PROMPT, "max_tokens": 3})
+            status, out = await complete(session, decode, {"prompt": PROMPT, "max_tokens": 3})
             # ExampleConnector loads align_to_block_size(len - 1): (299 - 1) // 16 * 16
             assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
-            status, miss = await post(session, decode, {"prompt": words(200), "max_tokens": 3})
+            status, miss = await complete(session, decode, {"prompt": words(200), "max_tokens": 3})
             assert status == 200 and miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             stats = (await state(session, decode))["stats"]
             assert stats == {"kv_pulls": 1, "kv_misses": 1}

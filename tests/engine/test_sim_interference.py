@@ -16,7 +16,7 @@ import pytest
 
 from appliance.engine.sim import SimServer
 
-from .simutil import post, running, state, words
+from .simutil import complete, running, state, words
 
 TIME_MODEL = {
     "prefill_us_per_token": 40.0,
@@ -59,7 +59,7 @@ def test_colocated_prefill_stalls_running_decodes_and_disaggregated_decode_never
             async with running(role="both", **TIME_MODEL) as colocated:
 
                 async def colocated_second() -> None:
-                    status, _ = await post(session, colocated, second)
+                    status, _ = await complete(session, colocated, second)
                     assert status == 200
 
                 await _while_decoding(session, colocated, long_body, colocated_second)
@@ -71,14 +71,14 @@ def test_colocated_prefill_stalls_running_decodes_and_disaggregated_decode_never
             ):
 
                 async def prefilled(body: dict[str, Any]) -> dict[str, Any]:
-                    status, first = await post(session, prefill, {
+                    status, first = await complete(session, prefill, {
                         "prompt": body["prompt"], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True},
                     })
                     assert status == 200
                     return _remote_decode(first, body)
 
                 async def disaggregated_second() -> None:
-                    status, _ = await post(session, decode, await prefilled(second))
+                    status, _ = await complete(session, decode, await prefilled(second))
                     assert status == 200
 
                 await _while_decoding(session, decode, await prefilled(long_body), disaggregated_second)

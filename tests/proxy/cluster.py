@@ -1,6 +1,6 @@
 """A proxy and its engines as real processes for the end-to-end tests: simulated engines (`python -m
 appliance.engine.sim`) and the proxy (`python -m appliance.proxy --config F`), each on free ports, started with
-tests.support.processes.Proc, plus a small HTTP client for them."""
+tests.support.processes.Proc, plus small readers of their answers."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 
 from appliance.settings import deep_merge
+from tests.support import proxyconfig
+from tests.support.httpclient import sse_events
 from tests.support.processes import Proc
 
 MODEL = "sim-e2e"
@@ -60,15 +62,12 @@ class ProxyProc(Proc):
 
 def proxy_config(connector: str, mode: str = "read", backends: list[dict[str, Any]] | None = None,
                  registration_port: int | None = None, **overrides: Any) -> dict[str, Any]:
-    """A ProxyConfig (as data) on free ports, with fast probes."""
-    config: dict[str, Any] = {
-        "host": "127.0.0.1", "port": 0, "mode": mode, "connector": connector, "model": MODEL,
-        "admin": {"port": 0},
-        "registration": {"enabled": registration_port is not None, "port": registration_port or 0},
-        "health": {"probe_interval_s": 0.3, "fail_threshold": 3, "probe_timeout_s": 5},
-        "timeouts": {"connect_s": 5, "prefill_s": 30, "first_token_s": 30, "between_tokens_s": 30},
-        "backends": backends or [],
-    }
+    """A ProxyConfig (as data) on free ports, with probes and timeouts that allow for separate processes."""
+    config = proxyconfig.proxy_config(
+        connector, MODEL, proxyconfig.SEPARATE_PROCESSES, backends, mode=mode,
+        registration={"enabled": registration_port is not None, "port": registration_port or 0},
+        timeouts={"connect_s": 5, "prefill_s": 30, "first_token_s": 30, "between_tokens_s": 30},
+    )
     return deep_merge(config, overrides)
 
 
@@ -159,20 +158,6 @@ async def drained(sim: Sim) -> bool:
     s = await sim_state(sim)
     return (s["kv_blocks_held"] == 0 and s["requests_running"] == 0 and s["requests_waiting"] == 0
             and s["requests_waiting_for_kv"] == 0 and s["pending_transfers"] == 0)
-
-
-async def post(base: str, path: str, body: Any, timeout: float = 60) -> tuple[int, bytes, dict[str, str]]:
-    """POST and read the whole answer."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s, s.post(
-        base + path, data=data, headers={"Content-Type": "application/json"}
-    ) as r:
-        return r.status, await r.read(), dict(r.headers)
-
-
-def sse_events(raw: bytes) -> list[str]:
-    """The data: payloads of an SSE body, in order."""
-    return [part[6:] for part in raw.decode().split("\n\n") if part.startswith("data: ")]
 
 
 def stream_text(raw: bytes, chat: bool = False) -> tuple[str, list[dict[str, Any]], bool]:

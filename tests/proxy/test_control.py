@@ -17,14 +17,8 @@ import zmq.asyncio
 
 from appliance.ports import free_port
 from appliance.proxy.client import AdminClient, ProxyAdminError
-from tests.proxy.conftest import (
-    MODEL,
-    backend,
-    engines,
-    post,
-    proxy_config,
-    running_proxy,
-)
+from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
+from tests.support.httpclient import local, post
 from tests.support.waiting import eventually as wait_for
 
 
@@ -77,7 +71,7 @@ def test_only_planned_instances_register_and_garbage_is_survived() -> None:
                 assert all(i.last_seen is not None for i in px.registry.instances.values())
                 assert px.registry.get("prefill-0").kv["zmq_address"] == p.zmq_address  # type: ignore[union-attr]
                 await wait_for(lambda: px.ready()[0], what="planned instances healthy")
-                status, _, _ = await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+                status, _, _ = await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 2})
                 assert status == 200
                 assert p.requests[0]["id"].startswith(f"___prefill_addr_{p.zmq_address}___decode_addr_{d.zmq_address}_")
                 dealer.close()
@@ -99,12 +93,12 @@ def test_unhealthy_instance_is_ejected_and_readmitted() -> None:
             a.health_status = 503
             await wait_for(lambda: not px.registry.get("both-0").healthy, what="ejection")
             for _ in range(4):
-                assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+                assert (await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
             assert len(a.requests) == 0 and len(b.requests) == 4
             a.health_status = 200
             await wait_for(lambda: px.registry.get("both-0").healthy, what="re-admission")
             for _ in range(4):
-                assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+                assert (await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
             assert len(a.requests) == 2
 
     asyncio.run(scenario())
@@ -119,7 +113,7 @@ def test_passive_failures_eject_a_dead_backend() -> None:
             async with running_proxy(cfg, wait_ready=False) as px:
                 await wait_for(lambda: px.registry.get("both-0").healthy, what="first probe round")
                 px.registry.get("both-1").healthy = True  # as if it died right after its probe passed
-                codes = [(await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0]
+                codes = [(await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0]
                          for _ in range(6)]
                 assert codes.count(502) == 2  # fail_threshold=2 failed legs, then it is out of rotation
                 assert not px.registry.get("both-1").healthy
@@ -147,7 +141,7 @@ def test_client_mistakes_get_openai_style_errors(body: bytes, status: int, needl
         async with engines("both") as (e,), running_proxy(
             proxy_config("none", [backend("both-0", "both", e)], client_max_size=1024 * 1024)
         ) as px:
-            got, raw, _ = await post(px.api_port, "/v1/completions", body)
+            got, raw, _ = await post(local(px.api_port), "/v1/completions", body)
             assert got == status
             error = json.loads(raw)["error"]
             assert needle in error["message"] and error["code"] == status and error["type"]
@@ -167,8 +161,8 @@ def test_api_key_models_health_and_metrics(tmp_path: Path) -> None:
             proxy_config("none", [backend("both-0", "both", e)], api_key_file=str(key),
                          engine_api_key_file=str(engine_key))
         ) as px:
-            assert (await post(px.api_port, "/v1/completions", {"prompt": "x"}))[0] == 401
-            ok = await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2},
+            assert (await post(local(px.api_port), "/v1/completions", {"prompt": "x"}))[0] == 401
+            ok = await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 2},
                             headers={"Authorization": "Bearer s3cret"})
             assert ok[0] == 200
             # the engine gets the engines' key, never the client's (issue 15, finding 2)
@@ -230,15 +224,15 @@ def test_admin_api_state_mode_drain_and_instances(tmp_path: Path) -> None:
             with pytest.raises(ProxyAdminError, match="mode"):
                 await asyncio.to_thread(client.set_mode, "sideways")
             # drain waits for the request in flight, and new requests get 503 meanwhile
-            stream = asyncio.ensure_future(post(px.api_port, "/v1/completions",
+            stream = asyncio.ensure_future(post(local(px.api_port), "/v1/completions",
                                                 {"prompt": "x", "max_tokens": 20, "stream": True}))
             await wait_for(lambda: px.registry.get("decode-0").in_flight == 1, what="request in flight")
             drained = await asyncio.to_thread(client.drain, "decode-0", 30)
             assert drained["drained"] is True and drained["in_flight"] == 0 and drained["waited_s"] > 0
             assert (await stream)[0] == 200
-            assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 503
+            assert (await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 503
             await asyncio.to_thread(client.undrain, "decode-0")
-            assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+            assert (await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
             with pytest.raises(ProxyAdminError, match="no instance"):
                 await asyncio.to_thread(client.drain, "decode-9", 1)
             # rebalance: replace decode-0 by decode-1 live
@@ -247,7 +241,7 @@ def test_admin_api_state_mode_drain_and_instances(tmp_path: Path) -> None:
                 backend("decode-1", "decode", d2, kv={"zmq_address": d2.zmq_address})])
             assert sorted(i["name"] for i in new["instances"]) == ["decode-1", "prefill-0"]
             await wait_for(lambda: px.ready()[0], what="new decode healthy")
-            assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+            assert (await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
             assert len(d2.requests) == 1
             with pytest.raises(ProxyAdminError, match="backends"):
                 await asyncio.to_thread(client.set_instances, [{"name": "x"}])
@@ -283,7 +277,7 @@ def test_proxy_process_serves_and_rejects_a_bad_config(tmp_path: Path) -> None:
                     line = await asyncio.wait_for(proc.stdout.readline(), 60)
                     assert line, "the proxy exited before it was ready"
                 for _ in range(200):
-                    status, raw, _ = await post(cfg.port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+                    status, raw, _ = await post(local(cfg.port), "/v1/completions", {"prompt": "x", "max_tokens": 2})
                     if status == 200:
                         break
                     await asyncio.sleep(0.05)
@@ -300,11 +294,11 @@ def test_unserved_endpoints_answer_openai_style_json() -> None:
     """`openai`'s responses.create (and any unknown path or method) gets a parseable JSON error, not text."""
     async def scenario() -> None:
         async with engines("both") as (e,), running_proxy(proxy_config("none", [backend("both-0", "both", e)])) as px:
-            got, raw, headers = await post(px.api_port, "/v1/responses", {"model": "m", "input": "hi"})
+            got, raw, headers = await post(local(px.api_port), "/v1/responses", {"model": "m", "input": "hi"})
             error = json.loads(raw)["error"]
             assert got == 404 and headers["Content-Type"].startswith("application/json")
             assert error["type"] == "NotFoundError" and "/v1/chat/completions" in error["message"]
-            got, raw, _ = await post(px.api_port, "/v1/nothing", {})
+            got, raw, _ = await post(local(px.api_port), "/v1/nothing", {})
             assert got == 404 and "no such endpoint" in json.loads(raw)["error"]["message"]
             async with aiohttp.ClientSession() as session, session.get(
                     f"http://127.0.0.1:{px.api_port}/v1/completions") as resp:
@@ -342,11 +336,11 @@ def test_the_admin_state_carries_the_request_counters_metrics_has(tmp_path: Path
             proxy_config("none", [backend("both-0", "both", e)], api_key_file=str(key))
         ) as px:
             auth = {"Authorization": "Bearer s3cret"}
-            assert (await post(px.api_port, "/v1/completions", {"prompt": "x"}))[0] == 401
+            assert (await post(local(px.api_port), "/v1/completions", {"prompt": "x"}))[0] == 401
             for _ in range(2):
-                assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2},
+                assert (await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 2},
                                    headers=auth))[0] == 200
-            assert (await post(px.api_port, "/v1/completions", b"{not json", headers=auth))[0] == 400
+            assert (await post(local(px.api_port), "/v1/completions", b"{not json", headers=auth))[0] == 400
             async with aiohttp.ClientSession() as s:
                 async with s.get(f"http://127.0.0.1:{px.api_port}/metrics") as r:
                     text = await r.text()

@@ -10,15 +10,8 @@ import asyncio
 import json
 import re
 
-from tests.proxy.conftest import (
-    MODEL,
-    backend,
-    engines,
-    post,
-    proxy_config,
-    running_proxy,
-    sse_events,
-)
+from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
+from tests.support.httpclient import local, post, sse_events
 
 MORIIO_RID = re.compile(r"^___prefill_addr_(.+?)___decode_addr_(.+)_([0-9a-f]{32})$")
 
@@ -37,7 +30,7 @@ def test_moriio_read_mode_hands_prefill_kv_params_to_decode() -> None:
         ) as px:
             body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "max_completion_tokens": 4, "stream": True,
                     "stream_options": {"include_usage": True}}
-            status, raw, _ = await post(px.api_port, "/v1/completions", body, headers={"Authorization": "Bearer abc"})
+            status, raw, _ = await post(local(px.api_port), "/v1/completions", body, headers={"Authorization": "Bearer abc"})
             assert status == 200
             assert sse_events(raw)[-1] == "[DONE]"
             pre, dec = p.requests[0], d.requests[0]
@@ -69,7 +62,7 @@ def test_decode_error_status_before_streaming_reaches_the_client() -> None:
         async with engines("prefill", "decode", status_before_stream=503) as (p, d), running_proxy(
             proxy_config("moriio", moriio_backends(p, d))
         ) as px:
-            status, raw, _ = await post(px.api_port, "/v1/completions",
+            status, raw, _ = await post(local(px.api_port), "/v1/completions",
                                         {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True})
             assert status == 503
             assert json.loads(raw)["error"]["message"] == "engine overloaded"
@@ -82,7 +75,7 @@ def test_nixl_passes_prefill_params_unchanged() -> None:
         async with engines("prefill", "decode") as (p, d), running_proxy(
             proxy_config("nixl", [backend("prefill-0", "prefill", p), backend("decode-0", "decode", d)])
         ) as px:
-            status, _, _ = await post(px.api_port, "/v1/completions",
+            status, _, _ = await post(local(px.api_port), "/v1/completions",
                                       {"model": MODEL, "prompt": "x", "max_tokens": 3, "min_tokens": 2})
             assert status == 200
             pkv = p.requests[0]["body"]["kv_transfer_params"]
@@ -103,7 +96,7 @@ def test_dp_ranks_rotate_per_instance() -> None:
             proxy_config("moriio", moriio_backends(p, d, dp_size=2))
         ) as px:
             for _ in range(4):
-                status, _, _ = await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+                status, _, _ = await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 2})
                 assert status == 200
             p_ranks = [r["headers"]["X-data-parallel-rank"] for r in p.requests]
             d_ranks = [r["headers"]["X-data-parallel-rank"] for r in d.requests]

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from appliance.connector import get_connector
-from tests.proxy.conftest import MODEL, backend, engines, proxy_config, running_proxy
+from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
 from tests.support.waiting import eventually
 
 

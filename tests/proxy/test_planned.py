@@ -8,15 +8,8 @@ import json
 import time
 
 from appliance.proxy.client import AdminClient
-from tests.proxy.conftest import (
-    FakeEngine,
-    backend,
-    engines,
-    post,
-    proxy_config,
-    running_proxy,
-    sse_events,
-)
+from tests.support.fake_engines import FakeEngine, backend, engines, proxy_config, running_proxy
+from tests.support.httpclient import local, post, sse_events
 from tests.support.waiting import eventually as wait_for
 
 
@@ -29,7 +22,7 @@ def test_drain_waits_for_a_request_still_in_its_prefill_leg() -> None:
             proxy_config("nixl", [backend("prefill-0", "prefill", p), backend("decode-0", "decode", d)])
         ) as px:
             admin = AdminClient(f"http://127.0.0.1:{px.admin_port}")
-            request = asyncio.ensure_future(post(px.api_port, "/v1/completions",
+            request = asyncio.ensure_future(post(local(px.api_port), "/v1/completions",
                                                  {"prompt": "x", "max_tokens": 4, "stream": True}))
             await wait_for(lambda: len(p.requests) == 1, what="the prefill leg to start")
             assert d.requests == []  # the decode leg has not started: only the pick binds it to decode-0
@@ -53,7 +46,7 @@ def test_planned_stop_holds_new_requests_and_reports_a_cut_stream() -> None:
             port = d.port
             # A stream that the stop will cut: the drain gives it no time, then the engine dies under it.
             d.crash_after_tokens = 10
-            cut = asyncio.ensure_future(post(px.api_port, "/v1/completions",
+            cut = asyncio.ensure_future(post(local(px.api_port), "/v1/completions",
                                              {"prompt": "x", "max_tokens": 40, "stream": True}))
             await wait_for(lambda: len(d.requests) == 1, what="a stream on decode-0")
             answer = await asyncio.to_thread(admin.stopping, "decode-0", 20, 0, 60)
@@ -67,7 +60,7 @@ def test_planned_stop_holds_new_requests_and_reports_a_cut_stream() -> None:
             # New requests wait while decode-0 is away, and are sent when it is back.
             await d.stop()
             started = time.monotonic()
-            held = [asyncio.ensure_future(post(px.api_port, "/v1/completions",
+            held = [asyncio.ensure_future(post(local(px.api_port), "/v1/completions",
                                                {"prompt": "x", "max_tokens": 3, "stream": True}))
                     for _ in range(3)]
             await asyncio.sleep(0.5)
@@ -98,12 +91,12 @@ def test_planned_stop_holds_new_requests_and_reports_a_cut_stream() -> None:
                 await wait_for(lambda: not px.registry.get("decode-0").healthy, what="decode-0 seen down")
                 again = await FakeEngine(role="decode", port=port).start()
                 await wait_for(lambda: not px.planned.active and px.ready()[0], what="decode-0 back in rotation")
-                assert (await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2}))[0] == 200
+                assert (await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 2}))[0] == 200
                 await again.stop()
 
                 # With nothing coming back, a held request fails after its bound (503), not forever.
                 await asyncio.to_thread(admin.stopping, "decode-0", 0.5, 0, 60)
-                status, raw, _ = await post(px.api_port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+                status, raw, _ = await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 2})
                 assert status == 503 and "no healthy decode" in json.loads(raw)["error"]["message"]
             finally:
                 await back.stop()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from tests.proxy.conftest import MODEL, post, proxy_config, running_proxy, sse_events
+from tests.support.fake_engines import MODEL, proxy_config, running_proxy
+from tests.support.httpclient import local, post, sse_events
 
 EVENTS = [b'data: {"choices":[{"index":0,"text":" t%d"}]}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
 
@@ -72,7 +73,7 @@ def test_relay_passes_awkwardly_cut_chunks_intact_and_reuses_the_connection() ->
                               health={"probe_interval_s": 30})
         async with running_proxy(config) as px:
             for _ in range(2):
-                status, raw, _ = await post(px.api_port, "/v1/completions",
+                status, raw, _ = await post(local(px.api_port), "/v1/completions",
                                             {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True})
                 assert status == 200
                 events = sse_events(raw)

@@ -22,7 +22,6 @@ from tests.proxy.cluster import (
     drained,
     get_json,
     metric,
-    post,
     proxy_config,
     run,
     sim_state,
@@ -30,6 +29,7 @@ from tests.proxy.cluster import (
     stream_text,
     words,
 )
+from tests.support.httpclient import post
 from tests.support.waiting import eventually as wait_until
 
 TOKENS = 24

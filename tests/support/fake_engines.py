@@ -1,4 +1,5 @@
-"""Small real aiohttp engine servers (vLLM's HTTP shapes) and helpers to run a proxy in front of them."""
+"""Small real aiohttp engine servers (vLLM's HTTP shapes) and a proxy in front of them, all in the test's
+process on real loopback sockets."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from appliance.proxy.app import Proxy
 from appliance.proxy.config import ProxyConfig
 from appliance.settings import deep_merge
+from tests.support import proxyconfig
 from tests.support.waiting import eventually
 
 MODEL = "tiny-model"
@@ -152,26 +153,20 @@ class FakeEngine:
 
 
 def proxy_config(connector: str, backends: list[dict[str, Any]], **overrides: Any) -> ProxyConfig:
-    """A ProxyConfig on free ports with fast probes."""
-    raw: dict[str, Any] = {
-        "host": "127.0.0.1",
-        "port": 0,
-        "connector": connector,
-        "model": MODEL,
-        "admin": {"port": 0},
-        "registration": {"port": 0, "enabled": connector == "moriio"},
-        "health": {"probe_interval_s": 0.2, "fail_threshold": 2, "probe_timeout_s": 2},
-        "backends": backends,
-    }
+    """A ProxyConfig on free ports with fast probes; MORI-IO's registration listener on where it is the connector."""
+    raw = proxyconfig.proxy_config(connector, MODEL, proxyconfig.IN_PROCESS, backends,
+                                   registration={"enabled": connector == "moriio"})
     return ProxyConfig.model_validate(deep_merge(raw, overrides))
 
 
 def backend(name: str, role: str, engine: FakeEngine, **extra: Any) -> dict[str, Any]:
+    """A backend entry of the proxy's config for `engine`."""
     return {"name": name, "role": role, "url": engine.url, **extra}
 
 
 @contextlib.asynccontextmanager
 async def running_proxy(config: ProxyConfig, wait_ready: bool = True) -> AsyncIterator[Proxy]:
+    """A Proxy started in this process (ready, unless `wait_ready` is off), stopped afterwards."""
     proxy = Proxy(config)
     await proxy.start()
     try:
@@ -184,25 +179,10 @@ async def running_proxy(config: ProxyConfig, wait_ready: bool = True) -> AsyncIt
 
 @contextlib.asynccontextmanager
 async def engines(*roles: str, **options: Any) -> AsyncIterator[list[FakeEngine]]:
+    """One started FakeEngine per role (all with `options`), stopped afterwards."""
     started = [await FakeEngine(role=r, **options).start() for r in roles]
     try:
         yield started
     finally:
         for engine in started:
             await engine.stop()
-
-
-async def post(port: int, path: str, body: Any, headers: dict[str, str] | None = None,
-               timeout: float = 30) -> tuple[int, bytes, dict[str, str]]:
-    """POST to the proxy and read the whole answer."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session, session.post(
-        f"http://127.0.0.1:{port}{path}", data=data,
-        headers={"Content-Type": "application/json", **(headers or {})},
-    ) as resp:
-        return resp.status, await resp.read(), dict(resp.headers)
-
-
-def sse_events(raw: bytes) -> list[str]:
-    """The data: payloads of an SSE body, in order."""
-    return [line[6:] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
