@@ -139,7 +139,7 @@ async def sweep(
         done = {r.rate: r.summary.attainment_by_judgement for r in shape.rates if not r.partial}
         while not stopper.stopped and (rate := plan.schedule.next(done)) is not None:
             run = _rate_run(plan, shape, rate)
-            counter = _RateProgress(progress, f"{shape.name} {rate:g} req/s", request_count(run))
+            counter = _RateProgress(progress, f"{shape.name} {rate:g} req/s", request_count(run, target))
             result = await run_rate(session, target, run, slo, stopper.event, counter.advance)
             shape.rates.append(result)
             shape.rates.sort(key=lambda r: r.rate)  # adaptive rates come out of order
