@@ -1,5 +1,5 @@
 """Workloads: what each request of a replay asks for, read from a JSONL workload file (docs/bench.md,
-"Workload files"), and the prompts built from it. Pure and seeded.
+"Workloads"), and the prompts built from it. Pure and seeded.
 
 A line is pdctl's own shape (`arrival_s`, `input_len`, `output_len`, `prompt`, `prefix_group`, `prefix_len`,
 `conversation`, `turn`) or the Mooncake trace's (`timestamp` in ms, `input_length`, `output_length`,
@@ -22,6 +22,8 @@ from appliance.errors import PdctlError
 
 # The Mooncake traces hash prompts in blocks of 512 tokens (their README); a hash id stands for one block.
 TRACE_BLOCK_TOKENS = 512
+# No served model takes a longer prompt; a line asking for more is a mistake that would only exhaust memory.
+MAX_PROMPT_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -46,14 +48,15 @@ class _Line(BaseModel):
 
     arrival_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     timestamp: float | None = Field(default=None, ge=0, allow_inf_nan=False, description="ms (Mooncake)")
-    input_len: int | None = Field(default=None, ge=1, validation_alias=AliasChoices("input_len", "input_length"))
-    output_len: int = Field(ge=1, validation_alias=AliasChoices("output_len", "output_length"))
+    input_len: int | None = Field(default=None, ge=1, le=MAX_PROMPT_TOKENS,
+                                  validation_alias=AliasChoices("input_len", "input_length"))
+    output_len: int = Field(ge=1, le=MAX_PROMPT_TOKENS, validation_alias=AliasChoices("output_len", "output_length"))
     prompt: str | None = Field(default=None, min_length=1)
     prefix_group: str | None = Field(default=None, min_length=1, max_length=200)
     prefix_len: int = Field(default=0, ge=0)
     conversation: str | None = Field(default=None, min_length=1, max_length=200)
     turn: int | None = Field(default=None, ge=1)
-    hash_ids: list[int] = Field(default_factory=list)
+    hash_ids: list[int] = Field(default_factory=list, max_length=MAX_PROMPT_TOKENS // TRACE_BLOCK_TOKENS)
 
     @model_validator(mode="after")
     def _consistent(self) -> _Line:
@@ -115,6 +118,7 @@ def parse_workload(lines: Sequence[str], path: str, max_requests: int) -> Worklo
     """The requests of a workload file's lines; a PdctlError naming the first bad line's number."""
     requests: list[WorkloadRequest] = []
     turns: dict[str, int] = {}
+    said: dict[str, int] = {}  # tokens of each conversation so far: its next prompt starts with them
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
@@ -132,6 +136,11 @@ def parse_workload(lines: Sequence[str], path: str, max_requests: int) -> Worklo
                 raise PdctlError(f"{where}: conversation {request.conversation!r} turn {request.turn} "
                                  f"where turn {expected} comes next", fix="number each conversation's turns 1, 2, 3 in file order")
             turns[request.conversation] = expected
+            size = said.get(request.conversation, 0) + request.input_len
+            if size > MAX_PROMPT_TOKENS:
+                raise PdctlError(f"{where}: conversation {request.conversation!r} turn {request.turn} would send "
+                                 f"{size} prompt tokens, over {MAX_PROMPT_TOKENS}", fix="end the conversation earlier")
+            said[request.conversation] = size + request.output_len
         requests.append(request)
         if len(requests) > max_requests:
             raise PdctlError(f"{path} has more than {max_requests} requests",
@@ -155,7 +164,7 @@ def _parse_line(raw: str, where: str) -> WorkloadRequest:
         field = ".".join(str(p) for p in err["loc"])
         message = str(err["msg"]).removeprefix("Value error, ")
         raise PdctlError(f"{where}: {field + ': ' if field else ''}{message}",
-                         fix="see docs/bench.md, Workload files") from None
+                         fix="see docs/bench.md, Workloads") from None
 
 
 def read_workload(path: Path, max_requests: int) -> WorkloadFile:

@@ -415,6 +415,9 @@ def _workload(ctx: click.Context, opts: dict[str, Any]) -> WorkloadFile | Mix | 
         return None
     if spec.partition(":")[0] in MIXES:
         return parse_mix(spec)
+    if not Path(spec).exists():
+        raise PdctlError(f"--workload {spec!r} is neither a file nor a built-in mix",
+                         fix=f"name a JSONL file or one of {', '.join(MIXES)}")
     workload = read_workload(Path(spec), opts["max_requests"])
     if workload.timed:
         for name in ("rates", "lifetimes"):

@@ -47,6 +47,10 @@ GOOD = '{"arrival_s": 0, "input_len": 5, "output_len": 2}'
         (['{"input_len": 5}'], 1, "output_len"),
         (['{"input_length": 5, "output_length": 2, "hash_ids": [0, -1]}'], 1, "non-negative"),
         (['{"arrival_s": NaN, "input_len": 5, "output_len": 2}'], 1, "arrival_s"),
+        (['{"input_len": 1048577, "output_len": 2}'], 1, "input_len"),
+        (['{"input_length": 5, "output_length": 2, "hash_ids": ' + json.dumps(list(range(2049))) + "}"], 1, "hash_ids"),
+        ([json.dumps({"input_len": 600_000, "output_len": 1, "conversation": "c", "turn": t}) for t in (1, 2)], 2,
+         "1200001 prompt tokens"),
     ],
 )
 def test_a_bad_line_is_refused_with_its_number(lines: list[str], bad: int, says: str) -> None:
@@ -242,7 +246,7 @@ def test_a_bad_file_fails_in_one_line_with_its_line_number(deployment: str, tmp_
     timed = _bench(deployment, tmp_path, "--workload", "t.jsonl", "--rates", "2", check=False)
     assert timed.returncode != 0 and "--rates does not apply" in timed.stderr and "Traceback" not in timed.stderr
     missing = _bench(deployment, tmp_path, "--workload", "nope.jsonl", check=False)
-    assert "nope.jsonl does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    assert "'nope.jsonl' is neither a file nor a built-in mix" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def test_a_mix_through_the_proxy_is_deterministic_for_a_seed(deployment: str, tmp_path: Path) -> None:
