@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from appliance.bench.analysis import JUDGEMENTS
@@ -42,12 +43,12 @@ def rates_table(result: BenchResult) -> Table:
         table.add_column(col, justify="left" if col == "shape" else "right")
     for shape in result.shapes:
         if shape.skipped:
-            table.add_row(shape.name, "-", "-", "-", "-", "-", f"skipped: {shape.skipped}", *["-"] * 6)
+            table.add_row(escape(shape.name), "-", "-", "-", "-", "-", f"skipped: {escape(shape.skipped)}", *["-"] * 6)
             continue
         for r in shape.rates:
             s = r.summary
             table.add_row(
-                shape.name,
+                escape(shape.name),
                 f"{r.rate:g}" + ("*" if r.partial else ""),
                 "-" if s.arrival_rate is None else f"{s.arrival_rate:.2g}",
                 str(s.sent),
@@ -91,7 +92,7 @@ def routes_table(result: BenchResult) -> Table | None:
                 by_route.setdefault(q.route, []).append(q)
             for route, requests in sorted(by_route.items()):
                 s = summarize(requests, result.slo, r.duration_s)
-                table.add_row(shape.name, f"{r.rate:g}", route, str(s.sent), str(s.failed), _pct(s.attainment),
+                table.add_row(escape(shape.name), f"{r.rate:g}", route, str(s.sent), str(s.failed), _pct(s.attainment),
                               _ms(s.ttft_ms["p50"]), _ms(s.ttft_ms["p99"]), _ms(s.itl_ms["p50"]))
     return table
 
@@ -121,7 +122,7 @@ def goodput_table(result: BenchResult) -> Table:
             if good is not None and ref is not None and ref.goodput and not ref.lower_bound and shape.name not in ref.names:
                 text += f" ({bound}{good / ref.goodput:.2f}x)"
             cells.append(text)
-        table.add_row(shape.name, *cells)
+        table.add_row(escape(shape.name), *cells)
     if any(b is not None for b in baseline.values()):
         table.caption = "(Nx) = goodput relative to the best colocated shape under the same judgement"
     return table
@@ -140,9 +141,9 @@ def families_table(result: BenchResult) -> Table | None:
         knobs = " = ".join(p.knob for n in c.names if (p := parse_name(n)) is not None) if c else "-"
         table.add_row(
             j + (" (run)" if j == result.slo.itl_judgement else ""),
-            " = ".join(d.names) if d else "-",
+            escape(" = ".join(d.names)) if d else "-",
             _good(d),
-            " = ".join(c.names) if c else "-",
+            escape(" = ".join(c.names)) if c else "-",
             knobs,
             _good(c),
             _ratio(d, c),
@@ -212,4 +213,4 @@ def print_report(result: BenchResult, console: Console) -> None:
     if families is not None:
         console.print(families)
     for line in method_lines(result):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, markup=False)  # plain text, with file names and labels as written

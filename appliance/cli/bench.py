@@ -337,7 +337,8 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
         if opts["prompt_kind"] == "tokens":
             console.print(f"prompt token ids {token_range[0]}..{token_range[1] - 1} "
                           + (f"({model} has {vocabulary.size}, from {vocabulary.source})" if vocabulary else
-                             f"({model}'s vocabulary is unknown here: pass --token-range if it is smaller)"))
+                             f"({model}'s vocabulary is unknown here: pass --token-range if it is smaller)"),
+                          markup=False)  # the model's name and path are the server's or the user's, as written
         target = Target(
             base_url=base_url,
             model=model,

@@ -247,16 +247,36 @@ def test_a_bad_file_fails_in_one_line_with_its_line_number(deployment: str, tmp_
     assert timed.returncode != 0 and "--rates does not apply" in timed.stderr and "Traceback" not in timed.stderr
     missing = _bench(deployment, tmp_path, "--workload", "nope.jsonl", check=False)
     assert "'nope.jsonl' is neither a file nor a built-in mix" in missing.stderr and "Traceback" not in missing.stderr
+    # a model name rich would read as markup is printed as written (the proxy then refuses the name)
+    model = _bench(deployment, tmp_path, "--model", "[/m]", "--rates", "1", "-n", "1", "--lifetimes", "0",
+                   "--input-len", "4", "--output-len", "2", check=False)
+    assert "([/m]'s vocabulary is unknown" in model.stderr and "Traceback" not in model.stderr, model.stderr
 
 
 def test_a_mix_through_the_proxy_is_deterministic_for_a_seed(deployment: str, tmp_path: Path) -> None:
     def run(out: str) -> list[tuple[Any, ...]]:
-        _bench(deployment, tmp_path, "--workload", "multi-turn:turns=3", "--rates", "8", "--lifetimes", "0",
-               "-n", "9", "--input-len", "20", "--output-len", "4", "--seed", "4", "--out", out)
-        (rate,) = json.loads((tmp_path / out / "bench.json").read_text())["shapes"][0]["rates"]
+        # a label rich would read as markup: the progress bar and the tables print it as written
+        done = _bench(deployment, tmp_path, "--workload", "multi-turn:turns=3", "--rates", "8", "--lifetimes", "0",
+                      "-n", "9", "--input-len", "20", "--output-len", "4", "--seed", "4", "--out", out,
+                      "--label", "[/lab]")
+        assert "[/lab]" in done.stderr and "Traceback" not in done.stderr
+        (shape,) = json.loads((tmp_path / out / "bench.json").read_text())["shapes"]
+        assert shape["name"] == "[/lab]"
+        (rate,) = shape["rates"]
         return [(r["conversation"], r["turn"], r["prompt_tokens"], r["scheduled_s"]) for r in rate["requests"]]
 
     first = run("a")
     assert first == run("b")
     assert [t[2] for t in first] == [20] * 3 + [20 + 4 + 5] * 3 + [20 + 2 * (4 + 5)] * 3
     assert {t[0] for t in first} == {"conv-0", "conv-1", "conv-2"}
+
+
+def test_a_workload_name_with_brackets_is_printed_as_written() -> None:
+    # rich reads [..] as markup: a file named so must neither raise nor be restyled in the method line.
+    result = BenchResult(created="now", command="pdctl bench", engine="unknown",
+                         workload=Workload(model="m1", input_len=16, output_len=3, num_requests=1, rates=[1.0],
+                                           seed=2, prompt="tokens", workload="w[/x][bold].jsonl", arrivals="file"),
+                         slo=Slo(ttft_ms=1000, itl_ms=50), shapes=[])
+    console = Console(record=True, width=200)
+    print_report(result, console)
+    assert "workload w[/x][bold].jsonl, the file's arrival times" in console.export_text()
