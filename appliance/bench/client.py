@@ -290,12 +290,12 @@ def _schedule(run: RateRun, target: Target, rng: random.Random) -> list[float]:
     workload = target.workload
     if isinstance(workload, WorkloadFile) and workload.timed:
         return [r.arrival_s or 0.0 for r in workload.requests]
+    # An untimed file is sent once per rate, in its order: every line, or what the window takes of them.
+    count = len(workload.requests) if isinstance(workload, WorkloadFile) else run.num_requests
     if run.window is None:
-        times = arrivals(run.rate, run.num_requests, rng)
-    else:
-        times = arrivals_until(run.rate, run.window.span_s, rng)[: run.window.max_requests]
-    # An untimed file is sent once, in its order, at the rate: never more requests than it has lines.
-    return times[: len(workload.requests)] if isinstance(workload, WorkloadFile) else times
+        return arrivals(run.rate, count, rng)
+    times = arrivals_until(run.rate, run.window.span_s, rng)[: run.window.max_requests]
+    return times[:count] if isinstance(workload, WorkloadFile) else times
 
 
 async def run_rate(

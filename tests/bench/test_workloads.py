@@ -17,12 +17,14 @@ import pytest
 from rich.console import Console
 
 from appliance.bench.analysis import Slo
-from appliance.bench.client import RateRun, Target, parse_route, run_rate, workload_requests
+from appliance.bench.client import RateRun, Target, parse_route, request_count, run_rate, workload_requests
 from appliance.bench.mixes import MultiTurn, parse_mix
+from appliance.bench.plots import plot_latency
 from appliance.bench.report import print_report
 from appliance.bench.results import BenchResult, ShapeResult, Workload
 from appliance.bench.trace import TRACE_BLOCK_TOKENS, build_prompts, parse_workload
 from appliance.errors import PdctlError
+from tests.bench import PNG_MAGIC
 from tests.bench.test_client import VllmShapedServer
 from tests.support.pdctl import pdctl_in
 
@@ -82,6 +84,13 @@ def test_mooncake_lines_share_their_hash_blocks() -> None:
     assert a[:block] == b[:block] and a[block : 2 * block] != b[block : 2 * block]
     assert a[:1100] == c[:1100]  # the same blocks, cut to each input length
     assert len(set(c[3 * block :]) & set(a)) < 100  # past the blocks: its own tokens
+
+
+def test_an_untimed_file_sends_each_line_once_per_rate() -> None:
+    untimed = parse_workload(['{"input_len": 5, "output_len": 2}'] * 7, "w", 10)
+    target = Target("http://x", "m", input_len=40, output_len=8, workload=untimed)
+    assert not untimed.timed and request_count(RateRun(3.0, 50, seed=1), target) == 7
+    assert request_count(RateRun(3.0, 50, seed=1), Target("http://x", "m", 40, 8)) == 50
 
 
 def test_prefix_groups_share_exactly_their_prefix() -> None:
@@ -169,7 +178,7 @@ async def _multi_turn_against(server: VllmShapedServer) -> Any:
                               asyncio.Event())
 
 
-def test_multi_turn_token_ids_reach_the_server_sharing_their_prefix_and_routes_are_recorded() -> None:
+def test_multi_turn_token_ids_reach_the_server_sharing_their_prefix_and_routes_are_recorded(tmp_path: Path) -> None:
     routes = ("disaggregated; prefill=prefill-0; decode=decode-0", "decode-only; decode=decode-1")
     with_routes = VllmShapedServer([(0.01, 1)] * 3, continuous_usage=True, routes=routes)
 
@@ -200,6 +209,8 @@ def test_multi_turn_token_ids_reach_the_server_sharing_their_prefix_and_routes_a
     print_report(result, console)
     text = console.export_text()
     assert "by route" in text and "decode-only" in text and "disaggregated" in text
+    figure = plot_latency(result, tmp_path / "latency.png", 40.0)
+    assert figure is not None and figure.read_bytes()[:8] == PNG_MAGIC
 
 
 def _bench(url: str, tmp_path: Path, *args: str, check: bool = True) -> Any:
