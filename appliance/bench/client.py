@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -40,8 +41,10 @@ from typing import Any, Literal
 import aiohttp
 
 from appliance.bench.analysis import Slo
+from appliance.bench.mixes import Mix
 from appliance.bench.results import RateResult, RequestResult, SteadyWindow, summarize
 from appliance.bench.steady import Window, is_steady, occupancy, ttft_trend
+from appliance.bench.trace import WorkloadFile, WorkloadRequest, build_prompts
 from appliance.bench.workload import PromptKind, arrivals, arrivals_until, prompt, rate_seed
 from appliance.errors import PdctlError
 
@@ -59,11 +62,36 @@ class Target:
     api_key: str | None = None
     request_timeout_s: float = 600.0
     endpoint: str = "/v1/completions"
+    workload: WorkloadFile | Mix | None = None  # None: every request is input_len random tokens
 
     @property
     def url(self) -> str:
         """The completions URL."""
         return self.base_url.rstrip("/") + self.endpoint
+
+
+# The proxy names the route it gave a request in this response header (docs/bench.md, "Routes"):
+# `x-pdctl-route: disaggregated; prefill=prefill-0; decode=decode-1`.
+ROUTE_HEADER = "x-pdctl-route"
+UNKNOWN_ROUTE = "unknown"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def parse_route(value: str | None) -> tuple[str, dict[str, str]]:
+    """The route and its instances by role from the header; "unknown" (and no instances) when it is absent or
+    malformed, so a stray or hostile header never puts arbitrary text into the results."""
+    if not value:
+        return UNKNOWN_ROUTE, {}
+    route, *params = (p.strip() for p in value.split(";"))
+    if not _NAME.fullmatch(route):
+        return UNKNOWN_ROUTE, {}
+    instances = {}
+    for param in params:
+        role, eq, name = param.partition("=")
+        if not eq or not _NAME.fullmatch(role.strip()) or not _NAME.fullmatch(name.strip()):
+            return UNKNOWN_ROUTE, {}
+        instances[role.strip()] = name.strip()
+    return route, instances
 
 
 @dataclass
@@ -85,6 +113,10 @@ class InFlight:
     error: str | None = None
     http_status: int | None = None
     done: bool = False
+    output_len: int | None = None  # None: the target's
+    asked: WorkloadRequest | None = None
+    route: str = UNKNOWN_ROUTE
+    route_instances: dict[str, str] = field(default_factory=dict)
 
     def result(self) -> RequestResult:
         """The request as measured; unfinished requests are 'interrupted'."""
@@ -113,14 +145,19 @@ class InFlight:
             output_tokens=self.usage_tokens if self.usage_tokens is not None else counted,
             tokens_counted_by="usage" if self.streamed_usage else "chunks",
             finish_reason=self.finish_reason,
+            route=self.route,
+            route_instances=self.route_instances,
+            prefix_group=self.asked.prefix_group if self.asked else None,
+            conversation=self.asked.conversation if self.asked else None,
+            turn=self.asked.turn if self.asked else None,
         )
 
 
-def _payload(target: Target, prompt_value: Sequence[int] | str) -> dict[str, Any]:
+def _payload(target: Target, prompt_value: Sequence[int] | str, output_len: int | None) -> dict[str, Any]:
     return {
         "model": target.model,
         "prompt": prompt_value,
-        "max_tokens": target.output_len,
+        "max_tokens": output_len or target.output_len,
         "ignore_eos": True,  # every request produces exactly output_len tokens
         "temperature": 0.0,
         "stream": True,
@@ -182,9 +219,10 @@ async def _stream(
         headers["Authorization"] = f"Bearer {target.api_key}"
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=target.request_timeout_s)
     async with session.post(
-        target.url, json=_payload(target, prompt_value), headers=headers, timeout=timeout
+        target.url, json=_payload(target, prompt_value, req.output_len), headers=headers, timeout=timeout
     ) as resp:
         req.http_status = resp.status
+        req.route, req.route_instances = parse_route(resp.headers.get(ROUTE_HEADER))
         if resp.status != 200:
             text = (await resp.text())[:300]
             req.error = f"HTTP {resp.status}: {text.strip()}"
@@ -243,16 +281,21 @@ class RateRun:
     window: Window | None = None
 
 
-def request_count(run: RateRun) -> int:
+def request_count(run: RateRun, target: Target) -> int:
     """How many requests `run_rate` will send for `run` (the same seeded draw)."""
-    return len(_schedule(run, random.Random(rate_seed(run.seed, run.rate))))
+    return len(_schedule(run, target, random.Random(rate_seed(run.seed, run.rate))))
 
 
-def _schedule(run: RateRun, rng: random.Random) -> list[float]:
+def _schedule(run: RateRun, target: Target, rng: random.Random) -> list[float]:
+    workload = target.workload
+    if isinstance(workload, WorkloadFile) and workload.timed:
+        return [r.arrival_s or 0.0 for r in workload.requests]
+    # An untimed file is sent once per rate, in its order: every line, or what the window takes of them.
+    count = len(workload.requests) if isinstance(workload, WorkloadFile) else run.num_requests
     if run.window is None:
-        return arrivals(run.rate, run.num_requests, rng)
-    times = arrivals_until(run.rate, run.window.span_s, rng)
-    return times[: run.window.max_requests]
+        return arrivals(run.rate, count, rng)
+    times = arrivals_until(run.rate, run.window.span_s, rng)[: run.window.max_requests]
+    return times[:count] if isinstance(workload, WorkloadFile) else times
 
 
 async def run_rate(
@@ -266,10 +309,24 @@ async def run_rate(
     """Send one rate's requests on their Poisson schedule and wait for all; `stop` ends it early (partial)."""
     seed = rate_seed(run.seed, run.rate)
     rng = random.Random(seed)
-    times = _schedule(run, rng)
-    prompts = rate_prompts(target, rng, len(times))
-    reqs = [InFlight(i, f"bench-{seed}-{i}", t) for i, t in enumerate(times)]
+    times = _schedule(run, target, rng)
+    if target.workload is None:
+        prompts = rate_prompts(target, rng, len(times))
+        reqs = [InFlight(i, f"bench-{seed}-{i}", t) for i, t in enumerate(times)]
+    else:
+        asked = workload_requests(target, target.workload, len(times), rng)
+        prompts = build_prompts(asked, target.prompt_kind, target.token_range, seed)
+        reqs = [InFlight(i, f"bench-{seed}-{i}", t, output_len=a.output_len, asked=a)
+                for i, (t, a) in enumerate(zip(times, asked, strict=True))]
     return await _run(session, target, run, slo, stop, on_done, seed, prompts, reqs)
+
+
+def workload_requests(target: Target, workload: WorkloadFile | Mix, count: int,
+                      rng: random.Random) -> list[WorkloadRequest]:
+    """The first `count` requests of a file, or `count` drawn from a built-in mix."""
+    if isinstance(workload, WorkloadFile):
+        return list(workload.requests[:count])
+    return workload.requests(count, target.input_len, target.output_len, rng)
 
 
 def rate_prompts(target: Target, rng: random.Random, count: int) -> list[tuple[int, ...] | str]:
@@ -288,8 +345,8 @@ async def _run(session: aiohttp.ClientSession, target: Target, run: RateRun, slo
     t0 = time.perf_counter()
 
     async def one(req: InFlight, prompt_value: Sequence[int] | str) -> None:
-        delay = t0 + req.scheduled_s - time.perf_counter()
-        if delay > 0:
+        # asyncio may wake a timer up to its clock resolution early: a request is never sent before its time.
+        while (delay := t0 + req.scheduled_s - time.perf_counter()) > 0:
             await asyncio.sleep(delay)
         await send(session, target, req, prompt_value, t0)
         if on_done is not None and req.done:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.bench.analysis import token_gaps
-from appliance.bench.results import BenchResult, RateResult
+from appliance.bench.results import BenchResult, RateResult, routes
 from appliance.errors import PdctlError
 
 
@@ -109,17 +109,19 @@ def plot_latency(result: BenchResult, path: Path, rate: float | None = None) -> 
         return None
     plt = pyplot()
     fig, (ax_t, ax_i) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
+    split = len(routes(result)) > 1  # one line per shape and route once the proxy reports several routes
     for shape in result.shapes:
         at = _at(shape.rates, rate)
         if at is None:
             continue
-        ok = [r for r in at.requests if r.success and r.measured]
-        ttfts = sorted(1000 * r.chunk_times_s[0] for r in ok)
-        gaps = sorted(1000 * g for r in ok for g in token_gaps(r.chunk_times_s, r.chunk_tokens))
-        for ax, values in ((ax_t, ttfts), (ax_i, gaps)):
-            if values:
-                ys = [(i + 1) / len(values) for i in range(len(values))]
-                ax.step(values, ys, where="post", label=shape.name)
+        for route in routes(result) if split else [None]:
+            ok = [r for r in at.requests if r.success and r.measured and route in (None, r.route)]
+            ttfts = sorted(1000 * r.chunk_times_s[0] for r in ok)
+            gaps = sorted(1000 * g for r in ok for g in token_gaps(r.chunk_times_s, r.chunk_tokens))
+            for ax, values in ((ax_t, ttfts), (ax_i, gaps)):
+                if values:
+                    ys = [(i + 1) / len(values) for i in range(len(values))]
+                    ax.step(values, ys, where="post", label=f"{shape.name} ({route})" if split else shape.name)
     ax_t.axvline(result.slo.ttft_ms, color="grey", linestyle="--", linewidth=1)
     ax_i.axvline(result.slo.itl_ms, color="grey", linestyle="--", linewidth=1)
     ax_t.set_xlabel("TTFT (ms)")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from appliance.bench.analysis import JUDGEMENTS
 from appliance.bench.families import Best, best_of, capped, parse_name
-from appliance.bench.results import BenchResult, SteadyWindow
+from appliance.bench.results import BenchResult, RequestResult, SteadyWindow, routes, summarize
 
 
 def _ms(value: float | None) -> str:
@@ -42,12 +43,12 @@ def rates_table(result: BenchResult) -> Table:
         table.add_column(col, justify="left" if col == "shape" else "right")
     for shape in result.shapes:
         if shape.skipped:
-            table.add_row(shape.name, "-", "-", "-", "-", "-", f"skipped: {shape.skipped}", *["-"] * 6)
+            table.add_row(escape(shape.name), "-", "-", "-", "-", "-", f"skipped: {escape(shape.skipped)}", *["-"] * 6)
             continue
         for r in shape.rates:
             s = r.summary
             table.add_row(
-                shape.name,
+                escape(shape.name),
                 f"{r.rate:g}" + ("*" if r.partial else ""),
                 "-" if s.arrival_rate is None else f"{s.arrival_rate:.2g}",
                 str(s.sent),
@@ -76,6 +77,26 @@ def _window(w: SteadyWindow | None) -> str:
     return f"{w.lifetimes:.1f}x {a:.0f}->{b:.0f}" + ("" if w.steady else "!")
 
 
+def routes_table(result: BenchResult) -> Table | None:
+    """The figures of each rate broken down by the route its requests took; None when one route (or none) was
+    seen, as before the proxy reports routes (every request `unknown`)."""
+    if len(routes(result)) < 2:
+        return None
+    table = Table(title="by route (the proxy's x-pdctl-route header)", title_justify="left")
+    for col in ("shape", "req/s", "route", "sent", "failed", "attainment", "TTFT p50", "TTFT p99", "ITL p50"):
+        table.add_column(col, justify="left" if col in ("shape", "route") else "right")
+    for shape in result.shapes:
+        for r in shape.rates:
+            by_route: dict[str, list[RequestResult]] = {}
+            for q in r.requests:
+                by_route.setdefault(q.route, []).append(q)
+            for route, requests in sorted(by_route.items()):
+                s = summarize(requests, result.slo, r.duration_s)
+                table.add_row(escape(shape.name), f"{r.rate:g}", route, str(s.sent), str(s.failed), _pct(s.attainment),
+                              _ms(s.ttft_ms["p50"]), _ms(s.ttft_ms["p99"]), _ms(s.itl_ms["p50"]))
+    return table
+
+
 def goodput_table(result: BenchResult) -> Table:
     """Goodput of each shape under the three ITL judgements, and its ratio to the best colocated shape."""
     table = Table(
@@ -101,7 +122,7 @@ def goodput_table(result: BenchResult) -> Table:
             if good is not None and ref is not None and ref.goodput and not ref.lower_bound and shape.name not in ref.names:
                 text += f" ({bound}{good / ref.goodput:.2f}x)"
             cells.append(text)
-        table.add_row(shape.name, *cells)
+        table.add_row(escape(shape.name), *cells)
     if any(b is not None for b in baseline.values()):
         table.caption = "(Nx) = goodput relative to the best colocated shape under the same judgement"
     return table
@@ -120,9 +141,9 @@ def families_table(result: BenchResult) -> Table | None:
         knobs = " = ".join(p.knob for n in c.names if (p := parse_name(n)) is not None) if c else "-"
         table.add_row(
             j + (" (run)" if j == result.slo.itl_judgement else ""),
-            " = ".join(d.names) if d else "-",
+            escape(" = ".join(d.names)) if d else "-",
             _good(d),
-            " = ".join(c.names) if c else "-",
+            escape(" = ".join(c.names)) if c else "-",
             knobs,
             _good(c),
             _ratio(d, c),
@@ -154,6 +175,11 @@ def method_lines(result: BenchResult) -> list[str]:
     """How the figures were measured (printed under the tables, so a pasted report carries its method)."""
     w = result.workload
     spec = w.rate_spec or ",".join(f"{r:g}" for r in w.rates)
+    if w.workload is not None:
+        how = "the file's arrival times" if w.arrivals == "file" else f"Poisson arrivals, rates {spec}"
+        return [f"method: workload {w.workload}, {how}; every request judged "
+                f"(TTFT <= {result.slo.ttft_ms:g} ms, ITL {result.slo.itl_judgement} <= {result.slo.itl_ms:g} ms)."
+                if w.lifetimes == 0 else f"method: workload {w.workload}, {how}."]
     lines = [
         f"method: {w.input_len} prompt + {w.output_len} output tokens, Poisson arrivals, rates {spec}; "
         f"stop at the first rate under {result.slo.attainment:.0%} attainment under "
@@ -179,9 +205,12 @@ def method_lines(result: BenchResult) -> list[str]:
 def print_report(result: BenchResult, console: Console) -> None:
     """The tables and the method."""
     console.print(rates_table(result))
+    by_route = routes_table(result)
+    if by_route is not None:
+        console.print(by_route)
     console.print(goodput_table(result))
     families = families_table(result)
     if families is not None:
         console.print(families)
     for line in method_lines(result):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, markup=False)  # plain text, with file names and labels as written

@@ -50,6 +50,11 @@ class RequestResult(Record):
     measured: bool = Field(
         default=True, description="Arrived inside the rate's steady window (warm-up and drain arrivals: false)"
     )
+    route: str = Field(default="unknown", description="The proxy's x-pdctl-route header; unknown when absent")
+    route_instances: dict[str, str] = Field(default_factory=dict, description="Instance by role, from that header")
+    prefix_group: str | None = Field(default=None, description="The workload's prefix group, if any")
+    conversation: str | None = Field(default=None, description="The workload's conversation, if any")
+    turn: int | None = Field(default=None, description="The turn within that conversation")
 
     @property
     def ttft_s(self) -> float | None:
@@ -137,6 +142,8 @@ class Workload(Record):
     warmup: int = 0
     lifetimes: float = Field(default=0, description="Steady window length in request lifetimes; 0: all measured")
     stop_on: list[str] = Field(default_factory=list, description="Judgements whose ceilings end a sweep")
+    workload: str | None = Field(default=None, description="--workload: a file or a built-in mix; None: random")
+    arrivals: Literal["poisson", "file"] = Field(default="poisson", description="file: the file's arrival times")
 
 
 class FamilyBest(Record):
@@ -202,6 +209,11 @@ def summarize(requests: list[RequestResult], slo: Slo, duration_s: float) -> Rat
         request_throughput=len(ok) / span,
         output_throughput=tokens / span,
     )
+
+
+def routes(result: BenchResult) -> list[str]:
+    """Every route the result's measured requests took, sorted."""
+    return sorted({q.route for shape in result.shapes for r in shape.rates for q in r.requests if q.measured})
 
 
 def shape_goodput(shape: ShapeResult, slo: Slo) -> dict[str, float | None]:

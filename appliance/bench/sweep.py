@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from appliance.bench.analysis import Slo
@@ -100,6 +101,8 @@ class _RateProgress:
     def __init__(self, progress: Progress | None, description: str, total: int) -> None:
         self.progress = progress
         self.failed = 0
+        # a shape's name may be a user's --label: shown as written, never read as rich markup
+        description = escape(description)
         self.task = progress.add_task(description, total=total, status="") if progress is not None else None
 
     def advance(self, result: RequestResult) -> None:
@@ -110,7 +113,7 @@ class _RateProgress:
 
     def status(self, text: str) -> None:
         if self.progress is not None and self.task is not None:
-            self.progress.update(self.task, status=text)
+            self.progress.update(self.task, status=escape(text))
 
 
 async def sweep(
@@ -139,7 +142,7 @@ async def sweep(
         done = {r.rate: r.summary.attainment_by_judgement for r in shape.rates if not r.partial}
         while not stopper.stopped and (rate := plan.schedule.next(done)) is not None:
             run = _rate_run(plan, shape, rate)
-            counter = _RateProgress(progress, f"{shape.name} {rate:g} req/s", request_count(run))
+            counter = _RateProgress(progress, f"{shape.name} {rate:g} req/s", request_count(run, target))
             result = await run_rate(session, target, run, slo, stopper.event, counter.advance)
             shape.rates.append(result)
             shape.rates.sort(key=lambda r: r.rate)  # adaptive rates come out of order

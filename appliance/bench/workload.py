@@ -7,6 +7,7 @@ prefix caching on, a repeated prompt would be served from cache and fake a fast 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Literal
 
@@ -114,6 +115,11 @@ def prompt(
         lo, hi = token_range
         return [rng.randrange(lo, hi) for _ in range(length)]
     return " ".join(rng.choice(_WORDS) for _ in range(length))
+
+
+def words(ids: Sequence[int]) -> str:
+    """Token ids as plain words, one per id: equal ids give equal words, so shared prefixes stay shared."""
+    return " ".join(_WORDS[i % len(_WORDS)] for i in ids)
 
 
 # Prompt ids when the command line names none: clear of the special tokens most tokenizers put first, and

@@ -25,8 +25,10 @@ if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
 
     from appliance.bench.analysis import Slo
     from appliance.bench.compare import Shape
+    from appliance.bench.mixes import Mix
     from appliance.bench.results import BenchResult
     from appliance.bench.sweep import SweepPlan
+    from appliance.bench.trace import WorkloadFile
     from appliance.inventory.models import Inventory
     from appliance.modelshape import Vocabulary
     from appliance.settings import Settings
@@ -141,6 +143,12 @@ def _read_key(path: str | None) -> str | None:
     metavar="LO:HI",
     help="Token ids are drawn from LO <= id < HI [default: 100:1000, cut to the served model's vocabulary].",
 )
+@click.option(
+    "--workload",
+    metavar="FILE|MIX",
+    help="Send a workload instead of --input-len random tokens: a JSONL file (its arrival times, or --rates) or a "
+    "built-in mix, shared-prefix | multi-turn | mixed-lengths[:key=value,...]. See docs/bench.md.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Run seed; each rate derives its own.")
 @click.option("--model", help="Model name to ask for [default: the deployment's, or the server's first].")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), help="Send this key as a Bearer token.")
@@ -215,6 +223,7 @@ def bench(ctx: click.Context, /, **opts: Any) -> None:
         raise PdctlError("--url and --compare both given", fix="--compare deploys its own shapes; drop --url")
     if opts["token_range"] is not None:
         parse_token_range(opts["token_range"])  # a malformed range fails before anything is deployed
+    workload = _workload(ctx, opts)  # so does a bad workload file, with its line number
     overrides: dict[str, Any] = {"engine": {"kind": opts["engine"]}} if opts["engine"] else {}
     settings, inventory = obtain(ctx, overrides)
     slo = _slo(opts, settings)
@@ -223,7 +232,7 @@ def bench(ctx: click.Context, /, **opts: Any) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep = _sweep_plan(opts, slo)
     api_key = _read_key(opts["api_key_file"]) or _read_key(settings.proxy.api_key_file if not opts["url"] else None)
-    work = _Workload(sweep, slo, opts["token_range"], api_key)
+    work = _Workload(sweep, slo, opts["token_range"], api_key, workload)
     result = asyncio.run(_measure(ctx, opts, settings, inventory, work, stamp, out_dir))
     _report(result, opts, out_dir)
 
@@ -237,6 +246,7 @@ class _Workload:
     slo: Slo
     token_range: str | None
     api_key: str | None
+    requests: WorkloadFile | Mix | None = None
 
 
 def _console() -> Console:
@@ -265,6 +275,7 @@ def _empty_result(opts: dict[str, Any], work: _Workload, engine: str, model: str
                   token_range: tuple[int, int]) -> BenchResult:
     """The result document before any shape is measured: the command, the workload and the SLO."""
     from appliance.bench.results import BenchResult, Workload
+    from appliance.bench.trace import WorkloadFile
 
     plan = work.sweep
     return BenchResult(
@@ -284,6 +295,8 @@ def _empty_result(opts: dict[str, Any], work: _Workload, engine: str, model: str
             warmup=opts["warmup"],
             lifetimes=plan.lifetimes,
             stop_on=list(plan.schedule.stop_on),
+            workload=opts["workload"],
+            arrivals="file" if isinstance(work.requests, WorkloadFile) and work.requests.timed else "poisson",
         ),
         slo=work.slo,
         shapes=[],
@@ -324,7 +337,8 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
         if opts["prompt_kind"] == "tokens":
             console.print(f"prompt token ids {token_range[0]}..{token_range[1] - 1} "
                           + (f"({model} has {vocabulary.size}, from {vocabulary.source})" if vocabulary else
-                             f"({model}'s vocabulary is unknown here: pass --token-range if it is smaller)"))
+                             f"({model}'s vocabulary is unknown here: pass --token-range if it is smaller)"),
+                          markup=False)  # the model's name and path are the server's or the user's, as written
         target = Target(
             base_url=base_url,
             model=model,
@@ -334,6 +348,7 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
             token_range=token_range,
             api_key=work.api_key,
             request_timeout_s=opts["request_timeout"],
+            workload=work.requests,
         )
         result = _empty_result(opts, work, engine, model, stamp, token_range)
         if opts["compare"]:
@@ -386,6 +401,32 @@ def _report(result: BenchResult, opts: dict[str, Any], out_dir: Path) -> None:
     if reason:
         click.echo(f"pdctl: error: every request failed, so nothing was measured: {reason}", err=True)
         raise SystemExit(EXIT_NOTHING_MEASURED)
+
+
+def _workload(ctx: click.Context, opts: dict[str, Any]) -> WorkloadFile | Mix | None:
+    """The --workload: a built-in mix by name, else a file. A timed file sets the rate and is judged whole, so it
+    takes neither --rates nor --lifetimes (opts gets its rate and lifetimes 0)."""
+    from click.core import ParameterSource
+
+    from appliance.bench.mixes import MIXES, parse_mix
+    from appliance.bench.trace import read_workload
+
+    spec = opts["workload"]
+    if spec is None:
+        return None
+    if spec.partition(":")[0] in MIXES:
+        return parse_mix(spec)
+    if not Path(spec).exists():
+        raise PdctlError(f"--workload {spec!r} is neither a file nor a built-in mix",
+                         fix=f"name a JSONL file or one of {', '.join(MIXES)}")
+    workload = read_workload(Path(spec), opts["max_requests"])
+    if workload.timed:
+        for name in ("rates", "lifetimes"):
+            if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
+                raise PdctlError(f"{spec} times its requests: --{name} does not apply",
+                                 fix=f"drop --{name}, or the file's arrival times to send it at --rates")
+        opts["rates"], opts["lifetimes"] = f"{workload.rate:g}", 0
+    return workload
 
 
 def _sweep_plan(opts: dict[str, Any], slo: Slo) -> SweepPlan:

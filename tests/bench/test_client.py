@@ -28,12 +28,14 @@ class VllmShapedServer:
     """Streams `plan` = [(delay_s, tokens), ...] per request, in vLLM's completions chunk format."""
 
     def __init__(
-        self, plan: list[tuple[float, int]], continuous_usage: bool, fail_every: int = 0, cut_every: int = 0
+        self, plan: list[tuple[float, int]], continuous_usage: bool, fail_every: int = 0, cut_every: int = 0,
+        routes: tuple[str, ...] = (),
     ) -> None:
         self.plan = plan
         self.continuous_usage = continuous_usage
         self.fail_every = fail_every
         self.cut_every = cut_every
+        self.routes = routes  # x-pdctl-route values, one per request in turn, as the proxy will set them
         self.bodies: list[dict[str, Any]] = []
         self.ids: list[str] = []
         self.runner: web.AppRunner | None = None
@@ -64,7 +66,10 @@ class VllmShapedServer:
         n = len(self.bodies)
         if self.fail_every and n % self.fail_every == 0:
             return web.json_response({"error": {"message": "boom", "code": 500}}, status=500)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        headers = {"Content-Type": "text/event-stream"}
+        if self.routes:
+            headers["x-pdctl-route"] = self.routes[(n - 1) % len(self.routes)]
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         done = 0
         for i, (delay, k) in enumerate(self.plan):
