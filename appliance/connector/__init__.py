@@ -28,10 +28,10 @@ __all__ = [
 ]
 
 _REGISTRY: dict[str, str] = {
-    "moriio": "appliance.connector.moriio:MoriioConnector",
-    "nixl": "appliance.connector.nixl:NixlConnector",
-    "example": "appliance.connector.example:ExampleConnector",
-    "none": "appliance.connector.none:NoConnector",
+    "moriio": "appliance.connector.moriio.connector:MoriioConnector",
+    "nixl": "appliance.connector.nixl.connector:NixlConnector",
+    "example": "appliance.connector.example.connector:ExampleConnector",
+    "none": "appliance.connector.none.connector:NoConnector",
 }
 
 # What "auto" means on each platform.

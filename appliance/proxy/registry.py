@@ -17,8 +17,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from appliance.connector.moriio import parse_zmq_address
-from appliance.connector.moriio import zmq_address as zmq_address_of
+from appliance.connector.moriio.address import parse_zmq_address
+from appliance.connector.moriio.address import zmq_address as zmq_address_of
 from appliance.proxy.config import Backend, RegistrationConfig
 from appliance.proxy.upstream import UpstreamPool
 

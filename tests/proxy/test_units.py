@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from appliance.connector import HandoffError, get_connector
-from appliance.connector.moriio import parse_zmq_address, peer_in_request_id
+from appliance.connector.moriio.address import parse_zmq_address, peer_in_request_id
 from appliance.proxy.config import Backend, ProxyConfig
 from appliance.proxy.registry import (
     BackendState,

@@ -25,7 +25,7 @@ import msgpack
 from prometheus_client import CollectorRegistry, Histogram
 
 from appliance.connector import get_connector, load_object
-from appliance.connector.moriio import PeerAddress, parse_zmq_address, peer_in_request_id, zmq_address
+from appliance.connector.moriio.address import PeerAddress, parse_zmq_address, peer_in_request_id, zmq_address
 from appliance.engine.sim.config import SimConfig
 from appliance.engine.sim.engine import Engine, KVTransferError, Sequence
 from appliance.engine.sim.transport import Transport
