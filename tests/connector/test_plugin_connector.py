@@ -24,9 +24,9 @@ import appliance.connector as registry
 from appliance.cli.main import cli
 from appliance.connector import Connector, HandoffError, InstanceContext, Peer, RayServeBackend, register
 from appliance.connector.base import SimOptions
+from appliance.connector.sim import BadKVParams, ConnectorSim
 from appliance.engine.sim import SimServer
 from appliance.engine.sim.cli import _config, sim_engine
-from appliance.engine.sim.connectors import BadKVParams, ConnectorSim
 from appliance.engine.sim.engine import Sequence
 from appliance.errors import ExportError
 from appliance.export import ExportOptions, build_export

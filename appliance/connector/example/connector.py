@@ -18,7 +18,7 @@ class ExampleConnector(Connector):
     name = "example"
     vllm_class = "ExampleConnector"
     modes = frozenset({"read"})
-    sim_flow = "appliance.engine.sim.connectors:ExampleSim"
+    sim_flow = "appliance.connector.example.sim:ExampleSim"
     lengths_matter = True
 
     def default_block_size(self, platform: Platform) -> int:

@@ -87,7 +87,7 @@ class MoriioConnector(Connector):
     platforms = frozenset({"rocm"})
     registers_with_proxy = True
     mode_fixed_at_start = True
-    sim_flow = "appliance.engine.sim.connectors:MoriioSim"
+    sim_flow = "appliance.connector.moriio.sim:MoriioSim"
     library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
     read_needs_prefill_kv = True
 

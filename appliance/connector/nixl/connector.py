@@ -61,7 +61,7 @@ class NixlConnector(Connector):
     mode_fixed_at_start = True
     # WRITE: the decode names the prefill's engine id, which only the prefill's answer carries.
     write_waits_for_prefill = True
-    sim_flow = "appliance.engine.sim.connectors:NixlSim"
+    sim_flow = "appliance.connector.nixl.sim:NixlSim"
     library = Library("nixl", "nixl._api:nixl_agent", "nixl")
     read_needs_prefill_kv = True
     # vLLM's NIXL stats: the puller's transfers in READ, the pusher's in WRITE
