@@ -17,12 +17,13 @@ from appliance.connector.base import (
     LlmdPod,
     Peer,
     Platform,
+    ProxyListener,
     RayServeBackend,
 )
 from appliance.errors import PlanError
 
 __all__ = [
-    "Connector", "HandoffError", "InstanceContext", "LlmdPod", "Peer", "Platform", "RayServeBackend",
+    "Connector", "HandoffError", "InstanceContext", "LlmdPod", "Peer", "Platform", "ProxyListener", "RayServeBackend",
     "PLATFORM_NAMES", "check_name", "described", "disaggregated_name", "get_connector", "implementing", "load_object",
     "names", "register", "resolve_name",
 ]

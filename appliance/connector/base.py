@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -144,6 +144,52 @@ class SimOptions(Protocol):
     def shared_storage(self) -> str | None: ...
 
 
+class ListenerSettings(Protocol):
+    """Where the listener binds and whom it hears (the proxy's RegistrationConfig)."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def allowed_hosts(self) -> list[str]: ...
+
+    @property
+    def peer_hosts(self) -> dict[str, list[str]]: ...
+
+    @property
+    def max_per_s(self) -> float: ...
+
+
+class Registrant(Protocol):
+    """A planned instance as a registration refreshes it (appliance.proxy.registry.BackendState)."""
+
+    name: str
+    role: str
+    dp_size: int
+    tp_size: int
+    kv: dict[str, Any]
+    transfer_mode: str | None
+    last_seen: float | None
+    last_seen_mono: float | None
+
+
+# The planned instance served at (canonical host, port), or None.
+FindInstance = Callable[[str, int], Registrant | None]
+
+
+class ProxyListener(Protocol):
+    """A socket the proxy runs for a connector (its engines' registrations), bound by start()."""
+
+    port: int
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 class HandoffError(Exception):
     """A request's KV handoff cannot go ahead; the client gets `status` (502/503/504) with the message."""
 
@@ -254,6 +300,13 @@ class Connector(ABC):
         return None
 
     # ---- the proxy side -------------------------------------------------------------------------
+    def registration_listener(self, settings: ListenerSettings, find: FindInstance, current_mode: Callable[[], str],
+                              on_result: Callable[[str], None]) -> ProxyListener | None:
+        """The socket the proxy listens on for this connector's engines to register (registers_with_proxy): it may
+        refresh the planned instance `find` returns for an address, never add one; each message's outcome goes
+        to on_result. None: its engines do not register."""
+        return None
+
     def request_id(self, prefill: Peer, decode: Peer) -> str:
         """The X-Request-Id both legs of one request carry."""
         return uuid.uuid4().hex

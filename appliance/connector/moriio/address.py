@@ -5,14 +5,19 @@ when they register with the proxy, the proxy embeds both peers' addresses in the
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import uuid
 from typing import NamedTuple
+
+from appliance.hosts import canonical_host
 
 # vLLM's MoRIIO router request id: "___prefill_addr_{zmq}___decode_addr_{zmq}_{32 hex}"; vLLM may append
 # "-<seq>-<hex>" (moriio_common._PREFILL_ZMQ_RE / _DECODE_ZMQ_RE parse the same shape).
 _PREFILL_ADDR_RE = re.compile(r"___prefill_addr_(.+?)___decode_addr_")
 _DECODE_ADDR_RE = re.compile(r"___decode_addr_(.+)_[0-9a-f]{32}(?:-.*)?$")
+_ZMQ_ADDRESS = re.compile(r"host:([0-9A-Fa-f.:]{2,45}),handshake:([0-9]{1,5}),notify:([0-9]{1,5})")
+_MAX_ADDRESS = 128
 
 
 class PeerAddress(NamedTuple):
@@ -29,15 +34,26 @@ def zmq_address(host: str, handshake_port: int, notify_port: int) -> str:
 
 
 def parse_zmq_address(value: str) -> PeerAddress:
-    """Split 'host:IP,handshake:PORT,notify:PORT' (first colon per pair, so IPv6 works); ValueError if malformed."""
-    parts: dict[str, str] = {}
-    for segment in value.split(","):
-        key, _, val = segment.partition(":")
-        parts[key.strip()] = val.strip()
+    """'host:IP,handshake:PORT,notify:PORT' exactly (it ends up in request ids, an HTTP header the engines
+    parse): an IP address, spelled one way (canonical_host), and ports 1-65535; ValueError saying what is wrong."""
+    match = _ZMQ_ADDRESS.fullmatch(value) if len(value) <= _MAX_ADDRESS else None
+    if match is None:
+        raise ValueError(f"{quoted(value)} is not 'host:IP,handshake:PORT,notify:PORT'")
+    host, handshake, notify = match.group(1), int(match.group(2)), int(match.group(3))
     try:
-        return PeerAddress(parts["host"], int(parts["handshake"]), int(parts["notify"]))
-    except (KeyError, ValueError):
-        raise ValueError(f"{value!r} is not 'host:IP,handshake:PORT,notify:PORT'") from None
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"host {quoted(host)} is not an IP address") from None
+    for what, port in (("handshake", handshake), ("notify", notify)):
+        if not 0 < port < 65536:
+            raise ValueError(f"{what} port {port} is outside 1-65535")
+    return PeerAddress(canonical_host(host), handshake, notify)
+
+
+def quoted(value: object) -> str:
+    """A value as an error may quote it: repr (CR/LF and the like escaped), ASCII, cut short."""
+    text = ascii(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def router_request_id(prefill_zmq: str, decode_zmq: str) -> str:

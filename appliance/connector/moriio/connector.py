@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from appliance.connector.base import (
     Connector,
+    FindInstance,
     HandoffError,
     HandoffFacts,
     InstanceContext,
     Library,
+    ListenerSettings,
     LlmdPod,
     Peer,
     Platform,
@@ -20,6 +22,7 @@ from appliance.connector.base import (
     SimOptions,
 )
 from appliance.connector.moriio.address import router_request_id, zmq_address
+from appliance.connector.moriio.registration import RegistrationListener
 from appliance.roles import Mode
 
 # kv_connector_extra_config keys that address pdctl's own proxy or a loopback host; cluster deployments
@@ -192,6 +195,10 @@ class MoriioConnector(Connector):
     def check_sim(self, options: SimOptions) -> None:
         if options.handshake_port is None or options.notify_port is None:
             raise ValueError("connector 'moriio' needs --handshake-port and --notify-port")
+
+    def registration_listener(self, settings: ListenerSettings, find: FindInstance, current_mode: Callable[[], str],
+                              on_result: Callable[[str], None]) -> RegistrationListener:
+        return RegistrationListener(settings, find, current_mode, on_result)
 
     def request_id(self, prefill: Peer, decode: Peer) -> str:
         return router_request_id(_zmq(prefill), _zmq(decode))

@@ -33,10 +33,8 @@ def parse_moriio_zmq_address(address: str) -> PeerAddress:
     """Parse "host:IP,handshake:PORT,notify:PORT" into (host, handshake_port, notify_port)."""
     try:
         return parse_zmq_address(address)
-    except ValueError:
-        raise BadKVParams(
-            f"malformed MoRIIO zmq_address {address!r}: expected 'host:IP,handshake:PORT,notify:PORT'"
-        ) from None
+    except ValueError as exc:
+        raise BadKVParams(f"malformed MoRIIO zmq_address: {exc}") from None
 
 
 def peer_address_from_request_id(request_id: str, want: str) -> PeerAddress:
