@@ -284,7 +284,7 @@ def check_memlock(settings: Settings, p: Plan, pins_memory: bool) -> Finding:
 def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout: float = 180.0) -> list[Finding]:
     """All doctor checks for this node and plan."""
     findings = node_checks(settings, inventory, p.connector, probe_timeout)
-    need = get_connector(p.connector).rdma(settings.connector.moriio_backend)
+    need = get_connector(p.connector).rdma(settings.connector.own(p.connector))
     findings.append(check_memlock(settings, p, pins_memory=need is not None))
     findings.append(check_ports(settings, p))
     findings.extend(check_model(settings, p))
@@ -331,7 +331,7 @@ def node_checks(settings: Settings, inventory: Inventory, connector_name: str | 
                                         f"{lib.label} does not load: {result.get('connector_error', 'vLLM missing')}",
                                         f"install {lib.install} into the engine's environment"))
     if connector is not None and connector_name:
-        findings.append(check_rdma(connector_name, connector.rdma(settings.connector.moriio_backend)))
+        findings.append(check_rdma(connector_name, connector.rdma(settings.connector.own(connector_name))))
     return findings
 
 

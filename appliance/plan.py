@@ -372,8 +372,8 @@ def model_plan(settings: Settings, state: StateDir) -> ModelPlan:
     return ModelPlan(path=path, served_name=settings.model.name, generate=generate)
 
 
-def _context(settings: Settings, role: Role, index: int, gpus: list[int], mode: Mode, platform: Platform,
-             shared: str, block_size: int | None) -> InstanceContext:
+def _context(settings: Settings, connector: str, role: Role, index: int, gpus: list[int], mode: Mode,
+             platform: Platform, kv_store: str, block_size: int | None) -> InstanceContext:
     """What a connector and the engine command line know of one instance: its shape and its base ports,
     each role's bases strided by the instance's DP x TP ranks so no two instances' port blocks overlap."""
     rs = settings.role(role)
@@ -392,9 +392,8 @@ def _context(settings: Settings, role: Role, index: int, gpus: list[int], mode: 
         platform=platform,
         proxy_host=settings.proxy.registration_host,
         proxy_ping_port=settings.proxy.ping_port,
-        shared_storage_path=shared,
-        moriio_backend=settings.connector.moriio_backend,
-        kv_buffer_device=settings.connector.kv_buffer_device,
+        kv_store=kv_store,
+        settings=settings.connector.own(connector),
         extra_config=settings.connector.extra_config,
         block_size=block_size,
     )
@@ -495,7 +494,6 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     allocation = _allocate(settings, inventory, platform)
     state = StateDir.at(settings.state_dir)
     model = model_plan(settings, state)
-    shared = settings.connector.shared_storage_path or str(state.kv_store)
     block_sizes = _block_sizes(settings, list(allocation), connector.default_block_size(platform))
 
     checks: list[Check] = []
@@ -504,7 +502,8 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     for role, sets in allocation.items():
         service = "pd-colocated" if colocated else f"pd-{role}"
         for index, gpus in enumerate(sets):
-            ctx = _context(settings, role, index, gpus, mode, platform, shared, block_sizes[role])
+            ctx = _context(settings, connector_name, role, index, gpus, mode, platform, str(state.kv_store),
+                           block_sizes[role])
             if settings.engine.kind == "vllm":
                 _check_rank_ports(connector, ctx, settings)
                 whole = _check_whole_prefills(settings, ctx, model)

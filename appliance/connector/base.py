@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
+from pydantic import BaseModel, ConfigDict
+
 from appliance.roles import Mode, Role
 
 Platform = Literal["rocm", "cuda", "cpu"]
@@ -51,6 +53,13 @@ class HandoffFacts:
     source: str
 
 
+class OwnSettings(BaseModel):
+    """A connector's own settings, the table [connector.<name>] of pdctl.toml: each connector that has some
+    subclasses this (its settings_model); unknown keys are errors, so a typo never passes silently."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
 @dataclass(frozen=True)
 class InstanceContext:
     """Everything a connector needs to know about one engine instance of the plan."""
@@ -67,9 +76,8 @@ class InstanceContext:
     platform: Platform
     proxy_host: str
     proxy_ping_port: int
-    shared_storage_path: str
-    moriio_backend: str = "rdma"
-    kv_buffer_device: str | None = None
+    kv_store: str  # the state directory's folder for KV kept on disk: a default for connectors that do
+    settings: OwnSettings  # the connector's own settings ([connector.<name>]), as its settings_model
     extra_config: dict[str, Any] = field(default_factory=dict)
     block_size: int | None = None
 
@@ -214,6 +222,10 @@ class Connector(ABC):
     mode_fixed_at_start: ClassVar[bool] = False
     # True: in WRITE mode too the decode leg needs the prefill's answer, so the legs run one after the other.
     write_waits_for_prefill: ClassVar[bool] = False
+    # Its own settings, the table [connector.<name>] (OwnSettings: none).
+    settings_model: ClassVar[type[OwnSettings]] = OwnSettings
+    # Keys of its settings that older releases read from [connector] itself: old key -> key in its own table.
+    moved_settings: ClassVar[dict[str, str]] = {}
     # The simulated engine's flow for this connector, "module:Class", imported only when a sim engine runs it.
     sim_flow: ClassVar[str]
     # The library vLLM loads for this connector, if any.
@@ -245,7 +257,7 @@ class Connector(ABC):
         """The KV cache block size (tokens) the hand-off is fastest with here; None: vLLM's own default."""
         return None
 
-    def handoff_facts(self, platform: Platform, cross_layer: bool, moriio_backend: str) -> HandoffFacts | None:
+    def handoff_facts(self, platform: Platform, cross_layer: bool, settings: OwnSettings) -> HandoffFacts | None:
         """What its KV hand-off costs on this platform (None: no model of it; suggest assumes it free)."""
         return None
 
@@ -266,9 +278,14 @@ class Connector(ABC):
         engine start, the mode the engine runs: the proxy routes it no request while it runs another mode."""
         return {"transfer_mode": ctx.mode} if self.mode_fixed_at_start else {}
 
-    def rdma(self, moriio_backend: str) -> RdmaNeed | None:
-        """Whether the transfer uses RDMA devices (None: never), given the configured MORI-IO backend."""
+    def rdma(self, settings: OwnSettings) -> RdmaNeed | None:
+        """Whether the transfer uses RDMA devices (None: never), given the connector's own settings."""
         return None
+
+    def kv_folders(self, kv_transfer_config: Mapping[str, Any]) -> list[str]:
+        """Folders of this node where an engine with this kv-transfer-config keeps prompts' KV (pdctl makes them
+        private to its user)."""
+        return []
 
     def check_mode(self, mode: str) -> None:
         """Raise ValueError when the connector has no such transfer mode (the one rule every validator uses)."""

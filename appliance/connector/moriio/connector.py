@@ -15,6 +15,7 @@ from appliance.connector.base import (
     Library,
     ListenerSettings,
     LlmdPod,
+    OwnSettings,
     Peer,
     Platform,
     RayServeBackend,
@@ -23,6 +24,7 @@ from appliance.connector.base import (
 )
 from appliance.connector.moriio.address import router_request_id, zmq_address
 from appliance.connector.moriio.registration import RegistrationListener
+from appliance.connector.moriio.settings import MoriioSettings
 from appliance.roles import Mode
 
 # kv_connector_extra_config keys that address pdctl's own proxy or a loopback host; cluster deployments
@@ -93,8 +95,11 @@ class MoriioConnector(Connector):
     sim_flow = "appliance.connector.moriio.sim:MoriioSim"
     library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
     read_needs_prefill_kv = True
+    settings_model = MoriioSettings
+    moved_settings = {"moriio_backend": "backend"}
 
-    def handoff_facts(self, platform: Platform, cross_layer: bool, moriio_backend: str) -> HandoffFacts:
+    def handoff_facts(self, platform: Platform, cross_layer: bool, settings: OwnSettings) -> HandoffFacts:
+        moriio_backend = self._backend(settings)
         return HandoffFacts(post_ms=MORIIO_POST_MS, post_us_per_descriptor=MORIIO_US_PER_DESCRIPTOR,
                             transfer_us_per_descriptor=MORIIO_US_PER_DESCRIPTOR,
                             link_gbps=MORIIO_LINK_GBPS.get(moriio_backend, MORIIO_LINK_GBPS["rdma"]),
@@ -102,9 +107,14 @@ class MoriioConnector(Connector):
                             source=f"MORI-IO {moriio_backend.upper()}: vLLM's MoRIIO code and public link figures "
                                    "(not measured)")
 
-    def rdma(self, moriio_backend: str) -> RdmaNeed:
-        return RdmaNeed(required=moriio_backend == "rdma",
-                        fix='use connector.moriio_backend = "xgmi" on one node, or load the RDMA driver')
+    @staticmethod
+    def _backend(settings: OwnSettings) -> str:
+        assert isinstance(settings, MoriioSettings)
+        return settings.backend
+
+    def rdma(self, settings: OwnSettings) -> RdmaNeed:
+        return RdmaNeed(required=self._backend(settings) == "rdma",
+                        fix='use backend = "xgmi" in [connector.moriio] on one node, or load the RDMA driver')
 
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
         # Each rank binds base + rank_offset() (at most DP + TP - 2); a block of DP x TP ports from each base
@@ -137,7 +147,7 @@ class MoriioConnector(Connector):
             "handshake_port": str(ctx.handshake_port),
             "notify_port": str(ctx.notify_port),
             "read_mode": ctx.mode == "read",
-            "backend": ctx.moriio_backend,
+            "backend": self._backend(ctx.settings),
             "host_ip": ctx.host,
         }
         extra.update(ctx.extra_config)
