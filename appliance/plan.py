@@ -380,6 +380,7 @@ def _context(settings: Settings, connector: str, role: Role, index: int, gpus: l
     tp, dp = (len(gpus) // rs.dp, rs.dp) if gpus else (1, 1)
     ranks = tp * dp
     return InstanceContext(
+        connector=connector,
         role=role,
         index=index,
         tp=tp,
@@ -518,7 +519,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     block = next(iter(block_sizes.values()))
     checks.append(Check(name="block-size", ok=True, detail=f"KV block size {block or 'vLLM default'} on every role"))
     # the hand-off's length rules are vLLM's (connector.handoff_possible): a simulated engine has none
-    proxy = _proxy_config(settings, connector, mode, model.served_name,
+    proxy = _proxy_config(settings, connector_name, mode, model.served_name,
                           block if settings.engine.kind == "vllm" else None, state)
     if not is_loopback(settings.proxy.host) and not settings.proxy.api_key_file:
         warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file is set")
@@ -546,7 +547,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     )
 
 
-def _proxy_config(settings: Settings, connector: Connector, mode: Mode,
+def _proxy_config(settings: Settings, connector: str, mode: Mode,
                   served_name: str, block_size: int | None, state: StateDir) -> ProxyConfig:
     """The proxy's configuration from the [proxy] settings (its backends are added once the ports are checked).
 
@@ -559,13 +560,13 @@ def _proxy_config(settings: Settings, connector: Connector, mode: Mode,
             host=p.host,
             port=p.port,
             mode=mode,
-            connector=connector.name,
+            connector=connector,
             routing=p.routing,
             model=served_name,
             block_size=block_size,
             max_model_len=settings.model.max_model_len,
             api_key_file=p.api_key_file,
-            registration=RegistrationConfig(enabled=connector.registers_with_proxy, host=p.registration_host,
+            registration=RegistrationConfig(enabled=get_connector(connector).registers_with_proxy, host=p.registration_host,
                                             port=p.ping_port, allowed_hosts=p.allowed_hosts,
                                             peer_hosts=p.peer_hosts, max_per_s=p.registration_max_per_s),
             admin=AdminConfig(host=p.admin_host, port=p.admin_port, token_file=token_file),

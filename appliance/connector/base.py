@@ -64,6 +64,7 @@ class OwnSettings(BaseModel):
 class InstanceContext:
     """Everything a connector needs to know about one engine instance of the plan."""
 
+    connector: str  # the name pdctl finds the connector by: a registered name, or "module:Class"
     role: Role
     index: int
     tp: int
