@@ -27,7 +27,7 @@ from appliance.errors import PlanError
 __all__ = [
     "Connector", "HandoffError", "InstanceContext", "LlmdPod", "Peer", "Platform", "ProxyListener", "RayServeBackend",
     "PLATFORM_NAMES", "check_name", "described", "disaggregated_name", "get_connector", "implementing", "load_object",
-    "names", "register", "resolve_name",
+    "names", "resolve_name",
 ]
 
 _REGISTRY: dict[str, str] = {
@@ -46,11 +46,6 @@ PLATFORM_NAMES: dict[Platform, str] = {"rocm": "AMD", "cuda": "NVIDIA", "cpu": "
 def names() -> list[str]:
     """Every registered connector name."""
     return list(_REGISTRY)
-
-
-def register(name: str, target: str) -> None:
-    """Add (or replace) a connector: `target` is "module:Class", imported when the connector is first asked for."""
-    _REGISTRY[name] = target
 
 
 def resolve_name(name: str, platform: Platform, mode: str = "read") -> str:
