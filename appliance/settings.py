@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from appliance.connector import check_name, get_connector, names
+from appliance.connector import Connector, check_name, get_connector, names
 from appliance.connector.base import OwnSettings
 from appliance.errors import ConfigError
 from appliance.proxy.config import Limits
@@ -116,7 +116,7 @@ class ConnectorSettings(Section):
     def _moved_keys(cls, data: Any) -> Any:
         # settings files written before each connector had its own table keep working: [connector] moriio_backend
         # is [connector.moriio] backend
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or not data.keys() - cls.model_fields.keys() - set(names()):
             return data
         data = dict(data)
         for connector in (get_connector(n) for n in names()):
@@ -133,16 +133,9 @@ class ConnectorSettings(Section):
 
     @model_validator(mode="after")
     def _own_tables(self) -> ConnectorSettings:
-        owners = {c.name: c for c in (get_connector(n) for n in names())}
-        if ":" in self.name:
-            chosen = get_connector(self.name)
-            owners[chosen.name] = chosen
         extra = self.__pydantic_extra__ or {}
         for key, table in extra.items():
-            owner = owners.get(key)
-            if owner is None:
-                raise ValueError(f"unknown setting connector.{key}: neither a setting of [connector] nor a "
-                                 f"connector's table (one of {', '.join(sorted(owners))})")
+            owner = self._owner(key)
             if isinstance(table, owner.settings_model):
                 continue
             try:
@@ -152,6 +145,16 @@ class ConnectorSettings(Section):
                 where = ".".join(str(part) for part in (key, *first["loc"]))
                 raise ValueError(f"connector.{where}: {first['msg']}") from None
         return self
+
+    def _owner(self, key: str) -> Connector:
+        """The connector whose table is [connector.<key>]: a registered one, or the chosen one outside pdctl."""
+        if key in names():
+            return get_connector(key)
+        if ":" in self.name and (chosen := get_connector(self.name)).name == key:
+            return chosen
+        owners = names() + ([get_connector(self.name).name] if ":" in self.name else [])
+        raise ValueError(f"unknown setting connector.{key}: neither a setting of [connector] nor a connector's "
+                         f"table (one of {', '.join(sorted(owners))})")
 
     def own(self, name: str) -> OwnSettings:
         """The own settings of connector `name` (a registered name or "module:Class"): its table, or its defaults."""

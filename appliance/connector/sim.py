@@ -1,6 +1,6 @@
-"""The simulated engine as a connector's simulated flow sees it: the flow every connector's builds on
-(ConnectorSim, itself the flow of connector "none"), the engine, requests, sockets and settings it is handed,
-and the side-channel messages the flows share.
+"""The simulated engine as a connector's simulated flow sees it: the base every connector's flow builds on
+(ConnectorSim, itself the flow of connector "none"), the engine, requests, sockets and settings a flow is
+handed, and the side-channel messages the flows share.
 
 What crosses the wire is what the real connectors exchange over ZMQ (GET_META_MSG handshakes, MoRIIO
 ``remote_blocks`` / ``write_done`` / ``release`` notifications, registration heartbeats); the RDMA

@@ -18,12 +18,12 @@ from appliance.connector.base import (
     OwnSettings,
     Peer,
     Platform,
+    ProxyListener,
     RayServeBackend,
     RdmaNeed,
     SimOptions,
 )
 from appliance.connector.moriio.address import router_request_id, zmq_address
-from appliance.connector.moriio.registration import RegistrationListener
 from appliance.connector.moriio.settings import MoriioSettings
 from appliance.roles import Mode
 
@@ -207,7 +207,10 @@ class MoriioConnector(Connector):
             raise ValueError("connector 'moriio' needs --handshake-port and --notify-port")
 
     def registration_listener(self, settings: ListenerSettings, find: FindInstance, current_mode: Callable[[], str],
-                              on_result: Callable[[str], None]) -> RegistrationListener:
+                              on_result: Callable[[str], None]) -> ProxyListener:
+        # imported here: only the proxy runs it, and every pdctl command that reads the settings would pay for zmq
+        from appliance.connector.moriio.registration import RegistrationListener
+
         return RegistrationListener(settings, find, current_mode, on_result)
 
     def request_id(self, prefill: Peer, decode: Peer) -> str:
