@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import click
 
-from appliance.connector import names
+from appliance.connector import check_name, names
 
 
 class ConnectorChoice(click.Choice[str]):
@@ -25,3 +26,12 @@ class ConnectorChoice(click.Choice[str]):
     def choices(self, value: Sequence[str]) -> None:
         # click.Choice.__init__ assigns its argument; the registry is the only source, so it is dropped
         pass
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """A registered name, or "module:Class" for a connector outside pdctl (checked by importing it)."""
+        if isinstance(value, str) and ":" in value:
+            try:
+                return check_name(value)
+            except ValueError as exc:
+                self.fail(str(exc), param, ctx)
+        return super().convert(value, param, ctx)

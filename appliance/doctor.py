@@ -284,7 +284,7 @@ def check_memlock(settings: Settings, p: Plan, pins_memory: bool) -> Finding:
 def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout: float = 180.0) -> list[Finding]:
     """All doctor checks for this node and plan."""
     findings = node_checks(settings, inventory, p.connector, probe_timeout)
-    need = get_connector(p.connector).rdma(settings.connector.moriio_backend)
+    need = get_connector(p.connector).rdma(settings.connector.own(p.connector))
     findings.append(check_memlock(settings, p, pins_memory=need is not None))
     findings.append(check_ports(settings, p))
     findings.extend(check_model(settings, p))
@@ -333,7 +333,7 @@ def node_checks(settings: Settings, inventory: Inventory, connector_name: str | 
         if connector is not None and "vllm" in result:
             findings.extend(check_extra_config(connector, list(settings.connector.extra_config), result["vllm"]))
     if connector is not None and connector_name:
-        findings.append(check_rdma(connector_name, connector.rdma(settings.connector.moriio_backend)))
+        findings.append(check_rdma(connector_name, connector.rdma(settings.connector.own(connector_name))))
     return findings
 
 

@@ -38,3 +38,15 @@ def url_host(host: str) -> str:
     """reach_host() as it goes into a URL: IPv6 addresses in brackets."""
     reached = reach_host(host)
     return f"[{reached}]" if ":" in reached and not reached.startswith("[") else reached
+
+
+def canonical_host(host: str) -> str:
+    """One spelling per address: an IP in its compressed form (an IPv4-mapped IPv6 address as the IPv4 one),
+    anything else (a host name) lower-cased."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host.lower()
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from appliance.connector import get_connector
 from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager, choose_manager
 from appliance.plan import Plan, busy_ports
@@ -333,11 +334,11 @@ class Node:
         """Stage plan.json (secrets redacted), secrets.json (0600) and proxy.json in the state directory (0700)
         and make the KV store; True when proxy.json changed."""
         make_private_dir(self.state.root)
+        connector = get_connector(plan.connector)
         for inst in plan.instances:
-            store = (inst.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("shared_storage_path")
-            if store:
+            for folder in connector.kv_folders(inst.kv_transfer_config or {}):
                 # the KV store holds prompts' KV: private to pdctl's user wherever the settings put it
-                make_private_dir(store)
+                make_private_dir(folder)
         # the token before the proxy's config that names it: a proxy (re)started meanwhile finds it
         new_token = self.ensure_admin_token(plan, tx)
         changed = tx.write(self.state.proxy_config, plan.proxy.model_dump_json(indent=2) + "\n") or new_token

@@ -372,14 +372,15 @@ def model_plan(settings: Settings, state: StateDir) -> ModelPlan:
     return ModelPlan(path=path, served_name=settings.model.name, generate=generate)
 
 
-def _context(settings: Settings, role: Role, index: int, gpus: list[int], mode: Mode, platform: Platform,
-             shared: str, block_size: int | None) -> InstanceContext:
+def _context(settings: Settings, connector: str, role: Role, index: int, gpus: list[int], mode: Mode,
+             platform: Platform, kv_store: str, block_size: int | None) -> InstanceContext:
     """What a connector and the engine command line know of one instance: its shape and its base ports,
     each role's bases strided by the instance's DP x TP ranks so no two instances' port blocks overlap."""
     rs = settings.role(role)
     tp, dp = (len(gpus) // rs.dp, rs.dp) if gpus else (1, 1)
     ranks = tp * dp
     return InstanceContext(
+        connector=connector,
         role=role,
         index=index,
         tp=tp,
@@ -392,9 +393,8 @@ def _context(settings: Settings, role: Role, index: int, gpus: list[int], mode: 
         platform=platform,
         proxy_host=settings.proxy.registration_host,
         proxy_ping_port=settings.proxy.ping_port,
-        shared_storage_path=shared,
-        moriio_backend=settings.connector.moriio_backend,
-        kv_buffer_device=settings.connector.kv_buffer_device,
+        kv_store=kv_store,
+        settings=settings.connector.own(connector),
         extra_config=settings.connector.extra_config,
         block_size=block_size,
         vllm_version=split_package(settings.engine.vllm_package)[1],
@@ -496,7 +496,6 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     allocation = _allocate(settings, inventory, platform)
     state = StateDir.at(settings.state_dir)
     model = model_plan(settings, state)
-    shared = settings.connector.shared_storage_path or str(state.kv_store)
     block_sizes = _block_sizes(settings, list(allocation), connector.default_block_size(platform))
 
     checks: list[Check] = []
@@ -505,7 +504,8 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     for role, sets in allocation.items():
         service = "pd-colocated" if colocated else f"pd-{role}"
         for index, gpus in enumerate(sets):
-            ctx = _context(settings, role, index, gpus, mode, platform, shared, block_sizes[role])
+            ctx = _context(settings, connector_name, role, index, gpus, mode, platform, str(state.kv_store),
+                           block_sizes[role])
             if settings.engine.kind == "vllm":
                 _check_rank_ports(connector, ctx, settings)
                 whole = _check_whole_prefills(settings, ctx, model)
@@ -520,7 +520,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     block = next(iter(block_sizes.values()))
     checks.append(Check(name="block-size", ok=True, detail=f"KV block size {block or 'vLLM default'} on every role"))
     # the hand-off's length rules are vLLM's (connector.handoff_possible): a simulated engine has none
-    proxy = _proxy_config(settings, connector, mode, model.served_name,
+    proxy = _proxy_config(settings, connector_name, mode, model.served_name,
                           block if settings.engine.kind == "vllm" else None, state)
     if not is_loopback(settings.proxy.host) and not settings.proxy.api_key_file:
         warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file is set")
@@ -548,7 +548,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     )
 
 
-def _proxy_config(settings: Settings, connector: Connector, mode: Mode,
+def _proxy_config(settings: Settings, connector: str, mode: Mode,
                   served_name: str, block_size: int | None, state: StateDir) -> ProxyConfig:
     """The proxy's configuration from the [proxy] settings (its backends are added once the ports are checked).
 
@@ -561,13 +561,13 @@ def _proxy_config(settings: Settings, connector: Connector, mode: Mode,
             host=p.host,
             port=p.port,
             mode=mode,
-            connector=connector.name,
+            connector=connector,
             routing=p.routing,
             model=served_name,
             block_size=block_size,
             max_model_len=settings.model.max_model_len,
             api_key_file=p.api_key_file,
-            registration=RegistrationConfig(enabled=connector.registers_with_proxy, host=p.registration_host,
+            registration=RegistrationConfig(enabled=get_connector(connector).registers_with_proxy, host=p.registration_host,
                                             port=p.ping_port, allowed_hosts=p.allowed_hosts,
                                             peer_hosts=p.peer_hosts, max_per_s=p.registration_max_per_s),
             admin=AdminConfig(host=p.admin_host, port=p.admin_port, token_file=token_file),

@@ -23,7 +23,8 @@ from pydantic import (
     model_validator,
 )
 
-from appliance.connector import check_name
+from appliance.connector import Connector, check_name, get_connector, names
+from appliance.connector.base import OwnSettings
 from appliance.errors import ConfigError
 from appliance.proxy.config import Limits
 from appliance.roles import Mode, Role
@@ -91,13 +92,15 @@ class EngineSettings(Section):
 
 
 class ConnectorSettings(Section):
-    """The KV connector that hands the KV cache from prefill to decode."""
+    """The KV connector that hands the KV cache from prefill to decode; each connector's own settings are its
+    table, [connector.<its name>] (e.g. [connector.moriio] backend = "xgmi")."""
 
-    name: str = Field(default="auto", description="a registered connector; auto: moriio on AMD, nixl on NVIDIA, example on CPU (nixl for WRITE)")
+    # the extra keys are the connectors' own tables, each validated by its connector's settings_model
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    name: str = Field(default="auto", description="a registered connector, or 'module:Class' for one outside pdctl; "
+                      "auto: moriio on AMD, nixl on NVIDIA, example on CPU (nixl for WRITE)")
     mode: Mode = "read"
-    moriio_backend: Literal["rdma", "xgmi"] = "rdma"
-    kv_buffer_device: Literal["cuda", "cpu"] | None = Field(default=None, description="NIXL: where KV is staged")
-    shared_storage_path: str = Field(default="", description="ExampleConnector: default <state_dir>/kv-store")
     extra_config: dict[str, Any] = Field(default_factory=dict, description="Merged into kv_connector_extra_config")
     block_size: int | None = Field(
         default=None, gt=0, description="KV cache block size (tokens) of both roles; default: the connector's"
@@ -107,6 +110,57 @@ class ConnectorSettings(Section):
     @classmethod
     def _registered(cls, value: str) -> str:
         return check_name(value, allow_auto=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        # settings files written before each connector had its own table keep working: [connector] moriio_backend
+        # is [connector.moriio] backend
+        if not isinstance(data, dict) or not data.keys() - cls.model_fields.keys() - set(names()):
+            return data
+        data = dict(data)
+        for connector in (get_connector(n) for n in names()):
+            for old, new in connector.moved_settings.items():
+                if old not in data:
+                    continue
+                table = dict(data.get(connector.name) or {})
+                if new in table:
+                    raise ValueError(f"connector.{old} and connector.{connector.name}.{new} are one setting: "
+                                     f"keep connector.{connector.name}.{new}")
+                table[new] = data.pop(old)
+                data[connector.name] = table
+        return data
+
+    @model_validator(mode="after")
+    def _own_tables(self) -> ConnectorSettings:
+        extra = self.__pydantic_extra__ or {}
+        for key, table in extra.items():
+            owner = self._owner(key)
+            if isinstance(table, owner.settings_model):
+                continue
+            try:
+                extra[key] = owner.settings_model.model_validate(table)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(part) for part in (key, *first["loc"]))
+                raise ValueError(f"connector.{where}: {first['msg']}") from None
+        return self
+
+    def _owner(self, key: str) -> Connector:
+        """The connector whose table is [connector.<key>]: a registered one, or the chosen one outside pdctl."""
+        if key in names():
+            return get_connector(key)
+        if ":" in self.name and (chosen := get_connector(self.name)).name == key:
+            return chosen
+        owners = names() + ([get_connector(self.name).name] if ":" in self.name else [])
+        raise ValueError(f"unknown setting connector.{key}: neither a setting of [connector] nor a connector's "
+                         f"table (one of {', '.join(sorted(owners))})")
+
+    def own(self, name: str) -> OwnSettings:
+        """The own settings of connector `name` (a registered name or "module:Class"): its table, or its defaults."""
+        connector = get_connector(name)
+        table = (self.__pydantic_extra__ or {}).get(connector.name)
+        return table if isinstance(table, connector.settings_model) else connector.settings_model()
 
 
 class RoleSettings(Section):

@@ -345,8 +345,9 @@ def gpu_profile(settings: Settings, inventory: Inventory, model: ModelShape, blo
     experts = model.bytes_of(model.expert_params)  # MoE: the routed experts' bytes (0: dense)
     routing = model.layers * H200_MOE_US_PER_LAYER / 1000 if experts else 0.0
     platform = platform_of(inventory)
-    connector = get_connector(resolve_name(disaggregated_name(settings.connector.name), platform))
-    facts = connector.handoff_facts(platform, cross_layer, settings.connector.moriio_backend)
+    connector_name = resolve_name(disaggregated_name(settings.connector.name), platform)
+    connector = get_connector(connector_name)
+    facts = connector.handoff_facts(platform, cross_layer, settings.connector.own(connector_name))
     what = f"{hw.name} profile" if acc else f"H200 profile on {name} (no profile for it)"
     if hw.calibrated:
         how = f"calibrated on {hw.calibrated}"

@@ -178,14 +178,15 @@ def test_rdma_row_reads_port_states(tmp_path: Path) -> None:
     for dev, state in (("mlx5_0", "1: DOWN"), ("mlx5_1", "4: ACTIVE")):
         (sysfs / dev / "ports" / "1").mkdir(parents=True)
         (sysfs / dev / "ports" / "1" / "state").write_text(state + "\n")
-    moriio_rdma = get_connector("moriio").rdma("rdma")
+    moriio = get_connector("moriio")
+    moriio_rdma = moriio.rdma(moriio.settings_model(backend="rdma"))
     assert check_rdma("moriio", moriio_rdma, sysfs) == Finding(
         "rdma", "ok", "1 active port(s): mlx5_0 (DOWN), mlx5_1 (ACTIVE)")
     (sysfs / "mlx5_1" / "ports" / "1" / "state").write_text("1: DOWN\n")
     down = check_rdma("moriio", moriio_rdma, sysfs)
     assert down.status == "fail" and "none ACTIVE" in down.detail and "xgmi" in down.fix
-    assert check_rdma("nixl", get_connector("nixl").rdma("rdma"), tmp_path / "absent").status == "warn"
-    assert check_rdma("example", get_connector("example").rdma("rdma"), tmp_path / "absent").status == "ok"
+    assert check_rdma("nixl", get_connector("nixl").rdma(get_connector("nixl").settings_model()), tmp_path / "absent").status == "warn"
+    assert check_rdma("example", get_connector("example").rdma(get_connector("example").settings_model()), tmp_path / "absent").status == "ok"
 
 
 def test_settings_the_node_cannot_plan_are_one_row_among_every_check(tmp_path: Path) -> None:

@@ -142,3 +142,32 @@ def test_a_bad_variable_does_not_hide_what_runs(monkeypatch: pytest.MonkeyPatch,
     doc = json.loads(done.stdout)
     assert done.returncode == 3 and doc["state"] == "down" and "sideways" in doc["config_error"], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_each_connector_reads_its_own_table_and_the_old_flat_keys_still_work(tmp_path: Path) -> None:
+    tables = tmp_path / "tables.toml"
+    tables.write_text('[connector]\nname = "moriio"\n[connector.moriio]\nbackend = "xgmi"\n'
+                      '[connector.example]\nshared_storage_path = "/srv/kv"\n')
+    flat = tmp_path / "flat.toml"
+    flat.write_text('[connector]\nname = "moriio"\nmoriio_backend = "xgmi"\nshared_storage_path = "/srv/kv"\n')
+    for path in (tables, flat):
+        connector = load_settings(path).connector
+        assert connector.own("moriio").model_dump() == {"backend": "xgmi"}
+        assert connector.own("example").model_dump() == {"shared_storage_path": "/srv/kv"}
+        assert connector.own("nixl").model_dump() == {"kv_buffer_device": None}
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ('[connector.moriio]\nbackend = "xgmi"\nbogus = 1\n', "connector.moriio.bogus: Extra inputs are not permitted"),
+    ('[connector.moriio]\nbackend = "fast"\n', "connector.moriio.backend: Input should be 'rdma' or 'xgmi'"),
+    ('[connector.mooriio]\nbackend = "xgmi"\n', "unknown setting connector.mooriio"),
+    ('[connector]\nmoriio_backend = "rdma"\n[connector.moriio]\nbackend = "xgmi"\n',
+     "keep connector.moriio.backend"),
+    ('[connector]\nname = "no_such_module:Connector"\n', "cannot import no_such_module"),
+])
+def test_a_bad_connector_table_is_one_line_naming_the_key(tmp_path: Path, text: str, said: str) -> None:
+    path = tmp_path / "pdctl.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        load_settings(path)
+    assert said in str(refused.value) and "\n" not in str(refused.value)

@@ -1,7 +1,9 @@
 """KV connector registry: a name maps to a lazily imported class, like vLLM's own connector factory.
 
 Every list of connector names (settings, CLI choices, the proxy's and the simulated engine's validators) reads
-this registry; adding a connector is one module under appliance/connector/ and one line here.
+this registry; adding a connector is one package under appliance/connector/ and one line here. A connector that
+lives outside this tree is named by its "module:Class" wherever a connector name goes (`[connector] name`,
+--connector): every process that runs it (pdctl, the engines, the proxy) imports it from there.
 """
 
 from __future__ import annotations
@@ -17,21 +19,22 @@ from appliance.connector.base import (
     LlmdPod,
     Peer,
     Platform,
+    ProxyListener,
     RayServeBackend,
 )
 from appliance.errors import PlanError
 
 __all__ = [
-    "Connector", "HandoffError", "InstanceContext", "LlmdPod", "Peer", "Platform", "RayServeBackend",
+    "Connector", "HandoffError", "InstanceContext", "LlmdPod", "Peer", "Platform", "ProxyListener", "RayServeBackend",
     "PLATFORM_NAMES", "check_name", "described", "disaggregated_name", "get_connector", "implementing", "load_object",
-    "names", "register", "resolve_name",
+    "names", "resolve_name",
 ]
 
 _REGISTRY: dict[str, str] = {
-    "moriio": "appliance.connector.moriio:MoriioConnector",
-    "nixl": "appliance.connector.nixl:NixlConnector",
-    "example": "appliance.connector.example:ExampleConnector",
-    "none": "appliance.connector.none:NoConnector",
+    "moriio": "appliance.connector.moriio.connector:MoriioConnector",
+    "nixl": "appliance.connector.nixl.connector:NixlConnector",
+    "example": "appliance.connector.example.connector:ExampleConnector",
+    "none": "appliance.connector.none.connector:NoConnector",
 }
 
 # What "auto" means on each platform.
@@ -43,11 +46,6 @@ PLATFORM_NAMES: dict[Platform, str] = {"rocm": "AMD", "cuda": "NVIDIA", "cpu": "
 def names() -> list[str]:
     """Every registered connector name."""
     return list(_REGISTRY)
-
-
-def register(name: str, target: str) -> None:
-    """Add (or replace) a connector: `target` is "module:Class", imported when the connector is first asked for."""
-    _REGISTRY[name] = target
 
 
 def resolve_name(name: str, platform: Platform, mode: str = "read") -> str:
@@ -62,11 +60,16 @@ def resolve_name(name: str, platform: Platform, mode: str = "read") -> str:
 
 
 def check_name(name: str, allow_auto: bool = False) -> str:
-    """`name` when it is registered (or "auto" where allowed); otherwise ValueError listing the names."""
+    """`name` when it is registered, a loadable "module:Class" connector (or "auto" where allowed); otherwise
+    ValueError saying why."""
     if name in _REGISTRY or (allow_auto and name == "auto"):
         return name
+    if ":" in name:
+        _plug_in(name)
+        return name
     known = (["auto"] if allow_auto else []) + names()
-    raise ValueError(f"unknown connector: should be one of {', '.join(repr(n) for n in known)}")
+    raise ValueError(f"unknown connector: should be one of {', '.join(repr(n) for n in known)}, "
+                     "or 'module:Class' for one outside pdctl")
 
 
 def load_object(target: str) -> Any:
@@ -75,14 +78,35 @@ def load_object(target: str) -> Any:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def get_connector(name: str) -> Connector:
-    """The connector registered as `name`; its module is imported only now."""
+def _plug_in(target: str) -> type[Connector]:
+    """The Connector subclass a "module:Class" outside the registry names; ValueError saying what is wrong."""
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr.isidentifier():
+        raise ValueError(f"connector {target!r}: write a connector outside pdctl as 'module:Class'")
     try:
-        target = _REGISTRY[name]
-    except KeyError:
-        raise PlanError(f"unknown connector '{name}'", fix=f"use one of {', '.join(_REGISTRY)}") from None
-    cls: type[Connector] = load_object(target)
-    return cls()
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"connector {target!r}: cannot import {module_name} ({exc}); install it where pdctl, the "
+                         "engines and the proxy run, or put its folder on PYTHONPATH") from None
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Connector)):
+        raise ValueError(f"connector {target!r}: {module_name}.{attr} is not a subclass of "
+                         "appliance.connector.Connector")
+    return cls
+
+
+def get_connector(name: str) -> Connector:
+    """The connector registered as `name`, or the "module:Class" one outside pdctl; imported only now."""
+    target = _REGISTRY.get(name)
+    if target is not None:
+        cls: type[Connector] = load_object(target)
+        return cls()
+    if ":" not in name:
+        raise PlanError(f"unknown connector '{name}'", fix=f"use one of {', '.join(_REGISTRY)}")
+    try:
+        return _plug_in(name)()
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def disaggregated_name(name: str) -> str:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict
 
 from appliance.connector.extras import ExtraConfigTable
 from appliance.roles import Mode, Role
@@ -52,10 +54,18 @@ class HandoffFacts:
     source: str
 
 
+class OwnSettings(BaseModel):
+    """A connector's own settings, the table [connector.<name>] of pdctl.toml: each connector that has some
+    subclasses this (its settings_model); unknown keys are errors, so a typo never passes silently."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
 @dataclass(frozen=True)
 class InstanceContext:
     """Everything a connector needs to know about one engine instance of the plan."""
 
+    connector: str  # the name pdctl finds the connector by: a registered name, or "module:Class"
     role: Role
     index: int
     tp: int
@@ -68,9 +78,8 @@ class InstanceContext:
     platform: Platform
     proxy_host: str
     proxy_ping_port: int
-    shared_storage_path: str
-    moriio_backend: str = "rdma"
-    kv_buffer_device: str | None = None
+    kv_store: str  # the state directory's folder for KV kept on disk: a default for connectors that do
+    settings: OwnSettings  # the connector's own settings ([connector.<name>]), as its settings_model
     extra_config: dict[str, Any] = field(default_factory=dict)
     block_size: int | None = None
     vllm_version: str = ""  # the engine's vLLM release ("": unknown): what it reads of the connector's config
@@ -146,6 +155,52 @@ class SimOptions(Protocol):
     def shared_storage(self) -> str | None: ...
 
 
+class ListenerSettings(Protocol):
+    """Where the listener binds and whom it hears (the proxy's RegistrationConfig)."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def allowed_hosts(self) -> list[str]: ...
+
+    @property
+    def peer_hosts(self) -> dict[str, list[str]]: ...
+
+    @property
+    def max_per_s(self) -> float: ...
+
+
+class Registrant(Protocol):
+    """A planned instance as a registration refreshes it (appliance.proxy.registry.BackendState)."""
+
+    name: str
+    role: str
+    dp_size: int
+    tp_size: int
+    kv: dict[str, Any]
+    transfer_mode: str | None
+    last_seen: float | None
+    last_seen_mono: float | None
+
+
+# The planned instance served at (canonical host, port), or None.
+FindInstance = Callable[[str, int], Registrant | None]
+
+
+class ProxyListener(Protocol):
+    """A socket the proxy runs for a connector (its engines' registrations), bound by start()."""
+
+    port: int
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 class HandoffError(Exception):
     """A request's KV handoff cannot go ahead; the client gets `status` (502/503/504) with the message."""
 
@@ -170,6 +225,10 @@ class Connector(ABC):
     mode_fixed_at_start: ClassVar[bool] = False
     # True: in WRITE mode too the decode leg needs the prefill's answer, so the legs run one after the other.
     write_waits_for_prefill: ClassVar[bool] = False
+    # Its own settings, the table [connector.<name>] (OwnSettings: none).
+    settings_model: ClassVar[type[OwnSettings]] = OwnSettings
+    # Keys of its settings that older releases read from [connector] itself: old key -> key in its own table.
+    moved_settings: ClassVar[dict[str, str]] = {}
     # The simulated engine's flow for this connector, "module:Class", imported only when a sim engine runs it.
     sim_flow: ClassVar[str]
     # The kv_connector_extra_config keys each vLLM release reads for this connector (None: it renders none).
@@ -203,7 +262,7 @@ class Connector(ABC):
         """The KV cache block size (tokens) the hand-off is fastest with here; None: vLLM's own default."""
         return None
 
-    def handoff_facts(self, platform: Platform, cross_layer: bool, moriio_backend: str) -> HandoffFacts | None:
+    def handoff_facts(self, platform: Platform, cross_layer: bool, settings: OwnSettings) -> HandoffFacts | None:
         """What its KV hand-off costs on this platform (None: no model of it; suggest assumes it free)."""
         return None
 
@@ -224,9 +283,14 @@ class Connector(ABC):
         engine start, the mode the engine runs: the proxy routes it no request while it runs another mode."""
         return {"transfer_mode": ctx.mode} if self.mode_fixed_at_start else {}
 
-    def rdma(self, moriio_backend: str) -> RdmaNeed | None:
-        """Whether the transfer uses RDMA devices (None: never), given the configured MORI-IO backend."""
+    def rdma(self, settings: OwnSettings) -> RdmaNeed | None:
+        """Whether the transfer uses RDMA devices (None: never), given the connector's own settings."""
         return None
+
+    def kv_folders(self, kv_transfer_config: Mapping[str, Any]) -> list[str]:
+        """Folders of this node where an engine with this kv-transfer-config keeps prompts' KV (pdctl makes them
+        private to its user)."""
+        return []
 
     def check_mode(self, mode: str) -> None:
         """Raise ValueError when the connector has no such transfer mode (the one rule every validator uses)."""
@@ -258,6 +322,13 @@ class Connector(ABC):
         return None
 
     # ---- the proxy side -------------------------------------------------------------------------
+    def registration_listener(self, settings: ListenerSettings, find: FindInstance, current_mode: Callable[[], str],
+                              on_result: Callable[[str], None]) -> ProxyListener | None:
+        """The socket the proxy listens on for this connector's engines to register (registers_with_proxy): it may
+        refresh the planned instance `find` returns for an address, never add one; each message's outcome goes
+        to on_result. None: its engines do not register."""
+        return None
+
     def request_id(self, prefill: Peer, decode: Peer) -> str:
         """The X-Request-Id both legs of one request carry."""
         return uuid.uuid4().hex

@@ -129,7 +129,7 @@ def sim_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, connect
     """The simulated engine's arguments: same ports and connector flow, a time model instead of a GPU."""
     sim = settings.engine.sim
     argv = [sys.executable, "-m", "appliance.engine.sim", "--host", ctx.host, "--port", str(ctx.http_port),
-            "--role", ctx.role, "--connector", connector.name, "--mode", ctx.mode,
+            "--role", ctx.role, "--connector", ctx.connector, "--mode", ctx.mode,
             "--model", model.served_name, "--instance-name", name,
             "--dp-size", str(ctx.dp), "--tp-size", str(ctx.tp),
             "--prefill-us-per-token", str(sim.prefill_us_per_token),

@@ -13,14 +13,13 @@ import zmq
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
-from appliance.connector import HandoffError
+from appliance.connector import HandoffError, ProxyListener, get_connector
 from appliance.proxy import admin
 from appliance.proxy.body import INLINE_BYTES, BodyReader, BodyRules
 from appliance.proxy.config import ProxyConfig
 from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors
 from appliance.proxy.legs import OUTCOME, STAGE, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE
-from appliance.proxy.registry import RegistrationListener
 from appliance.proxy.state import ProxyState
 
 log = logging.getLogger("appliance.proxy")
@@ -70,7 +69,7 @@ class Proxy(ProxyState):
         super().__init__(config)
         self.listeners = listeners  # (API, admin) sockets bound by the keeper, or None to bind them here
         self._registration_bind: asyncio.Task[None] | None = None
-        self.listener: RegistrationListener | None = None
+        self.listener: ProxyListener | None = None
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.AbstractServer] = []
         self.api_port = config.port
@@ -110,7 +109,10 @@ class Proxy(ProxyState):
             log.warning("the admin API on %s:%d has no token (admin.token_file): any local process can replace "
                         "the backends and read every prompt; run `pdctl up`, or set admin.token_file",
                         self.config.admin.host, self.admin_port)
-        if self.config.registration.enabled and serve:
+        connector = get_connector(self.config.connector)
+        if self.config.registration.enabled and not connector.registers_with_proxy:
+            log.warning("registration.enabled is ignored: connector %s's engines do not register", self.config.connector)
+        elif self.config.registration.enabled and serve:
             self.listener = self._registration_listener()
             self.listener.start()
         elif self.config.registration.enabled:
@@ -122,13 +124,17 @@ class Proxy(ProxyState):
             self.config.connector, self.mode, len(self.config.backends),
         )
 
-    def _registration_listener(self) -> RegistrationListener:
-        return RegistrationListener(
+    def _registration_listener(self) -> ProxyListener:
+        """The connector's registration socket (one whose engines register with the proxy), not yet bound."""
+        listener = get_connector(self.config.connector).registration_listener(
             self.config.registration,
-            self.registry,
+            self.registry.find_by_address,
             lambda: self.mode,
             lambda result: self.metrics.registrations.labels(result).inc(),
         )
+        if listener is None:
+            raise TypeError(f"connector {self.config.connector} registers_with_proxy but has no registration_listener")
+        return listener
 
     async def _bind_registration(self) -> None:
         """Bind the registration socket as soon as the proxy this one takes over from has released it."""

@@ -1,210 +1,228 @@
-"""A connector defined only in this module, registered at test time, is planned, rendered, simulated, proxied and
-exported, and help texts name it: adding a connector is one module and one registry line, nothing else in the
-house changes.
+"""A connector that lives outside pdctl's tree, named "module:Class" in pdctl.toml with a table of its own
+settings, is planned, rendered, exported and run: `pdctl up` starts supervisord, two simulated engines and the
+proxy as separate processes, each of which imports the connector from PYTHONPATH, and a request is served end to
+end through the real proxy with its KV handed over by the connector. Nothing in pdctl's tree names it.
 
-The "ticket" connector: the prefill engine finishes its one-token leg with a ticket for the KV it holds, the proxy
-carries the ticket from the prefill's answer into the decode leg, and the decode engine redeems it for the prompt's
-KV. Engines and proxy run in this process (the registration is in-process) on real sockets.
+The "ticket" connector: the prefill engine finishes its one-token leg with a ticket for the KV it holds, filed in
+its ticket office (a folder: the connector's own setting `office`), the proxy carries the ticket from the
+prefill's answer into the decode leg, and the decode engine redeems it for the prompt's KV.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import uuid
-from collections.abc import Iterator, Mapping
+import sys
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import pytest
-from click.testing import CliRunner
 
-import appliance.connector as registry
-from appliance.cli.main import cli
-from appliance.connector import Connector, HandoffError, InstanceContext, Peer, RayServeBackend, register
-from appliance.connector.base import SimOptions
-from appliance.engine.sim import SimServer
-from appliance.engine.sim.cli import _config, sim_engine
-from appliance.engine.sim.connectors import BadKVParams, ConnectorSim
-from appliance.engine.sim.engine import Sequence
+from appliance.connector import get_connector, names
 from appliance.errors import ExportError
 from appliance.export import ExportOptions, build_export
 from appliance.inventory import load_inventory
-from appliance.plan import Plan, plan
-from appliance.proxy.app import Proxy
-from appliance.proxy.config import ProxyConfig
+from appliance.plan import plan
 from appliance.render.supervisor import render_supervisor
-from appliance.render.systemd import render_systemd
-from appliance.roles import Mode
 from appliance.settings import Settings
+from tests.support.pdctl import complete, pdctl, status, write_config
 
-# tickets the prefill engines issued and the decode engines have not redeemed: ticket -> prompt tokens covered
-ISSUED: dict[str, int] = {}
+TARGET = "ticketing.connector:TicketConnector"
 
+PACKAGE = {
+    "__init__.py": '"""A KV connector outside pdctl: tickets for KV, filed in an office."""\n',
+    "connector.py": '''
+        """The whole connector: its settings, engine flags and ports, simulated flow, and the proxy's two legs."""
 
-class TicketSim(ConnectorSim):
-    """The simulated engine's side: prefill legs issue a ticket, decode legs redeem it for the prompt's KV."""
+        from __future__ import annotations
 
-    def prepare(self, seq: Sequence) -> None:
-        params = seq.kv_params or {}
-        if not params.get("do_remote_prefill"):
-            return
-        if params.get("ticket") not in ISSUED:
-            raise BadKVParams(f"unknown ticket {params.get('ticket')!r}")
-        seq.kv_source = self._redeem
+        from collections.abc import Mapping
+        from typing import Any
 
-    async def _redeem(self, seq: Sequence) -> int:
-        self.stats["kv_pulls"] += 1
-        return ISSUED.pop(str((seq.kv_params or {})["ticket"]))
-
-    def on_finish(self, seq: Sequence) -> bool:
-        if (seq.kv_params or {}).get("do_remote_decode"):
-            ticket = uuid.uuid4().hex
-            ISSUED[ticket] = len(seq.prompt)
-            seq.kv_result = {"ticket": ticket}
-        return False
+        from appliance.connector import Connector, HandoffError, InstanceContext, Peer, RayServeBackend
+        from appliance.connector.base import OwnSettings, SimOptions
+        from appliance.roles import Mode
 
 
-class TicketConnector(Connector):
-    """The whole connector: engine flags and ports, simulated flow, and the proxy's two legs."""
+        class TicketSettings(OwnSettings):
+            """[connector.ticket]: where tickets are filed."""
 
-    name = "ticket"
-    vllm_class = "TicketConnector"
-    modes = frozenset({"read"})
-    platforms = frozenset({"cuda", "cpu"})
-    sim_flow = f"{__name__}:TicketSim"
-    # where this node's ticket office listens: a cluster sets its own
-    node_local_env = frozenset({"TICKET_OFFICE_HOST"})
+            office: str
 
-    def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
-        return {"ticket_office": range(ctx.handshake_port, ctx.handshake_port + ctx.ranks)}
 
-    def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any]:
-        return {"kv_connector": self.vllm_class, "kv_role": ctx.kv_role}
+        class TicketConnector(Connector):
+            """Tickets for KV, carried by the proxy from the prefill's answer to the decode leg."""
 
-    def env(self, ctx: InstanceContext) -> dict[str, str]:
-        return {"TICKET_OFFICE_HOST": ctx.host, "TICKET_CLASS": "first"}
+            name = "ticket"
+            vllm_class = "TicketConnector"
+            modes = frozenset({"read"})
+            platforms = frozenset({"cuda", "cpu"})
+            settings_model = TicketSettings
+            sim_flow = "ticketing.sim:TicketSim"
+            node_local_env = frozenset({"TICKET_OFFICE_HOST"})
 
-    def ray_serve(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode,
-                  block_size: int | None) -> RayServeBackend:
-        return RayServeBackend(kv)
+            def _office(self, ctx: InstanceContext) -> str:
+                assert isinstance(ctx.settings, TicketSettings)
+                return ctx.settings.office
 
-    def sim_args(self, ctx: InstanceContext) -> list[str]:
-        return ["--kv-transfer-us-per-token", "0"]
+            def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
+                return {"ticket_office": range(ctx.handshake_port, ctx.handshake_port + ctx.ranks)}
 
-    def check_sim(self, options: SimOptions) -> None:
-        if options.role == "both":
-            raise ValueError("connector 'ticket' hands KV from a prefill to a decode engine")
+            def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any]:
+                return {"kv_connector": self.vllm_class, "kv_role": ctx.kv_role,
+                        "kv_connector_extra_config": {"office": self._office(ctx)}}
 
-    def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
-        return {**super().prefill_body(body, prefill, decode, handoff), "kv_transfer_params": {"do_remote_decode": True}}
+            def env(self, ctx: InstanceContext) -> dict[str, str]:
+                return {"TICKET_OFFICE_HOST": ctx.host, "TICKET_CLASS": "first"}
 
-    def decode_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, prefill_rank: int | None,
-                    prefill_kv: dict[str, Any] | None, handoff: dict[str, Any]) -> dict[str, Any]:
-        if not prefill_kv or "ticket" not in prefill_kv:
-            raise HandoffError(502, f"prefill instance {prefill.name} issued no ticket")
-        return {**body, "kv_transfer_params": {"do_remote_prefill": True, "ticket": prefill_kv["ticket"]}}
+            def kv_folders(self, kv_transfer_config: Mapping[str, Any]) -> list[str]:
+                return [kv_transfer_config["kv_connector_extra_config"]["office"]]
+
+            def ray_serve(self, kv: dict[str, Any], ports: Mapping[str, list[int]], mode: Mode,
+                          block_size: int | None) -> RayServeBackend:
+                return RayServeBackend(kv)
+
+            def sim_args(self, ctx: InstanceContext) -> list[str]:
+                return ["--shared-storage", self._office(ctx), "--kv-transfer-us-per-token", "0"]
+
+            def check_sim(self, options: SimOptions) -> None:
+                if options.role == "both" or not options.shared_storage:
+                    raise ValueError("connector 'ticket' hands KV from a prefill to a decode engine via an office")
+
+            def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer,
+                             handoff: dict[str, Any]) -> dict[str, Any]:
+                leg = super().prefill_body(body, prefill, decode, handoff)
+                return {**leg, "kv_transfer_params": {"do_remote_decode": True}}
+
+            def decode_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, prefill_rank: int | None,
+                            prefill_kv: dict[str, Any] | None, handoff: dict[str, Any]) -> dict[str, Any]:
+                if not prefill_kv or "ticket" not in prefill_kv:
+                    raise HandoffError(502, f"prefill instance {prefill.name} issued no ticket")
+                return {**body, "kv_transfer_params": {"do_remote_prefill": True, "ticket": prefill_kv["ticket"]}}
+    ''',
+    "sim.py": '''
+        """The simulated engine's side: a prefill files a ticket in the office, a decode redeems it."""
+
+        from __future__ import annotations
+
+        import json
+        import os
+        import uuid
+
+        from appliance.connector.sim import BadKVParams, ConnectorSim, SimSequence
+
+
+        class TicketSim(ConnectorSim):
+            """Tickets are files: {"tokens": prompt tokens covered, "issued_by": the prefill's PID}."""
+
+            def _path(self, ticket: str) -> str:
+                assert self.cfg.shared_storage is not None
+                return os.path.join(self.cfg.shared_storage, ticket)
+
+            def prepare(self, seq: SimSequence) -> None:
+                params = seq.kv_params or {}
+                if not params.get("do_remote_prefill"):
+                    return
+                ticket = str(params.get("ticket"))
+                if not ticket.isalnum() or not os.path.exists(self._path(ticket)):
+                    raise BadKVParams(f"unknown ticket {ticket!r}")
+                seq.kv_source = self._redeem
+
+            async def _redeem(self, seq: SimSequence) -> int:
+                ticket = str((seq.kv_params or {})["ticket"])
+                with open(self._path(ticket)) as fh:
+                    filed = json.load(fh)
+                os.rename(self._path(ticket), self._path(f"redeemed-{ticket}"))
+                with open(self._path(f"redeemed-{ticket}"), "w") as fh:
+                    json.dump({**filed, "redeemed_by": os.getpid()}, fh)
+                self.stats["kv_pulls"] += 1
+                return int(filed["tokens"])
+
+            def on_finish(self, seq: SimSequence) -> bool:
+                if (seq.kv_params or {}).get("do_remote_decode"):
+                    ticket = uuid.uuid4().hex
+                    with open(self._path(ticket), "w") as fh:
+                        json.dump({"tokens": len(seq.prompt), "issued_by": os.getpid()}, fh)
+                    seq.kv_result = {"ticket": ticket}
+                return False
+    ''',
+}
 
 
 @pytest.fixture
-def ticket(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The ticket connector in the registry for this test only."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    register("ticket", f"{__name__}:TicketConnector")
-    yield
-    ISSUED.clear()
+def plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The ticketing package written to a folder outside the tree, importable by this process too."""
+    folder = tmp_path / "plugins"
+    (folder / "ticketing").mkdir(parents=True)
+    for name, text in PACKAGE.items():
+        (folder / "ticketing" / name).write_text(textwrap.dedent(text).lstrip())
+    monkeypatch.syspath_prepend(str(folder))
+    yield folder
+    for module in [m for m in sys.modules if m == "ticketing" or m.startswith("ticketing.")]:
+        del sys.modules[module]
 
 
-def _plan(state_dir: Path) -> Plan:
-    settings = Settings.model_validate({"connector": {"name": "ticket"}, "engine": {"kind": "sim"},
-                                        "state_dir": str(state_dir)})
-    return plan(settings, load_inventory("sim:cpu"))
+def _settings(tmp_path: Path) -> Settings:
+    return Settings.model_validate({"connector": {"name": TARGET, "ticket": {"office": str(tmp_path / "office")}},
+                                    "engine": {"kind": "sim"}, "state_dir": str(tmp_path / "state")})
 
 
-def test_unregistered_connector_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown connector"):
-        Settings.model_validate({"connector": {"name": "ticket"}})
+def test_an_unknown_or_wrong_module_class_is_one_clear_error(plugins: Path) -> None:
+    for target, why in (("nowhere.at_all:Thing", "cannot import nowhere.at_all"),
+                        ("ticketing.sim:TicketSim", "is not a subclass of appliance.connector.Connector"),
+                        ("ticketing.connector:Missing", "is not a subclass")):
+        with pytest.raises(ValueError, match=why):
+            Settings.model_validate({"connector": {"name": target}})
+    # its own table is validated by its own model, and only the chosen one's table is known
+    with pytest.raises(ValueError, match="connector.ticket.office: Field required"):
+        Settings.model_validate({"connector": {"name": TARGET, "ticket": {}}})
+    with pytest.raises(ValueError, match="unknown setting connector.ticket"):
+        Settings.model_validate({"connector": {"name": "nixl", "ticket": {"office": "/x"}}})
+    assert TARGET not in names() and get_connector(TARGET).name == "ticket"
 
 
-def test_planned_and_rendered(ticket: None, tmp_path: Path) -> None:
-    p = _plan(tmp_path)
-    assert (p.connector, p.layout, p.proxy.registration.enabled) == ("ticket", "disaggregated", False)
-    for inst in p.instances:
-        assert inst.kv_transfer_config == {"kv_connector": "TicketConnector", "kv_role": inst.kv_transfer_config["kv_role"]}
-        assert inst.ports["ticket_office"] == [inst.ports["ticket_office"][0]]
-        assert inst.argv[inst.argv.index("--connector") + 1] == "ticket"
-        assert inst.argv[-2:] == ["--kv-transfer-us-per-token", "0"]
-    units = [f.text for f in render_systemd(p).units if "appliance.engine.sim" in f.text]
-    assert len(units) == 2 and all("--connector ticket" in text for text in units)
-    assert any("--connector ticket" in f.text for f in render_supervisor(p))
-    # the CLI's --connector choice is the registry's
-    result = CliRunner().invoke(cli, ["plan", "--json", "--connector", "ticket", "--engine", "sim", "--inventory",
-                                      "sim:cpu"], env={"PDCTL_STATE_DIR": str(tmp_path)})
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["connector"] == "ticket"
-
-
-def test_simulated_and_proxied(ticket: None, tmp_path: Path) -> None:
-    p = _plan(tmp_path)
-
-    async def scenario() -> tuple[int, dict[str, Any], list[dict[str, Any]]]:
-        engines = {}
-        for inst in p.instances:
-            # the planned sim-engine command line, parsed by the sim-engine CLI; port 0 instead of the planned one
-            args = inst.argv[inst.argv.index("appliance.engine.sim") + 1:]
-            options = sim_engine.make_context("sim-engine", args).params
-            options.pop("log_level")
-            engines[inst.name] = SimServer(_config({**options, "port": 0}))
-        for server in engines.values():
-            await server.start()
-        raw = p.proxy.model_dump(mode="json")
-        raw.update(port=0, admin={"port": 0})
-        for backend in raw["backends"]:
-            backend["url"] = engines[backend["name"]].url
-        proxy = Proxy(ProxyConfig.model_validate(raw))
-        await proxy.start()
-        try:
-            while not proxy.ready()[0]:
-                await asyncio.sleep(0.02)
-            async with aiohttp.ClientSession() as session, session.post(
-                f"http://127.0.0.1:{proxy.api_port}/v1/completions",
-                json={"model": p.model.served_name, "prompt": "one two three four five six", "max_tokens": 5},
-            ) as resp:
-                answer = await resp.json()
-                status = resp.status
-            return status, answer, [server.connector.info() | dict(server.connector.stats) for server in engines.values()]
-        finally:
-            await proxy.stop()
-            for server in engines.values():
-                await server.stop()
-
-    status, answer, engines = asyncio.run(scenario())
-    assert status == 200, answer
-    assert answer["usage"]["completion_tokens"] == 5
-    # the decode engine computed nothing of the prompt itself: its KV came with the redeemed ticket
-    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == answer["usage"]["prompt_tokens"]
-    assert [e["connector"] for e in engines] == ["ticket", "ticket"]
-    assert sum(e.get("kv_pulls", 0) for e in engines) == 1
-    assert ISSUED == {}
-
-
-def test_exported_and_named_in_help_texts(ticket: None, tmp_path: Path) -> None:
-    """The export drops the env the connector pins to this node and keeps the rest; the fixes that list
-    connectors list it where it has the target's hook, with its platforms."""
-    settings = Settings.model_validate({"connector": {"name": "ticket"}, "state_dir": str(tmp_path)})
+def test_planned_rendered_and_exported(plugins: Path, tmp_path: Path) -> None:
+    settings = _settings(tmp_path)
     p = plan(settings, load_inventory("sim:cpu"))
-    assert {"TICKET_OFFICE_HOST", "TICKET_CLASS"} <= p.instances[0].env.keys()
-    files = build_export(p, settings, ExportOptions(target="ray-serve")).files
+    assert (p.connector, p.layout, p.proxy.registration.enabled) == (TARGET, "disaggregated", False)
+    office = str(tmp_path / "office")
+    for inst in p.instances:
+        assert inst.kv_transfer_config is not None
+        assert inst.kv_transfer_config["kv_connector_extra_config"] == {"office": office}
+        assert inst.argv[inst.argv.index("--connector") + 1] == TARGET
+        assert inst.argv[inst.argv.index("--shared-storage") + 1] == office
+    assert any(f"--connector {TARGET}" in f.text for f in render_supervisor(p))
+    vllm = settings.model_copy(update={"engine": settings.engine.model_copy(update={"kind": "vllm"})})
+    exported = plan(vllm, load_inventory("sim:cpu"))
+    assert {"TICKET_OFFICE_HOST", "TICKET_CLASS"} <= exported.instances[0].env.keys()
+    files = build_export(exported, vllm, ExportOptions(target="ray-serve")).files
     serve = next(text for path, text in files.items() if path.endswith("serve.yaml"))
     assert "TICKET_CLASS: first" in serve and "TICKET_OFFICE_HOST" not in serve
-    # no llm_d hook: llm-d refuses it (on a GPU node: llm-d refuses the CPU), naming the connectors it drives
-    gpu = plan(settings, load_inventory("sim:h200-8"))
-    with pytest.raises(ExportError) as refused:
-        build_export(gpu, settings, ExportOptions(target="llm-d"))
-    assert refused.value.fix == "use moriio (AMD) or nixl (any platform)"
-    colocated = Settings.model_validate({"connector": {"name": "none"}, "state_dir": str(tmp_path)})
-    with pytest.raises(ExportError) as refused:
-        build_export(plan(colocated, load_inventory("sim:cpu")), colocated, ExportOptions(target="ray-serve"))
-    assert refused.value.fix == ("choose a KV connector ray-serve deploys: moriio (AMD), nixl (any platform), "
-                                 "example (any platform) or ticket (NVIDIA, CPU)")
+    with pytest.raises(ExportError):  # no llm_d hook: llm-d refuses it
+        build_export(plan(vllm, load_inventory("sim:h200-8")), vllm, ExportOptions(target="llm-d"))
+
+
+def test_runs_across_real_processes(plugins: Path, tmp_path: Path) -> None:
+    office = tmp_path / "office"
+    config = write_config(tmp_path, tmp_path / "state", extra=(
+        f'[connector]\nname = "{TARGET}"\n[connector.ticket]\noffice = {json.dumps(str(office))}\n'))
+    # supervisord, the engines and the proxy inherit it from `pdctl up`, as from an operator's shell
+    env = {"PYTHONPATH": str(plugins)}
+    try:
+        up = pdctl(config, "up", "--json", env=env)
+        assert up.returncode == 0, up.stderr
+        assert json.loads(up.stdout)["healthy"] is True
+        doc = status(config, env=env)
+        pids = {i["name"]: i["pid"] for i in doc["instances"]}
+        assert doc["state"] == "healthy" and len({*pids.values(), doc["proxy"]["pid"]}) == 3
+        # the office holds prompts' KV: pdctl made it private, as it does the example connector's store
+        assert office.stat().st_mode & 0o777 == 0o700
+        answer = complete(doc["proxy"]["url"])
+        assert answer["usage"]["completion_tokens"] == 4
+        # the decode engine computed nothing of the prompt itself: its KV came with the redeemed ticket
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == answer["usage"]["prompt_tokens"]
+        filed = [json.loads(path.read_text()) for path in office.iterdir()]
+        assert filed == [{"tokens": answer["usage"]["prompt_tokens"], "issued_by": pids["prefill-0"],
+                          "redeemed_by": pids["decode-0"]}]
+    finally:
+        pdctl(config, "down", env=env)

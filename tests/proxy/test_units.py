@@ -9,15 +9,14 @@ import pytest
 from pydantic import ValidationError
 
 from appliance.connector import HandoffError, get_connector
-from appliance.connector.moriio import parse_zmq_address, peer_in_request_id
-from appliance.proxy.config import Backend, ProxyConfig
-from appliance.proxy.registry import (
-    BackendState,
-    InstanceRegistry,
+from appliance.connector.moriio.address import parse_zmq_address, peer_in_request_id
+from appliance.connector.moriio.registration import (
     RegistrationError,
     check_against_plan,
     normalize_registration,
 )
+from appliance.proxy.config import Backend, ProxyConfig
+from appliance.proxy.registry import BackendState, InstanceRegistry
 from appliance.proxy.routing import Router
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 9, "min_tokens": 3, "stream": True,

@@ -16,10 +16,11 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.connector.sim import KVSource, KVTransferError, SimSequence
 from appliance.engine.sim.config import SimConfig
 from appliance.engine.sim.tokens import EOS_TOKEN_ID, Sampler
 
@@ -29,15 +30,6 @@ class SeqState(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class KVTransferError(Exception):
-    """A KV handoff that cannot complete; the request fails with this message."""
-
-
-# kv_source: loads KV for an admitted sequence and returns how many prompt tokens it covers
-# (0 = nothing usable, compute the prefill locally); raises KVTransferError to fail the request.
-KVSource = Callable[["Sequence"], Awaitable[int]]
 
 
 @dataclass(eq=False)
@@ -200,7 +192,7 @@ class Engine:
 
     # ---- held blocks (connector leases) ---------------------------------------------------------
     def hold(
-        self, key: str, seq: Sequence, timeout_s: float, on_expire: Callable[[], None] | None = None
+        self, key: str, seq: SimSequence, timeout_s: float, on_expire: Callable[[], None] | None = None
     ) -> None:
         """Keep a finished request's blocks under ``key`` until release() or the timeout."""
         self.held[key] = HeldBlocks(seq.block_ids, time.monotonic() + timeout_s, on_expire)

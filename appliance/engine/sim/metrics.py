@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from appliance.connector.sim import ConnectorSim
 from appliance.engine.sim.config import SimConfig
-from appliance.engine.sim.connectors import ConnectorSim
 from appliance.engine.sim.engine import Engine
 
 

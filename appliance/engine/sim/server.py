@@ -18,8 +18,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from appliance.connector import get_connector, load_object
+from appliance.connector.sim import BadKVParams, ConnectorSim
 from appliance.engine.sim.config import FaultConfig, SimConfig
-from appliance.engine.sim.connectors import BadKVParams, ConnectorSim, make_connector
 from appliance.engine.sim.engine import Engine, Sequence
 from appliance.engine.sim.metrics import make_registry
 from appliance.engine.sim.tokens import VOCAB_SIZE, Sampler, token_text, tokenize
@@ -192,7 +193,9 @@ class SimServer:
         self.transport = Transport()
         self.connector: ConnectorSim
         self.engine = Engine(cfg, on_finish=self._on_finish, on_tokens=self._on_tokens)
-        self.connector = make_connector(cfg, self.engine, self.transport)
+        # the flow its connector names, imported only now
+        flow: type[ConnectorSim] = load_object(get_connector(cfg.connector).sim_flow)
+        self.connector = flow(cfg, self.engine, self.transport)
         self.port = 0
         self.requests_total = 0
         self.finished_total = 0

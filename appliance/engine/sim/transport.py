@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
 
+from appliance.connector.sim import RouterHandler
+
 log = logging.getLogger("appliance.engine.sim")
 
-# Given the frames after the sender's identity, returns the reply messages (each a list of frames).
-RouterHandler = Callable[[list[bytes]], Awaitable[list[list[bytes]]]]
 
 
 class Transport:

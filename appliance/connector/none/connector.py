@@ -14,7 +14,7 @@ class NoConnector(Connector):
     vllm_class = None
     modes = frozenset({"read", "write"})
     disaggregated = False
-    sim_flow = "appliance.engine.sim.connectors:ConnectorSim"
+    sim_flow = "appliance.connector.sim:ConnectorSim"
 
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any] | None:
         return None

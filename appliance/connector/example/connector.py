@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.connector.base import Connector, InstanceContext, Platform, RayServeBackend, SimOptions
+from appliance.connector.example.settings import ExampleSettings
 from appliance.connector.extras import ExtraConfigTable
 from appliance.roles import Mode
 
@@ -23,9 +24,11 @@ class ExampleConnector(Connector):
     name = "example"
     vllm_class = "ExampleConnector"
     modes = frozenset({"read"})
-    sim_flow = "appliance.engine.sim.connectors:ExampleSim"
+    sim_flow = "appliance.connector.example.sim:ExampleSim"
     lengths_matter = True
     extra_config_keys = EXTRA_CONFIG
+    settings_model = ExampleSettings
+    moved_settings = {"shared_storage_path": "shared_storage_path"}
 
     def default_block_size(self, platform: Platform) -> int:
         # vLLM's own defaults, named so that the proxy knows which prompt lengths hand nothing over
@@ -56,8 +59,18 @@ class ExampleConnector(Connector):
                                             "prompt_logprobs" in c else c for c in choices]}
         return answer
 
+    @staticmethod
+    def _storage(ctx: InstanceContext) -> str:
+        """The folder prefill saves KV to and decode loads it from."""
+        assert isinstance(ctx.settings, ExampleSettings)
+        return ctx.settings.shared_storage_path or ctx.kv_store
+
+    def kv_folders(self, kv_transfer_config: Mapping[str, Any]) -> list[str]:
+        path = (kv_transfer_config.get("kv_connector_extra_config") or {}).get("shared_storage_path")
+        return [str(path)] if path else []
+
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any]:
-        extra = {**EXTRA_CONFIG.kept({"shared_storage_path": ctx.shared_storage_path}, ctx.vllm_version),
+        extra = {**EXTRA_CONFIG.kept({"shared_storage_path": self._storage(ctx)}, ctx.vllm_version),
                  **ctx.extra_config}
         return {"kv_connector": self.vllm_class, "kv_role": ctx.kv_role, "kv_connector_extra_config": extra}
 
@@ -73,7 +86,7 @@ class ExampleConnector(Connector):
         ))
 
     def sim_args(self, ctx: InstanceContext) -> list[str]:
-        return ["--shared-storage", ctx.shared_storage_path]
+        return ["--shared-storage", self._storage(ctx)]
 
     def check_sim(self, options: SimOptions) -> None:
         if not options.shared_storage:

@@ -13,6 +13,7 @@ from appliance.connector.base import (
     InstanceContext,
     Library,
     LlmdPod,
+    OwnSettings,
     Peer,
     Platform,
     RayServeBackend,
@@ -20,6 +21,7 @@ from appliance.connector.base import (
     SimOptions,
 )
 from appliance.connector.extras import ExtraConfigTable
+from appliance.connector.nixl.settings import NixlSettings
 from appliance.errors import ExportError
 from appliance.roles import Mode
 
@@ -77,10 +79,12 @@ class NixlConnector(Connector):
     mode_fixed_at_start = True
     # WRITE: the decode names the prefill's engine id, which only the prefill's answer carries.
     write_waits_for_prefill = True
-    sim_flow = "appliance.engine.sim.connectors:NixlSim"
+    sim_flow = "appliance.connector.nixl.sim:NixlSim"
     library = Library("nixl", "nixl._api:nixl_agent", "nixl")
     read_needs_prefill_kv = True
     extra_config_keys = EXTRA_CONFIG
+    settings_model = NixlSettings
+    moved_settings = {"kv_buffer_device": "kv_buffer_device"}
     # vLLM's NIXL stats: the puller's transfers in READ, the pusher's in WRITE
     transfer_metrics = "vllm:nixl_"
     # vLLM 0.32 answers a prefill leg with one kv_transfer_params, the first engine request's
@@ -93,7 +97,7 @@ class NixlConnector(Connector):
     # the side channel env() pins to this node; a cluster's NIXL backend or pod sets its own
     node_local_env = frozenset({"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"})
 
-    def rdma(self, moriio_backend: str) -> RdmaNeed:
+    def rdma(self, settings: OwnSettings) -> RdmaNeed:
         return RdmaNeed(required=False, fix="NIXL falls back to NVLink/TCP within one node")
 
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
@@ -104,14 +108,15 @@ class NixlConnector(Connector):
     def default_block_size(self, platform: Platform) -> int | None:
         return GPU_BLOCK_SIZE if platform == "cuda" else None
 
-    def handoff_facts(self, platform: Platform, cross_layer: bool, moriio_backend: str) -> HandoffFacts:
+    def handoff_facts(self, platform: Platform, cross_layer: bool, settings: OwnSettings) -> HandoffFacts:
         # measured on NVLink only: elsewhere (UCX over RDMA or TCP) the same figures are a guess
         return replace(H200_HANDOFF, descriptors="block" if cross_layer else "layer-block")
 
     @staticmethod
     def _buffer_device(ctx: InstanceContext) -> str | None:
         """Where the engine stages the KV it hands off (None: vLLM's default, the GPU)."""
-        return ctx.kv_buffer_device or ("cpu" if ctx.platform == "cpu" else None)
+        assert isinstance(ctx.settings, NixlSettings)
+        return ctx.settings.kv_buffer_device or ("cpu" if ctx.platform == "cpu" else None)
 
     def _extra_config(self, ctx: InstanceContext) -> dict[str, Any]:
         """kv_connector_extra_config: NVIDIA's measured defaults with GPU buffers (those the engine's vLLM reads),

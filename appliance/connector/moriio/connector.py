@@ -1,37 +1,33 @@
-"""AMD MORI-IO (vLLM's MoRIIOConnector): RDMA or XGMI KV transfer in READ (pull) or WRITE (push) mode.
-
-The peer address ("host:IP,handshake:PORT,notify:PORT") is built and parsed here only: instances announce it
-when they register with the proxy, the proxy embeds both peers' addresses in the request id, and the engines
-(the simulated one here, vLLM's moriio_common in real ones) read it back out of that id.
-"""
+"""AMD MORI-IO (vLLM's MoRIIOConnector): RDMA or XGMI KV transfer in READ (pull) or WRITE (push) mode."""
 
 from __future__ import annotations
 
-import re
 import uuid
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from appliance.connector.base import (
     Connector,
+    FindInstance,
     HandoffError,
     HandoffFacts,
     InstanceContext,
     Library,
+    ListenerSettings,
     LlmdPod,
+    OwnSettings,
     Peer,
     Platform,
+    ProxyListener,
     RayServeBackend,
     RdmaNeed,
     SimOptions,
 )
 from appliance.connector.extras import ExtraConfigTable
+from appliance.connector.moriio.address import router_request_id, zmq_address
+from appliance.connector.moriio.settings import MoriioSettings
 from appliance.roles import Mode
 
-# vLLM's MoRIIO router request id: "___prefill_addr_{zmq}___decode_addr_{zmq}_{32 hex}"; vLLM may append
-# "-<seq>-<hex>" (moriio_common._PREFILL_ZMQ_RE / _DECODE_ZMQ_RE parse the same shape).
-_PREFILL_ADDR_RE = re.compile(r"___prefill_addr_(.+?)___decode_addr_")
-_DECODE_ADDR_RE = re.compile(r"___decode_addr_(.+)_[0-9a-f]{32}(?:-.*)?$")
 # kv_connector_extra_config keys that address pdctl's own proxy or a loopback host; cluster deployments
 # discover peers otherwise.
 NODE_LOCAL_KEYS = frozenset({"proxy_ip", "proxy_ping_port", "host_ip", "http_port"})
@@ -77,42 +73,6 @@ EXTRA_CONFIG = ExtraConfigTable("MoRIIOConnector", {
 })
 
 
-class PeerAddress(NamedTuple):
-    """One MORI-IO instance's ZMQ endpoints (rank 0's handshake and notify ports)."""
-
-    host: str
-    handshake: int
-    notify: int
-
-
-def zmq_address(host: str, handshake_port: int, notify_port: int) -> str:
-    """The peer address MORI-IO registers and embeds in request ids: 'host:IP,handshake:PORT,notify:PORT'."""
-    return f"host:{host},handshake:{handshake_port},notify:{notify_port}"
-
-
-def parse_zmq_address(value: str) -> PeerAddress:
-    """Split 'host:IP,handshake:PORT,notify:PORT' (first colon per pair, so IPv6 works); ValueError if malformed."""
-    parts: dict[str, str] = {}
-    for segment in value.split(","):
-        key, _, val = segment.partition(":")
-        parts[key.strip()] = val.strip()
-    try:
-        return PeerAddress(parts["host"], int(parts["handshake"]), int(parts["notify"]))
-    except (KeyError, ValueError):
-        raise ValueError(f"{value!r} is not 'host:IP,handshake:PORT,notify:PORT'") from None
-
-
-def router_request_id(prefill_zmq: str, decode_zmq: str) -> str:
-    """The request id carrying both peers' addresses, in the shape vLLM's MoRIIO connector parses."""
-    return f"___prefill_addr_{prefill_zmq}___decode_addr_{decode_zmq}_{uuid.uuid4().hex}"
-
-
-def peer_in_request_id(request_id: str, want: str) -> str | None:
-    """The prefill's or decode's zmq address embedded in a router request id, or None when it has none."""
-    match = (_PREFILL_ADDR_RE if want == "prefill" else _DECODE_ADDR_RE).search(request_id)
-    return match.group(1) if match is not None else None
-
-
 def _zmq(peer: Peer) -> str:
     address = peer.kv.get("zmq_address")
     if not address:
@@ -146,12 +106,15 @@ class MoriioConnector(Connector):
     platforms = frozenset({"rocm"})
     registers_with_proxy = True
     mode_fixed_at_start = True
-    sim_flow = "appliance.engine.sim.connectors:MoriioSim"
+    sim_flow = "appliance.connector.moriio.sim:MoriioSim"
     library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
     read_needs_prefill_kv = True
     extra_config_keys = EXTRA_CONFIG
+    settings_model = MoriioSettings
+    moved_settings = {"moriio_backend": "backend"}
 
-    def handoff_facts(self, platform: Platform, cross_layer: bool, moriio_backend: str) -> HandoffFacts:
+    def handoff_facts(self, platform: Platform, cross_layer: bool, settings: OwnSettings) -> HandoffFacts:
+        moriio_backend = self._backend(settings)
         return HandoffFacts(post_ms=MORIIO_POST_MS, post_us_per_descriptor=MORIIO_US_PER_DESCRIPTOR,
                             transfer_us_per_descriptor=MORIIO_US_PER_DESCRIPTOR,
                             link_gbps=MORIIO_LINK_GBPS.get(moriio_backend, MORIIO_LINK_GBPS["rdma"]),
@@ -159,9 +122,14 @@ class MoriioConnector(Connector):
                             source=f"MORI-IO {moriio_backend.upper()}: vLLM's MoRIIO code and public link figures "
                                    "(not measured)")
 
-    def rdma(self, moriio_backend: str) -> RdmaNeed:
-        return RdmaNeed(required=moriio_backend == "rdma",
-                        fix='use connector.moriio_backend = "xgmi" on one node, or load the RDMA driver')
+    @staticmethod
+    def _backend(settings: OwnSettings) -> str:
+        assert isinstance(settings, MoriioSettings)
+        return settings.backend
+
+    def rdma(self, settings: OwnSettings) -> RdmaNeed:
+        return RdmaNeed(required=self._backend(settings) == "rdma",
+                        fix='use backend = "xgmi" in [connector.moriio] on one node, or load the RDMA driver')
 
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
         # Each rank binds base + rank_offset() (at most DP + TP - 2); a block of DP x TP ports from each base
@@ -194,7 +162,7 @@ class MoriioConnector(Connector):
             "handshake_port": str(ctx.handshake_port),
             "notify_port": str(ctx.notify_port),
             "read_mode": ctx.mode == "read",
-            "backend": ctx.moriio_backend,
+            "backend": self._backend(ctx.settings),
             "host_ip": ctx.host,
         }
         extra = EXTRA_CONFIG.kept(extra, ctx.vllm_version)
@@ -253,6 +221,13 @@ class MoriioConnector(Connector):
     def check_sim(self, options: SimOptions) -> None:
         if options.handshake_port is None or options.notify_port is None:
             raise ValueError("connector 'moriio' needs --handshake-port and --notify-port")
+
+    def registration_listener(self, settings: ListenerSettings, find: FindInstance, current_mode: Callable[[], str],
+                              on_result: Callable[[str], None]) -> ProxyListener:
+        # imported here: only the proxy runs it, and every pdctl command that reads the settings would pay for zmq
+        from appliance.connector.moriio.registration import RegistrationListener
+
+        return RegistrationListener(settings, find, current_mode, on_result)
 
     def request_id(self, prefill: Peer, decode: Peer) -> str:
         return router_request_id(_zmq(prefill), _zmq(decode))

@@ -1,0 +1,1 @@
+"""No connector: colocated engines that prefill and decode themselves."""
