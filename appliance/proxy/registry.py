@@ -1,5 +1,5 @@
-"""The instances the proxy knows, which are the plan's (and what pdctl sets through the admin API), and the
-MORI-IO registration socket: a registration may refresh a planned instance, never add or redirect one."""
+"""The MORI-IO registration socket and its message format: a registration may refresh a planned instance
+(appliance.proxy.instances), never add or redirect one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import ipaddress
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -19,8 +19,8 @@ import zmq.asyncio
 
 from appliance.connector.moriio import parse_zmq_address
 from appliance.connector.moriio import zmq_address as zmq_address_of
-from appliance.proxy.config import Backend, RegistrationConfig
-from appliance.proxy.upstream import UpstreamPool
+from appliance.proxy.config import RegistrationConfig
+from appliance.proxy.instances import BackendState, InstanceRegistry, canonical_host
 
 log = logging.getLogger("appliance.proxy.registry")
 
@@ -33,165 +33,6 @@ _ZMQ_ADDRESS = re.compile(r"host:([0-9A-Fa-f.:]{2,45}),handshake:([0-9]{1,5}),no
 _HTTP_ADDRESS = re.compile(r"\[?([0-9A-Fa-f.:]{2,45}?)\]?:([0-9]{1,5})")
 _MAX_ADDRESS = 128
 LOG_EVERY_S = 10.0  # rejected registrations: one log line per this interval, with the count since the last
-
-
-def canonical_host(host: str) -> str:
-    """One spelling per address: an IP in its compressed form (an IPv4-mapped IPv6 address as the IPv4 one),
-    anything else (a host name) lower-cased."""
-    try:
-        ip = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return host.lower()
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ip)
-
-
-class BackendState:
-    """One backend (an engine instance) and the live state the proxy keeps about it."""
-
-    def __init__(
-        self,
-        name: str,
-        role: str,
-        url: str,
-        *,
-        connect_timeout: float,
-        dp_size: int = 1,
-        tp_size: int = 1,
-        kv: dict[str, Any] | None = None,
-    ) -> None:
-        self.name = name
-        self.role = role
-        self.url = url.rstrip("/")
-        self.dp_size = dp_size
-        self.tp_size = tp_size
-        self.kv: dict[str, Any] = dict(kv or {})
-        parts = urlsplit(self.url)
-        self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 80
-        self.address = (canonical_host(self.host), self.port)  # what a registration for it must claim
-        self.pool = UpstreamPool(self.host, self.port, connect_timeout)
-        self.healthy = False
-        self.ever_healthy = False  # passed a probe once: kept when registrations crowd the registry
-        self.added_mono = time.monotonic()
-        self.draining = False
-        self.stopping = False  # in a planned stop (appliance.proxy.planned): out of rotation until it is back
-        self.in_flight = 0  # legs running on this instance (what least-outstanding routing compares)
-        # Requests routed here and not finished, from the moment they were routed: a READ request counts
-        # against its decode instance while its prefill leg still runs, and against its prefill instance
-        # while the decode reads the KV. A drain waits for this, so a drained instance has no request left
-        # that will still connect to it.
-        self.routed = 0
-        self.dp_in_flight = [0] * dp_size
-        self.dp_next = 0
-        self.failures = 0
-        self.failed_probes = 0  # health probes that failed, ever (a planned stop learns from it that it went down)
-        # the mode the engine runs (a connector that fixes it at start), from the plan (kv "transfer_mode") or, for
-        # a plan that does not say, its registration (which can only keep it out of routing); None: unknown
-        self.transfer_mode: str | None = str(self.kv["transfer_mode"]) if "transfer_mode" in self.kv else None
-        self.last_seen: float | None = None  # wall clock of the last registration ping
-        self.last_seen_mono: float | None = None
-        self.removed = False
-
-    def set_dp_size(self, dp_size: int) -> None:
-        if dp_size != self.dp_size:
-            self.dp_size = dp_size
-            # keep counts of requests still running on ranks that remain
-            self.dp_in_flight = (self.dp_in_flight + [0] * dp_size)[:dp_size]
-
-    def state(self) -> dict[str, Any]:
-        """A JSON-ready snapshot for the admin API."""
-        return {
-            "name": self.name,
-            "role": self.role,
-            "url": self.url,
-            "healthy": self.healthy,
-            "draining": self.draining,
-            "stopping": self.stopping,
-            "in_flight": self.in_flight,
-            "routed": self.routed,
-            "last_seen": self.last_seen,
-            "dp_size": self.dp_size,
-            "tp_size": self.tp_size,
-            "transfer_mode": self.transfer_mode,
-            "kv": self.kv,
-        }
-
-
-class InstanceRegistry:
-    """Name -> BackendState, with the per-role lists the router reads on every request."""
-
-    def __init__(self, connect_timeout: float, on_added: Callable[[BackendState], None] | None = None) -> None:
-        self.connect_timeout = connect_timeout
-        self.instances: dict[str, BackendState] = {}
-        self.by_role: dict[str, list[BackendState]] = {"prefill": [], "decode": [], "both": []}
-        self._by_address: dict[tuple[str, int], BackendState] = {}
-        self.on_added = on_added
-        self._retired_pools: list[UpstreamPool] = []
-
-    def _rebuild(self) -> None:
-        by_role: dict[str, list[BackendState]] = {"prefill": [], "decode": [], "both": []}
-        for inst in self.instances.values():
-            by_role[inst.role].append(inst)
-        self.by_role = by_role
-        # a registration looks its instance up in O(1): a flood of pings must not cost O(instances) each
-        self._by_address = {i.address: i for i in self.instances.values()}
-
-    def get(self, name: str) -> BackendState | None:
-        return self.instances.get(name)
-
-    def find_by_address(self, host: str, port: int) -> BackendState | None:
-        """The instance served at host:port (any spelling of the same IP), whatever its role; None if none."""
-        return self._by_address.get((canonical_host(host), port))
-
-    def _remove(self, inst: BackendState) -> None:
-        inst.removed = True
-        self.instances.pop(inst.name, None)
-        self._retired_pools.append(inst.pool)
-
-    def set_static(self, backends: Iterable[Backend]) -> None:
-        """Replace the instance set (the plan at start, pdctl's admin call during a live rebalance)."""
-        wanted = {b.name: b for b in backends}
-        for inst in list(self.instances.values()):
-            if inst.name not in wanted:
-                self._remove(inst)
-        for backend in wanted.values():
-            current = self.instances.get(backend.name)
-            if current is not None and current.role == backend.role and current.url == backend.url.rstrip("/"):
-                current.set_dp_size(backend.dp_size)
-                current.tp_size = backend.tp_size
-                current.kv.update(backend.kv)
-                if "transfer_mode" in backend.kv:
-                    current.transfer_mode = str(backend.kv["transfer_mode"])
-                continue
-            if current is not None:
-                self._remove(current)
-            inst = BackendState(
-                backend.name,
-                backend.role,
-                backend.url,
-                connect_timeout=self.connect_timeout,
-                dp_size=backend.dp_size,
-                tp_size=backend.tp_size,
-                kv=backend.kv,
-            )
-            self.instances[inst.name] = inst
-            if self.on_added is not None:
-                self.on_added(inst)
-        self._rebuild()
-
-    async def close_retired(self) -> None:
-        """Close connection pools of removed instances (their in-flight requests hold their own connections)."""
-        pools, self._retired_pools = self._retired_pools, []
-        for pool in pools:
-            await pool.close()
-
-    async def close(self) -> None:
-        """Close every pool."""
-        for inst in self.instances.values():
-            await inst.pool.close()
-        await self.close_retired()
 
 
 class RegistrationError(ValueError):
