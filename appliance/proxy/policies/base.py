@@ -13,7 +13,8 @@ make one call, Router.route, whatever the policy. What the policies that come ne
   (it sees each pick it makes); bounded by load through the same counters least_outstanding reads.
 - conditional disaggregation decides per request whether the prefill hop is taken at all, from the prompt's
   length, its uncached part and the prefill and decode instances' load: a decision over the whole route, made in
-  Router.route, which then returns a Route without a prefill instance (the path a colocated connector takes).
+  Router.route, which then returns a Route without a prefill instance. legs.py serves that on one leg, with the
+  connector's alone_body for a disaggregated connector (as it serves a prompt the connector cannot hand over).
 """
 
 from __future__ import annotations
