@@ -78,7 +78,7 @@ class BackendState:
         return Lease(self, rank)
 
     def book(self) -> Booking:
-        """Count a request routed here until the booking ends; counted at once, so a drain that starts after
+        """Count a request routed here until the booking's end(); counted at once, so a drain that starts after
         this call waits for the request."""
         return Booking(self)
 
@@ -156,7 +156,7 @@ class Lease:
 
 class Booking:
     """A request routed to an instance and not finished: counted in its `routed` (what a drain waits for) from
-    its creation until end(), or the end of its with block."""
+    its creation until end() (a Route's with block ends its bookings)."""
 
     __slots__ = ("inst", "ended")
 
@@ -170,12 +170,6 @@ class Booking:
         if not self.ended:
             self.ended = True
             self.inst.routed -= 1
-
-    def __enter__(self) -> Booking:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.end()
 
 
 class InstanceRegistry:
