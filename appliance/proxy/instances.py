@@ -98,10 +98,11 @@ class BackendState:
         return best
 
     def set_dp_size(self, dp_size: int) -> None:
-        """Take a re-planned DP size, keeping the counts of ranks that remain."""
-        if dp_size != self.dp_size:
-            self.dp_size = dp_size
-            self.dp_in_flight = (self.dp_in_flight + [0] * dp_size)[:dp_size]
+        """Take a re-planned DP size. Every rank's count is kept, those beyond the new size too: a leg still
+        running on one ends later, and the rank may come back (picks look at the first dp_size only)."""
+        self.dp_size = dp_size
+        if dp_size > len(self.dp_in_flight):
+            self.dp_in_flight.extend([0] * (dp_size - len(self.dp_in_flight)))
 
     def state(self) -> dict[str, Any]:
         """A JSON-ready snapshot for the admin API."""
@@ -133,7 +134,7 @@ class Lease:
         self.rank = rank
         self.ended = False
         inst.in_flight += 1
-        if rank is not None and rank < len(inst.dp_in_flight):
+        if rank is not None:  # picked below dp_size, and the counts never shrink (set_dp_size)
             inst.dp_in_flight[rank] += 1
 
     def end(self) -> None:
@@ -143,8 +144,7 @@ class Lease:
         self.ended = True
         inst, rank = self.inst, self.rank
         inst.in_flight -= 1
-        # the instance may have been re-planned with fewer ranks while the leg ran
-        if rank is not None and rank < len(inst.dp_in_flight):
+        if rank is not None:
             inst.dp_in_flight[rank] -= 1
 
     def __enter__(self) -> Lease:
