@@ -175,7 +175,7 @@ class ListenerSettings(Protocol):
 
 
 class Registrant(Protocol):
-    """A planned instance as a registration refreshes it (appliance.proxy.registry.BackendState)."""
+    """A planned instance as a registration refreshes it (appliance.proxy.instances.BackendState)."""
 
     name: str
     role: str

@@ -12,9 +12,10 @@ from typing import Any
 from aiohttp import HttpVersion11, web
 
 from appliance.connector import HandoffError
+from appliance.proxy.instances import BackendState, Booking
+from appliance.proxy.policies import RequestFacts
 from appliance.proxy.prompts import can_hand_over, engine_requests
-from appliance.proxy.registry import BackendState
-from appliance.proxy.routing import acquire, release
+from appliance.proxy.routing import Route, Unroutable
 from appliance.proxy.state import ProxyState
 from appliance.proxy.upstream import Connection, Unchunked, UpstreamError
 
@@ -186,15 +187,16 @@ def keep_prefill(proxy: ProxyState, inst: BackendState, leg: asyncio.Future[Any]
     if len(proxy.kept) >= proxy.keep_cap:
         proxy.metrics.kept_prefills.labels("over_cap").inc()
         return False
-    inst.routed += 1  # a drain of the prefill instance waits for the leg, as it did for its request
-    task = asyncio.get_running_loop().create_task(_keep(proxy, inst, leg, until, abandoned))
+    booking = inst.book()  # a drain of the prefill instance waits for the leg, as it did for its request
+    task = asyncio.get_running_loop().create_task(_keep(proxy, booking, leg, until, abandoned))
     proxy.kept.add(task)
     task.add_done_callback(proxy.kept.discard)
     return True
 
 
-async def _keep(proxy: ProxyState, inst: BackendState, leg: asyncio.Future[Any], until: float,
+async def _keep(proxy: ProxyState, booking: Booking, leg: asyncio.Future[Any], until: float,
                 abandoned: Callable[[dict[str, Any]], None]) -> None:
+    inst = booking.inst
     outcome = "stopped"  # cancelled: the proxy is stopping
     try:
         done, _ = await asyncio.wait((leg,), timeout=max(0.0, until - time.monotonic()))
@@ -213,7 +215,7 @@ async def _keep(proxy: ProxyState, inst: BackendState, leg: asyncio.Future[Any],
         if not leg.done():
             leg.cancel()
             await asyncio.wait((leg,))  # the leg aborts its engine connection and releases its counts
-        inst.routed -= 1
+        booking.end()
         proxy.metrics.kept_prefills.labels(outcome).inc()
 
 
@@ -227,60 +229,58 @@ async def _prefill(
     proxy: ProxyState, inst: BackendState, rank: int | None, path: str, body: dict[str, Any],
     headers: list[tuple[str, str]], abandoned: Callable[[dict[str, Any]], None] | None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    acquire(inst, rank)
-    conn: Connection | None = None
-    try:
-        if rank is not None:
-            headers = [*headers, ("X-data-parallel-rank", str(rank))]
-        payload = json.dumps(body, separators=(",", ":")).encode()
-        conn, head = await inst.pool.open(
-            "POST", path, headers, payload, collect=True, head_timeout=proxy.config.timeouts.prefill_s
-        )
-        assert conn.done_fut is not None
-        answer = await asyncio.shield(conn.done_fut)
-        inst.pool.release(conn)
-        conn = None
-        if head.status != 200:
-            if 400 <= head.status < 500:
-                # the engine rejected the client's request (prompt too long, bad parameter): say so as it is
-                raise LegFailure(head.status, "engine rejected the request", answer, head.headers.get("content-type"))
-            # An answer, even a 5xx, shows the engine is up; what made it fail may be this request's content,
-            # so it does not count toward ejection (docs/threat-model.md: the ejection rule).
-            proxy.metrics.leg_failures.labels("prefill", "status").inc()
-            snippet = (answer or b"")[:200].decode("utf-8", "replace")
-            raise LegFailure(502, f"prefill instance {inst.name} answered {head.status}: {snippet}")
+    with inst.lease(rank):
+        conn: Connection | None = None
         try:
-            data = json.loads(answer or b"")
-        except ValueError:
-            proxy.metrics.leg_failures.labels("prefill", "protocol").inc()
-            raise LegFailure(502, f"prefill instance {inst.name} returned invalid JSON") from None
-        if not isinstance(data, dict):
-            proxy.metrics.leg_failures.labels("prefill", "protocol").inc()
-            raise LegFailure(502, f"prefill instance {inst.name} returned no JSON object")
-        proxy.health.leg_ok(inst)
-        kv = data.get("kv_transfer_params")
-        return (kv if isinstance(kv, dict) else None), data
-    except UpstreamError as exc:
-        proxy.metrics.leg_failures.labels("prefill", exc.reason).inc()
-        proxy.health.leg_failed(inst)
-        raise upstream_failure("prefill", inst, exc) from None
-    except asyncio.CancelledError:
-        if conn is not None:
-            # the engine's answer may have come in while this leg was being cancelled: its KV is held all the same
-            done = conn.done_fut
-            if abandoned is not None and done is not None and done.done() and not done.cancelled() \
-                    and done.exception() is None:
-                kv = _kv_of(done.result())
-                if kv:
-                    abandoned(kv)
-            conn.abort()
-        raise
-    except BaseException:
-        if conn is not None:
-            conn.abort()
-        raise
-    finally:
-        release(inst, rank)
+            if rank is not None:
+                headers = [*headers, ("X-data-parallel-rank", str(rank))]
+            payload = json.dumps(body, separators=(",", ":")).encode()
+            conn, head = await inst.pool.open(
+                "POST", path, headers, payload, collect=True, head_timeout=proxy.config.timeouts.prefill_s
+            )
+            assert conn.done_fut is not None
+            answer = await asyncio.shield(conn.done_fut)
+            inst.pool.release(conn)
+            conn = None
+            if head.status != 200:
+                if 400 <= head.status < 500:
+                    # the engine rejected the client's request (prompt too long, bad parameter): say so as it is
+                    raise LegFailure(head.status, "engine rejected the request", answer, head.headers.get("content-type"))
+                # An answer, even a 5xx, shows the engine is up; what made it fail may be this request's content,
+                # so it does not count toward ejection (docs/threat-model.md: the ejection rule).
+                proxy.metrics.leg_failures.labels("prefill", "status").inc()
+                snippet = (answer or b"")[:200].decode("utf-8", "replace")
+                raise LegFailure(502, f"prefill instance {inst.name} answered {head.status}: {snippet}")
+            try:
+                data = json.loads(answer or b"")
+            except ValueError:
+                proxy.metrics.leg_failures.labels("prefill", "protocol").inc()
+                raise LegFailure(502, f"prefill instance {inst.name} returned invalid JSON") from None
+            if not isinstance(data, dict):
+                proxy.metrics.leg_failures.labels("prefill", "protocol").inc()
+                raise LegFailure(502, f"prefill instance {inst.name} returned no JSON object")
+            proxy.health.leg_ok(inst)
+            kv = data.get("kv_transfer_params")
+            return (kv if isinstance(kv, dict) else None), data
+        except UpstreamError as exc:
+            proxy.metrics.leg_failures.labels("prefill", exc.reason).inc()
+            proxy.health.leg_failed(inst)
+            raise upstream_failure("prefill", inst, exc) from None
+        except asyncio.CancelledError:
+            if conn is not None:
+                # the engine's answer may have come in while this leg was being cancelled: its KV is held all the same
+                done = conn.done_fut
+                if abandoned is not None and done is not None and done.done() and not done.cancelled() \
+                        and done.exception() is None:
+                    kv = _kv_of(done.result())
+                    if kv:
+                        abandoned(kv)
+                conn.abort()
+            raise
+        except BaseException:
+            if conn is not None:
+                conn.abort()
+            raise
 
 
 def _kv_of(answer: bytes | None) -> dict[str, Any] | None:
@@ -320,33 +320,31 @@ async def run_decode(
     """The decode (or colocated) leg: answers the client, streaming or not. `unsent` is called when the leg
     is cancelled (client gone) before it was sent to the engine."""
     stream = body.get("stream") is True
-    acquire(inst, rank)
-    conn: Connection | None = None
-    try:
-        if rank is not None:
-            headers = [*headers, ("X-data-parallel-rank", str(rank))]
-        payload = json.dumps(body, separators=(",", ":")).encode()
+    with inst.lease(rank):
+        conn: Connection | None = None
         try:
-            conn = await inst.pool.send("POST", path, headers, payload, collect=not stream)
-        except UpstreamError as exc:
-            _leg_failed(proxy, inst, exc.reason)
-            raise upstream_failure("decode", inst, exc) from None
-        whole = await _first_answer(proxy, inst, conn, stream, supervisor)
-        if whole is not None:
-            return whole
-        return await _relay_stream(proxy, request, inst, conn, started, supervisor)
-    except asyncio.CancelledError:
-        if conn is not None:
-            conn.abort()
-        elif unsent is not None:
-            unsent()
-        raise
-    except BaseException:
-        if conn is not None:
-            conn.abort()
-        raise
-    finally:
-        release(inst, rank)
+            if rank is not None:
+                headers = [*headers, ("X-data-parallel-rank", str(rank))]
+            payload = json.dumps(body, separators=(",", ":")).encode()
+            try:
+                conn = await inst.pool.send("POST", path, headers, payload, collect=not stream)
+            except UpstreamError as exc:
+                _leg_failed(proxy, inst, exc.reason)
+                raise upstream_failure("decode", inst, exc) from None
+            whole = await _first_answer(proxy, inst, conn, stream, supervisor)
+            if whole is not None:
+                return whole
+            return await _relay_stream(proxy, request, inst, conn, started, supervisor)
+        except asyncio.CancelledError:
+            if conn is not None:
+                conn.abort()
+            elif unsent is not None:
+                unsent()
+            raise
+        except BaseException:
+            if conn is not None:
+                conn.abort()
+            raise
 
 
 async def _first_answer(
@@ -521,37 +519,17 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
     headers: list[tuple[str, str]] = []
     if proxy.engine_key is not None:
         headers.append(("Authorization", f"Bearer {proxy.engine_key}"))
-    connector = proxy.connector
-    router = proxy.router
-    if not connector.disaggregated:
-        inst = router.pick("both")
-        if inst is None:
-            raise LegFailure(503, "no healthy engine instance is available; try again shortly")
-        rid = request.headers.get("X-Request-Id") or None
-        if rid is not None:
-            headers.append(("X-Request-Id", rid))
-        # counted from the pick, with no await in between: a drain that starts now waits for this request
-        inst.routed += 1
-        try:
-            return await run_decode(proxy, request, inst, router.pick_dp_rank(inst), path, body, headers, started)
-        finally:
-            inst.routed -= 1
-
-    prefill = router.pick("prefill")
-    decode = router.pick("decode")
-    if prefill is None or decode is None:
-        missing = " and ".join(r for r, i in (("prefill", prefill), ("decode", decode)) if i is None)
-        raise LegFailure(503, f"no healthy {missing} instance is available; try again shortly")
-    # Both instances count the request from the pick (no await in between) until it ends: the decode leg
-    # starts only after the prefill leg in READ mode, and a drain of the decode instance in between must
-    # wait for it rather than let it be stopped under the request (a 502 "cannot connect").
-    prefill.routed += 1
-    decode.routed += 1
     try:
-        return await _disaggregated(proxy, request, path, body, headers, started, prefill, decode)
-    finally:
-        prefill.routed -= 1
-        decode.routed -= 1
+        route = proxy.router.route(RequestFacts(path, body))
+    except Unroutable as exc:
+        raise LegFailure(503, f"no healthy {exc} instance is available; try again shortly") from None
+    with route:
+        if route.prefill is None:
+            rid = request.headers.get("X-Request-Id") or None
+            if rid is not None:
+                headers.append(("X-Request-Id", rid))
+            return await run_decode(proxy, request, route.decode, route.decode_rank, path, body, headers, started)
+        return await _disaggregated(proxy, request, path, body, headers, started, route)
 
 
 def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, decode_body: dict[str, Any],
@@ -591,14 +569,12 @@ async def _disaggregated(
     body: dict[str, Any],
     headers: list[tuple[str, str]],
     started: float,
-    prefill: BackendState,
-    decode: BackendState,
+    route: Route,
 ) -> web.StreamResponse:
-    """The prefill and decode legs of one request on the instances picked for it."""
+    """The prefill and decode legs of one request on the route picked for it."""
     connector = proxy.connector
-    router = proxy.router
-    prefill_rank = router.pick_dp_rank(prefill)
-    decode_rank = router.pick_dp_rank(decode)
+    prefill, prefill_rank, decode, decode_rank = route.prefill, route.prefill_rank, route.decode, route.decode_rank
+    assert prefill is not None  # a route without a prefill instance is one leg (handle_completion)
     block = proxy.config.block_size
     if (connector.one_request_per_handoff and engine_requests(path, body) > 1) or (
             connector.lengths_matter and block is not None and not await can_hand_over(proxy, decode, path, body,

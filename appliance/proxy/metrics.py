@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from appliance.proxy.histogram import FastHistogram
-from appliance.proxy.registry import InstanceRegistry
+from appliance.proxy.instances import InstanceRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

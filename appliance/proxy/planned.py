@@ -17,8 +17,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from appliance.proxy.registry import BackendState, InstanceRegistry
-from appliance.proxy.routing import HealthChecker
+from appliance.proxy.health import HealthChecker
+from appliance.proxy.instances import BackendState, InstanceRegistry
 
 log = logging.getLogger("appliance.proxy.planned")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from appliance.proxy.registry import BackendState
+from appliance.proxy.instances import BackendState
 from appliance.proxy.state import ProxyState
 from appliance.proxy.upstream import UpstreamError
 

@@ -7,10 +7,11 @@ import time
 
 from appliance.connector import get_connector
 from appliance.proxy.config import ProxyConfig, read_secret
+from appliance.proxy.health import HealthChecker
+from appliance.proxy.instances import InstanceRegistry
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.planned import PlannedStops
-from appliance.proxy.registry import InstanceRegistry
-from appliance.proxy.routing import HealthChecker, Router
+from appliance.proxy.routing import Router
 
 
 class ProxyState:
@@ -30,7 +31,8 @@ class ProxyState:
         self.health = HealthChecker(self.registry, config.health,
                                     on_listener=lambda result: self.metrics.listener_checks.labels(result).inc())
         self.router = Router(self.registry, config.routing, lambda: self.mode,
-                             checks_mode=self.connector.mode_fixed_at_start)
+                             checks_mode=self.connector.mode_fixed_at_start,
+                             disaggregated=self.connector.disaggregated)
         self.planned = PlannedStops(self.registry, self.health)
         self.started_at = time.time()
         # While pdctl re-carves the node a role can briefly have no routable instance: requests then wait

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from pydantic import ValidationError
@@ -15,10 +15,12 @@ from appliance.connector.moriio.registration import (
     check_against_plan,
     normalize_registration,
 )
-from appliance.proxy.config import Backend, ProxyConfig
-from appliance.proxy.registry import BackendState, InstanceRegistry
-from appliance.proxy.routing import Router
+from appliance.proxy.config import Backend, ProxyConfig, Routing
+from appliance.proxy.instances import BackendState, InstanceRegistry
+from appliance.proxy.policies import POLICIES, RequestFacts
+from appliance.proxy.routing import Router, Unroutable
 
+FACTS = RequestFacts("/v1/completions", {"model": "m", "prompt": "hi"})
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 9, "min_tokens": 3, "stream": True,
         "stream_options": {"include_usage": True}}
 
@@ -100,32 +102,80 @@ def _registry(*specs: tuple[str, str]) -> InstanceRegistry:
 
 def test_round_robin_skips_what_is_not_routable() -> None:
     registry = _registry(("both-0", "both"), ("both-1", "both"), ("both-2", "both"))
-    router = Router(registry, "round_robin", lambda: "read", checks_mode=False)
-    assert [router.pick("both").name for _ in range(4)] == ["both-0", "both-1", "both-2", "both-0"]  # type: ignore[union-attr]
+    router = Router(registry, "round_robin", lambda: "read", checks_mode=False, disaggregated=False)
+    assert [router.pick("both", FACTS).name for _ in range(4)] == ["both-0", "both-1", "both-2", "both-0"]  # type: ignore[union-attr]
     registry.instances["both-1"].draining = True
     registry.instances["both-2"].healthy = False
-    assert {router.pick("both").name for _ in range(3)} == {"both-0"}  # type: ignore[union-attr]
+    assert {router.pick("both", FACTS).name for _ in range(3)} == {"both-0"}  # type: ignore[union-attr]
     registry.instances["both-0"].healthy = False
-    assert router.pick("both") is None
+    assert router.pick("both", FACTS) is None
 
 
 def test_least_outstanding_and_mode_check() -> None:
     registry = _registry(("decode-0", "decode"), ("decode-1", "decode"))
-    router = Router(registry, "least_outstanding", lambda: "write", checks_mode=True)
+    router = Router(registry, "least_outstanding", lambda: "write", checks_mode=True, disaggregated=True)
     registry.instances["decode-0"].in_flight = 5
-    assert {router.pick("decode").name for _ in range(4)} == {"decode-1"}  # type: ignore[union-attr]
+    assert {router.pick("decode", FACTS).name for _ in range(4)} == {"decode-1"}  # type: ignore[union-attr]
     # an engine registered in the other transfer mode is not routed while the proxy runs this one
     registry.instances["decode-1"].transfer_mode = "read"
-    assert router.pick("decode").name == "decode-0"  # type: ignore[union-attr]
+    assert router.pick("decode", FACTS).name == "decode-0"  # type: ignore[union-attr]
 
 
 def test_dp_rank_least_loaded_with_rotation() -> None:
     inst = _registry(("decode-0", "decode")).instances["decode-0"]
-    assert Router.pick_dp_rank(inst) is None
+    assert inst.pick_rank() is None
     inst.set_dp_size(3)
-    assert [Router.pick_dp_rank(inst) for _ in range(3)] == [0, 1, 2]
+    assert [inst.pick_rank() for _ in range(3)] == [0, 1, 2]
     inst.dp_in_flight = [2, 0, 1]
-    assert Router.pick_dp_rank(inst) == 1
+    assert inst.pick_rank() == 1
+
+
+def test_a_leg_outliving_two_replans_leaves_its_rank_counted_right() -> None:
+    """A leg on rank 3 of DP 4, re-planned to DP 2 and back to DP 4 while it runs: its end must not take rank 3
+    below zero (a count of -1 draws every later request of the instance to that rank)."""
+    inst = _registry(("decode-0", "decode")).instances["decode-0"]
+    inst.set_dp_size(4)
+    with inst.lease(3):
+        inst.set_dp_size(2)
+        assert inst.pick_rank() in (0, 1)  # the rank that went is not picked
+        inst.set_dp_size(4)
+        assert inst.dp_in_flight[3] == 1  # the leg still runs there
+    assert inst.in_flight == 0 and inst.dp_in_flight == [0, 0, 0, 0]
+
+
+def test_every_routing_setting_has_its_policy() -> None:
+    assert set(POLICIES) == set(get_args(Routing))
+
+
+def test_a_route_books_its_instances_until_it_ends_and_its_legs_lease_their_rank() -> None:
+    registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
+    prefill, decode = registry.instances["prefill-0"], registry.instances["decode-0"]
+    decode.set_dp_size(2)
+    router = Router(registry, "least_outstanding", lambda: "read", checks_mode=False, disaggregated=True)
+    with router.route(FACTS) as route:
+        assert (route.prefill, route.decode, route.prefill_rank, route.decode_rank) == (prefill, decode, None, 0)
+        assert (prefill.routed, decode.routed) == (1, 1)
+        with decode.lease(route.decode_rank) as lease:
+            assert decode.in_flight == 1 and decode.dp_in_flight == [1, 0]
+            decode.set_dp_size(1)  # re-planned with fewer ranks while the leg runs
+        lease.end()  # ending twice counts nothing twice
+        assert decode.in_flight == 0 and decode.dp_in_flight[:1] == [0]
+    assert (prefill.routed, decode.routed) == (0, 0)
+    # a role with nothing routable: the request is booked nowhere and the error names the role
+    decode.draining = True
+    with pytest.raises(Unroutable, match="^decode$"):
+        router.route(FACTS)
+    assert prefill.routed == 0
+
+
+def test_a_colocated_route_is_one_leg() -> None:
+    registry = _registry(("both-0", "both"))
+    router = Router(registry, "round_robin", lambda: "read", checks_mode=False, disaggregated=False)
+    with router.route(FACTS) as route:
+        assert route.prefill is None and route.decode.name == "both-0" and route.decode.routed == 1
+    registry.instances["both-0"].healthy = False
+    with pytest.raises(Unroutable, match="^engine$"):
+        router.route(FACTS)
 
 
 # ---------------------------------------------------------------------------------------------- registration

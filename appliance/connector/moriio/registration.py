@@ -23,7 +23,7 @@ from appliance.connector.moriio.address import PeerAddress, parse_zmq_address, q
 from appliance.connector.moriio.address import zmq_address as zmq_address_of
 from appliance.hosts import canonical_host
 
-log = logging.getLogger("appliance.proxy.registry")
+log = logging.getLogger("appliance.proxy.registration")
 
 _ROLE_BY_LETTER = {"P": "prefill", "D": "decode"}
 # A registration is a few hundred bytes; a bigger frame is garbage or an attempt to make us buffer it.

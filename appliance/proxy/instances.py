@@ -1,10 +1,8 @@
-"""The instances the proxy knows, which are the plan's (and what pdctl sets through the admin API); a connector
-whose engines register with the proxy brings its own listener (Connector.registration_listener), which may
-refresh a planned instance, never add or redirect one."""
+"""The instances the proxy routes to: each one's live state and the counters it owns (legs running on it, requests
+routed to it, per DP rank), and the table of them, which is the plan's (and what pdctl sets through the admin API)."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -13,8 +11,6 @@ from urllib.parse import urlsplit
 from appliance.hosts import canonical_host
 from appliance.proxy.config import Backend
 from appliance.proxy.upstream import UpstreamPool
-
-log = logging.getLogger("appliance.proxy.registry")
 
 
 class BackendState:
@@ -47,11 +43,12 @@ class BackendState:
         self.added_mono = time.monotonic()
         self.draining = False
         self.stopping = False  # in a planned stop (appliance.proxy.planned): out of rotation until it is back
-        self.in_flight = 0  # legs running on this instance (what least-outstanding routing compares)
+        # legs running on this instance (what least-outstanding routing compares), changed through lease() only
+        self.in_flight = 0
         # Requests routed here and not finished, from the moment they were routed: a READ request counts
         # against its decode instance while its prefill leg still runs, and against its prefill instance
         # while the decode reads the KV. A drain waits for this, so a drained instance has no request left
-        # that will still connect to it.
+        # that will still connect to it. Changed through book() only.
         self.routed = 0
         self.dp_in_flight = [0] * dp_size
         self.dp_next = 0
@@ -64,11 +61,36 @@ class BackendState:
         self.last_seen_mono: float | None = None
         self.removed = False
 
+    def lease(self, rank: int | None) -> Lease:
+        """Count one leg on this instance (and DP rank) until the lease ends: `with inst.lease(rank): ...`."""
+        return Lease(self, rank)
+
+    def book(self) -> Booking:
+        """Count a request routed here until the booking's end(); counted at once, so a drain that starts after
+        this call waits for the request."""
+        return Booking(self)
+
+    def pick_rank(self) -> int | None:
+        """The DP rank with the fewest legs running (ties rotate); None when dp_size is 1."""
+        size = self.dp_size
+        if size <= 1:
+            return None
+        start = self.dp_next % size
+        self.dp_next = start + 1
+        counts = self.dp_in_flight
+        best = start
+        for k in range(1, size):
+            rank = (start + k) % size
+            if counts[rank] < counts[best]:
+                best = rank
+        return best
+
     def set_dp_size(self, dp_size: int) -> None:
-        if dp_size != self.dp_size:
-            self.dp_size = dp_size
-            # keep counts of requests still running on ranks that remain
-            self.dp_in_flight = (self.dp_in_flight + [0] * dp_size)[:dp_size]
+        """Take a re-planned DP size. Every rank's count is kept, those beyond the new size too: a leg still
+        running on one ends later, and the rank may come back (picks look at the first dp_size only)."""
+        self.dp_size = dp_size
+        if dp_size > len(self.dp_in_flight):
+            self.dp_in_flight.extend([0] * (dp_size - len(self.dp_in_flight)))
 
     def state(self) -> dict[str, Any]:
         """A JSON-ready snapshot for the admin API."""
@@ -87,6 +109,55 @@ class BackendState:
             "transfer_mode": self.transfer_mode,
             "kv": self.kv,
         }
+
+
+class Lease:
+    """One leg running on an instance (and on a DP rank of it): counted in its in_flight from its creation until
+    end(), or the end of its with block."""
+
+    __slots__ = ("inst", "rank", "ended")
+
+    def __init__(self, inst: BackendState, rank: int | None) -> None:
+        self.inst = inst
+        self.rank = rank
+        self.ended = False
+        inst.in_flight += 1
+        if rank is not None:  # picked below dp_size, and the counts never shrink (set_dp_size)
+            inst.dp_in_flight[rank] += 1
+
+    def end(self) -> None:
+        """Stop counting the leg (a second call changes nothing)."""
+        if self.ended:
+            return
+        self.ended = True
+        inst, rank = self.inst, self.rank
+        inst.in_flight -= 1
+        if rank is not None:
+            inst.dp_in_flight[rank] -= 1
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
+
+class Booking:
+    """A request routed to an instance and not finished: counted in its `routed` (what a drain waits for) from
+    its creation until end() (a Route's with block ends its bookings)."""
+
+    __slots__ = ("inst", "ended")
+
+    def __init__(self, inst: BackendState) -> None:
+        self.inst = inst
+        self.ended = False
+        inst.routed += 1
+
+    def end(self) -> None:
+        """Stop counting the request (a second call changes nothing)."""
+        if not self.ended:
+            self.ended = True
+            self.inst.routed -= 1
 
 
 class InstanceRegistry:
@@ -109,6 +180,7 @@ class InstanceRegistry:
         self._by_address = {i.address: i for i in self.instances.values()}
 
     def get(self, name: str) -> BackendState | None:
+        """The instance named `name`, or None."""
         return self.instances.get(name)
 
     def find_by_address(self, host: str, port: int) -> BackendState | None:

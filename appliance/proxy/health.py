@@ -1,0 +1,157 @@
+"""Instance health: active /health probes (with a check of who owns the listener) and passive failure counting
+from the legs; an instance that fails either is out of rotation until a probe passes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import psutil
+
+from appliance.proxy import listeners
+from appliance.proxy.config import HealthConfig
+from appliance.proxy.instances import BackendState, InstanceRegistry
+from appliance.proxy.upstream import UpstreamError
+
+log = logging.getLogger("appliance.proxy.health")
+LOG_EVERY_S = 10.0  # a listener kept out of rotation: one log line per instance per this interval
+
+
+class HealthChecker:
+    """Active /health probes every probe_interval_s; passive failure counting from the legs."""
+
+    def __init__(self, registry: InstanceRegistry, config: HealthConfig,
+                 on_listener: Callable[[str], None] | None = None) -> None:
+        self.registry = registry
+        self.config = config
+        self.on_listener = on_listener
+        self.engine_uid = os.geteuid() if config.engine_uid is None else config.engine_uid
+        self._local = frozenset(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs)
+        self._listener_checked: dict[str, float] = {}  # per instance: when its listener's owner was last seen right
+        self._listener_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, refusals since
+        self._task: asyncio.Task[None] | None = None
+        self._probing: set[str] = set()
+        self._started: dict[str, int] = {}  # per instance name: the last probe started, and answered
+        self._answered: dict[str, int] = {}
+
+    def start(self) -> None:
+        """Start the probe loop."""
+        self._task = asyncio.create_task(self._loop(), name="health-probes")
+
+    async def stop(self) -> None:
+        """Stop the probe loop."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def probe_soon(self, inst: BackendState) -> None:
+        """Probe one (new) instance now rather than at the next tick."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        asyncio.ensure_future(self.probe(inst))
+
+    async def _loop(self) -> None:
+        while True:
+            instances = list(self.registry.instances.values())
+            if instances:
+                await asyncio.gather(*(self.probe(i) for i in instances), return_exceptions=True)
+            await asyncio.sleep(self.config.probe_interval_s)
+
+    async def probe(self, inst: BackendState, fresh: bool = False) -> bool:
+        """GET /health on the instance; healthy iff 200. Updates the instance.
+
+        A probe already running for it answers for this one too, unless `fresh`: then the answer is always
+        from a probe started now (one that began before the instance came back would say it is down).
+        """
+        if inst.removed or (inst.name in self._probing and not fresh):
+            return inst.healthy
+        self._probing.add(inst.name)
+        seq = self._started[inst.name] = self._started.get(inst.name, 0) + 1
+        try:
+            ok = await self._get_health(inst)
+        finally:
+            self._probing.discard(inst.name)
+        if seq < self._answered.get(inst.name, 0):
+            return inst.healthy  # a probe started after this one has answered already: its word stands
+        self._answered[inst.name] = seq
+        if ok and self._listener_due(inst):
+            ok = self._listener_ok(inst)
+        if ok and not inst.healthy:
+            log.info("%s (%s) is healthy", inst.name, inst.url)
+        elif not ok and inst.healthy:
+            log.warning("%s (%s) failed its health probe: ejected", inst.name, inst.url)
+        inst.healthy = ok
+        if ok:
+            inst.failures = 0
+            inst.ever_healthy = True
+        else:
+            inst.failed_probes += 1
+        return ok
+
+    def _listener_due(self, inst: BackendState) -> bool:
+        # always before (re)admission; while healthy, sampled: a squatter needs the engine dead first, and a dead
+        # engine fails its probes (then it is checked on its way back) unless the squatter binds between two
+        checked = self._listener_checked.get(inst.name)
+        return not inst.healthy or checked is None or time.monotonic() - checked >= self.config.listener_check_interval_s
+
+    def _listener_ok(self, inst: BackendState) -> bool:
+        """Whether the instance's listener belongs to the engines' user (listeners.verdict); counted, and logged
+        once per LOG_EVERY_S per instance when it does not. Unreadable socket tables admit the instance."""
+        # read inline: a few hundred bytes per socket, well under a millisecond, and an instance waiting for
+        # admission at start must not wait for a thread
+        tables = listeners.read_tables()
+        result = listeners.verdict(tables, inst.host, inst.port, self.engine_uid, listeners.is_local(inst.host, self._local))
+        if self.on_listener is not None:
+            self.on_listener(result)
+        if result in (listeners.OK, listeners.REMOTE):
+            self._listener_checked[inst.name] = time.monotonic()
+            return True
+        now = time.monotonic()
+        last, since = self._listener_logged.get(inst.name, (0.0, 0))
+        if now - last >= LOG_EVERY_S:
+            if result == listeners.UNVERIFIABLE:
+                # fail open: without /proc/net a host would otherwise serve nothing at all (docs/threat-model.md)
+                log.warning("%s (%s): cannot read %s to see who listens there; admitted unchecked (%d more since)",
+                            inst.name, inst.url, " or ".join(listeners.TABLES), since)
+            else:
+                log.warning("%s (%s) answers /health but its listener is not the engines' (uid %d): %s; kept out of "
+                            "rotation (%d more since)", inst.name, inst.url, self.engine_uid, result, since)
+            self._listener_logged[inst.name] = (now, 0)
+        else:
+            self._listener_logged[inst.name] = (last, since + 1)
+        return result == listeners.UNVERIFIABLE
+
+    async def _get_health(self, inst: BackendState) -> bool:
+        timeout = self.config.probe_timeout_s
+        try:
+            conn, head = await inst.pool.open("GET", "/health", (), b"", collect=True, head_timeout=timeout)
+        except UpstreamError:
+            return False
+        assert conn.done_fut is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.done_fut), timeout)
+        except (UpstreamError, asyncio.TimeoutError):
+            conn.abort()
+            return False
+        inst.pool.release(conn)
+        return head.status == 200
+
+    def leg_failed(self, inst: BackendState) -> None:
+        """Passive check: count a failed leg; eject after fail_threshold in a row."""
+        inst.failures += 1
+        if inst.healthy and inst.failures >= self.config.fail_threshold:
+            inst.healthy = False
+            log.warning("%s (%s) failed %d requests in a row: ejected until its probe passes",
+                        inst.name, inst.url, inst.failures)
+
+    @staticmethod
+    def leg_ok(inst: BackendState) -> None:
+        """Passive check: a successful leg resets the failure count."""
+        inst.failures = 0

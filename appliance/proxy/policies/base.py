@@ -1,0 +1,46 @@
+"""What a routing policy is: given one request's facts and the routable instances of a role, pick one.
+
+The router (appliance.proxy.routing) does what every policy shares: it keeps out what may not be routed (unhealthy,
+draining, in a planned stop, the other transfer mode), picks each role's instance through the policy, a DP rank
+through the instance, and books the request on them. A policy only chooses; it reads the instances' live counters
+(in_flight, routed, dp_in_flight) and never changes them: the instance does, through its leases and bookings.
+
+Adding a policy is one module here and one line in POLICIES (policies/__init__.py); the request flows (legs.py)
+make one call, Router.route, whatever the policy. What the policies that come next need (issue 25):
+- prefix-cache affinity reads the prompt from RequestFacts.body (text, chat messages or token ids; RequestFacts
+  gains the token ids where the proxy has them) and keeps its own per-instance estimate of cached prefixes, keyed
+  by instance name: fed by vLLM's KV events or, as the fallback, by the prefixes of the requests it has sent there
+  (it sees each pick it makes); bounded by load through the same counters least_outstanding reads.
+- conditional disaggregation decides per request whether the prefill hop is taken at all, from the prompt's
+  length, its uncached part and the prefill and decode instances' load: a decision over the whole route, made in
+  Router.route, which then returns a Route without a prefill instance. legs.py serves that on one leg, with the
+  connector's alone_body for a disaggregated connector (as it serves a prompt the connector cannot hand over).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from appliance.proxy.instances import BackendState
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What a policy may know of one request: the client's API path and its validated body."""
+
+    path: str
+    body: Mapping[str, Any]
+
+
+class Policy(ABC):
+    """Picks an instance of a role for a request. One instance of a policy serves the whole proxy, so a policy
+    keeps what it learns (a rotation, a prefix estimate) on itself."""
+
+    name: ClassVar[str]  # the value of the proxy's `routing` setting that selects it
+
+    @abstractmethod
+    def pick(self, role: str, candidates: Sequence[BackendState], request: RequestFacts) -> BackendState:
+        """One of `candidates`: the routable instances of `role` (never empty), in the plan's order."""

@@ -1,0 +1,70 @@
+"""The proxy's CPU cost of routing one request, per routing policy: Router.route (the routable instances of each
+role, the policy's pick, the DP rank, the bookings) and a lease per leg, as legs.py does for a disaggregated
+request, in process, with no I/O.
+
+    python benchmarks/routing_bench.py [--instances 1,4,16] [--dp 1,8] [--requests 100000] [--repeat 7]
+
+Prints, for each policy of appliance.proxy.policies and each number of instances per role and DP size, the best
+of --repeat runs of --requests requests, in microseconds per request. A request streams hundreds of tokens
+whose relay costs tens of microseconds each (benchmarks/proxy_bench.py): this is what a policy adds on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import timeit
+
+from appliance.proxy.instances import BackendState, InstanceRegistry
+from appliance.proxy.policies import POLICIES, RequestFacts
+from appliance.proxy.routing import Router
+
+BODY = {"model": "bench-model", "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 16}
+
+
+def _registry(instances: int, dp_size: int) -> InstanceRegistry:
+    registry = InstanceRegistry(1.0)
+    port = 20000
+    for role in ("prefill", "decode"):
+        for k in range(instances):
+            port += 1
+            inst = BackendState(f"{role}-{k}", role, f"http://127.0.0.1:{port}", connect_timeout=1.0, dp_size=dp_size)
+            inst.healthy = True
+            registry.instances[inst.name] = inst
+            registry.by_role[role].append(inst)
+    return registry
+
+
+def us_per_request(policy: str, instances: int, dp_size: int, requests: int, repeat: int) -> float:
+    """The best of `repeat` runs of routing `requests` requests, in microseconds per request."""
+    router = Router(_registry(instances, dp_size), policy, lambda: "read", checks_mode=True, disaggregated=True)
+
+    def one() -> None:
+        with router.route(RequestFacts("/v1/completions", BODY)) as route:
+            assert route.prefill is not None
+            with route.prefill.lease(route.prefill_rank):
+                pass
+            with route.decode.lease(route.decode_rank):
+                pass
+
+    return min(timeit.repeat(one, number=requests, repeat=repeat)) / requests * 1e6
+
+
+def main() -> None:
+    """Parse the options and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--instances", default="1,4,16", help="instances per role, comma-separated")
+    parser.add_argument("--dp", default="1,8", help="DP sizes, comma-separated")
+    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.instances.split(",")]
+    dps = [int(n) for n in args.dp.split(",")]
+    print(f"routing cost per disaggregated request (route + 2 leases), us, best of {args.repeat} x {args.requests}")
+    print(f"{'policy':<20}" + "".join(f"{f'{n} inst, DP {d}':>16}" for n in sizes for d in dps))
+    for policy in POLICIES:
+        cells = (us_per_request(policy, n, d, args.requests, args.repeat) for n in sizes for d in dps)
+        print(f"{policy:<20}" + "".join(f"{c:>16.2f}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
