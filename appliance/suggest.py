@@ -55,7 +55,7 @@ from appliance.connector import disaggregated_name, get_connector, resolve_name
 from appliance.errors import PdctlError
 from appliance.heads import Heads
 from appliance.inventory.models import Inventory
-from appliance.modelshape import ModelShape, experts_touched
+from appliance.model_config import ModelShape, experts_touched
 from appliance.plan import _usable, plan, platform_of
 from appliance.settings import EMBEDDED_MODEL, Settings
 

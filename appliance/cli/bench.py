@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
     from appliance.bench.results import BenchResult
     from appliance.bench.sweep import SweepPlan
     from appliance.inventory.models import Inventory
-    from appliance.modelshape import Vocabulary
+    from appliance.model_config import Vocabulary
     from appliance.settings import Settings
 
 
@@ -294,8 +294,8 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
                    work: _Workload, stamp: datetime, out_dir: Path) -> BenchResult:
     """Sweep the --url (or the deployment's proxy), or with --compare every shape; what was measured so far
     when interrupted (first Ctrl-C)."""
-    from appliance.bench.client import Target, discover_model, model_root
     from appliance.bench.compare import PdctlDeployer
+    from appliance.bench.loadgen import Target, discover_model, model_root
     from appliance.bench.runner import run_compare, run_url
     from appliance.bench.sweep import Stopper
     from appliance.bench.workload import token_range as resolve_token_range
@@ -355,7 +355,7 @@ def _vocabulary(settings: Settings, engine: str, url: str | None, root: str | No
     """The token ids the measured model accepts: from the --url server's model directory where it names one on
     this host, else from the settings' model (the simulated engine's own vocabulary for engine sim)."""
     from appliance.engine.sim.tokens import VOCAB_SIZE
-    from appliance.modelshape import Vocabulary, read_vocabulary
+    from appliance.model_config import Vocabulary, read_vocabulary
     from appliance.plan import model_plan
 
     if url:
@@ -391,7 +391,7 @@ def _report(result: BenchResult, opts: dict[str, Any], out_dir: Path) -> None:
 def _sweep_plan(opts: dict[str, Any], slo: Slo) -> SweepPlan:
     """The sweep's rates (schedule), request counts and steady window, from the options."""
     from appliance.bench.analysis import JUDGEMENTS
-    from appliance.bench.schedule import parse_schedule
+    from appliance.bench.rate_schedule import parse_schedule
     from appliance.bench.sweep import SweepPlan
 
     # The run's judgement first: its ceiling is refined first when the rate budget runs out.

@@ -19,8 +19,8 @@ from appliance.machines import simulated_sources
 from appliance.node import Node, layered, recorded_overrides
 from appliance.nodelock import Holder, node_lock
 from appliance.plan import Plan, plan
+from appliance.role_shape import role_overrides
 from appliance.settings import Settings, env_data, env_name, leaves, load_settings
-from appliance.shapes import role_overrides
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -22,12 +22,12 @@ from appliance.connector import get_connector
 from appliance.errors import PdctlError
 from appliance.node import Node, admin_client, http_answer, layered, pinned
 from appliance.plan import Instance, Plan, plan
-from appliance.proxy.client import AdminClient
+from appliance.proxy.admin_client import AdminClient
 from appliance.rebalance.apply import Options, Rebalancer, busy_new_ports
-from appliance.rebalance.restart import can_roll, switch_mode
+from appliance.rebalance.mode_switch import can_roll, switch_mode
 from appliance.rebalance.schedule import Schedule, schedule
+from appliance.role_shape import role_overrides
 from appliance.settings import Settings, env_data
-from appliance.shapes import role_overrides
 
 F = TypeVar("F", bound=Callable[..., Any])
 

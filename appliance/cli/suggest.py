@@ -18,7 +18,7 @@ from appliance.connector import disaggregated_name
 from appliance.errors import PdctlError
 from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
-from appliance.modelshape import ModelShape, read_model_shape, with_engine_quantization
+from appliance.model_config import ModelShape, read_model_shape, with_engine_quantization
 from appliance.node import Node
 from appliance.roles import Role
 from appliance.settings import EMBEDDED_MODEL, Settings

@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from appliance.ports import free_port
-from appliance.proxy.client import AdminClient, ProxyAdminError
+from appliance.proxy.admin_client import AdminClient, ProxyAdminError
 from tests.proxy.conftest import (
     MODEL,
     backend,

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 
-from appliance.proxy.client import AdminClient
+from appliance.proxy.admin_client import AdminClient
 from tests.proxy.conftest import (
     FakeEngine,
     backend,
