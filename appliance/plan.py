@@ -34,7 +34,7 @@ from appliance.errors import PlanError
 from appliance.hosts import is_loopback, url_host
 from appliance.inventory.models import Gpu, Inventory
 from appliance.proxy.config import AdminConfig, Backend, ProxyConfig, RegistrationConfig, Timeouts
-from appliance.roles import Mode, Role
+from appliance.roles import MODES, Mode, Role
 from appliance.settings import EMBEDDED_MODEL, Settings
 from appliance.statedir import StateDir
 
@@ -348,12 +348,12 @@ def _fast_island(inventory: Inventory, gpus: list[int]) -> bool:
 _PLATFORM_NODES: dict[str, str] = {"rocm": "AMD GPUs", "cuda": "NVIDIA GPUs", "cpu": "a CPU-only node"}
 
 
-def _check_connector(connector: Connector, mode: str, platform: Platform) -> None:
+def _check_connector(connector: Connector, mode: Mode, platform: Platform) -> None:
     """The connector has the transfer mode and runs on this platform; otherwise a PlanError naming the way out."""
     try:
         connector.check_mode(mode)
     except ValueError as exc:
-        other = "read" if mode == "write" else "write"
+        other = next(m for m in MODES if m != mode)
         having = [n for n in names() if (c := get_connector(n)).disaggregated and mode in c.modes]
         raise PlanError(str(exc), fix=f"use --mode {other}, or a connector with a {mode} mode ({', '.join(having)})") from None
     if platform not in connector.platforms:

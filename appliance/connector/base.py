@@ -158,7 +158,7 @@ class Connector(ABC):
 
     name: ClassVar[str]
     vllm_class: ClassVar[str | None]
-    modes: ClassVar[frozenset[str]]
+    modes: ClassVar[frozenset[Mode]]
     platforms: ClassVar[frozenset[Platform]] = frozenset(PLATFORMS)
     # False: no KV handoff; the proxy sends whole requests to role "both" instances (colocated).
     disaggregated: ClassVar[bool] = True
@@ -224,7 +224,7 @@ class Connector(ABC):
         """Whether the transfer uses RDMA devices (None: never), given the configured MORI-IO backend."""
         return None
 
-    def check_mode(self, mode: str) -> None:
+    def check_mode(self, mode: Mode) -> None:
         """Raise ValueError when the connector has no such transfer mode (the one rule every validator uses)."""
         if mode not in self.modes:
             raise ValueError(f"connector '{self.name}' has no {mode} mode (it supports {', '.join(sorted(self.modes))})")

@@ -132,7 +132,8 @@ class Backend(_Model):
 
 
 class ProxyConfig(_Model):
-    """The whole proxy configuration; field names are fixed by notes/INTERFACES.md."""
+    """The whole proxy configuration. Its field names are proxy.json's keys and the plan's `proxy` record, which
+    deployed nodes have on disk and a new proxy must still load: rename none (add, with a default, instead)."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=10001, ge=0, le=65535)

@@ -21,6 +21,7 @@ from appliance.connector.moriio import parse_zmq_address
 from appliance.connector.moriio import zmq_address as zmq_address_of
 from appliance.proxy.config import Backend, RegistrationConfig
 from appliance.proxy.upstream import UpstreamPool
+from appliance.roles import parse_mode
 
 log = logging.getLogger("appliance.proxy.registry")
 
@@ -292,10 +293,10 @@ def normalize_registration(data: Any) -> dict[str, Any] | None:
         raise RegistrationError("http_address and zmq_address must be strings")
     host, port = _parse_http_address(http_address)
     zmq_host = _zmq_host(zmq_address)
-    mode = data.get("transfer_mode")
-    if mode not in ("READ", "WRITE", "read", "write"):
-        raise RegistrationError(f"transfer_mode must be READ or WRITE, got {_show(mode)}")
-    mode = mode.lower()
+    try:
+        mode = parse_mode(data.get("transfer_mode"))
+    except ValueError:
+        raise RegistrationError(f"transfer_mode must be READ or WRITE, got {_show(data.get('transfer_mode'))}") from None
     return {
         "role": _ROLE_BY_LETTER[role_letter],
         "http_address": f"{host}:{port}",

@@ -227,8 +227,12 @@ def test_admin_api_state_mode_drain_and_instances(tmp_path: Path) -> None:
                 "prefill-0": ("prefill", True), "decode-0": ("decode", True)}
             answer = await asyncio.to_thread(client.set_mode, "write")
             assert answer == {"mode": "write", "previous": "read", "engines_restart_required": True}
-            with pytest.raises(ProxyAdminError, match="mode"):
+            with pytest.raises(ProxyAdminError, match="must be read or write, got 'sideways'"):
                 await asyncio.to_thread(client.set_mode, "sideways")
+            # one reading of the mode everywhere: vLLM's case (READ) names the same mode as the user's (read)
+            back = await asyncio.to_thread(client.set_mode, "READ")
+            assert back == {"mode": "read", "previous": "write", "engines_restart_required": True}
+            await asyncio.to_thread(client.set_mode, "write")
             # drain waits for the request in flight, and new requests get 503 meanwhile
             stream = asyncio.ensure_future(post(px.api_port, "/v1/completions",
                                                 {"prompt": "x", "max_tokens": 20, "stream": True}))

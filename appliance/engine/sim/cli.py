@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from appliance.choices import ConnectorChoice
 from appliance.errors import ConfigError, run_command
+from appliance.roles import MODES
 
 
 def _config(options: dict[str, Any]) -> Any:
@@ -34,7 +35,7 @@ def _config(options: dict[str, Any]) -> Any:
 @click.option("--port", type=int, default=8000, show_default=True, help="HTTP port (0 = any free port).")
 @click.option("--role", type=click.Choice(["prefill", "decode", "both"]), default="both", show_default=True)
 @click.option("--connector", type=ConnectorChoice(), default="none", show_default=True)
-@click.option("--mode", type=click.Choice(["read", "write"]), default="read", show_default=True)
+@click.option("--mode", type=click.Choice(MODES), default="read", show_default=True)
 @click.option("--model", default="sim-model", show_default=True, help="Served model name.")
 @click.option("--instance-name", default="", help="Instance name, e.g. prefill-0 (logs only).")
 @click.option("--max-model-len", type=int, default=8192, show_default=True)
