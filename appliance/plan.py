@@ -33,9 +33,9 @@ from appliance.engine.version import split_package
 from appliance.errors import PlanError
 from appliance.hosts import is_loopback, url_host
 from appliance.inventory.models import Gpu, Inventory
-from appliance.proxy.config import AdminConfig, Backend, ProxyConfig, RegistrationConfig, Timeouts
+from appliance.proxy.config import Backend, ProxyConfig
 from appliance.roles import MODES, Mode, Role
-from appliance.settings import EMBEDDED_MODEL, Settings
+from appliance.settings import EMBEDDED_MODEL, Settings, deep_merge, proxy_config_data
 from appliance.statedir import StateDir
 
 SCHEMA_VERSION: Literal[2] = 2
@@ -554,26 +554,14 @@ def _proxy_config(settings: Settings, connector: Connector, mode: Mode,
     The admin API always has a token: proxy.admin_token_file, else the state directory's, which `pdctl up`
     generates; any local process could otherwise replace the backend set with its own address."""
     p = settings.proxy
-    token_file = p.admin_token_file or str(state.admin_token)
+    from_plan = {
+        "mode": mode, "connector": connector.name, "model": served_name, "block_size": block_size,
+        "max_model_len": settings.model.max_model_len,
+        "registration": {"enabled": connector.registers_with_proxy},
+        "admin": {"token_file": p.admin_token_file or str(state.admin_token)},
+    }
     try:
-        return ProxyConfig(
-            host=p.host,
-            port=p.port,
-            mode=mode,
-            connector=connector.name,
-            routing=p.routing,
-            model=served_name,
-            block_size=block_size,
-            max_model_len=settings.model.max_model_len,
-            api_key_file=p.api_key_file,
-            registration=RegistrationConfig(enabled=connector.registers_with_proxy, host=p.registration_host,
-                                            port=p.ping_port, allowed_hosts=p.allowed_hosts,
-                                            peer_hosts=p.peer_hosts, max_per_s=p.registration_max_per_s),
-            admin=AdminConfig(host=p.admin_host, port=p.admin_port, token_file=token_file),
-            timeouts=Timeouts(connect_s=p.connect_timeout_s, prefill_s=p.prefill_timeout_s,
-                              first_token_s=p.first_token_timeout_s, between_tokens_s=p.between_tokens_timeout_s),
-            limits=p.limits,
-        )
+        return ProxyConfig.model_validate(deep_merge(proxy_config_data(p.model_dump()), from_plan))
     except ValidationError as exc:
         # The proxy would refuse to start like this; say so before anything is written.
         problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
@@ -589,17 +577,13 @@ def backends(instances: list[Instance]) -> list[Backend]:
 def _schema_1_to_2(data: dict[str, Any]) -> dict[str, Any]:
     """A schema-1 plan (flat proxy record) in the schema-2 shape (the proxy's ProxyConfig)."""
     old = data["proxy"]
-    proxy = {
-        "host": old["host"], "port": old["port"], "mode": old["mode"], "connector": old["connector"],
-        "routing": old["routing"], "model": data["model"]["served_name"], "api_key_file": old["api_key_file"],
-        "registration": {"enabled": old["registration_enabled"], "host": old["registration_host"],
-                         "port": old["ping_port"], "allowed_hosts": old["allowed_hosts"]},
-        "admin": {"host": old["admin_host"], "port": old["admin_port"], "token_file": old["admin_token_file"]},
-        "timeouts": {"connect_s": old["connect_timeout_s"], "prefill_s": old["prefill_timeout_s"],
-                     "first_token_s": old["first_token_timeout_s"], "between_tokens_s": old["between_tokens_timeout_s"]},
+    # its keys are the [proxy] settings' (those of its day), plus what the plan decided
+    proxy = deep_merge(proxy_config_data(old), {
+        "mode": old["mode"], "connector": old["connector"], "model": data["model"]["served_name"],
+        "registration": {"enabled": old["registration_enabled"]},
         "backends": [{"name": i["name"], "role": i["role"], "url": i["url"], "dp_size": i["dp"], "tp_size": i["tp"],
                       "kv": i["proxy_kv"]} for i in data["instances"]],
-    }
+    })
     return {**data, "schema_version": SCHEMA_VERSION, "proxy": proxy}
 
 
