@@ -25,7 +25,7 @@ from appliance.cli.main import cli
 from appliance.connector import Connector, HandoffError, InstanceContext, Peer, RayServeBackend, register
 from appliance.connector.base import SimOptions
 from appliance.engine.sim import SimServer
-from appliance.engine.sim.cli import _config, sim_engine
+from appliance.engine.sim.cli import sim_config, sim_engine
 from appliance.engine.sim.connectors import BadKVParams, ConnectorSim
 from appliance.engine.sim.engine import Sequence
 from appliance.errors import ExportError
@@ -155,7 +155,7 @@ def test_simulated_and_proxied(ticket: None, tmp_path: Path) -> None:
             args = inst.argv[inst.argv.index("appliance.engine.sim") + 1:]
             options = sim_engine.make_context("sim-engine", args).params
             options.pop("log_level")
-            engines[inst.name] = SimServer(_config({**options, "port": 0}))
+            engines[inst.name] = SimServer(sim_config({**options, "port": 0}))
         for server in engines.values():
             await server.start()
         raw = p.proxy.model_dump(mode="json")
