@@ -19,8 +19,8 @@ from appliance.connector import get_connector
 from appliance.connector.base import Connector, RdmaNeed
 from appliance.engine.command import server_command
 from appliance.errors import PdctlError
-from appliance.heads import read_heads
 from appliance.inventory import Inventory
+from appliance.model_config import read_heads
 from appliance.plan import Plan, all_ports
 from appliance.settings import Settings
 

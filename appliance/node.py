@@ -44,7 +44,7 @@ from appliance.statedir import (
 )
 
 if TYPE_CHECKING:
-    from appliance.proxy.client import AdminClient
+    from appliance.proxy.admin_client import AdminClient
 
 EXIT_DOWN = 3
 # Sections of a layout that a command line naming the same role replaces whole (a shape, not a tweak).
@@ -80,7 +80,7 @@ def admin_url(plan: Plan) -> str:
 
 def admin_client(plan: Plan, timeout: float) -> AdminClient:
     """A client of the proxy's admin API, with the plan's token."""
-    from appliance.proxy.client import AdminClient
+    from appliance.proxy.admin_client import AdminClient
 
     return AdminClient(admin_url(plan), token_file=plan.proxy.admin.token_file, timeout=timeout)
 
@@ -88,7 +88,7 @@ def admin_client(plan: Plan, timeout: float) -> AdminClient:
 def proxy_state(plan: Plan) -> dict[str, Any] | None:
     """The proxy's /admin/state, or None when it does not answer; PortTaken when another service answers there,
     AdminRefused when the proxy answers but refuses pdctl's token."""
-    from appliance.proxy.client import AdminRefused, PortTaken, ProxyAdminError
+    from appliance.proxy.admin_client import AdminRefused, PortTaken, ProxyAdminError
 
     try:
         return admin_client(plan, timeout=3).state()

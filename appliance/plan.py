@@ -33,9 +33,9 @@ from appliance.engine.version import split_package
 from appliance.errors import PlanError
 from appliance.hosts import is_loopback, url_host
 from appliance.inventory.models import Gpu, Inventory
-from appliance.proxy.config import AdminConfig, Backend, ProxyConfig, RegistrationConfig, Timeouts
-from appliance.roles import Mode, Role
-from appliance.settings import EMBEDDED_MODEL, Settings
+from appliance.proxy.config import Backend, ProxyConfig
+from appliance.roles import MODES, Mode, Role
+from appliance.settings import EMBEDDED_MODEL, Settings, deep_merge, proxy_config_data
 from appliance.statedir import StateDir
 
 SCHEMA_VERSION: Literal[2] = 2
@@ -348,12 +348,12 @@ def _fast_island(inventory: Inventory, gpus: list[int]) -> bool:
 _PLATFORM_NODES: dict[str, str] = {"rocm": "AMD GPUs", "cuda": "NVIDIA GPUs", "cpu": "a CPU-only node"}
 
 
-def _check_connector(connector: Connector, mode: str, platform: Platform) -> None:
+def _check_connector(connector: Connector, mode: Mode, platform: Platform) -> None:
     """The connector has the transfer mode and runs on this platform; otherwise a PlanError naming the way out."""
     try:
         connector.check_mode(mode)
     except ValueError as exc:
-        other = "read" if mode == "write" else "write"
+        other = next(m for m in MODES if m != mode)
         having = [n for n in names() if (c := get_connector(n)).disaggregated and mode in c.modes]
         raise PlanError(str(exc), fix=f"use --mode {other}, or a connector with a {mode} mode ({', '.join(having)})") from None
     if platform not in connector.platforms:
@@ -555,26 +555,14 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
     The admin API always has a token: proxy.admin_token_file, else the state directory's, which `pdctl up`
     generates; any local process could otherwise replace the backend set with its own address."""
     p = settings.proxy
-    token_file = p.admin_token_file or str(state.admin_token)
+    from_plan = {
+        "mode": mode, "connector": connector, "model": served_name, "block_size": block_size,
+        "max_model_len": settings.model.max_model_len,
+        "registration": {"enabled": get_connector(connector).registers_with_proxy},
+        "admin": {"token_file": p.admin_token_file or str(state.admin_token)},
+    }
     try:
-        return ProxyConfig(
-            host=p.host,
-            port=p.port,
-            mode=mode,
-            connector=connector,
-            routing=p.routing,
-            model=served_name,
-            block_size=block_size,
-            max_model_len=settings.model.max_model_len,
-            api_key_file=p.api_key_file,
-            registration=RegistrationConfig(enabled=get_connector(connector).registers_with_proxy, host=p.registration_host,
-                                            port=p.ping_port, allowed_hosts=p.allowed_hosts,
-                                            peer_hosts=p.peer_hosts, max_per_s=p.registration_max_per_s),
-            admin=AdminConfig(host=p.admin_host, port=p.admin_port, token_file=token_file),
-            timeouts=Timeouts(connect_s=p.connect_timeout_s, prefill_s=p.prefill_timeout_s,
-                              first_token_s=p.first_token_timeout_s, between_tokens_s=p.between_tokens_timeout_s),
-            limits=p.limits,
-        )
+        return ProxyConfig.model_validate(deep_merge(proxy_config_data(p.model_dump()), from_plan))
     except ValidationError as exc:
         # The proxy would refuse to start like this; say so before anything is written.
         problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
@@ -590,17 +578,13 @@ def backends(instances: list[Instance]) -> list[Backend]:
 def _schema_1_to_2(data: dict[str, Any]) -> dict[str, Any]:
     """A schema-1 plan (flat proxy record) in the schema-2 shape (the proxy's ProxyConfig)."""
     old = data["proxy"]
-    proxy = {
-        "host": old["host"], "port": old["port"], "mode": old["mode"], "connector": old["connector"],
-        "routing": old["routing"], "model": data["model"]["served_name"], "api_key_file": old["api_key_file"],
-        "registration": {"enabled": old["registration_enabled"], "host": old["registration_host"],
-                         "port": old["ping_port"], "allowed_hosts": old["allowed_hosts"]},
-        "admin": {"host": old["admin_host"], "port": old["admin_port"], "token_file": old["admin_token_file"]},
-        "timeouts": {"connect_s": old["connect_timeout_s"], "prefill_s": old["prefill_timeout_s"],
-                     "first_token_s": old["first_token_timeout_s"], "between_tokens_s": old["between_tokens_timeout_s"]},
+    # its keys are the [proxy] settings' (those of its day), plus what the plan decided
+    proxy = deep_merge(proxy_config_data(old), {
+        "mode": old["mode"], "connector": old["connector"], "model": data["model"]["served_name"],
+        "registration": {"enabled": old["registration_enabled"]},
         "backends": [{"name": i["name"], "role": i["role"], "url": i["url"], "dp_size": i["dp"], "tp_size": i["tp"],
                       "kv": i["proxy_kv"]} for i in data["instances"]],
-    }
+    })
     return {**data, "schema_version": SCHEMA_VERSION, "proxy": proxy}
 
 

@@ -6,6 +6,7 @@ Nested fields use a double underscore in the environment: PDCTL_DECODE__TP=2, PD
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from annotated_types import Ge
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -26,7 +28,7 @@ from pydantic import (
 from appliance.connector import Connector, check_name, get_connector, names
 from appliance.connector.base import OwnSettings
 from appliance.errors import ConfigError
-from appliance.proxy.config import Limits
+from appliance.proxy.config import Limits, ProxyConfig, Routing
 from appliance.roles import Mode, Role
 
 if sys.version_info >= (3, 11):
@@ -67,15 +69,25 @@ class ModelSettings(Section):
         return self.path.rstrip("/").split("/")[-1].split(":")[-1] or "model"
 
 
-class SimSettings(Section):
-    """The simulated engine's time model (engine.kind = "sim")."""
+class SimTimeModel(Section):
+    """The simulated engine's time model: what a step costs and how much KV it holds. Defined once: pdctl.toml's
+    [engine.sim] sets it, the simulated engine's SimConfig (and so its flags) inherits it."""
 
-    prefill_us_per_token: float = Field(default=20.0, ge=0)
-    decode_step_ms: float = Field(default=5.0, ge=0)
-    decode_step_ms_per_seq: float = Field(default=0.05, ge=0)
-    num_blocks: int = Field(default=8192, gt=0)
-    block_size: int = Field(default=16, gt=0)
-    extra_args: list[str] = Field(default_factory=list)
+    prefill_us_per_token: float = Field(default=20.0, ge=0, description="Prefill compute per prompt token (us)")
+    decode_step_ms: float = Field(default=5.0, ge=0, description="One decode step's base cost (ms)")
+    decode_step_ms_per_seq: float = Field(default=0.05, ge=0, description="A decode step's cost per running sequence (ms)")
+    num_blocks: int = Field(default=8192, ge=1, description="KV cache blocks")
+    block_size: int = Field(default=16, ge=1, description="Tokens per KV block")
+
+    def flags(self) -> list[str]:
+        """These knobs as the simulated engine's flags (click's spelling of a field: --decode-step-ms)."""
+        return [arg for name in SimTimeModel.model_fields for arg in (f"--{name.replace('_', '-')}", str(getattr(self, name)))]
+
+
+class SimSettings(SimTimeModel):
+    """The simulated engine (engine.kind = "sim"): its time model and any further flags."""
+
+    extra_args: list[str] = Field(default_factory=list, description="More `pdctl sim-engine` flags for every engine")
 
 
 class EngineSettings(Section):
@@ -220,33 +232,74 @@ class ColocatedSettings(RoleSettings):
     dp_rpc_port: Port = Field(default=29750, ge=1024, le=65535)
 
 
-class ProxySettings(Section):
-    """The proxy clients talk to, its registration socket and its admin API."""
+def _proxy_field(path: str, *tighter: Any) -> Any:
+    """A [proxy] key defined by the proxy's own config field at `path` ("registration.port"): its default, bounds
+    and meaning, plus `tighter` bounds where a node's settings allow less than a hand-written proxy.json."""
+    model: Any = ProxyConfig
+    *tables, name = path.split(".")
+    for table in tables:
+        model = model.model_fields[table].annotation
+    field = copy.copy(model.model_fields[name])
+    field.metadata = [*field.metadata, *tighter]
+    return field
 
-    host: str = Field(default="127.0.0.1", description="Client API address; 0.0.0.0 to serve other hosts")
-    port: Port = Field(default=10001, ge=1, le=65535)
-    routing: Literal["round_robin", "least_outstanding"] = "least_outstanding"
-    registration_host: str = "127.0.0.1"
-    ping_port: Port = Field(default=36367, ge=1024, le=65535, description="MORI-IO registration (ZMQ ROUTER)")
-    allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1"])
-    admin_host: str = "127.0.0.1"
-    admin_port: Port = Field(default=10002, ge=1024, le=65535)
-    api_key_file: str | None = Field(default=None, description="Clients must send this key (file mode 0600)")
-    admin_token_file: str | None = Field(default=None, description="Admin calls must send this token")
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    prefill_timeout_s: float = Field(default=600.0, gt=0)
-    first_token_timeout_s: float = Field(default=600.0, gt=0)
-    between_tokens_timeout_s: float = Field(default=120.0, gt=0)
+
+# pdctl.toml's [proxy] key -> the field of the proxy's own config (ProxyConfig, proxy.json) it sets. The settings
+# stay flat, as operators have written them; proxy_config_data() nests them, for the plan and for schema-1 plans.
+PROXY_KEYS: dict[str, str] = {
+    "host": "host", "port": "port", "routing": "routing", "api_key_file": "api_key_file",
+    "registration_host": "registration.host", "ping_port": "registration.port",
+    "allowed_hosts": "registration.allowed_hosts", "peer_hosts": "registration.peer_hosts",
+    "registration_max_per_s": "registration.max_per_s",
+    "admin_host": "admin.host", "admin_port": "admin.port", "admin_token_file": "admin.token_file",
+    "connect_timeout_s": "timeouts.connect_s", "prefill_timeout_s": "timeouts.prefill_s",
+    "first_token_timeout_s": "timeouts.first_token_s", "between_tokens_timeout_s": "timeouts.between_tokens_s",
+    "limits": "limits",
+}
+_UNPRIVILEGED = Ge(1024)  # the services run as an unprivileged user: no port below 1024 for what pdctl starts
+
+
+class ProxySettings(Section):
+    """The proxy clients talk to, its registration socket and its admin API: each key (PROXY_KEYS) is a field of
+    the proxy's own config, from which it takes its type, default, bounds and meaning; the restart keys are
+    pdctl's (the engine units' stop and start hooks), not the proxy's."""
+
+    host: str = _proxy_field("host")
+    port: Port = _proxy_field("port", Ge(1))
+    routing: Routing = _proxy_field("routing")
+    api_key_file: str | None = _proxy_field("api_key_file")
+    registration_host: str = _proxy_field("registration.host")
+    ping_port: Port = _proxy_field("registration.port", _UNPRIVILEGED)
+    allowed_hosts: list[str] = _proxy_field("registration.allowed_hosts")
+    # {"sender IP" = ["claimed IP", ...]} in pdctl.toml
+    peer_hosts: dict[str, list[str]] = _proxy_field("registration.peer_hosts")
+    registration_max_per_s: float = _proxy_field("registration.max_per_s")
+    admin_host: str = _proxy_field("admin.host")
+    admin_port: Port = _proxy_field("admin.port", _UNPRIVILEGED)
+    admin_token_file: str | None = _proxy_field("admin.token_file")
+    connect_timeout_s: float = _proxy_field("timeouts.connect_s")
+    prefill_timeout_s: float = _proxy_field("timeouts.prefill_s")
+    first_token_timeout_s: float = _proxy_field("timeouts.first_token_s")
+    between_tokens_timeout_s: float = _proxy_field("timeouts.between_tokens_s")
+    limits: Limits = _proxy_field("limits")
     restart_drain_s: float = Field(default=30.0, ge=0, le=3600, description=(
         "A planned restart (pdctl restart, systemctl restart) waits this long for the instance's running requests"))
     restart_hold_s: float = Field(default=120.0, ge=0, description=(
         "While a planned restart leaves a role with no instance, a new request waits in the proxy this long"))
-    # A registration may only claim its sender's own address; a sender that registers engines at other
-    # addresses (NAT, a multi-homed host) is listed here: {"sender IP" = ["claimed IP", ...]}.
-    peer_hosts: dict[str, list[str]] = Field(default_factory=dict)
-    registration_max_per_s: float = Field(default=1000.0, gt=0, description=(
-        "Registrations the proxy handles per second; a flood waits in bounded queues instead of costing CPU"))
-    limits: Limits = Field(default_factory=Limits, description="What one client connection may cost the proxy")
+
+
+def proxy_config_data(flat: dict[str, Any]) -> dict[str, Any]:
+    """[proxy] keys as the proxy config's nested data ({"ping_port": 1} -> {"registration": {"port": 1}}); keys
+    that are not the proxy's (restart_drain_s, ...) are left out."""
+    out: dict[str, Any] = {}
+    for key, path in PROXY_KEYS.items():
+        if key in flat:
+            *tables, name = path.split(".")
+            table = out
+            for part in tables:
+                table = table.setdefault(part, {})
+            table[name] = flat[key]
+    return out
 
 
 class SloSettings(Section):

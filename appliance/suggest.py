@@ -53,9 +53,8 @@ from typing import Any, Literal
 
 from appliance.connector import disaggregated_name, get_connector, resolve_name
 from appliance.errors import PdctlError
-from appliance.heads import Heads
 from appliance.inventory.models import Inventory
-from appliance.modelshape import ModelShape, experts_touched
+from appliance.model_config import Heads, ModelShape, experts_touched
 from appliance.plan import _usable, plan, platform_of
 from appliance.settings import EMBEDDED_MODEL, Settings
 

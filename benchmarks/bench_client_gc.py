@@ -3,7 +3,7 @@
     python benchmarks/bench_client_gc.py [--requests 900] [--input-len 2000] [--output-len 1000] [--runs 5]
 
 A full collection walks every list the collector tracks, element by element, and every running stream's
-timestamps wait for it (appliance/bench/client.py's docstring). This builds the heap a rate leaves alive:
+timestamps wait for it (appliance/bench/loadgen.py's docstring). This builds the heap a rate leaves alive:
 `--requests` prompts of `--input-len` token ids and as many requests' timings of `--output-len` chunks, once
 as lists (how the client kept them before) and once as the client keeps them now (the prompts as tuples,
 as `rate_prompts` builds them, the timings in `InFlight`'s arrays), and prints the median and max of
@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 
-from appliance.bench.client import InFlight
+from appliance.bench.loadgen import InFlight
 
 
 def _collect_ms(runs: int) -> list[float]:

@@ -7,13 +7,19 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from appliance import settings as settings_module
 from appliance.errors import ConfigError
+from appliance.inventory import load_inventory
+from appliance.plan import plan
+from appliance.proxy.config import Limits, ProxyConfig
 from appliance.settings import (
     DEFAULT_CONFIG_PATH,
+    PROXY_KEYS,
+    ProxySettings,
     Settings,
     config_path,
     env_data,
@@ -171,3 +177,64 @@ def test_a_bad_connector_table_is_one_line_naming_the_key(tmp_path: Path, text: 
     with pytest.raises(ConfigError) as refused:
         load_settings(path)
     assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+# The proxy's config fields no [proxy] key sets: the plan decides them, or only a hand-written proxy.json does.
+NOT_PROXY_KEYS = {"mode", "connector", "model", "block_size", "max_model_len", "backends", "registration.enabled",
+                  "engine_api_key_file", "client_max_size", "max_tokens_limit", "health"}
+
+
+def _field(model: Any, path: str) -> Any:
+    *tables, name = path.split(".")
+    for table in tables:
+        model = model.model_fields[table].annotation
+    return model.model_fields[name]
+
+
+def test_every_proxy_key_is_defined_by_the_proxys_own_config_field() -> None:
+    """The proxy's settings are modelled once (proxy/config.py): each [proxy] key has its field's type, default,
+    meaning and bounds (ports tightened to unprivileged ones), and every field of the proxy's config is a key or
+    decided by the plan."""
+    for key, path in PROXY_KEYS.items():
+        ours, theirs = ProxySettings.model_fields[key], _field(ProxyConfig, path)
+        assert ours.annotation == theirs.annotation, key
+        assert ours.get_default(call_default_factory=True) == theirs.get_default(call_default_factory=True), key
+        assert ours.description == theirs.description, key
+        assert ours.metadata[:len(theirs.metadata)] == theirs.metadata, key
+    assert set(ProxySettings.model_fields) - set(PROXY_KEYS) == {"restart_drain_s", "restart_hold_s"}
+    leaves = {f"{name}.{sub}" if name in ("registration", "admin", "timeouts") else name
+              for name, field in ProxyConfig.model_fields.items()
+              for sub in (field.annotation.model_fields if name in ("registration", "admin", "timeouts") else [""])}
+    assert leaves == set(PROXY_KEYS.values()) | NOT_PROXY_KEYS
+
+
+def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
+    proxy = {"host": "127.0.0.2", "port": 11001, "routing": "round_robin", "api_key_file": "/srv/key",
+             "registration_host": "127.0.0.3", "ping_port": 36999, "allowed_hosts": ["127.0.0.1", "10.0.0.5"],
+             "peer_hosts": {"10.0.0.5": ["10.0.1.5"]}, "registration_max_per_s": 50.0, "admin_host": "127.0.0.4",
+             "admin_port": 11002, "admin_token_file": "/srv/token", "connect_timeout_s": 1.5,
+             "prefill_timeout_s": 60.0, "first_token_timeout_s": 70.0, "between_tokens_timeout_s": 8.0,
+             "limits": {"max_connections": 99, "max_n": 4}}
+    assert set(proxy) == set(PROXY_KEYS)
+    planned = plan(Settings.model_validate({"connector": {"name": "moriio"}, "proxy": proxy}),
+                   load_inventory("sim:mi300x-8"))
+    for key, path in PROXY_KEYS.items():
+        value: Any = planned.proxy
+        for part in path.split("."):
+            value = getattr(value, part)
+        expected = Limits(**proxy["limits"]) if key == "limits" else proxy[key]
+        assert value == expected, key
+    assert planned.proxy.registration.enabled and planned.proxy.mode == "read"
+
+
+@pytest.mark.parametrize("key, value, rule", [("ping_port", 1023, "greater than or equal to 1024"),
+                                              ("admin_port", 80, "greater than or equal to 1024"),
+                                              ("port", 0, "greater than or equal to 1"),
+                                              ("port", 65536, "less than or equal to 65535"),
+                                              ("connect_timeout_s", 0, "greater than 0"),
+                                              ("routing", "random", "'round_robin' or 'least_outstanding'")])
+def test_a_bad_proxy_key_is_named_as_written(tmp_path: Path, key: str, value: Any, rule: str) -> None:
+    config = tmp_path / "pdctl.toml"
+    config.write_text(f"[proxy]\n{key} = {json.dumps(value)}\n")
+    with pytest.raises(ConfigError, match=f"proxy.{key} = {value!r} is not allowed: .*{rule}"):
+        load_settings(config)

@@ -33,11 +33,12 @@ import aiohttp
 import tomli_w
 
 from appliance.bench.families import DEFAULT_BUDGETS, ShapeName, expand, parse_budgets, parse_name
-from appliance.connector import disaggregated_name, get_connector, resolve_name
+from appliance.connector import Connector, disaggregated_name, get_connector, resolve_name
 from appliance.errors import PdctlError, PlanError
-from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
+from appliance.model_config import Heads, read_heads
 from appliance.plan import Plan, _usable, plan, platform_of
+from appliance.roles import Mode, parse_mode
 from appliance.settings import EMBEDDED_MODEL, Settings, deep_merge
 
 DEFAULT_SHAPES = "disagg-read,disagg-write,colocated"
@@ -88,24 +89,33 @@ def shapes(
         colocated_counts(gpus, heads),
         budgets if budgets is not None else parse_budgets(DEFAULT_BUDGETS),
     )
-    modes = get_connector(connector).modes
+    kv_connector = get_connector(connector)
     out = []
     for shape_name in names:
         parsed = parse_name(shape_name)
         assert parsed is not None  # expand() let only known names through
         if parsed.family == "disaggregated":
-            mode = parsed.mode or "read"
+            mode = parse_mode(parsed.mode or "read")
             out.append(
                 Shape(
                     shape_name,
                     f"disaggregated, {connector} {mode.upper()} ({where})",
                     {"connector": {"name": connector, "mode": mode}},
-                    unsplittable or (None if mode in modes else f"connector '{connector}' has no {mode.upper()} mode"),
+                    unsplittable or _missing_mode(kv_connector, mode),
                 )
             )
         else:
             out.append(_colocated_shape(settings, inventory, parsed, gpus, where))
     return out
+
+
+def _missing_mode(connector: Connector, mode: Mode) -> str | None:
+    """Why `connector` cannot run this transfer mode (the connector's own check), or None when it can."""
+    try:
+        connector.check_mode(mode)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _colocated_shape(

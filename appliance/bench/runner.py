@@ -11,9 +11,9 @@ from typing import Any
 from rich.console import Console
 
 from appliance.bench.analysis import Slo
-from appliance.bench.client import Target
 from appliance.bench.compare import PdctlDeployer, Shape, shape_plan
 from appliance.bench.families import best_record
+from appliance.bench.loadgen import Target
 from appliance.bench.plots import plot_attainment, plot_latency
 from appliance.bench.results import BenchResult, ShapeResult, write_result
 from appliance.bench.sweep import Stopper, SweepPlan, make_progress, sweep

@@ -16,9 +16,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from appliance.bench.analysis import Slo
-from appliance.bench.client import RateRun, Target, probe_lifetime, request_count, run_rate, warm_up
+from appliance.bench.loadgen import RateRun, Target, probe_lifetime, request_count, run_rate, warm_up
+from appliance.bench.rate_schedule import RateSchedule
 from appliance.bench.results import RateResult, RequestResult, ShapeResult, shape_goodput
-from appliance.bench.schedule import RateSchedule
 from appliance.bench.steady import plan_window
 
 

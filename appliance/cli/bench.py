@@ -12,16 +12,17 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from appliance.cli.options import console as cli_console
 from appliance.cli.options import obtain
 from appliance.errors import PdctlError
 from appliance.hosts import url_host
+from appliance.proxy.config import read_secret
 from appliance.statedir import StateDir
 
 # exit code of a run that measured nothing: every request failed (as `pdctl status` says 1 for a failed node)
 EXIT_NOTHING_MEASURED = 1
 
 if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
-    from rich.console import Console
 
     from appliance.bench.analysis import Slo
     from appliance.bench.compare import Shape
@@ -30,20 +31,8 @@ if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
     from appliance.bench.sweep import SweepPlan
     from appliance.bench.trace import WorkloadFile
     from appliance.inventory.models import Inventory
-    from appliance.modelshape import Vocabulary
+    from appliance.model_config import Vocabulary
     from appliance.settings import Settings
-
-
-def _read_key(path: str | None) -> str | None:
-    if not path:
-        return None
-    try:
-        key = Path(path).read_text().strip()
-    except OSError as exc:
-        raise PdctlError(f"cannot read the API key file {path}: {exc}") from None
-    if not key:
-        raise PdctlError(f"the API key file {path} is empty")
-    return key
 
 
 @click.command()
@@ -231,7 +220,7 @@ def bench(ctx: click.Context, /, **opts: Any) -> None:
     out_dir = Path(opts["out_dir"] or f"bench-{stamp:%Y%m%d-%H%M%S}")
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep = _sweep_plan(opts, slo)
-    api_key = _read_key(opts["api_key_file"]) or _read_key(settings.proxy.api_key_file if not opts["url"] else None)
+    api_key = read_secret(opts["api_key_file"]) or read_secret(settings.proxy.api_key_file if not opts["url"] else None)
     work = _Workload(sweep, slo, opts["token_range"], api_key, workload)
     result = asyncio.run(_measure(ctx, opts, settings, inventory, work, stamp, out_dir))
     _report(result, opts, out_dir)
@@ -247,15 +236,6 @@ class _Workload:
     token_range: str | None
     api_key: str | None
     requests: WorkloadFile | Mix | None = None
-
-
-def _console() -> Console:
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        console = Console(stderr=True, width=160)  # logs and pipes: keep the table's columns readable
-    return console
 
 
 def _slo(opts: dict[str, Any], settings: Settings) -> Slo:
@@ -307,8 +287,8 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
                    work: _Workload, stamp: datetime, out_dir: Path) -> BenchResult:
     """Sweep the --url (or the deployment's proxy), or with --compare every shape; what was measured so far
     when interrupted (first Ctrl-C)."""
-    from appliance.bench.client import Target, discover_model, model_root
     from appliance.bench.compare import PdctlDeployer
+    from appliance.bench.loadgen import Target, discover_model, model_root
     from appliance.bench.runner import run_compare, run_url
     from appliance.bench.sweep import Stopper
     from appliance.bench.workload import token_range as resolve_token_range
@@ -321,7 +301,7 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
         base_url = opts["url"] or f"http://{url_host(settings.proxy.host)}:{settings.proxy.port}"
         engine = opts["engine"] or ("unknown" if opts["url"] else settings.engine.kind)
         model = opts["model"]
-    console = _console()
+    console = cli_console(stderr=True)
     stopper = Stopper()
     with stopper.installed():
         import aiohttp
@@ -370,7 +350,7 @@ def _vocabulary(settings: Settings, engine: str, url: str | None, root: str | No
     """The token ids the measured model accepts: from the --url server's model directory where it names one on
     this host, else from the settings' model (the simulated engine's own vocabulary for engine sim)."""
     from appliance.engine.sim.tokens import VOCAB_SIZE
-    from appliance.modelshape import Vocabulary, read_vocabulary
+    from appliance.model_config import Vocabulary, read_vocabulary
     from appliance.plan import model_plan
 
     if url:
@@ -387,7 +367,7 @@ def _report(result: BenchResult, opts: dict[str, Any], out_dir: Path) -> None:
     from appliance.bench.results import every_request_failed
     from appliance.bench.runner import write_plots
 
-    console = _console()
+    console = cli_console(stderr=True)
     print_report(result, console)
     written = [out_dir / "bench.json"]
     if opts["plots"] and any(sh.rates for sh in result.shapes):
@@ -432,7 +412,7 @@ def _workload(ctx: click.Context, opts: dict[str, Any]) -> WorkloadFile | Mix | 
 def _sweep_plan(opts: dict[str, Any], slo: Slo) -> SweepPlan:
     """The sweep's rates (schedule), request counts and steady window, from the options."""
     from appliance.bench.analysis import JUDGEMENTS
-    from appliance.bench.schedule import parse_schedule
+    from appliance.bench.rate_schedule import parse_schedule
     from appliance.bench.sweep import SweepPlan
 
     # The run's judgement first: its ceiling is refined first when the rate budget runs out.
@@ -478,7 +458,7 @@ def _replay(paths: list[Path], opts: dict[str, Any]) -> None:
 
         Path(opts["out_dir"]).mkdir(parents=True, exist_ok=True)
         write_result(result, Path(opts["out_dir"]) / "bench.json")
-    console = _console()
+    console = cli_console(stderr=True)
     print_report(result, console)
     if opts["plots"]:
         out_dir = Path(opts["out_dir"]) if opts["out_dir"] else path.parent

@@ -28,7 +28,7 @@ from appliance.manager import ACTIVE, ServiceManager, UnitStatus
 from appliance.node import EXIT_DOWN, PORT_FIX, Node, NotDeployed, http_answer, port_conflicts, proxy_state
 from appliance.nodelock import Holder, holder
 from appliance.plan import Plan
-from appliance.proxy.client import AdminRefused, PortTaken
+from appliance.proxy.admin_client import AdminRefused, PortTaken
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit, role_service
 from appliance.settings import Settings
 

@@ -37,7 +37,7 @@ COMMANDS: dict[str, Verb] = {
                       "Show the GPUs of this node (or of --inventory), their links, health and processes."),
     "logs": Verb("appliance.cli.lifecycle:logs",
                  "Show a role's, an instance's or the proxy's logs (journald or supervisor log files)."),
-    "mode": Verb("appliance.cli.rebalance:mode",
+    "mode": Verb("appliance.cli.mode:mode",
                  "Show or switch the KV transfer mode (read: decode pulls; write: prefill pushes)."),
     "plan": Verb("appliance.cli.plan:plan",
                  "Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."),

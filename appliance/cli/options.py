@@ -19,8 +19,9 @@ from appliance.machines import simulated_sources
 from appliance.node import Node, layered, recorded_overrides
 from appliance.nodelock import Holder, node_lock
 from appliance.plan import Plan, plan
+from appliance.role_shape import role_overrides
+from appliance.roles import MODES
 from appliance.settings import Settings, env_data, env_name, leaves, load_settings
-from appliance.shapes import role_overrides
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -54,7 +55,7 @@ def confirm(question: str) -> None:
 def plan_options(func: F) -> F:
     """The flags that reshape a plan without editing the settings file."""
     options = [
-        click.option("--mode", type=click.Choice(["read", "write"]), help="KV transfer mode."),
+        click.option("--mode", type=click.Choice(MODES), help="KV transfer mode."),
         click.option("--connector", type=ConnectorChoice(allow_auto=True),
                      help="KV connector (none: colocated)."),
         click.option("--engine", type=click.Choice(["vllm", "sim"]), help="Real vLLM or the simulated engine."),

@@ -1,5 +1,5 @@
-"""`pdctl rebalance` (re-carve a running node), `pdctl mode` (switch the KV transfer mode), and
-`pdctl drain` / `pdctl undrain` (take one instance out of the proxy's rotation and back).
+"""`pdctl rebalance` (re-carve a running node) and `pdctl drain` / `pdctl undrain` (take one instance out of the
+proxy's rotation and back); the flags and checks `pdctl mode` (cli/mode.py) shares with rebalance.
 
 Exit codes: 0 done (or nothing to do); 1 a step failed (rolled back, or left consistent for `pdctl up`);
 2 a user mistake or a change that needs --allow-downtime; 3 nothing deployed.
@@ -18,21 +18,20 @@ from rich.table import Table
 from appliance.cli.lifecycle import MANAGER_CHOICE, deployed
 from appliance.cli.options import confirm, mutating, obtain
 from appliance.cli.options import console as cli_console
-from appliance.connector import get_connector
 from appliance.errors import PdctlError
 from appliance.node import Node, admin_client, http_answer, layered, pinned
 from appliance.plan import Instance, Plan, plan
-from appliance.proxy.client import AdminClient
+from appliance.proxy.admin_client import AdminClient
 from appliance.rebalance.apply import Options, Rebalancer, busy_new_ports
-from appliance.rebalance.restart import can_roll, switch_mode
 from appliance.rebalance.schedule import Schedule, schedule
-from appliance.settings import Settings, env_data
-from appliance.shapes import role_overrides
+from appliance.role_shape import role_overrides
+from appliance.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _admin(p: Plan) -> AdminClient:
+def admin_of(p: Plan) -> AdminClient:
+    """The deployed proxy's admin API, with the timeout a live change allows."""
     return admin_client(p, timeout=10)
 
 
@@ -80,12 +79,13 @@ def _health(p: Plan) -> frozenset[str]:
     return frozenset(i.name for i in p.instances if http_answer(i.url + "/health") != 200)
 
 
-def _options(settings: Settings, drain_timeout: float, hold_s: float, timeout_s: float | None) -> Options:
+def rebalance_options(settings: Settings, drain_timeout: float, hold_s: float, timeout_s: float | None) -> Options:
+    """The Rebalancer's timeouts from the flags (a new instance's health: the engine's own timeout by default)."""
     health = timeout_s if timeout_s is not None else settings.engine.health_timeout_s + 60
     return Options(drain_timeout_s=drain_timeout, health_timeout_s=health, hold_s=hold_s)
 
 
-def _same_frame(old: Plan, new: Plan, changes: str = "rebalance changes only instances") -> None:
+def same_frame(old: Plan, new: Plan, changes: str = "rebalance changes only instances") -> None:
     """Refuse a new plan that differs from the deployed one in more than a rebalance (instances) or a mode switch
     (instances and mode) can change on a running node: the proxy reads its connector and settings only at start."""
     for what, a, b, fix in (
@@ -135,7 +135,8 @@ common_options = [
 ]
 
 
-def _with(options: list[Callable[[F], F]]) -> Callable[[F], F]:
+def with_options(options: list[Callable[[F], F]]) -> Callable[[F], F]:
+    """A decorator that applies every click option of `options` (the flags rebalance and mode share)."""
     def wrap(func: F) -> F:
         for option in reversed(options):
             func = option(func)
@@ -150,7 +151,7 @@ def _with(options: list[Callable[[F], F]]) -> Callable[[F], F]:
 @click.option("--decode", "decode_set", metavar="SET|SHAPE", help="Decode GPUs (2-7) or shape (1xTP4, 2xTP2@4-7).")
 @click.option("--reset", is_flag=True, help="Return to the layout in pdctl.toml (drop the recorded rebalance).")
 @click.option("--dry-run", is_flag=True, help="Show the plan change and the steps; change nothing.")
-@_with(common_options)
+@with_options(common_options)
 @click.pass_context
 @mutating("rebalance")
 def rebalance(ctx: click.Context, /, reset: bool, dry_run: bool, yes: bool, allow_downtime: bool, drain_timeout: float,
@@ -175,7 +176,7 @@ def rebalance(ctx: click.Context, /, reset: bool, dry_run: bool, yes: bool, allo
     if new.mode != old.mode:
         raise PdctlError(f"the mode changed since the node was deployed ({old.mode} -> {new.mode}); rebalance "
                          "changes only instances", fix=f"use `pdctl mode {new.mode}`")
-    _same_frame(old, new)
+    same_frame(old, new)
     _tp_fits(new)
     sched = schedule(old.instances, new.instances, _health(old))
     render_preview(old, new, sched, console)
@@ -195,9 +196,9 @@ def rebalance(ctx: click.Context, /, reset: bool, dry_run: bool, yes: bool, allo
         return
     if not yes:
         confirm("apply this rebalance?")
-    admin = _admin(old)
+    admin = admin_of(old)
     admin.state()  # the proxy must answer before anything stops
-    runner = Rebalancer(node, old, new, admin, console.print, _options(settings, drain_timeout, hold_s, timeout_s),
+    runner = Rebalancer(node, old, new, admin, console.print, rebalance_options(settings, drain_timeout, hold_s, timeout_s),
                         manager)
     runner.run(sched.steps)
     node.record_layout(None if reset else new)
@@ -205,79 +206,6 @@ def rebalance(ctx: click.Context, /, reset: bool, dry_run: bool, yes: bool, allo
     names = ", ".join(f"{i['name']}({i['role']})" for i in view.get("instances", []))
     console.print(f"[green]rebalanced[/green]: {len(new.instances)} instance(s); proxy ready={view.get('ready')}; "
                   f"backends {names}")
-
-
-@click.command()
-@click.argument("new_mode", required=False, type=click.Choice(["read", "write"]))
-@_with(common_options)
-@click.pass_context
-@mutating("mode")
-def mode(ctx: click.Context, new_mode: str | None, yes: bool, allow_downtime: bool, drain_timeout: float,
-         hold_s: float, timeout_s: float | None, manager: str | None) -> None:
-    """Show or switch the KV transfer mode (read: decode pulls; write: prefill pushes).
-
-    When the connector fixes the mode at engine start (MORI-IO), engines restart one at a time, drained first;
-    with a single instance of a role that cannot roll, requests wait in the proxy while it restarts.
-    """
-    console = cli_console()
-    settings, old, _ = deployed(ctx, manager)
-    node = Node(settings)
-    admin = _admin(old)
-    if new_mode is None:
-        console.print(f"mode {admin.state().get('mode')} (plan: {old.mode}, connector {old.connector})")
-        return
-    # A switch keeps the connector the node runs (`auto` may pick another one for the other mode, which the
-    # running proxy would not follow) and every other setting: it changes the mode only.
-    if new_mode not in get_connector(old.connector).modes:
-        raise PdctlError(f"the node runs connector {old.connector}, which has no {new_mode} mode",
-                         fix=f"deploy a connector that has it: `pdctl up --mode {new_mode}` (connector auto picks one) "
-                             f"or `--connector NAME`")
-    new_settings, inventory = obtain(ctx, layered(pinned(old), {"connector": {"mode": new_mode}}))
-    new = plan(new_settings, inventory)
-    _same_frame(old, new, "a mode switch changes only the mode")
-    auto = old.connector if settings.connector.name == "auto" else None
-    current = admin.state().get("mode")
-    sched = schedule(old.instances, new.instances)
-    changed = [old.instance(n) for n, a in sched.actions.items() if a == "restart"]
-    if current == new_mode and old.mode == new_mode:
-        node.record_mode(new_mode, auto)
-        console.print(f"mode is already {new_mode}")
-        _warn_explicit_mode(new_mode, console)
-        return
-    runner = Rebalancer(node, old, new, admin, console.print, _options(settings, drain_timeout, hold_s, timeout_s),
-                        manager)
-    if not changed:
-        admin.set_mode(new_mode)
-        runner.run([])
-        node.record_mode(new_mode, auto)
-        console.print(f"[green]mode {new_mode}[/green] (no engine restart needed)")
-        _warn_explicit_mode(new_mode, console)
-        return
-    if can_roll(old):
-        console.print(f"{old.connector} fixes the mode at engine start: restarting engines one at a time, "
-                      "switching the proxy when each role has one in the new mode")
-    else:
-        console.print(f"{old.connector} fixes the mode at engine start, and a role has a single instance, so the "
-                      f"engines cannot roll: the proxy switches first and holds new requests (up to {hold_s:g}s) "
-                      "while the engines restart; in-flight requests finish first")
-        if not allow_downtime:
-            raise PdctlError("switching the mode here pauses serving while the engines restart",
-                             fix="add --allow-downtime (requests wait in the proxy, none fail while the restart "
-                                 "takes less than --hold)")
-    if not yes:
-        confirm(f"switch to {new_mode}?")
-    switch_mode(runner, new_mode, changed)
-    node.record_mode(new_mode, auto)
-    console.print(f"[green]mode {new_mode}[/green]: restarted {', '.join(i.name for i in changed)}")
-    _warn_explicit_mode(new_mode, console)
-
-
-def _warn_explicit_mode(new_mode: str, console: Console) -> None:
-    """Say so when PDCTL_CONNECTOR__MODE names another mode: it wins over the recorded one at the next `pdctl up`."""
-    env_mode = env_data().get("connector", {}).get("mode")
-    if env_mode is not None and env_mode != new_mode:
-        console.print(f"[yellow]warning:[/yellow] PDCTL_CONNECTOR__MODE={env_mode} is set: a `pdctl up` in this "
-                      f"environment returns the node to {env_mode} (explicit settings win over the recorded mode)")
 
 
 @click.command()
@@ -290,7 +218,7 @@ def drain(ctx: click.Context, instance: str, timeout_s: float) -> None:
     """Stop sending new requests to INSTANCE and wait for its in-flight ones (it keeps running)."""
     _, p, _ = deployed(ctx, None)
     p.instance(instance)
-    answer = _admin(p).drain(instance, timeout_s)
+    answer = admin_of(p).drain(instance, timeout_s)
     left = answer.get("in_flight", 0)
     click.echo(f"{instance} drained" if answer.get("drained") else f"{instance}: {left} request(s) still running "
                f"after {timeout_s:g}s; it takes no new ones")
@@ -304,8 +232,8 @@ def undrain(ctx: click.Context, instance: str) -> None:
     """Let INSTANCE take new requests again."""
     _, p, _ = deployed(ctx, None)
     p.instance(instance)
-    _admin(p).undrain(instance)
+    admin_of(p).undrain(instance)
     click.echo(f"{instance} takes requests again")
 
 
-__all__ = ["drain", "mode", "rebalance", "undrain"]
+__all__ = ["drain", "rebalance", "undrain"]

@@ -32,7 +32,7 @@ from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager
 from appliance.node import admin_client, http_answer
 from appliance.plan import Instance, Plan
-from appliance.proxy.client import AdminClient, ProxyAdminError
+from appliance.proxy.admin_client import AdminClient, ProxyAdminError
 from appliance.render.names import PROXY_UNIT, instance_unit
 
 

@@ -53,7 +53,7 @@ from appliance.connector import get_connector
 from appliance.inventory import Inventory, load_inventory
 from appliance.kvstats import asks_cross_layer_blocks, engine_figures, per_layer_warning
 from appliance.manager import ACTIVE, ServiceManager
-from appliance.modelshape import read_model_shape
+from appliance.model_config import read_model_shape
 from appliance.node import EXIT_DOWN, PORT_FIX, NotDeployed, admin_url
 from appliance.plan import Plan, _usable
 from appliance.render.names import PROXY_UNIT, instance_unit

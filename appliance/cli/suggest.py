@@ -16,9 +16,8 @@ from appliance.cli.options import console as rich_console
 from appliance.cli.options import obtain
 from appliance.connector import disaggregated_name
 from appliance.errors import PdctlError
-from appliance.heads import Heads, read_heads
 from appliance.inventory.models import Inventory
-from appliance.modelshape import ModelShape, read_model_shape, with_engine_quantization
+from appliance.model_config import Heads, ModelShape, read_heads, read_model_shape, with_engine_quantization
 from appliance.node import Node
 from appliance.roles import Role
 from appliance.settings import EMBEDDED_MODEL, Settings

@@ -215,7 +215,7 @@ class Connector(ABC):
 
     name: ClassVar[str]
     vllm_class: ClassVar[str | None]
-    modes: ClassVar[frozenset[str]]
+    modes: ClassVar[frozenset[Mode]]
     platforms: ClassVar[frozenset[Platform]] = frozenset(PLATFORMS)
     # False: no KV handoff; the proxy sends whole requests to role "both" instances (colocated).
     disaggregated: ClassVar[bool] = True
@@ -292,7 +292,7 @@ class Connector(ABC):
         private to its user)."""
         return []
 
-    def check_mode(self, mode: str) -> None:
+    def check_mode(self, mode: Mode) -> None:
         """Raise ValueError when the connector has no such transfer mode (the one rule every validator uses)."""
         if mode not in self.modes:
             raise ValueError(f"connector '{self.name}' has no {mode} mode (it supports {', '.join(sorted(self.modes))})")

@@ -131,11 +131,7 @@ def sim_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, connect
     argv = [sys.executable, "-m", "appliance.engine.sim", "--host", ctx.host, "--port", str(ctx.http_port),
             "--role", ctx.role, "--connector", ctx.connector, "--mode", ctx.mode,
             "--model", model.served_name, "--instance-name", name,
-            "--dp-size", str(ctx.dp), "--tp-size", str(ctx.tp),
-            "--prefill-us-per-token", str(sim.prefill_us_per_token),
-            "--decode-step-ms", str(sim.decode_step_ms),
-            "--decode-step-ms-per-seq", str(sim.decode_step_ms_per_seq),
-            "--num-blocks", str(sim.num_blocks), "--block-size", str(sim.block_size)]
+            "--dp-size", str(ctx.dp), "--tp-size", str(ctx.tp), *sim.flags()]
     rs = settings.role(ctx.role)
     if rs.max_num_seqs:
         argv += ["--max-num-seqs", str(rs.max_num_seqs)]

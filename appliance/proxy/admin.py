@@ -15,6 +15,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 from appliance.proxy.config import Backend
 from appliance.proxy.guard import bearer_matches, json_too_deep
 from appliance.proxy.state import ProxyState
+from appliance.roles import parse_mode
 
 _BACKENDS = TypeAdapter(list[Backend])
 MAX_SECONDS = 86_400.0
@@ -93,13 +94,16 @@ async def get_state(request: web.Request) -> web.Response:
 async def post_mode(request: web.Request) -> web.Response:
     proxy = request.app[_PROXY_KEY]
     body = await _json(request)
-    mode = body.get("mode") if isinstance(body, dict) else None
-    if mode not in ("read", "write"):
-        return _error(400, f"'mode' must be 'read' or 'write', got {mode!r}")
+    try:
+        mode = parse_mode(body.get("mode") if isinstance(body, dict) else None)
+    except ValueError as exc:
+        return _error(400, f"'mode': {exc}")
     if not proxy.connector.disaggregated:
         return _error(400, f"connector {proxy.config.connector!r} (colocated) has no transfer mode")
-    if mode not in proxy.connector.modes:
-        return _error(400, f"connector {proxy.config.connector!r} supports only {', '.join(sorted(proxy.connector.modes))}")
+    try:
+        proxy.connector.check_mode(mode)
+    except ValueError as exc:
+        return _error(400, str(exc))
     previous, proxy.mode = proxy.mode, mode
     return web.json_response({
         "mode": mode,

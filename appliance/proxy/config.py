@@ -33,7 +33,7 @@ class RegistrationConfig(_Model):
     may register, each as exactly what the plan says it is; any other registration is refused and counted."""
 
     host: str = "127.0.0.1"
-    port: int = Field(default=36367, ge=0, le=65535)
+    port: int = Field(default=36367, ge=0, le=65535, description="MORI-IO registration (ZMQ ROUTER)")
     enabled: bool = False
     allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1"])
     # A registration may only claim its sender's own address; a sender that registers engines at other
@@ -41,7 +41,8 @@ class RegistrationConfig(_Model):
     peer_hosts: dict[str, list[str]] = Field(default_factory=dict)
     # Registrations handled per second (engines ping every few seconds); a flood waits in ZMQ's bounded
     # queues, fair-queued per sender, so it costs bounded CPU and cannot crowd out the engines' pings.
-    max_per_s: float = Field(default=1000.0, gt=0)
+    max_per_s: float = Field(default=1000.0, gt=0, description=(
+        "Registrations the proxy handles per second; a flood waits in bounded queues instead of costing CPU"))
 
     @model_validator(mode="before")
     @classmethod
@@ -58,7 +59,7 @@ class AdminConfig(_Model):
 
     host: str = "127.0.0.1"
     port: int = Field(default=10002, ge=0, le=65535)
-    token_file: str | None = None
+    token_file: str | None = Field(default=None, description="Admin calls must send this token")
 
 
 class Timeouts(_Model):
@@ -132,15 +133,16 @@ class Backend(_Model):
 
 
 class ProxyConfig(_Model):
-    """The whole proxy configuration; field names are fixed by notes/INTERFACES.md."""
+    """The whole proxy configuration. Its field names are proxy.json's keys and the plan's `proxy` record, which
+    deployed nodes have on disk and a new proxy must still load: rename none (add, with a default, instead)."""
 
-    host: str = "127.0.0.1"
+    host: str = Field(default="127.0.0.1", description="Client API address; 0.0.0.0 to serve other hosts")
     port: int = Field(default=10001, ge=0, le=65535)
     mode: Mode = "read"
     connector: str
     routing: Routing = "least_outstanding"
     model: str = Field(min_length=1)
-    api_key_file: str | None = None
+    api_key_file: str | None = Field(default=None, description="Clients must send this key (file mode 0600)")
     # sent to the engines as their Bearer key (vLLM --api-key); the client's own key is never forwarded
     engine_api_key_file: str | None = None
     # the engines' KV block size (tokens), for connectors whose hand-off depends on the prompt's length
@@ -149,7 +151,7 @@ class ProxyConfig(_Model):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health: HealthConfig = Field(default_factory=HealthConfig)
-    limits: Limits = Field(default_factory=Limits)
+    limits: Limits = Field(default_factory=Limits, description="What one client connection may cost the proxy")
     backends: list[Backend] = Field(default_factory=list)
     client_max_size: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_tokens_limit: int = Field(default=1_000_000, ge=1)

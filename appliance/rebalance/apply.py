@@ -21,7 +21,7 @@ from appliance.manager import ACTIVE, ServiceManager
 from appliance.node import Node, http_answer
 from appliance.plan import Instance, Plan
 from appliance.ports import holders, port_free, taken
-from appliance.proxy.client import AdminClient
+from appliance.proxy.admin_client import AdminClient
 from appliance.rebalance.schedule import Schedule, Step, order, schedule
 from appliance.render.names import instance_unit
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.inventory import load_inventory
-from appliance.modelshape import ModelShape, model_shape
+from appliance.model_config import ModelShape, model_shape
 from appliance.settings import Settings
 from appliance.suggest import Candidate, Profile, Shape, goodput, gpu_profile
 

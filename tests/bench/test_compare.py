@@ -69,7 +69,7 @@ def test_a_one_gpu_node_compares_its_colocated_shapes_and_skips_the_split() -> N
 def test_write_is_skipped_where_the_connector_has_none() -> None:
     settings = load_settings(overrides={"engine": {"kind": "sim"}})
     found = {s.name: s for s in shapes(settings, load_inventory("sim:cpu"))}
-    assert found["disagg-write"].skipped == "connector 'example' has no WRITE mode"
+    assert found["disagg-write"].skipped == "connector 'example' has no write mode (it supports read)"
     # NIXL pushes on NVIDIA (vLLM's NixlPushConnector): its WRITE shape is swept
     assert {s.name: s for s in shapes(settings, load_inventory("sim:h200-8"))}["disagg-write"].skipped is None
     cpu = {s.name: s for s in shapes(settings, load_inventory("sim:cpu"), ["disagg-read", "colocated"], [None])}

@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 
 from appliance.inventory import load_inventory
-from appliance.modelshape import model_shape
+from appliance.model_config import model_shape
 from appliance.settings import Settings
 from appliance.suggest import _touched, gpu_profile, suggest
 

@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from appliance.bench.analysis import Slo
-from appliance.bench.client import RateRun, Target, parse_route, request_count, run_rate, workload_requests
+from appliance.bench.loadgen import RateRun, Target, parse_route, request_count, run_rate, workload_requests
 from appliance.bench.mixes import MultiTurn, parse_mix
 from appliance.bench.plots import plot_latency
 from appliance.bench.report import print_report
@@ -25,7 +25,7 @@ from appliance.bench.results import BenchResult, ShapeResult, Workload
 from appliance.bench.trace import TRACE_BLOCK_TOKENS, build_prompts, parse_workload
 from appliance.errors import PdctlError
 from tests.bench import PNG_MAGIC
-from tests.bench.test_client import VllmShapedServer
+from tests.bench.test_loadgen import VllmShapedServer
 from tests.support.pdctl import pdctl_in
 
 pytestmark = pytest.mark.timeout(240)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.inventory import load_inventory
-from appliance.modelshape import model_shape, read_model_shape, with_engine_quantization
+from appliance.model_config import model_shape, read_model_shape, with_engine_quantization
 from appliance.settings import Settings
 from appliance.suggest import (
     Candidate,

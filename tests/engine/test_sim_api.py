@@ -10,6 +10,11 @@ import sys
 import aiohttp
 import pytest
 
+from appliance.engine.sim.cli import sim_config, sim_engine
+from appliance.engine.sim.config import FaultConfig, SimConfig
+from appliance.inventory import load_inventory
+from appliance.plan import plan
+from appliance.settings import Settings, SimTimeModel
 from tests.support.waiting import eventually as until
 
 from .simutil import complete, drained, running, state, stream, words
@@ -238,3 +243,30 @@ def test_cli_rejects_bad_settings_in_one_line() -> None:
     assert result.returncode == 2
     assert "needs a KV connector" in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_planned_sim_command_line_reads_back_into_the_settings_knobs() -> None:
+    """The time model is defined once (settings.SimTimeModel): what pdctl.toml's [engine.sim] sets reaches the
+    simulated engine's SimConfig unchanged, through the argv the planner writes and the flags sim-engine
+    generates from the same fields."""
+    knobs = {"prefill_us_per_token": 7.5, "decode_step_ms": 2.25, "decode_step_ms_per_seq": 0.125,
+             "num_blocks": 777, "block_size": 32}
+    assert set(knobs) == set(SimTimeModel.model_fields)
+    planned = plan(Settings.model_validate({"engine": {"kind": "sim", "sim": knobs}}), load_inventory("sim:cpu"))
+    assert planned.instances
+    for inst in planned.instances:
+        assert inst.argv[1:3] == ["-m", "appliance.engine.sim"]
+        params = sim_engine.make_context("sim-engine", inst.argv[3:]).params
+        cfg = sim_config({k: v for k, v in params.items() if k != "log_level"})
+        assert {k: getattr(cfg, k) for k in knobs} == knobs
+        assert (cfg.role, cfg.port, cfg.connector) == (inst.role, inst.http_port, planned.connector)
+
+
+def test_every_sim_engine_flag_is_a_sim_config_field_with_its_default() -> None:
+    """The flags are generated from SimConfig and FaultConfig: none without a field, none with another default."""
+    params = sim_engine.make_context("sim-engine", []).params
+    defaults = {k: v for k, v in params.items() if k != "log_level"}
+    fields = {n: f.default for n, f in SimConfig.model_fields.items() if n != "faults"}
+    fields.update({f"fault_{n}": f.default for n, f in FaultConfig.model_fields.items()})
+    assert defaults == fields
+    assert sim_config(defaults) == SimConfig()

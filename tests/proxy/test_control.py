@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from appliance.ports import free_port
-from appliance.proxy.client import AdminClient, ProxyAdminError
+from appliance.proxy.admin_client import AdminClient, ProxyAdminError
 from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post
 from tests.support.waiting import eventually as wait_for
@@ -221,8 +221,12 @@ def test_admin_api_state_mode_drain_and_instances(tmp_path: Path) -> None:
                 "prefill-0": ("prefill", True), "decode-0": ("decode", True)}
             answer = await asyncio.to_thread(client.set_mode, "write")
             assert answer == {"mode": "write", "previous": "read", "engines_restart_required": True}
-            with pytest.raises(ProxyAdminError, match="mode"):
+            with pytest.raises(ProxyAdminError, match="must be read or write, got 'sideways'"):
                 await asyncio.to_thread(client.set_mode, "sideways")
+            # one reading of the mode everywhere: vLLM's case (READ) names the same mode as the user's (read)
+            back = await asyncio.to_thread(client.set_mode, "READ")
+            assert back == {"mode": "read", "previous": "write", "engines_restart_required": True}
+            await asyncio.to_thread(client.set_mode, "write")
             # drain waits for the request in flight, and new requests get 503 meanwhile
             stream = asyncio.ensure_future(post(local(px.api_port), "/v1/completions",
                                                 {"prompt": "x", "max_tokens": 20, "stream": True}))

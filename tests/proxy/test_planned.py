@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 
-from appliance.proxy.client import AdminClient
+from appliance.proxy.admin_client import AdminClient
 from tests.support.fake_engines import FakeEngine, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post, sse_events
 from tests.support.waiting import eventually as wait_for

@@ -15,8 +15,8 @@ from appliance.plan import plan
 from appliance.ports import free_ports
 from appliance.rebalance.apply import busy_new_ports
 from appliance.rebalance.schedule import schedule
+from appliance.role_shape import parse_role, role_overrides
 from appliance.settings import Settings, deep_merge
-from appliance.shapes import parse_role, role_overrides
 from appliance.suggest import Prediction, sim_profile, suggest
 
 INV = load_inventory("sim:mi300x-8")

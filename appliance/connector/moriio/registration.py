@@ -22,6 +22,7 @@ from appliance.connector.base import FindInstance, ListenerSettings, Registrant
 from appliance.connector.moriio.address import PeerAddress, parse_zmq_address, quoted
 from appliance.connector.moriio.address import zmq_address as zmq_address_of
 from appliance.hosts import canonical_host
+from appliance.roles import parse_mode
 
 log = logging.getLogger("appliance.proxy.registration")
 
@@ -122,10 +123,10 @@ def normalize_registration(data: Any) -> dict[str, Any] | None:
         raise RegistrationError("http_address and zmq_address must be strings")
     host, port = _parse_http_address(http_address)
     zmq_host = _zmq_peer(zmq_address).host
-    mode = data.get("transfer_mode")
-    if mode not in ("READ", "WRITE", "read", "write"):
-        raise RegistrationError(f"transfer_mode must be READ or WRITE, got {quoted(mode)}")
-    mode = mode.lower()
+    try:
+        mode = parse_mode(data.get("transfer_mode"))
+    except ValueError:
+        raise RegistrationError(f"transfer_mode must be READ or WRITE, got {quoted(data.get('transfer_mode'))}") from None
     return {
         "role": _ROLE_BY_LETTER[role_letter],
         "http_address": f"{host}:{port}",

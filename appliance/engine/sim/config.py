@@ -1,4 +1,5 @@
-"""Settings of one simulated engine: the CLI maps its flags onto these fields, nothing else reads flags."""
+"""Settings of one simulated engine, defined once: its command line (sim/cli.py) is generated from these fields
+(the description is the flag's help), and the time model is the one pdctl.toml's [engine.sim] sets."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from appliance.connector import check_name, get_connector, names
 from appliance.roles import Mode, Role
+from appliance.settings import SimTimeModel
 
 
 class FaultConfig(BaseModel):
@@ -13,67 +15,64 @@ class FaultConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    crash_after_tokens: int | None = Field(default=None, ge=1)
-    hang_prefill: bool = False
-    prefill_delay_s: float = Field(default=0.0, ge=0.0)
-    prefill_fail: bool = False
-    refuse_registration: bool = False
+    crash_after_tokens: int | None = Field(default=None, ge=1, description="Exit hard after N generated tokens.")
+    hang_prefill: bool = Field(default=False, description="Prefill requests never answer.")
+    prefill_delay_s: float = Field(default=0.0, ge=0.0, description="Delay prefill requests.")
+    prefill_fail: bool = Field(default=False, description="Prefill requests answer 500.")
+    refuse_registration: bool = Field(default=False, description="MoRIIO: never register with the proxy.")
 
 
-class SimConfig(BaseModel):
-    """Everything one simulated engine needs; port 0 means "pick a free port" (tests)."""
+class SimConfig(SimTimeModel):
+    """Everything one simulated engine needs; port 0 means "pick a free port" (tests). The time model's knobs
+    (prefill_us_per_token, decode_step_ms, ..., block_size) come from SimTimeModel."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
+    host: str = Field(default="127.0.0.1", description="Address to bind and advertise.")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (0 = any free port).")
     role: Role = "both"
     connector: str = "none"
     mode: Mode = "read"
-    model: str = "sim-model"
-    instance_name: str = ""
+    model: str = Field(default="sim-model", description="Served model name.")
+    instance_name: str = Field(default="", description="Instance name, e.g. prefill-0 (logs only).")
     max_model_len: int = Field(default=8192, ge=16)
-    seed: int = 0
+    seed: int = Field(default=0, description="Engine seed for the generated text.")
 
     # MoRIIO: registration with the proxy and the two ZMQ ports of rank (dp 0, tp 0).
-    proxy_ping: str | None = None
-    handshake_port: int | None = Field(default=None, ge=0, le=65535)
-    notify_port: int | None = Field(default=None, ge=0, le=65535)
+    proxy_ping: str | None = Field(default=None, description="MoRIIO: HOST:PORT of the proxy's registration ROUTER.")
+    handshake_port: int | None = Field(default=None, ge=0, le=65535, description="MoRIIO: handshake port (0 = any).")
+    notify_port: int | None = Field(default=None, ge=0, le=65535, description="MoRIIO: notify port (0 = any).")
     dp_size: int = Field(default=1, ge=1)
     tp_size: int = Field(default=1, ge=1)
-    ping_interval_s: float = Field(default=3.0, gt=0)  # MoRIIOConstants.PING_INTERVAL
-    # NIXL: the side channel the decode pulls blocks through.
-    side_channel_port: int | None = Field(default=None, ge=0, le=65535)
-    # ExampleConnector: the shared directory KV files go to.
-    shared_storage: str | None = None
+    # MoRIIOConstants.PING_INTERVAL
+    ping_interval_s: float = Field(default=3.0, gt=0, description="MoRIIO registration interval.")
+    side_channel_port: int | None = Field(default=None, ge=0, le=65535, description="NIXL: side-channel port (0 = any).")
+    shared_storage: str | None = Field(default=None, description="ExampleConnector: shared KV directory.")
 
     # KV handoff timing and bounds.
-    kv_abort_timeout_s: float = Field(default=480.0, gt=0)  # VLLM_NIXL_ABORT_REQUEST_TIMEOUT
-    kv_wait_timeout_s: float = Field(default=30.0, gt=0)  # MoRIIO transfer_timeout (WRITE wait)
+    # VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    kv_abort_timeout_s: float = Field(default=480.0, gt=0,
+                                      description="Free held prefill blocks nobody came for after this long.")
+    # MoRIIO transfer_timeout
+    kv_wait_timeout_s: float = Field(default=30.0, gt=0,
+                                     description="MoRIIO WRITE: how long a decode waits for the prefill's push.")
     kv_connect_timeout_s: float = Field(default=5.0, gt=0)
     kv_transfer_us_per_token: float = Field(default=1.0, ge=0)
     # What a real transfer of one prompt token moves (the vllm:nixl_bytes_transferred figures): Qwen3-32B
     # bf16 is 64 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 262,144.
     kv_bytes_per_token: int = Field(default=262144, ge=1)
-    # NIXL descriptors per block: 0 posts one per block (vLLM's cross-layer blocks, every layer in one region);
-    # N posts N layers x K and V per block, as vLLM does where it kept per-layer blocks (the cross-layer
-    # setting ignored: Model Runner V2, another attention backend or KV layout).
-    kv_per_layer_descriptors: int = Field(default=0, ge=0)
+    # 0 is vLLM's cross-layer blocks (every layer in one region); N is what vLLM does where it kept per-layer
+    # blocks (the cross-layer setting ignored: Model Runner V2, another attention backend or KV layout).
+    kv_per_layer_descriptors: int = Field(default=0, ge=0, description=(
+        "NIXL: post N layers x K/V descriptors per block (per-layer blocks); 0: one per block (cross-layer)."))
 
-    # Time model.
-    prefill_us_per_token: float = Field(default=20.0, ge=0)
-    decode_step_ms: float = Field(default=5.0, ge=0)
-    decode_step_ms_per_seq: float = Field(default=0.05, ge=0)
     max_num_seqs: int = Field(default=256, ge=1)
-    chunk_tokens: int = Field(default=2048, ge=1)
-    num_blocks: int = Field(default=8192, ge=1)
-    block_size: int = Field(default=16, ge=1)
-    speed: float = Field(default=1.0, gt=0)
-    # The "model" ends every request with EOS as its token N (default: at a length between 64 and 511 that the
-    # prompt picks); 1 makes a prefill's only token EOS, the case where vLLM's connectors hand no KV over.
-    eos_after: int | None = Field(default=None, ge=1)
-    # Seconds "loading the model" before anything listens: vLLM binds its HTTP port only once loaded.
-    load_s: float = Field(default=0.0, ge=0)
+    chunk_tokens: int = Field(default=2048, ge=1, description="max-num-batched-tokens per step.")
+    speed: float = Field(default=1.0, gt=0, description="Run the time model this much faster.")
+    # 1 makes a prefill's only token EOS, the case where vLLM's connectors hand no KV over.
+    eos_after: int | None = Field(default=None, ge=1, description=(
+        "End every request with EOS as its token N (default: 64-511, picked by the prompt)."))
+    # vLLM binds its HTTP port only once loaded.
+    load_s: float = Field(default=0.0, ge=0,
+                          description="Seconds spent 'loading the model' before listening (like vLLM).")
 
     faults: FaultConfig = Field(default_factory=FaultConfig)
 

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from appliance.bench.analysis import Slo
-from appliance.bench.client import InFlight, RateRun, Target, discover_model, rate_prompts, run_rate
+from appliance.bench.loadgen import InFlight, RateRun, Target, discover_model, rate_prompts, run_rate
 from appliance.errors import PdctlError
 
 pytestmark = pytest.mark.timeout(120)
@@ -161,7 +161,7 @@ async def _test_stop_marks_unfinished_requests_interrupted() -> None:
 
 def test_a_rates_heap_leaves_the_collectors_walk() -> None:
     # A full collection walks every tracked list element by element, stalling every stream's clock at once
-    # (client.py's docstring): a rate's token-id prompts are tuples, which leave the walk after the first
+    # (loadgen.py's docstring): a rate's token-id prompts are tuples, which leave the walk after the first
     # collection they survive, and token timings grow in arrays, whose numbers the collector does not walk.
     target = Target(base_url="http://127.0.0.1:1", model="m1", input_len=64, output_len=3, token_range=(5, 50))
     prompts = rate_prompts(target, random.Random(7), 4)
@@ -218,7 +218,7 @@ def test_warm_up_requests_are_sent_but_not_recorded() -> None:
 
     import aiohttp as _aiohttp
 
-    from appliance.bench.client import Target, warm_up
+    from appliance.bench.loadgen import Target, warm_up
 
     seen: list[dict[str, object]] = []
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from appliance.bench.analysis import Judgement
-from appliance.bench.schedule import parse_schedule
+from appliance.bench.rate_schedule import parse_schedule
 from appliance.bench.steady import is_steady, plan_window
 from appliance.errors import PdctlError
 

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from appliance.heads import Heads, read_heads
 from appliance.inventory import load_inventory
+from appliance.model_config import Heads, read_heads
 from appliance.settings import Settings
 from appliance.suggest import Prediction, sim_profile, suggest
 
