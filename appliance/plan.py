@@ -35,7 +35,7 @@ from appliance.hosts import is_loopback, url_host
 from appliance.inventory.models import Gpu, Inventory
 from appliance.proxy.config import Backend, ProxyConfig
 from appliance.roles import MODES, Mode, Role
-from appliance.settings import EMBEDDED_MODEL, Settings, deep_merge, proxy_config_data
+from appliance.settings import EMBEDDED_MODEL, EngineKind, Settings, deep_merge, proxy_config_data
 from appliance.statedir import StateDir
 
 SCHEMA_VERSION: Literal[2] = 2
@@ -90,7 +90,7 @@ class Plan(Frozen):
 
     schema_version: Literal[2] = SCHEMA_VERSION
     platform: Platform
-    engine: Literal["vllm", "sim"]
+    engine: EngineKind
     layout: Literal["disaggregated", "colocated"]
     connector: str
     mode: Mode

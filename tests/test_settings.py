@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
@@ -19,6 +20,8 @@ from appliance.proxy.config import Limits, ProxyConfig
 from appliance.settings import (
     DEFAULT_CONFIG_PATH,
     PROXY_KEYS,
+    EngineKind,
+    ManagerName,
     ProxySettings,
     Settings,
     config_path,
@@ -238,3 +241,14 @@ def test_a_bad_proxy_key_is_named_as_written(tmp_path: Path, key: str, value: An
     config.write_text(f"[proxy]\n{key} = {json.dumps(value)}\n")
     with pytest.raises(ConfigError, match=f"proxy.{key} = {value!r} is not allowed: .*{rule}"):
         load_settings(config)
+
+
+@pytest.mark.parametrize("command, param, kind", [
+    ("appliance.cli.plan:plan", "engine", EngineKind), ("appliance.cli.bench:bench", "engine", EngineKind),
+    ("appliance.cli.lifecycle:up", "manager", ManagerName), ("appliance.cli.restart:restart", "manager", ManagerName),
+    ("appliance.cli.mode:mode", "manager", ManagerName)])
+def test_command_line_choices_are_the_settings_types(command: str, param: str, kind: Any) -> None:
+    """A flag that names a setting's value offers exactly that setting's choices (one definition, in settings)."""
+    module, name = command.split(":")
+    found = {p.name: p for p in getattr(importlib.import_module(module), name).params}[param]
+    assert tuple(found.type.choices) == get_args(kind)

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import click
 
@@ -17,6 +17,7 @@ from appliance.cli.options import obtain
 from appliance.errors import PdctlError
 from appliance.hosts import url_host
 from appliance.proxy.config import read_secret
+from appliance.settings import EngineKind
 from appliance.statedir import StateDir
 
 # exit code of a run that measured nothing: every request failed (as `pdctl status` says 1 for a failed node)
@@ -61,7 +62,7 @@ if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
 )
 @click.option(
     "--engine",
-    type=click.Choice(["vllm", "sim"]),
+    type=click.Choice(get_args(EngineKind)),
     help="Engine kind: with --compare, what to deploy; with --url, how to label the result.",
 )
 @click.option(

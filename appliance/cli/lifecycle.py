@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import click
 
@@ -30,14 +30,14 @@ from appliance.nodelock import Holder, holder
 from appliance.plan import Plan
 from appliance.proxy.admin_client import AdminRefused, PortTaken
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit, role_service
-from appliance.settings import Settings
+from appliance.settings import ManagerName, Settings
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
 EXIT_UNHEALTHY = 1
-MANAGER_CHOICE = click.Choice(["auto", "systemd", "supervisor"])
+MANAGER_CHOICE = click.Choice(get_args(ManagerName))
 
 
 class StoppedMeanwhile(PdctlError):

@@ -48,7 +48,7 @@ def mode(ctx: click.Context, new_mode: Mode | None, yes: bool, allow_downtime: b
     try:
         get_connector(old.connector).check_mode(new_mode)
     except ValueError as exc:
-        raise PdctlError(f"the node runs {exc}",
+        raise PdctlError(f"the node runs {old.connector}, and {exc}",
                          fix=f"deploy a connector that has it: `pdctl up --mode {new_mode}` (connector auto picks one) "
                              f"or `--connector NAME`") from None
     new_settings, inventory = obtain(ctx, layered(pinned(old), {"connector": {"mode": new_mode}}))

@@ -8,7 +8,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, get_args
 
 import click
 
@@ -21,7 +21,7 @@ from appliance.nodelock import Holder, node_lock
 from appliance.plan import Plan, plan
 from appliance.role_shape import role_overrides
 from appliance.roles import MODES
-from appliance.settings import Settings, env_data, env_name, leaves, load_settings
+from appliance.settings import EngineKind, Settings, env_data, env_name, leaves, load_settings
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -58,7 +58,7 @@ def plan_options(func: F) -> F:
         click.option("--mode", type=click.Choice(MODES), help="KV transfer mode."),
         click.option("--connector", type=ConnectorChoice(allow_auto=True),
                      help="KV connector (none: colocated)."),
-        click.option("--engine", type=click.Choice(["vllm", "sim"]), help="Real vLLM or the simulated engine."),
+        click.option("--engine", type=click.Choice(get_args(EngineKind)), help="Real vLLM or the simulated engine."),
         click.option("--prefill-gpus", type=click.IntRange(min=1), help="Number of prefill GPUs (one instance)."),
         click.option("--decode-gpus", type=click.IntRange(min=1), help="Number of decode GPUs (one instance)."),
         click.option("--prefill", "prefill_set", metavar="SET|SHAPE",
