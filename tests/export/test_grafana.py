@@ -5,7 +5,9 @@ attainment's buckets and weights, and every metric the dashboard reads present o
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from appliance.proxy.metrics import ITL_BUCKETS, TTFT_BUCKETS
 from appliance.settings import SloSettings
 from tests.support.pdctl import complete, pdctl, write_config
 
-VLLM_SOURCE = Path("/work/main/.venv-vllm/lib/python3.11/site-packages/vllm")
+VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 TTFT = "pdctl_proxy_time_to_first_token_seconds"
 ITL = "pdctl_proxy_inter_token_latency_seconds"
 
@@ -181,19 +183,29 @@ def _scrape(target: str) -> dict[str, list[Any]]:
     return samples
 
 
+def _vllm_source() -> Path:
+    """The vLLM package of the CPU build's Python (found, not imported: importing vLLM takes seconds)."""
+    assert VLLM_PYTHON
+    code = "import importlib.util; print(importlib.util.find_spec('vllm').submodule_search_locations[0])"
+    return Path(subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, check=True,
+                               timeout=60).stdout.strip())
+
+
 def _vllm_declared() -> set[str]:
     """The names vLLM's Prometheus loggers declare, as /metrics exposes them (counters end in _total)."""
+    vllm_source = _vllm_source()
     declared: set[str] = set()
     pattern = re.compile(r"_(counter|gauge|histogram)_cls\(\s*name=\"(vllm:\w+)\"")
-    for source in (VLLM_SOURCE / "v1" / "metrics" / "loggers.py",
-                   VLLM_SOURCE / "distributed" / "kv_transfer" / "kv_connector" / "v1" / "nixl" / "stats.py"):
+    for source in (vllm_source / "v1" / "metrics" / "loggers.py",
+                   vllm_source / "distributed" / "kv_transfer" / "kv_connector" / "v1" / "nixl" / "stats.py"):
         for kind, name in pattern.findall(source.read_text()):
             declared |= {"counter": {name + "_total"}, "gauge": {name},
                          "histogram": {name + "_bucket", name + "_sum", name + "_count"}}[kind]
+    assert len(declared) > 50, declared  # the pattern still reads vLLM's declarations
     return declared
 
 
-@pytest.mark.skipif(not VLLM_SOURCE.is_dir(), reason="the shared CPU vLLM env is not installed")
+@pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
 def test_every_vllm_name_the_dashboard_reads_is_one_vllm_declares() -> None:
     engine_names = {n for n in _metric_names(shipped_dashboard()) if n.startswith("vllm:")}
     assert engine_names >= REAL_VLLM_ONLY
@@ -215,6 +227,12 @@ def test_every_metric_the_dashboard_reads_is_on_the_nodes_metrics(tmp_path: Path
         proxy = _scrape(proxy_target)
         engines = {c["labels"]["instance"]: _scrape(target)
                    for c in jobs["pdctl-engines"]["static_configs"] for target in c["targets"]}
+        elsewhere = yaml.safe_load(pdctl(config, "export", "prometheus", "--host", "node7.example", check=True).stdout)
+        ports = {job["job_name"]: [t.rsplit(":", 1)[1] for c in job["static_configs"] for t in c["targets"]]
+                 for job in jobs.values()}
+        assert {job["job_name"]: [t for c in job["static_configs"] for t in c["targets"]]
+                for job in elsewhere["scrape_configs"]} == {
+            name: [f"node7.example:{port}" for port in job_ports] for name, job_ports in ports.items()}
     finally:
         pdctl(config, "down")
     board = json.loads(pdctl(config, "export", "grafana", check=True).stdout)
