@@ -61,6 +61,7 @@ def test_installed_wheel_brings_a_deployment_up_and_down(tmp_path: Path) -> None
     # every unit template the checkout's units/ shows travels in the wheel
     shipped = set(zipfile.ZipFile(wheel).namelist())
     assert {f"appliance/data/units/{p.name}" for p in (ROOT / "units").iterdir()} <= shipped, sorted(shipped)
+    assert "appliance/data/grafana/pdctl.json" in shipped
     venv = _fresh_venv(tmp_path, wheel)
     config = write_config(tmp_path, tmp_path / "state")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PDCTL_CONFIG")}
@@ -82,6 +83,9 @@ def test_installed_wheel_brings_a_deployment_up_and_down(tmp_path: Path) -> None
         assert status["healthy"] is True
         answer = complete(status["proxy"]["url"], model=status["model"])
         assert answer["choices"][0]["text"]
+        # the dashboard is read from the installed package, not the checkout
+        board = pdctl("export", "grafana")
+        assert board.returncode == 0 and json.loads(board.stdout)["uid"] == "pdctl-node", board.stderr
     finally:
         down = pdctl("down")
     assert down.returncode == 0 and "stopped" in down.stdout, down.stdout + down.stderr

@@ -32,7 +32,8 @@ COMMANDS: dict[str, Verb] = {
     "drain": Verb("appliance.cli.rebalance:drain",
                   "Stop sending new requests to INSTANCE and wait for its in-flight ones (it keeps running)."),
     "export": Verb("appliance.cli.export:export",
-                   "Write the plan as a multi-node deployment: same model, roles, parallelism and KV connector."),
+                   "Write the plan as a multi-node deployment (--target), or the node's Grafana dashboard or "
+                   "Prometheus config."),
     "inventory": Verb("appliance.cli.inventory:inventory",
                       "Show the GPUs of this node (or of --inventory), their links, health and processes."),
     "logs": Verb("appliance.cli.lifecycle:logs",

@@ -233,7 +233,8 @@ def check_exportable(plan: Plan, target: Target) -> None:
         )
 
 
-def write_files(out_dir: str | os.PathLike[str], files: dict[str, str]) -> list[Path]:
+def write_files(out_dir: str | os.PathLike[str], files: dict[str, str],
+                fix: str = "choose a writable --out directory") -> list[Path]:
     """Write every file atomically (temp file + rename), creating folders; returns the paths written."""
     root = Path(out_dir)
     written: list[Path] = []
@@ -252,8 +253,7 @@ def write_files(out_dir: str | os.PathLike[str], files: dict[str, str]) -> list[
                 raise
             written.append(path)
     except OSError as exc:
-        raise ExportError(f"cannot write the export to {root}: {exc.strerror or exc}",
-                          fix="choose a writable --out directory") from None
+        raise ExportError(f"cannot write the export to {root}: {exc.strerror or exc}", fix=fix) from None
     return written
 
 
