@@ -17,7 +17,7 @@ engines themselves report them.
                     kv_transfer|null (NIXL: the KV transfers this engine posted since it started, from its own
                     /metrics: transfers, post_ms_mean, xfer_ms_mean, mb_per_transfer, mb_per_s, descriptors_mean,
                     kb_per_descriptor, failed_transfers, failed_notifications, expired_requests; see
-                    appliance/kvstats.py)
+                    appliance/connector/nixl/stats.py)
     proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts, automatic_restarts, last_exit,
                     reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
                     healthy, draining, in_flight), requests {total, by_status{code: n},
@@ -51,7 +51,6 @@ from appliance.cli.lifecycle import EXIT_UNHEALTHY, MANAGER_CHOICE, Snapshot, de
 from appliance.cli.options import console
 from appliance.connector import get_connector
 from appliance.inventory import Inventory, load_inventory
-from appliance.kvstats import asks_cross_layer_blocks, engine_figures, per_layer_warning
 from appliance.manager import ACTIVE, ServiceManager
 from appliance.model_config import read_model_shape
 from appliance.node import EXIT_DOWN, PORT_FIX, NotDeployed, admin_url
@@ -116,13 +115,14 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
     now = time.time()
     restarts = manager.restart_counts()
     instances = []
-    # the engines' own KV transfer histograms, where their connector publishes them: every engine asked at once
-    transfer_metrics = get_connector(plan.connector).transfer_metrics is not None
-    asked = [i for i in plan.instances if transfer_metrics and snap.health.get(i.name)]
+    # the engines' own KV transfer figures, where their connector publishes them: every engine asked at once
+    connector = get_connector(plan.connector)
+    asked = [i for i in plan.instances if snap.health.get(i.name)]
     kv: dict[str, Any] = {}
     if asked:
         with ThreadPoolExecutor(max_workers=len(asked)) as pool:
-            kv = dict(zip([i.name for i in asked], pool.map(lambda i: engine_figures(i.url), asked), strict=True))
+            kv = dict(zip([i.name for i in asked], pool.map(lambda i: connector.transfer_figures(i.url), asked),
+                          strict=True))
     for inst in plan.instances:
         st = snap.units[instance_unit(inst)]
         instances.append({
@@ -214,16 +214,18 @@ def gpu_warnings(inventory: Inventory, owner: dict[int, Any]) -> list[str]:
 
 
 def descriptor_warnings(plan: Plan, instances: list[dict[str, Any]]) -> list[str]:
-    """Instances asked for cross-layer KV blocks whose transfers show per-layer NIXL descriptors."""
+    """What the engines' KV transfer figures show they ignored of what they were asked (the connector says:
+    NIXL's cross-layer blocks posted as per-layer descriptors), with the fix."""
     asked = [(inst, doc["kv_transfer"]) for inst, doc in zip(plan.instances, instances, strict=True)
-             if doc["kv_transfer"] and asks_cross_layer_blocks(inst.kv_transfer_config)]
+             if doc["kv_transfer"]]
     if not asked:
         return []
+    connector = get_connector(plan.connector)
     shape = read_model_shape(plan.model.path)
     out = []
     for inst, kv in asked:
-        why = per_layer_warning(kv, _block_size(inst.argv), inst.tp, shape.kv_bytes_per_token if shape else None,
-                                shape.layers if shape else None)
+        why = connector.transfer_warning(kv, inst.kv_transfer_config, _block_size(inst.argv), inst.tp,
+                                         shape.kv_bytes_per_token if shape else None, shape.layers if shape else None)
         if why:
             out.append(f"{inst.name}: {why}")
     return out

@@ -238,9 +238,6 @@ class Connector(ABC):
     # True: in READ mode the decode needs the prefill's kv_transfer_params; a prefill that returns none without
     # having finished the request is an error (False: the shared-storage connector's prefill never returns any).
     read_needs_prefill_kv: ClassVar[bool] = False
-    # The prefix of the engine's Prometheus metrics that carry its KV transfer figures (what appliance.kvstats
-    # reads for `pdctl status`), or None when the engine publishes none for this connector.
-    transfer_metrics: ClassVar[str | None] = None
     # Variables of env() that pin an engine to this node's addresses or ports: a cluster export leaves them out,
     # the cluster engine (Ray's backend, a pod's own IP) sets its own.
     node_local_env: ClassVar[frozenset[str]] = frozenset()
@@ -285,6 +282,18 @@ class Connector(ABC):
 
     def rdma(self, settings: OwnSettings) -> RdmaNeed | None:
         """Whether the transfer uses RDMA devices (None: never), given the connector's own settings."""
+        return None
+
+    def transfer_figures(self, url: str) -> dict[str, Any] | None:
+        """The KV transfers the engine at `url` posted since it started, from its own metrics (`pdctl status`),
+        or None: this connector's engines publish none, or the engine did not answer."""
+        return None
+
+    def transfer_warning(self, figures: Mapping[str, Any], kv_transfer_config: Mapping[str, Any] | None,
+                         block_size: int | None, tp: int, kv_bytes_per_token: int | None,
+                         layers: int | None) -> str | None:
+        """What `figures` show the engine ignored of what it was asked (a KV layout, say), with the fix; None
+        when nothing."""
         return None
 
     def kv_folders(self, kv_transfer_config: Mapping[str, Any]) -> list[str]:

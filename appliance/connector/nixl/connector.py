@@ -85,8 +85,6 @@ class NixlConnector(Connector):
     extra_config_keys = EXTRA_CONFIG
     settings_model = NixlSettings
     moved_settings = {"kv_buffer_device": "kv_buffer_device"}
-    # vLLM's NIXL stats: the puller's transfers in READ, the pusher's in WRITE
-    transfer_metrics = "vllm:nixl_"
     # vLLM 0.32 answers a prefill leg with one kv_transfer_params, the first engine request's
     # (entrypoints/openai/completion/serving.py: final_res_batch[0].kv_transfer_params), and the decode applies
     # it to every engine request of its leg: the other prompts of a batch were decoded on the first one's KV
@@ -96,6 +94,22 @@ class NixlConnector(Connector):
     releases_abandoned_kv = True  # release_body
     # the side channel env() pins to this node; a cluster's NIXL backend or pod sets its own
     node_local_env = frozenset({"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"})
+
+
+    def transfer_figures(self, url: str) -> dict[str, Any] | None:
+        # vLLM's NIXL stats: the puller's transfers in READ, the pusher's in WRITE
+        from appliance.connector.nixl.stats import engine_figures
+
+        return engine_figures(url)
+
+    def transfer_warning(self, figures: Mapping[str, Any], kv_transfer_config: Mapping[str, Any] | None,
+                         block_size: int | None, tp: int, kv_bytes_per_token: int | None,
+                         layers: int | None) -> str | None:
+        from appliance.connector.nixl.stats import asks_cross_layer_blocks, per_layer_warning
+
+        if not asks_cross_layer_blocks(kv_transfer_config):
+            return None
+        return per_layer_warning(figures, block_size, tp, kv_bytes_per_token, layers)
 
     def rdma(self, settings: OwnSettings) -> RdmaNeed:
         return RdmaNeed(required=False, fix="NIXL falls back to NVLink/TCP within one node")

@@ -1,4 +1,4 @@
-"""KV hand-off figures read from an engine's own Prometheus /metrics: vLLM's NIXL connector histograms.
+"""The NIXL connector's KV hand-off figures, read from an engine's own Prometheus /metrics (vLLM's histograms).
 
 vLLM (0.24: vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py) observes every KV transfer an engine
 posts as vllm:nixl_xfer_time_seconds, vllm:nixl_post_time_seconds, vllm:nixl_bytes_transferred and

@@ -1,5 +1,5 @@
 """The pure decision behind `pdctl status`'s per-layer descriptor warning: KV transfer figures (vLLM's
-vllm:nixl_* histograms, read by appliance.kvstats) against what cross-layer blocks would post."""
+vllm:nixl_* histograms, read by appliance.connector.nixl.stats) against what cross-layer blocks would post."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from appliance.connector.nixl.stats import asks_cross_layer_blocks, figures, per_layer_warning
 from appliance.inventory import load_inventory
-from appliance.kvstats import asks_cross_layer_blocks, figures, per_layer_warning
 from appliance.plan import plan
 from appliance.settings import Settings
 
@@ -17,7 +17,7 @@ PROMPT = 2000
 
 
 def _figures(descriptors_per_transfer: float, bytes_per_transfer: float, transfers: int = 5) -> dict[str, Any]:
-    """What kvstats makes of an engine's /metrics sums after `transfers` alike transfers."""
+    """What the NIXL stats make of an engine's /metrics sums after `transfers` alike transfers."""
     return figures({"xfer_s_sum": 0.02 * transfers, "xfer_s_count": transfers, "post_s_sum": 0.001 * transfers,
                     "post_s_count": transfers, "bytes_sum": bytes_per_transfer * transfers,
                     "bytes_count": transfers, "descriptors_sum": descriptors_per_transfer * transfers,
