@@ -36,7 +36,7 @@ def _registry(instances: int, dp_size: int) -> InstanceRegistry:
 
 def us_per_request(policy: str, instances: int, dp_size: int, requests: int, repeat: int) -> float:
     """The best of `repeat` runs of routing `requests` requests, in microseconds per request."""
-    router = Router(_registry(instances, dp_size), policy, lambda: "read", checks_mode=True, disaggregated=True)
+    router = Router(_registry(instances, dp_size), POLICIES[policy](), lambda: "read", checks_mode=True, disaggregated=True)
 
     def one() -> None:
         with router.route(RequestFacts("/v1/completions", BODY)) as route:
