@@ -8,8 +8,10 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.proxy.admin_client import AdminClient
 from tests.support.fake_engines import FakeEngine, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post
 from tests.support.waiting import eventually
@@ -152,35 +154,40 @@ def test_load_bound_spreads_a_hot_prefix() -> None:
     asyncio.run(scenario())
 
 
-def test_an_instance_that_went_down_is_forgotten() -> None:
-    """A conversation's instance fails its health probes and comes back (a restarted engine has an empty cache):
-    the next turn is not counted as a hit there, and the one after is again."""
+async def _next_turn(port: int, prompt: list[int]) -> tuple[str, float]:
+    """Send the conversation's next turn (32 more token ids); the instance it went to and the hit tokens counted."""
+    before = await _prefix_counts(port)
+    prompt.extend(range(len(prompt) + 1, len(prompt) + 33))
+    assert (await post(local(port), "/v1/completions", {"prompt": prompt, "max_tokens": 1}))[0] == 200
+    after = await _prefix_counts(port)
+    (name, gained), = ((k[1], v[1] - before.get(k, (0, 0))[1]) for k, v in after.items() if v != before.get(k))
+    return name, gained
+
+
+@pytest.mark.parametrize("how", ["probe-failed", "replaced"])
+def test_an_instance_that_went_down_or_was_replaced_is_forgotten(how: str) -> None:
+    """A conversation's instance fails its health probes and comes back (a restarted engine has an empty cache), or
+    a rebalance puts another engine under its name: the next turn is not counted as a hit, the one after is."""
     async def scenario() -> None:
-        async with engines("both", "both") as pair, running_proxy(
-            _affinity([backend("both-0", "both", pair[0]), backend("both-1", "both", pair[1])])
+        async with engines("both", "both", "both") as trio, running_proxy(
+            _affinity([backend("both-0", "both", trio[0]), backend("both-1", "both", trio[1])])
         ) as px:
             await eventually(lambda: px.ready()[1]["both"] == 2, what="both healthy")
             prompt = list(range(1, 33))
-
-            async def turn() -> tuple[str, float]:
-                before = await _prefix_counts(px.api_port)
-                prompt.extend(range(len(prompt) + 1, len(prompt) + 33))
-                assert (await post(local(px.api_port), "/v1/completions", {"prompt": prompt, "max_tokens": 1}))[0] == 200
-                after = await _prefix_counts(px.api_port)
-                (name, gained), = ((k[1], v[1] - before.get(k, (0, 0))[1]) for k, v in after.items()
-                                   if v != before.get(k))
-                return name, gained
-
-            first = await turn()
-            holder, gained = await turn()
-            assert first[1] == 0 and gained == 4 * BLOCK and first[0] == holder
-            engine = pair[int(holder[-1])]
-            engine.health_status = 503
-            await eventually(lambda: not px.registry.get(holder).healthy, what="instance down")
-            engine.health_status = 200
-            await eventually(lambda: px.registry.get(holder).healthy, what="instance back")
+            first, (holder, gained) = await _next_turn(px.api_port, prompt), await _next_turn(px.api_port, prompt)
+            assert first == (holder, 0) and gained == 4 * BLOCK
+            if how == "probe-failed":
+                engine = trio[int(holder[-1])]
+                engine.health_status = 503
+                await eventually(lambda: not px.registry.get(holder).healthy, what="instance down")
+                engine.health_status = 200
+            else:
+                other = "both-1" if holder == "both-0" else "both-0"
+                await asyncio.to_thread(AdminClient(f"http://127.0.0.1:{px.admin_port}").set_instances, [
+                    backend(holder, "both", trio[2]), backend(other, "both", trio[int(other[-1])])])
+            await eventually(lambda: px.ready()[1]["both"] == 2, what="instance back")
             # not forgotten, it would go back there and hit the 6 blocks of the 96 tokens sent before
-            assert (await turn())[1] == 0
-            assert (await turn())[1] == 8 * BLOCK
+            assert (await _next_turn(px.api_port, prompt))[1] == 0
+            assert (await _next_turn(px.api_port, prompt))[1] == 8 * BLOCK
 
     asyncio.run(scenario())
