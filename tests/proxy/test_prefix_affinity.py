@@ -191,3 +191,26 @@ def test_an_instance_that_went_down_or_was_replaced_is_forgotten(how: str) -> No
             assert (await _next_turn(px.api_port, prompt))[1] == 8 * BLOCK
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [1] * 20 + [[2]] * 20},  # a list among the token ids: not hashable
+    {"prompt": [[1] * 20, [1] * 17 + [{"a": 1}] * 20]},  # a batch whose second prompt holds objects
+    {"prompt": [1] * 16 + [None] * 16 + [1.5] * 16},
+    {"prompt": "x" * 100, "messages": 5},  # /v1/completions: vLLM ignores messages, so must the policy
+    {"prompt": "x" * 100, "cache_salt": {"a": [1]}, "tools": 7},
+], ids=["nested-list", "batch-with-objects", "null-and-float", "messages-on-completions", "odd-extras"])
+def test_a_malformed_prompt_is_routed_by_load_and_the_proxy_keeps_serving(body: dict[str, Any]) -> None:
+    """What the engine answers a malformed prompt is its own business (vLLM says 400); the policy must neither fail
+    the request nor the proxy on it, and the next request is served."""
+    async def scenario() -> None:
+        async with engines("both", "both") as pair, running_proxy(
+            _affinity([backend("both-0", "both", pair[0]), backend("both-1", "both", pair[1])])
+        ) as px:
+            await eventually(lambda: px.ready()[1]["both"] == 2, what="both healthy")
+            status = (await post(local(px.api_port), "/v1/completions", {**body, "max_tokens": 1}))[0]
+            assert status == 200  # the fake engine takes anything: the answer is the engine's, not the proxy's
+            assert len(pair[0].requests) + len(pair[1].requests) == 1
+            assert (await post(local(px.api_port), "/v1/completions", {"prompt": [1] * 40, "max_tokens": 1}))[0] == 200
+
+    asyncio.run(scenario())

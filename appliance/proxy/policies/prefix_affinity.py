@@ -67,7 +67,7 @@ def render_chat(body: Mapping[str, Any]) -> str:
     """A chat request's prompt as text, deterministically: the template keys, then each message's role and content,
     so that two conversations that share their first messages share a prefix of this text."""
     parts = [f"{key}\x1f{_content(body[key])}" for key in _TEMPLATE_KEYS if key in body]
-    for message in body.get("messages") or ():
+    for message in body["messages"]:
         if isinstance(message, Mapping):
             parts.append(f"{message.get('role')}\x1f{_content(message.get('content'))}")
         else:
@@ -81,7 +81,7 @@ def prompt_of(request: RequestFacts, block_size: int) -> Prompt:
     body = request.body
     seed = hash((str(body.get("model")), str(body.get("cache_salt"))))
     text_block = block_size * CHARS_PER_TOKEN
-    if "messages" in body:
+    if request.path.endswith("/chat/completions"):  # the body validator made sure messages is a list
         text = render_chat(body)
         return Prompt([_chain(seed, text, text_block)], len(text) // CHARS_PER_TOKEN, block_size)
     prompt = body.get("prompt")
@@ -89,13 +89,18 @@ def prompt_of(request: RequestFacts, block_size: int) -> Prompt:
     if not isinstance(prompts, _SEQUENCES):
         return Prompt([], 0, block_size)
     chains, tokens = [], 0
-    for one in prompts:
-        if isinstance(one, str):
-            chains.append(_chain(seed, one, text_block))
-            tokens += len(one) // CHARS_PER_TOKEN
-        elif _is_token_ids(one):
-            chains.append(_chain(seed, tuple(one), block_size))
-            tokens += len(one)
+    try:
+        for one in prompts:
+            if isinstance(one, str):
+                chains.append(_chain(seed, one, text_block))
+                tokens += len(one) // CHARS_PER_TOKEN
+            elif _is_token_ids(one):
+                chains.append(_chain(seed, tuple(one), block_size))
+                tokens += len(one)
+    except TypeError:
+        # a list or object among the token ids (the engine answers 400): no prefix, the request goes by load; checked
+        # here rather than id by id, so that a well-formed prompt pays nothing for it
+        return Prompt([], 0, block_size)
     return Prompt(chains, tokens, block_size)
 
 
