@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.proxy.admin_client import AdminClient
+from appliance.proxy.policies.prefix_affinity import MAX_BLOCKS
 from tests.support.fake_engines import FakeEngine, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post
 from tests.support.waiting import eventually
@@ -212,5 +213,23 @@ def test_a_malformed_prompt_is_routed_by_load_and_the_proxy_keeps_serving(body: 
             assert status == 200  # the fake engine takes anything: the answer is the engine's, not the proxy's
             assert len(pair[0].requests) + len(pair[1].requests) == 1
             assert (await post(local(px.api_port), "/v1/completions", {"prompt": [1] * 40, "max_tokens": 1}))[0] == 200
+
+    asyncio.run(scenario())
+
+
+def test_the_hashed_prefix_is_bounded_whatever_the_prompt_size() -> None:
+    """The policy hashes at most MAX_BLOCKS blocks of a request (it runs on the event loop every stream shares): a
+    prompt longer than that is expected cached up to the bound, and a batch shares one bound."""
+    async def scenario() -> None:
+        async with engines("both") as (e,), running_proxy(_affinity([backend("both-0", "both", e)])) as px:
+            await eventually(lambda: px.ready()[0], what="ready")
+            long = list(range(MAX_BLOCKS * BLOCK + 100))
+            batch = [long[: MAX_BLOCKS * BLOCK // 2]] * 3
+            for prompt in (long, long, batch):
+                assert (await post(local(px.api_port), "/v1/completions", {"prompt": prompt, "max_tokens": 1}))[0] == 200
+            lookup = 2 * len(long) + 3 * len(batch[0])
+            # the second request finds the first's MAX_BLOCKS blocks; the batch's first prompt finds its half of
+            # them and its second the same half (counted again, as vLLM would), the third is past the bound
+            assert await _prefix_counts(px.api_port) == {("both", "both-0"): (lookup, 2 * MAX_BLOCKS * BLOCK)}
 
     asyncio.run(scenario())
