@@ -3,14 +3,16 @@ colocated (`both`) instances behind the proxy, a multi-turn workload (`pdctl ben
 per policy the engines' own prefix-cache counters and the clients' TTFT.
 
     PDCTL_TEST_VLLM_PYTHON=/path/to/vllm/venv/bin/python python benchmarks/prefix_affinity_cpu.py \\
-        [--policies round_robin,least_outstanding,prefix_affinity] [--conversations 11] [--turns 4] \\
+        [--policies round_robin,least_outstanding,prefix_affinity] [--conversations 15] [--turns 4] \\
         [--input-len 512] [--output-len 16] [--rate 2] [--out results/cpu-prefix-affinity]
 
 The engines start once (two vLLM processes, prefix caching on, vLLM's CPU default block size) and serve every
 policy in turn, each behind a new proxy; each policy's run has its own seed, so no run finds another's prompts in
 the cache, and its figures are the counters' differences over its run. Prints and writes (OUT/summary.json) per
-policy: vLLM's prefix-cache hit rate (vllm:prefix_cache_hits / queries, both engines), the median TTFT of all
-requests and of later turns (the ones whose prefix a cache can hold), and the proxy's own prefix estimate.
+policy: the requests each engine served, vLLM's prefix-cache hit rate (vllm:prefix_cache_hits / queries, both
+engines), the proxy's own estimate of it, and the median TTFT of first turns (nothing cached under any policy: the
+control for the shared box's load at the time) and of later turns (the ones whose prefix a cache can hold). Each
+policy's bench.json goes to OUT as well.
 
 A note on the workload: request j is turn j // C + 1 of conversation j % C. With an even C and two instances, strict
 round robin would send every turn of a conversation to the same instance by the arithmetic alone; C is odd by
@@ -124,16 +126,21 @@ def run_policy(policy: str, seed: int, engines: list[str], block: int, args: arg
         return [a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True)]
 
     queries, hits = delta("vllm:prefix_cache_queries_total"), delta("vllm:prefix_cache_hits_total")
-    ttft = [r["chunk_times_s"][0] * 1000 for r in done if r["chunk_times_s"]]
-    later = [r["chunk_times_s"][0] * 1000 for r in done if r["chunk_times_s"] and (r["turn"] or 1) > 1]
-    lookup = proxy.get("pdctl_proxy_prefix_lookup_tokens_total", 0.0)
+    (args.out / f"bench-{policy}.json").write_text((out / "bench.json").read_text())
+
+    def ttft(first: bool) -> float | None:
+        # the first turns can find nothing cached under any policy: the control for the box's load during the run
+        values = [r["chunk_times_s"][0] * 1000 for r in done if r["chunk_times_s"] and (r["turn"] == 1) == first]
+        return statistics.median(values) if values else None
+
     return {
         "policy": policy, "requests": requests, "ok": len(done),
+        "engine_requests": delta("vllm:request_success_total"),
         "prefix_cache_queries": queries, "prefix_cache_hits": hits,
         "hit_rate": sum(hits) / sum(queries) if sum(queries) else None,
-        "ttft_ms_median": statistics.median(ttft) if ttft else None,
-        "ttft_ms_median_later_turns": statistics.median(later) if later else None,
-        "proxy_lookup_tokens": lookup, "proxy_hit_tokens": proxy.get("pdctl_proxy_prefix_hit_tokens_total", 0.0),
+        "ttft_ms_median_first_turns": ttft(first=True), "ttft_ms_median_later_turns": ttft(first=False),
+        "proxy_lookup_tokens": proxy.get("pdctl_proxy_prefix_lookup_tokens_total", 0.0),
+        "proxy_hit_tokens": proxy.get("pdctl_proxy_prefix_hit_tokens_total", 0.0),
     }
 
 
@@ -141,7 +148,7 @@ def main() -> None:
     """Start the engines, run each policy, print and write the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default="round_robin,least_outstanding,prefix_affinity")
-    parser.add_argument("--conversations", type=int, default=11)
+    parser.add_argument("--conversations", type=int, default=15)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=16)
@@ -176,11 +183,14 @@ def main() -> None:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"2 vLLM CPU engines, block {block}, {args.conversations} conversations x {args.turns} turns, "
           f"input {args.input_len}, output {args.output_len}, {args.rate} req/s")
-    print(f"{'policy':<20}{'ok':>6}{'vLLM hit rate':>15}{'TTFT p50 ms':>13}{'later turns':>13}{'proxy est.':>12}")
+    print(f"{'policy':<20}{'ok':>4}{'per engine':>12}{'vLLM hit rate':>15}{'proxy est.':>12}"
+          f"{'TTFT p50 turn 1':>17}{'later turns':>13}{'later/first':>13}")
     for row in rows:
         est = row["proxy_hit_tokens"] / row["proxy_lookup_tokens"] if row["proxy_lookup_tokens"] else None
-        print(f"{row['policy']:<20}{row['ok']:>6}{_fmt(row['hit_rate']):>15}{_fmt(row['ttft_ms_median'], 1):>13}"
-              f"{_fmt(row['ttft_ms_median_later_turns'], 1):>13}{_fmt(est):>12}")
+        first, later = row["ttft_ms_median_first_turns"], row["ttft_ms_median_later_turns"]
+        split = "/".join(str(int(n)) for n in row["engine_requests"])
+        print(f"{row['policy']:<20}{row['ok']:>4}{split:>12}{_fmt(row['hit_rate']):>15}{_fmt(est):>12}"
+              f"{_fmt(first, 1):>17}{_fmt(later, 1):>13}{_fmt(later / first if first and later else None, 2):>13}")
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
