@@ -165,7 +165,7 @@ class PrefixAffinity(Policy):
         self._last: tuple[RequestFacts, Prompt] | None = None
         # (role, instance name) -> [prompt tokens looked up, tokens expected cached]: kept across restarts of the
         # instance, as counters must be (metrics.py exposes them)
-        self.tokens: dict[tuple[str, str], list[int]] = {}
+        self._tokens: dict[tuple[str, str], list[int]] = {}
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> PrefixAffinity:
@@ -215,13 +215,13 @@ class PrefixAffinity(Policy):
         index = self._index(best)
         for chain in prompt.chains:
             index.add(chain)
-        counts = self.tokens.get((role, best.name))
+        counts = self._tokens.get((role, best.name))
         if counts is None:
-            counts = self.tokens[(role, best.name)] = [0, 0]
+            counts = self._tokens[(role, best.name)] = [0, 0]
         counts[0] += prompt.tokens
         counts[1] += min(best_match * prompt.block_tokens, prompt.tokens)
         return best
 
     def prefix_tokens(self) -> Mapping[tuple[str, str], Sequence[int]]:
         """(role, instance) -> (prompt tokens looked up, tokens expected cached) for the requests routed there."""
-        return self.tokens
+        return self._tokens
