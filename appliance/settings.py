@@ -28,7 +28,7 @@ from pydantic import (
 from appliance.connector import Connector, check_name, get_connector, names
 from appliance.connector.base import OwnSettings
 from appliance.errors import ConfigError
-from appliance.proxy.config import Limits, ProxyConfig, Routing
+from appliance.proxy.config import Limits, PrefixAffinityConfig, ProxyConfig, Routing
 from appliance.roles import Mode, Role
 
 if sys.version_info >= (3, 11):
@@ -256,7 +256,7 @@ PROXY_KEYS: dict[str, str] = {
     "admin_host": "admin.host", "admin_port": "admin.port", "admin_token_file": "admin.token_file",
     "connect_timeout_s": "timeouts.connect_s", "prefill_timeout_s": "timeouts.prefill_s",
     "first_token_timeout_s": "timeouts.first_token_s", "between_tokens_timeout_s": "timeouts.between_tokens_s",
-    "limits": "limits",
+    "limits": "limits", "prefix_affinity": "prefix_affinity",
 }
 _UNPRIVILEGED = Ge(1024)  # the services run as an unprivileged user: no port below 1024 for what pdctl starts
 
@@ -284,6 +284,7 @@ class ProxySettings(Section):
     first_token_timeout_s: float = _proxy_field("timeouts.first_token_s")
     between_tokens_timeout_s: float = _proxy_field("timeouts.between_tokens_s")
     limits: Limits = _proxy_field("limits")
+    prefix_affinity: PrefixAffinityConfig = _proxy_field("prefix_affinity")
     restart_drain_s: float = Field(default=30.0, ge=0, le=3600, description=(
         "A planned restart (pdctl restart, systemctl restart) waits this long for the instance's running requests"))
     restart_hold_s: float = Field(default=120.0, ge=0, description=(

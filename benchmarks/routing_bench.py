@@ -2,11 +2,15 @@
 role, the policy's pick, the DP rank, the bookings) and a lease per leg, as legs.py does for a disaggregated
 request, in process, with no I/O.
 
-    python benchmarks/routing_bench.py [--instances 1,4,16] [--dp 1,8] [--requests 100000] [--repeat 7]
+    python benchmarks/routing_bench.py [--instances 1,4,16] [--dp 1,8] [--requests 20000] [--repeat 5]
+                                       [--prompts text-44,text-4000,ids-1000,ids-8000]
 
-Prints, for each policy of appliance.proxy.policies and each number of instances per role and DP size, the best
-of --repeat runs of --requests requests, in microseconds per request. A request streams hundreds of tokens
-whose relay costs tens of microseconds each (benchmarks/proxy_bench.py): this is what a policy adds on top.
+Prints, for each policy of appliance.proxy.policies, each prompt and each number of instances per role and DP
+size, the best of --repeat runs of --requests requests, in microseconds per request. A prompt is text-N (N
+characters of text) or ids-N (N token ids); the same prompt every time, so prefix_affinity finds all its blocks
+on one instance and none on the others (its most expensive case: the whole chain is compared there). A request
+streams hundreds of tokens whose relay costs tens of microseconds each (benchmarks/proxy_bench.py): this is what
+a policy adds on top.
 """
 
 from __future__ import annotations
@@ -18,7 +22,15 @@ from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import POLICIES, RequestFacts
 from appliance.proxy.routing import Router
 
-BODY = {"model": "bench-model", "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 16}
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+
+
+def body(prompt: str) -> dict[str, object]:
+    """The request body of a prompt spec: text-N (N characters of prose) or ids-N (N token ids)."""
+    kind, _, size = prompt.partition("-")
+    n = int(size)
+    text = (SENTENCE * (n // len(SENTENCE) + 1))[:n]
+    return {"model": "bench-model", "prompt": text if kind == "text" else tuple(range(n)), "max_tokens": 16}
 
 
 def _registry(instances: int, dp_size: int) -> InstanceRegistry:
@@ -34,12 +46,15 @@ def _registry(instances: int, dp_size: int) -> InstanceRegistry:
     return registry
 
 
-def us_per_request(policy: str, instances: int, dp_size: int, requests: int, repeat: int) -> float:
+def us_per_request(policy: str, prompt: str, instances: int, dp_size: int, requests: int, repeat: int) -> float:
     """The best of `repeat` runs of routing `requests` requests, in microseconds per request."""
-    router = Router(_registry(instances, dp_size), policy, lambda: "read", checks_mode=True, disaggregated=True)
+    router = Router(_registry(instances, dp_size), POLICIES[policy](), lambda: "read", checks_mode=True,
+                    disaggregated=True)
+    request = body(prompt)
 
     def one() -> None:
-        with router.route(RequestFacts("/v1/completions", BODY)) as route:
+        # a new RequestFacts per request, as legs.py makes: no policy may reuse the last request's work
+        with router.route(RequestFacts("/v1/completions", request)) as route:
             assert route.prefill is not None
             with route.prefill.lease(route.prefill_rank):
                 pass
@@ -54,16 +69,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--instances", default="1,4,16", help="instances per role, comma-separated")
     parser.add_argument("--dp", default="1,8", help="DP sizes, comma-separated")
-    parser.add_argument("--requests", type=int, default=100_000)
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--prompts", default="text-44,text-4000,ids-1000,ids-8000",
+                        help="prompts, comma-separated: text-N (characters) or ids-N (token ids)")
     args = parser.parse_args()
     sizes = [int(n) for n in args.instances.split(",")]
     dps = [int(n) for n in args.dp.split(",")]
     print(f"routing cost per disaggregated request (route + 2 leases), us, best of {args.repeat} x {args.requests}")
-    print(f"{'policy':<20}" + "".join(f"{f'{n} inst, DP {d}':>16}" for n in sizes for d in dps))
+    print(f"{'policy':<20}{'prompt':<12}" + "".join(f"{f'{n} inst, DP {d}':>16}" for n in sizes for d in dps))
     for policy in POLICIES:
-        cells = (us_per_request(policy, n, d, args.requests, args.repeat) for n in sizes for d in dps)
-        print(f"{policy:<20}" + "".join(f"{c:>16.2f}" for c in cells))
+        for prompt in args.prompts.split(","):
+            cells = (us_per_request(policy, prompt, n, d, args.requests, args.repeat) for n in sizes for d in dps)
+            print(f"{policy:<20}{prompt:<12}" + "".join(f"{c:>16.2f}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

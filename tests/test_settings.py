@@ -16,7 +16,7 @@ from appliance import settings as settings_module
 from appliance.errors import ConfigError
 from appliance.inventory import load_inventory
 from appliance.plan import plan
-from appliance.proxy.config import Limits, ProxyConfig
+from appliance.proxy.config import Limits, PrefixAffinityConfig, ProxyConfig
 from appliance.settings import (
     DEFAULT_CONFIG_PATH,
     PROXY_KEYS,
@@ -217,7 +217,8 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
              "peer_hosts": {"10.0.0.5": ["10.0.1.5"]}, "registration_max_per_s": 50.0, "admin_host": "127.0.0.4",
              "admin_port": 11002, "admin_token_file": "/srv/token", "connect_timeout_s": 1.5,
              "prefill_timeout_s": 60.0, "first_token_timeout_s": 70.0, "between_tokens_timeout_s": 8.0,
-             "limits": {"max_connections": 99, "max_n": 4}}
+             "limits": {"max_connections": 99, "max_n": 4},
+             "prefix_affinity": {"load_bound": 2, "cache_tokens": 4096}}
     assert set(proxy) == set(PROXY_KEYS)
     planned = plan(Settings.model_validate({"connector": {"name": "moriio"}, "proxy": proxy}),
                    load_inventory("sim:mi300x-8"))
@@ -225,7 +226,8 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
         value: Any = planned.proxy
         for part in path.split("."):
             value = getattr(value, part)
-        expected = Limits(**proxy["limits"]) if key == "limits" else proxy[key]
+        tables = {"limits": Limits, "prefix_affinity": PrefixAffinityConfig}
+        expected = tables[key](**proxy[key]) if key in tables else proxy[key]
         assert value == expected, key
     assert planned.proxy.registration.enabled and planned.proxy.mode == "read"
 
@@ -235,7 +237,9 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
                                               ("port", 0, "greater than or equal to 1"),
                                               ("port", 65536, "less than or equal to 65535"),
                                               ("connect_timeout_s", 0, "greater than 0"),
-                                              ("routing", "random", "'round_robin' or 'least_outstanding'")])
+                                              ("prefix_affinity.load_bound", -1, "greater than or equal to 0"),
+                                              ("prefix_affinity.cache_tokens", 0, "greater than or equal to 1"),
+                                              ("routing", "random", "'round_robin', 'least_outstanding' or 'prefix_affinity'")])
 def test_a_bad_proxy_key_is_named_as_written(tmp_path: Path, key: str, value: Any, rule: str) -> None:
     config = tmp_path / "pdctl.toml"
     config.write_text(f"[proxy]\n{key} = {json.dumps(value)}\n")

@@ -18,7 +18,7 @@ from appliance.roles import Mode, Role
 
 log = logging.getLogger("appliance.proxy")
 
-Routing = Literal["round_robin", "least_outstanding"]
+Routing = Literal["round_robin", "least_outstanding", "prefix_affinity"]
 # RegistrationConfig keys of the dynamic registration pdctl no longer has (its expiry and its instance cap)
 _DYNAMIC_KEYS = frozenset({"ping_interval_s", "expire_after_missed", "max_instances"})
 
@@ -113,6 +113,22 @@ class Limits(_Model):
     stop_drain_s: float = Field(default=25.0, ge=0, le=3600)
 
 
+class PrefixAffinityConfig(_Model):
+    """The prefix-affinity routing policy (routing = "prefix_affinity"; docs/routing.md)."""
+
+    # A continuous-batching engine serves its running requests together, so a few more on the instance that holds
+    # a prompt's prefix cost each of them a little decode time, while a miss costs a whole prefill of the prefix
+    # elsewhere; a hot prefix still cannot pile more than this many legs onto one instance beyond the least loaded.
+    load_bound: int = Field(default=4, ge=0, description=(
+        "A prefix match wins only while its instance has at most this many more legs in flight than the least "
+        "loaded instance of the role; 0: always the least loaded"))
+    # 2**20 tokens: about the KV cache of one H200 serving an 8B model (~110 GB at 0.9 memory utilization over
+    # 128 KiB per token); an estimate larger than the cache only costs hits that are not there, which the load
+    # bound still caps. Its memory: about 150 bytes per block remembered (65,536 blocks of 16 tokens: ~10 MB).
+    cache_tokens: int = Field(default=1_048_576, ge=1, le=1 << 30, description=(
+        "Prompt tokens the policy remembers per instance (an estimate of its KV cache's size in tokens)"))
+
+
 class Backend(_Model):
     """One engine instance from the plan."""
 
@@ -147,6 +163,7 @@ class ProxyConfig(_Model):
     engine_api_key_file: str | None = None
     # the engines' KV block size (tokens), for connectors whose hand-off depends on the prompt's length
     block_size: int | None = Field(default=None, ge=1)
+    prefix_affinity: PrefixAffinityConfig = Field(default_factory=PrefixAffinityConfig)
     registration: RegistrationConfig = Field(default_factory=RegistrationConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     timeouts: Timeouts = Field(default_factory=Timeouts)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
@@ -30,8 +30,20 @@ class _LiveCollector(Collector):
     def __init__(self, metrics: ProxyMetrics) -> None:
         self.metrics = metrics
 
-    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         m = self.metrics
+        # the routing policy counts these on its own (plain ints per pick, no Counter call per request)
+        lookup = CounterMetricFamily("pdctl_proxy_prefix_lookup_tokens",
+                                     "Prompt tokens (text: an estimate) the prefix-affinity policy looked up for the "
+                                     "requests it routed to the instance", labels=["role", "instance"])
+        hit = CounterMetricFamily("pdctl_proxy_prefix_hit_tokens",
+                                  "Of pdctl_proxy_prefix_lookup_tokens, those the policy expected cached on the "
+                                  "instance", labels=["role", "instance"])
+        for (role, name), (looked_up, expected) in list(m.prefix_source().items()):
+            lookup.add_metric([role, name], looked_up)
+            hit.add_metric([role, name], expected)
+        yield lookup
+        yield hit
         yield m.itl.family("pdctl_proxy_inter_token_latency_seconds", "Time between streamed chunks relayed")
         in_flight = GaugeMetricFamily(
             "pdctl_proxy_in_flight_requests", "Requests in flight per instance", labels=["instance", "role"]
@@ -63,9 +75,11 @@ class _LiveCollector(Collector):
 class ProxyMetrics:
     """Counters and histograms the proxy updates; rendered at GET /metrics."""
 
-    def __init__(self, registry_source: Callable[[], InstanceRegistry | None]) -> None:
+    def __init__(self, registry_source: Callable[[], InstanceRegistry | None],
+                 prefix_source: Callable[[], Mapping[tuple[str, str], Sequence[int]]]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry_source = registry_source
+        self.prefix_source = prefix_source  # the routing policy's prefix token counts (policies/base.py)
         self.requests = Counter(
             "pdctl_proxy_requests", "Client requests by HTTP status and mode", ["status", "mode"],
             registry=self.registry,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.proxy.instances import BackendState, Booking, InstanceRegistry
-from appliance.proxy.policies import POLICIES, RequestFacts
+from appliance.proxy.policies import Policy, RequestFacts
 
 
 class Unroutable(Exception):
@@ -42,10 +42,10 @@ class Route:
 class Router:
     """Routes requests over the routable instances of each role with the policy the `routing` setting names."""
 
-    def __init__(self, registry: InstanceRegistry, policy: str, mode: Callable[[], str], checks_mode: bool,
+    def __init__(self, registry: InstanceRegistry, policy: Policy, mode: Callable[[], str], checks_mode: bool,
                  disaggregated: bool) -> None:
         self.registry = registry
-        self.policy = POLICIES[policy]()
+        self.policy = policy
         self.mode = mode
         self.checks_mode = checks_mode  # the connector's engines fix their transfer mode at start
         self.disaggregated = disaggregated  # a prefill and a decode instance per request, else one colocated

@@ -11,6 +11,7 @@ from appliance.proxy.health import HealthChecker
 from appliance.proxy.instances import InstanceRegistry
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.planned import PlannedStops
+from appliance.proxy.policies import POLICIES
 from appliance.proxy.routing import Router
 
 
@@ -26,11 +27,11 @@ class ProxyState:
         self.api_key = read_secret(config.api_key_file)
         self.engine_key = read_secret(config.engine_api_key_file)
         self.admin_token = read_secret(config.admin.token_file)
-        self.metrics = ProxyMetrics(lambda: self.registry)
+        self.metrics = ProxyMetrics(lambda: self.registry, lambda: self.router.policy.prefix_tokens())
         self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
         self.health = HealthChecker(self.registry, config.health,
                                     on_listener=lambda result: self.metrics.listener_checks.labels(result).inc())
-        self.router = Router(self.registry, config.routing, lambda: self.mode,
+        self.router = Router(self.registry, POLICIES[config.routing].from_config(config), lambda: self.mode,
                              checks_mode=self.connector.mode_fixed_at_start,
                              disaggregated=self.connector.disaggregated)
         self.planned = PlannedStops(self.registry, self.health)

@@ -18,6 +18,8 @@ from appliance.connector.moriio.registration import (
 from appliance.proxy.config import Backend, ProxyConfig, Routing
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import POLICIES, RequestFacts
+from appliance.proxy.policies.least_outstanding import LeastOutstanding
+from appliance.proxy.policies.round_robin import RoundRobin
 from appliance.proxy.routing import Router, Unroutable
 
 FACTS = RequestFacts("/v1/completions", {"model": "m", "prompt": "hi"})
@@ -102,7 +104,7 @@ def _registry(*specs: tuple[str, str]) -> InstanceRegistry:
 
 def test_round_robin_skips_what_is_not_routable() -> None:
     registry = _registry(("both-0", "both"), ("both-1", "both"), ("both-2", "both"))
-    router = Router(registry, "round_robin", lambda: "read", checks_mode=False, disaggregated=False)
+    router = Router(registry, RoundRobin(), lambda: "read", checks_mode=False, disaggregated=False)
     assert [router.pick("both", FACTS).name for _ in range(4)] == ["both-0", "both-1", "both-2", "both-0"]  # type: ignore[union-attr]
     registry.instances["both-1"].draining = True
     registry.instances["both-2"].healthy = False
@@ -113,7 +115,7 @@ def test_round_robin_skips_what_is_not_routable() -> None:
 
 def test_least_outstanding_and_mode_check() -> None:
     registry = _registry(("decode-0", "decode"), ("decode-1", "decode"))
-    router = Router(registry, "least_outstanding", lambda: "write", checks_mode=True, disaggregated=True)
+    router = Router(registry, LeastOutstanding(), lambda: "write", checks_mode=True, disaggregated=True)
     registry.instances["decode-0"].in_flight = 5
     assert {router.pick("decode", FACTS).name for _ in range(4)} == {"decode-1"}  # type: ignore[union-attr]
     # an engine registered in the other transfer mode is not routed while the proxy runs this one
@@ -151,7 +153,7 @@ def test_a_route_books_its_instances_until_it_ends_and_its_legs_lease_their_rank
     registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
     prefill, decode = registry.instances["prefill-0"], registry.instances["decode-0"]
     decode.set_dp_size(2)
-    router = Router(registry, "least_outstanding", lambda: "read", checks_mode=False, disaggregated=True)
+    router = Router(registry, LeastOutstanding(), lambda: "read", checks_mode=False, disaggregated=True)
     with router.route(FACTS) as route:
         assert (route.prefill, route.decode, route.prefill_rank, route.decode_rank) == (prefill, decode, None, 0)
         assert (prefill.routed, decode.routed) == (1, 1)
@@ -170,7 +172,7 @@ def test_a_route_books_its_instances_until_it_ends_and_its_legs_lease_their_rank
 
 def test_a_colocated_route_is_one_leg() -> None:
     registry = _registry(("both-0", "both"))
-    router = Router(registry, "round_robin", lambda: "read", checks_mode=False, disaggregated=False)
+    router = Router(registry, RoundRobin(), lambda: "read", checks_mode=False, disaggregated=False)
     with router.route(FACTS) as route:
         assert route.prefill is None and route.decode.name == "both-0" and route.decode.routed == 1
     registry.instances["both-0"].healthy = False

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from appliance.proxy.policies.base import Policy, RequestFacts
 from appliance.proxy.policies.least_outstanding import LeastOutstanding
+from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.policies.round_robin import RoundRobin
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (RoundRobin, LeastOutstanding)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (RoundRobin, LeastOutstanding, PrefixAffinity)}
 
 __all__ = ["POLICIES", "Policy", "RequestFacts"]

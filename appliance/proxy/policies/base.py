@@ -7,10 +7,10 @@ through the instance, and books the request on them. A policy only chooses; it r
 
 Adding a policy is one module here and one line in POLICIES (policies/__init__.py); the request flows (legs.py)
 make one call, Router.route, whatever the policy. What the policies that come next need (issue 25):
-- prefix-cache affinity reads the prompt from RequestFacts.body (text, chat messages or token ids; RequestFacts
-  gains the token ids where the proxy has them) and keeps its own per-instance estimate of cached prefixes, keyed
-  by instance name: fed by vLLM's KV events or, as the fallback, by the prefixes of the requests it has sent there
-  (it sees each pick it makes); bounded by load through the same counters least_outstanding reads.
+- prefix-cache affinity (prefix_affinity.py) reads the prompt from RequestFacts.body (text, chat messages or token
+  ids) and keeps its own per-instance estimate of cached prefixes, keyed by the instance's BackendState, fed by the
+  prefixes of the requests it has sent there (it sees each pick it makes); bounded by load through the same
+  counters least_outstanding reads. expected_cached_tokens is what it tells the route decision.
 - conditional disaggregation decides per request whether the prefill hop is taken at all, from the prompt's
   length, its uncached part and the prefill and decode instances' load: a decision over the whole route, made in
   Router.route, which then returns a Route without a prefill instance. legs.py serves that on one leg, with the
@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from appliance.proxy.config import ProxyConfig
 from appliance.proxy.instances import BackendState
 
 
@@ -41,6 +42,20 @@ class Policy(ABC):
 
     name: ClassVar[str]  # the value of the proxy's `routing` setting that selects it
 
+    @classmethod
+    def from_config(cls, config: ProxyConfig) -> Policy:
+        """The policy as the proxy's config sets it up (a policy without settings of its own ignores it)."""
+        return cls()
+
     @abstractmethod
     def pick(self, role: str, candidates: Sequence[BackendState], request: RequestFacts) -> BackendState:
         """One of `candidates`: the routable instances of `role` (never empty), in the plan's order."""
+
+    def expected_cached_tokens(self, inst: BackendState, request: RequestFacts) -> int:
+        """How many of the request's prompt tokens `inst` is expected to hold in its prefix cache (0: unknown)."""
+        return 0
+
+    def prefix_tokens(self) -> Mapping[tuple[str, str], Sequence[int]]:
+        """(role, instance) -> (prompt tokens looked up, tokens expected cached) for the requests the policy routed
+        there, for the proxy's prefix metrics; empty for a policy that keeps no prefix estimate."""
+        return {}

@@ -1,0 +1,201 @@
+"""Prefix affinity against the other routing policies on real vLLM (CPU build, the tiny embedded model): two
+colocated (`both`) instances behind the proxy, a multi-turn workload (`pdctl bench --workload multi-turn`), and
+per policy the engines' own prefix-cache counters and the clients' TTFT.
+
+    PDCTL_TEST_VLLM_PYTHON=/path/to/vllm/venv/bin/python python benchmarks/prefix_affinity_cpu.py \\
+        [--policies round_robin,least_outstanding,prefix_affinity] [--conversations 15] [--turns 4] \\
+        [--input-len 512] [--output-len 16] [--rate 2] [--out results/cpu-prefix-affinity]
+
+The engines start once (two vLLM processes, prefix caching on, vLLM's CPU default block size) and serve every
+policy in turn, each behind a new proxy; each policy's run has its own seed, so no run finds another's prompts in
+the cache, and its figures are the counters' differences over its run. Prints and writes (OUT/summary.json) per
+policy: the requests each engine served, vLLM's prefix-cache hit rate (vllm:prefix_cache_hits / queries, both
+engines), the proxy's own estimate of it, and the median TTFT of first turns (nothing cached under any policy: the
+control for the shared box's load at the time) and of later turns (the ones whose prefix a cache can hold). Each
+policy's bench.json goes to OUT as well.
+
+A note on the workload: request j is turn j // C + 1 of conversation j % C. With an even C and two instances, strict
+round robin would send every turn of a conversation to the same instance by the arithmetic alone; C is odd by
+default so that round robin alternates, as it does with any traffic not in lockstep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from appliance.ports import free_ports  # noqa: E402
+from tests.engine.vllm_helpers import (  # noqa: E402
+    start_vllm,
+    stop_vllm,
+    vllm_argv,
+    vllm_env,
+    wait_ready,
+    write_tiny_model_with,
+)
+
+MODEL = "tiny-qwen3"
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of a /metrics page, summed over labels, by sample name."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def block_size(url: str) -> int:
+    """The engine's KV block size, from vLLM's vllm:cache_config_info labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            return int(family.samples[0].labels["block_size"])
+    raise SystemExit("the engine's /metrics has no vllm:cache_config_info: cannot tell its block size")
+
+
+def start_proxy(policy: str, engines: list[str], block: int, work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m appliance.proxy` in front of `engines` with routing `policy`; returns it and its URL."""
+    port, admin = free_ports(2)
+    config = {"connector": "none", "model": MODEL, "routing": policy, "block_size": block, "port": port,
+              "admin": {"port": admin},
+              "backends": [{"name": f"both-{k}", "role": "both", "url": url} for k, url in enumerate(engines)]}
+    path = work / f"proxy-{policy}.json"
+    path.write_text(json.dumps(config))
+    log = open(work / f"proxy-{policy}.log", "wb")  # noqa: SIM115 - the process writes it until it stops
+    proc = subprocess.Popen([sys.executable, "-m", "appliance.proxy", "--config", str(path)], cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit(f"the proxy for {policy} did not become ready; see {work}/proxy-{policy}.log")
+
+
+def run_policy(policy: str, seed: int, engines: list[str], block: int, args: argparse.Namespace,
+               work: Path) -> dict[str, Any]:
+    """One policy's run: a proxy, the multi-turn workload through it, the counters' differences."""
+    proc, url = start_proxy(policy, engines, block, work)
+    settings = work / "pdctl.toml"  # the bench's SLO defaults, never the host's /etc/pdctl
+    settings.write_text("")
+    try:
+        before = [scrape(e) for e in engines]
+        out = work / f"bench-{policy}"
+        requests = args.conversations * args.turns
+        subprocess.run(
+            [sys.executable, "-m", "appliance.cli.main", "bench", "--url", url, "--engine", "vllm",
+             "--label", policy, "--rates", str(args.rate), "--stop-on", "none", "-n", str(requests),
+             "--lifetimes", "0", "--warmup", "0", "--input-len", str(args.input_len), "--output-len",
+             str(args.output_len), "--workload", f"multi-turn:turns={args.turns}", "--seed", str(seed),
+             "--model", MODEL, "--token-range", f"100:{args.vocabulary}", "--no-plots", "--out", str(out)],
+            cwd=REPO, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, PDCTL_CONFIG=str(settings)),
+        )
+        after = [scrape(e) for e in engines]
+        proxy = scrape(url)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    result = json.loads((out / "bench.json").read_text())
+    done = [r for r in result["shapes"][0]["rates"][0]["requests"] if r["success"]]
+
+    def delta(name: str) -> list[float]:
+        return [a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True)]
+
+    queries, hits = delta("vllm:prefix_cache_queries_total"), delta("vllm:prefix_cache_hits_total")
+    (args.out / f"bench-{policy}.json").write_text((out / "bench.json").read_text())
+
+    def ttft(first: bool) -> float | None:
+        # the first turns can find nothing cached under any policy: the control for the box's load during the run
+        values = [r["chunk_times_s"][0] * 1000 for r in done if r["chunk_times_s"] and (r["turn"] == 1) == first]
+        return statistics.median(values) if values else None
+
+    return {
+        "policy": policy, "requests": requests, "ok": len(done),
+        "engine_requests": delta("vllm:request_success_total"),
+        "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+        "hit_rate": sum(hits) / sum(queries) if sum(queries) else None,
+        "ttft_ms_median_first_turns": ttft(first=True), "ttft_ms_median_later_turns": ttft(first=False),
+        "proxy_lookup_tokens": proxy.get("pdctl_proxy_prefix_lookup_tokens_total", 0.0),
+        "proxy_hit_tokens": proxy.get("pdctl_proxy_prefix_hit_tokens_total", 0.0),
+    }
+
+
+def main() -> None:
+    """Start the engines, run each policy, print and write the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policies", default="round_robin,least_outstanding,prefix_affinity")
+    parser.add_argument("--conversations", type=int, default=15)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
+    parser.add_argument("--kv-cache", default="64M", help="each engine's --kv-cache-memory-bytes")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "cpu-prefix-affinity")
+    args = parser.parse_args()
+    python = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
+    if not python:
+        raise SystemExit("set PDCTL_TEST_VLLM_PYTHON to the python of a vLLM CPU environment")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="pdctl-affinity-") as tmp:
+        work = Path(tmp)
+        model = write_tiny_model_with(python, work / "model")
+        # the tiny tokenizer has fewer ids than its config's vocab_size: draw prompts from the ones it has
+        args.vocabulary = len(json.loads((model / "tokenizer.json").read_text())["model"]["vocab"])
+        ports = free_ports(2)
+        servers = [start_vllm(f"both-{k}", vllm_argv(python, model, port, MODEL, kv_cache_bytes=args.kv_cache),
+                              vllm_env(), work, port) for k, port in enumerate(ports)]
+        try:
+            wait_ready(servers)
+            engines = [s.url for s in servers]
+            block = block_size(engines[0])
+            rows = [run_policy(policy, seed, engines, block, args, work)
+                    for seed, policy in enumerate(args.policies.split(","), start=1)]
+        finally:
+            for server in servers:
+                stop_vllm(server)
+    summary = {"engines": 2, "block_size": block, "conversations": args.conversations, "turns": args.turns,
+               "input_len": args.input_len, "output_len": args.output_len, "rate": args.rate,
+               "kv_cache": args.kv_cache, "policies": rows}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"2 vLLM CPU engines, block {block}, {args.conversations} conversations x {args.turns} turns, "
+          f"input {args.input_len}, output {args.output_len}, {args.rate} req/s")
+    print(f"{'policy':<20}{'ok':>4}{'per engine':>12}{'vLLM hit rate':>15}{'proxy est.':>12}"
+          f"{'TTFT p50 turn 1':>17}{'later turns':>13}{'later/first':>13}")
+    for row in rows:
+        est = row["proxy_hit_tokens"] / row["proxy_lookup_tokens"] if row["proxy_lookup_tokens"] else None
+        first, later = row["ttft_ms_median_first_turns"], row["ttft_ms_median_later_turns"]
+        split = "/".join(str(int(n)) for n in row["engine_requests"])
+        print(f"{row['policy']:<20}{row['ok']:>4}{split:>12}{_fmt(row['hit_rate']):>15}{_fmt(est):>12}"
+              f"{_fmt(first, 1):>17}{_fmt(later, 1):>13}{_fmt(later / first if first and later else None, 2):>13}")
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+if __name__ == "__main__":
+    main()
