@@ -29,7 +29,7 @@ from appliance.cli.lifecycle import (
 from appliance.cli.options import console as cli_console
 from appliance.cli.options import mutating
 from appliance.errors import PdctlError
-from appliance.manager import ACTIVE, ServiceManager
+from appliance.manager import ServiceManager
 from appliance.node import admin_client, http_answer
 from appliance.plan import Instance, Plan
 from appliance.proxy.admin_client import AdminClient, ProxyAdminError
@@ -82,9 +82,10 @@ class PlannedRestart:
                 st = self.mgr.status()[unit]
                 if st.state == "failed":
                     return False
-                # a new process (not the old one still answering before the manager stopped it) that is healthy
+                # a new process (not the old one still answering before the manager stopped it) that the manager
+                # counts as started (past supervisord's startsecs: one that dies at once is not back) and is healthy
                 fresh = st.pid is not None and (st.pid != before.pid or st.started_at != before.started_at)
-                if fresh and st.state in ACTIVE and http_answer(inst.url + "/health") == 200:
+                if fresh and st.state == "running" and http_answer(inst.url + "/health") == 200:
                     self.say(f"{inst.name}: healthy")
                     return True
                 time.sleep(0.3)
