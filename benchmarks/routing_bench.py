@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import timeit
 
+from appliance.connector import get_connector
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import POLICIES, RequestFacts
+from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.routing import Router
 
 BODY = {"model": "bench-model", "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 16}
@@ -36,7 +38,7 @@ def _registry(instances: int, dp_size: int) -> InstanceRegistry:
 
 def us_per_request(policy: str, instances: int, dp_size: int, requests: int, repeat: int) -> float:
     """The best of `repeat` runs of routing `requests` requests, in microseconds per request."""
-    router = Router(_registry(instances, dp_size), policy, lambda: "read", checks_mode=True, disaggregated=True)
+    router = Router(_registry(instances, dp_size), policy, lambda: "read", get_connector("nixl"), Rules(0, 0))
 
     def one() -> None:
         with router.route(RequestFacts("/v1/completions", BODY)) as route:

@@ -11,10 +11,11 @@ make one call, Router.route, whatever the policy. What the policies that come ne
   gains the token ids where the proxy has them) and keeps its own per-instance estimate of cached prefixes, keyed
   by instance name: fed by vLLM's KV events or, as the fallback, by the prefixes of the requests it has sent there
   (it sees each pick it makes); bounded by load through the same counters least_outstanding reads.
-- conditional disaggregation decides per request whether the prefill hop is taken at all, from the prompt's
-  length, its uncached part and the prefill and decode instances' load: a decision over the whole route, made in
-  Router.route, which then returns a Route without a prefill instance. legs.py serves that on one leg, with the
-  connector's alone_body for a disaggregated connector (as it serves a prompt the connector cannot hand over).
+- conditional disaggregation (policies/conditional.py) decides per request whether the prefill hop is taken at
+  all, from the prompt's length, its uncached part (Policy.expected_cached_tokens) and the prefill and decode
+  instances' load: a decision over the whole route, made in Router.route, which then returns a Route without a
+  prefill instance. legs.py serves that on one leg, with the connector's alone_body (as it serves a prompt the
+  connector cannot hand over, which the same decision names).
 """
 
 from __future__ import annotations
@@ -44,3 +45,8 @@ class Policy(ABC):
     @abstractmethod
     def pick(self, role: str, candidates: Sequence[BackendState], request: RequestFacts) -> BackendState:
         """One of `candidates`: the routable instances of `role` (never empty), in the plan's order."""
+
+    def expected_cached_tokens(self, inst: BackendState, request: RequestFacts) -> int:
+        """How many of the request's prompt tokens this policy expects cached on `inst` (conditional routing
+        subtracts them from the prompt); a policy that keeps no estimate of instances' caches expects none."""
+        return 0
