@@ -35,7 +35,6 @@ _NOT_SPLIT = {
 }
 
 
-@web.middleware
 async def _route_header(request: web.Request, response: web.StreamResponse) -> None:
     # aiohttp calls this as the response's head is about to be sent: the header precedes the body's first byte
     # on every path, streamed, whole or an error after routing
@@ -44,6 +43,7 @@ async def _route_header(request: web.Request, response: web.StreamResponse) -> N
         response.headers["x-pdctl-route"] = route
 
 
+@web.middleware
 async def _json_route_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Unknown paths and methods answer OpenAI-shaped JSON (clients such as `openai` parse it), not text."""
     try:

@@ -111,7 +111,7 @@ class Router:
             batch=one_each and engine_requests(path, body) > 1,
             handoff_possible=possible,
             prefill_legs=prefill.in_flight,
-            decode_requests=decode.routed,
+            decode_legs=decode.in_flight,
         )
 
     def route(self, request: RequestFacts) -> Route:

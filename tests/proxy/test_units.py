@@ -278,8 +278,8 @@ def test_configs_written_with_dynamic_registration_still_load() -> None:
 # ---- conditional disaggregation: the pure decision ---------------------------------------------------------
 
 def _facts(tokens: int | None = 1000, cached: int = 0, batch: bool = False, possible: bool = True,
-           prefill_legs: int = 0, decode_requests: int = 1) -> RouteFacts:
-    return RouteFacts(tokens, cached, batch, possible, prefill_legs, decode_requests)
+           prefill_legs: int = 0, decode_legs: int = 1) -> RouteFacts:
+    return RouteFacts(tokens, cached, batch, possible, prefill_legs, decode_legs)
 
 
 RULES = Rules(decode_only_below=256, prefill_saturated_at=4)
@@ -291,7 +291,7 @@ RULES = Rules(decode_only_below=256, prefill_saturated_at=4)
     (_facts(possible=False), OFF, ("decode-only", "handoff-impossible")),
     (_facts(batch=True, possible=False), RULES, ("decode-only", "batch")),
     # off (0): every other prompt takes the prefill hop, short, idle decode or saturated prefill alike
-    (_facts(tokens=3, prefill_legs=9, decode_requests=0), OFF, ("disaggregated", "policy")),
+    (_facts(tokens=3, prefill_legs=9, decode_legs=0), OFF, ("disaggregated", "policy")),
     # the threshold: strictly below it
     (_facts(tokens=255), RULES, ("decode-only", "short-prompt")),
     (_facts(tokens=256), RULES, ("disaggregated", "policy")),
@@ -302,13 +302,13 @@ RULES = Rules(decode_only_below=256, prefill_saturated_at=4)
     # unknown length (a chat request): only the load rules apply
     (_facts(tokens=None, cached=0), RULES, ("disaggregated", "policy")),
     # a saturated prefill sends work to a decode that has fewer requests than the prefill has legs
-    (_facts(prefill_legs=4, decode_requests=3), RULES, ("decode-only", "prefill-saturated")),
-    (_facts(prefill_legs=4, decode_requests=4), RULES, ("disaggregated", "policy")),
-    (_facts(prefill_legs=3, decode_requests=1), RULES, ("disaggregated", "policy")),
-    (_facts(prefill_legs=9, decode_requests=0), Rules(256, 0), ("decode-only", "decode-idle")),
+    (_facts(prefill_legs=4, decode_legs=3), RULES, ("decode-only", "prefill-saturated")),
+    (_facts(prefill_legs=4, decode_legs=4), RULES, ("disaggregated", "policy")),
+    (_facts(prefill_legs=3, decode_legs=1), RULES, ("disaggregated", "policy")),
+    (_facts(prefill_legs=9, decode_legs=0), Rules(256, 0), ("decode-only", "decode-idle")),
     # an idle decode takes a prompt when the prefill is busy, not when both are idle
-    (_facts(prefill_legs=1, decode_requests=0), RULES, ("decode-only", "decode-idle")),
-    (_facts(prefill_legs=0, decode_requests=0), RULES, ("disaggregated", "policy")),
+    (_facts(prefill_legs=1, decode_legs=0), RULES, ("decode-only", "decode-idle")),
+    (_facts(prefill_legs=0, decode_legs=0), RULES, ("disaggregated", "policy")),
 ])
 def test_conditional_decision(facts: RouteFacts, rules: Rules, expected: tuple[str, str]) -> None:
     assert decide(facts, rules) == expected

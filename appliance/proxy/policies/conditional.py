@@ -12,8 +12,8 @@ nothing over, hand over another prompt's KV or crash the engine):
   request saves the hand-off. `cached-prefix` when the prompt itself is not short and the tokens the routing
   policy expects cached on the decode make the difference.
 - `prefill-saturated`: the prefill instance runs `prefill_saturated_at` or more prefill legs (a new one would
-  wait behind them past the TTFT target) and the decode has fewer requests than that prefill has legs.
-- `decode-idle`: the decode has no request at all and the prefill is busy: the prompt starts at once on an
+  wait behind them past the TTFT target) and the decode runs fewer legs than that prefill does.
+- `decode-idle`: the decode runs no leg at all and the prefill is busy: the prompt starts at once on an
   engine whose compute nobody else is using, and no running stream is slowed by it.
 - otherwise `policy`: the prefill hop.
 """
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 RouteName = Literal["disaggregated", "decode-only", "colocated"]
-ROUTES: tuple[RouteName, ...] = ("disaggregated", "decode-only", "colocated")
 REASONS = ("policy", "short-prompt", "cached-prefix", "prefill-saturated", "decode-idle", "handoff-impossible",
            "batch", "colocated")
 
@@ -47,7 +46,7 @@ class RouteFacts:
     batch: bool  # several engine requests on a connector that hands over one per request
     handoff_possible: bool  # False: the connector surely cannot hand this prompt over
     prefill_legs: int  # prefill legs running on the prefill instance
-    decode_requests: int  # requests routed to the decode instance and not finished
+    decode_legs: int  # decode legs running on the decode instance (requests it is decoding or prefilling)
 
 
 def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
@@ -65,8 +64,8 @@ def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
         if tokens - min(facts.cached_tokens, tokens) < rules.decode_only_below:
             return "decode-only", "cached-prefix"
     saturated = rules.prefill_saturated_at
-    if saturated and facts.prefill_legs >= saturated and facts.decode_requests < facts.prefill_legs:
+    if saturated and facts.prefill_legs >= saturated and facts.decode_legs < facts.prefill_legs:
         return "decode-only", "prefill-saturated"
-    if facts.decode_requests == 0 and facts.prefill_legs > 0:
+    if facts.decode_legs == 0 and facts.prefill_legs > 0:
         return "decode-only", "decode-idle"
     return "disaggregated", "policy"
