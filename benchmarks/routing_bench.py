@@ -4,7 +4,8 @@ request, in process, with no I/O.
 
     python benchmarks/routing_bench.py [--instances 1,4,16] [--dp 1,8] [--requests 100000] [--repeat 7]
 
-Prints, for each policy of appliance.proxy.policies and each number of instances per role and DP size, the best
+Prints, for each policy of appliance.proxy.policies, conditional routing off and on (policies/conditional.py: the
+prompt's length is read, the decision made), and each number of instances per role and DP size, the best
 of --repeat runs of --requests requests, in microseconds per request. A request streams hundreds of tokens
 whose relay costs tens of microseconds each (benchmarks/proxy_bench.py): this is what a policy adds on top.
 """
@@ -20,7 +21,11 @@ from appliance.proxy.policies import POLICIES, RequestFacts
 from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.routing import Router
 
-BODY = {"model": "bench-model", "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 16}
+# token ids, as `pdctl bench` sends: with conditional routing on, the router counts them (known_length)
+PROMPT_TOKENS = 2000
+BODY = {"model": "bench-model", "prompt": tuple(range(100, 100 + PROMPT_TOKENS)), "max_tokens": 16}
+# conditional routing as the planner sets it on results/conditional's node (decode_only_below 318), and off
+RULES = {"off": Rules(0, 0), "on": Rules(318, 0)}
 
 
 def _registry(instances: int, dp_size: int) -> InstanceRegistry:
@@ -36,9 +41,9 @@ def _registry(instances: int, dp_size: int) -> InstanceRegistry:
     return registry
 
 
-def us_per_request(policy: str, instances: int, dp_size: int, requests: int, repeat: int) -> float:
+def us_per_request(policy: str, rules: Rules, instances: int, dp_size: int, requests: int, repeat: int) -> float:
     """The best of `repeat` runs of routing `requests` requests, in microseconds per request."""
-    router = Router(_registry(instances, dp_size), policy, lambda: "read", get_connector("nixl"), Rules(0, 0))
+    router = Router(_registry(instances, dp_size), policy, lambda: "read", get_connector("nixl"), rules)
 
     def one() -> None:
         with router.route(RequestFacts("/v1/completions", BODY)) as route:
@@ -61,11 +66,13 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(n) for n in args.instances.split(",")]
     dps = [int(n) for n in args.dp.split(",")]
-    print(f"routing cost per disaggregated request (route + 2 leases), us, best of {args.repeat} x {args.requests}")
-    print(f"{'policy':<20}" + "".join(f"{f'{n} inst, DP {d}':>16}" for n in sizes for d in dps))
+    print(f"routing cost per disaggregated request of {PROMPT_TOKENS} token ids (route + 2 leases), us, best of "
+          f"{args.repeat} x {args.requests}; conditional routing off and on")
+    print(f"{'policy':<20}{'conditional':<12}" + "".join(f"{f'{n} inst, DP {d}':>16}" for n in sizes for d in dps))
     for policy in POLICIES:
-        cells = (us_per_request(policy, n, d, args.requests, args.repeat) for n in sizes for d in dps)
-        print(f"{policy:<20}" + "".join(f"{c:>16.2f}" for c in cells))
+        for name, rules in RULES.items():
+            cells = (us_per_request(policy, rules, n, d, args.requests, args.repeat) for n in sizes for d in dps)
+            print(f"{policy:<20}{name:<12}" + "".join(f"{c:>16.2f}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -95,8 +95,10 @@ class Router:
         settles it (token ids) or bounds it (a text prompt), and whether the connector can hand it over as far
         as the body tells (a text prompt over the bound is counted later, by legs.py)."""
         path, body = request.path, request.body
-        tokens = known_length(path, body)
-        bound = most_tokens(path, body) if tokens is None else tokens
+        tokens = bound = None
+        if self.rules.decode_only_below or self.block_size is not None:  # else no rule reads the length
+            tokens = known_length(path, body)
+            bound = most_tokens(path, body) if tokens is None else tokens
         possible = True
         if self.block_size is not None:
             block, connector = self.block_size, self.connector
