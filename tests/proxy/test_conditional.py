@@ -169,3 +169,31 @@ def test_a_busy_prefill_sends_work_to_an_idle_decode_and_a_saturated_one_to_a_le
             await all_drained(p, d)
 
         run(scenario())
+
+
+def test_a_colocated_node_says_so_on_every_answer_errors_included() -> None:
+    with cluster() as c:
+        a, b = c.sim("both-0", "both", "none"), c.sim("both-1", "both", "none")
+        c.ready()
+        c.start_proxy(proxy_config("none", routing="round_robin",
+                                   backends=static_backends(("both-0", "both", a), ("both-1", "both", b))))
+        c.ready()
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            assert c.proxy is not None
+            seen = []
+            for stream in (False, True):
+                route, cached, text = await _through_proxy(c, 8, stream)
+                seen.append(route)
+                assert cached == 0 and text
+            assert seen == ["colocated; both=both-0", "colocated; both=both-1"]
+            # the engine's own 400 (a prompt longer than its context) goes back with the route it took
+            status, _, headers = await post(c.proxy.url, "/v1/completions", _body(600, TOKENS))
+            assert status == 400 and headers["x-pdctl-route"] == "colocated; both=both-0"
+            # a request refused before routing (no prompt) took no route: no header
+            status, _, headers = await post(c.proxy.url, "/v1/completions", {"model": MODEL})
+            assert status == 400 and "x-pdctl-route" not in headers
+            assert await _routes(c) == {("colocated", "colocated"): 3}
+
+        run(scenario())
