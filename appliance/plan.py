@@ -11,6 +11,7 @@ plan (a state directory written before) still loads: its flat `proxy` record is 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
@@ -555,7 +556,13 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
     The admin API always has a token: proxy.admin_token_file, else the state directory's, which `pdctl up`
     generates; any local process could otherwise replace the backend set with its own address."""
     p = settings.proxy
+    threshold = p.decode_only_below
+    if threshold is None and p.conditional_routing and settings.engine.kind == "sim":
+        sim = settings.engine.sim
+        threshold = decode_only_below(sim.decode_step_ms + sim.decode_step_ms_per_seq, sim.prefill_us_per_token,
+                                      settings.slo.itl_ms)
     from_plan = {
+        "decode_only_below": threshold,
         "mode": mode, "connector": connector, "model": served_name, "block_size": block_size,
         "max_model_len": settings.model.max_model_len,
         "registration": {"enabled": get_connector(connector).registers_with_proxy},
@@ -568,6 +575,15 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
         fix = "set proxy.admin_token_file (a 0600 file), or keep admin_host on 127.0.0.1" if "admin" in problem else ""
         raise PlanError(f"proxy: {problem}", fix=fix) from None
+
+
+def decode_only_below(step_ms: float, prefill_us_per_token: float, itl_slo_ms: float) -> int:
+    """The prompt length below which a decode instance prefills a prompt itself (conditional disaggregation): the
+    longest prompt whose compute, in one decode step of `step_ms`, keeps that step within the ITL target. Such a
+    prompt slows the running streams' one gap less than the target allows, and saves its request the hand-off."""
+    if prefill_us_per_token <= 0:
+        return 0 if step_ms > itl_slo_ms else 1_000_000  # free prefill: every prompt, unless no step fits
+    return max(0, math.floor((itl_slo_ms - step_ms) * 1000 / prefill_us_per_token))
 
 
 def backends(instances: list[Instance]) -> list[Backend]:

@@ -257,6 +257,7 @@ PROXY_KEYS: dict[str, str] = {
     "connect_timeout_s": "timeouts.connect_s", "prefill_timeout_s": "timeouts.prefill_s",
     "first_token_timeout_s": "timeouts.first_token_s", "between_tokens_timeout_s": "timeouts.between_tokens_s",
     "limits": "limits", "prefix_affinity": "prefix_affinity",
+    "decode_only_below": "decode_only_below", "prefill_saturated_at": "prefill_saturated_at",
 }
 _UNPRIVILEGED = Ge(1024)  # the services run as an unprivileged user: no port below 1024 for what pdctl starts
 
@@ -285,6 +286,12 @@ class ProxySettings(Section):
     between_tokens_timeout_s: float = _proxy_field("timeouts.between_tokens_s")
     limits: Limits = _proxy_field("limits")
     prefix_affinity: PrefixAffinityConfig = _proxy_field("prefix_affinity")
+    # unset: the planner's figure from the node's time model (docs/routing.md); 0: every prompt is handed over
+    decode_only_below: int | None = _proxy_field("decode_only_below")
+    prefill_saturated_at: int = _proxy_field("prefill_saturated_at")
+    conditional_routing: bool = Field(default=False, description=(
+        "Let the proxy prefill short prompts on the decode instance (docs/routing.md); decode_only_below unset: "
+        "the planner's figure for the node"))
     restart_drain_s: float = Field(default=30.0, ge=0, le=3600, description=(
         "A planned restart (pdctl restart, systemctl restart) waits this long for the instance's running requests"))
     restart_hold_s: float = Field(default=120.0, ge=0, description=(

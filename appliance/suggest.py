@@ -55,7 +55,7 @@ from appliance.connector import disaggregated_name, get_connector, resolve_name
 from appliance.errors import PdctlError
 from appliance.inventory.models import Inventory
 from appliance.model_config import Heads, ModelShape, experts_touched
-from appliance.plan import _usable, plan, platform_of
+from appliance.plan import _usable, decode_only_below, plan, platform_of
 from appliance.settings import EMBEDDED_MODEL, Settings
 
 TP_SIZES = (1, 2, 4, 8)
@@ -633,6 +633,16 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
     # the bound that binds: the KV cache, or the engine's max_num_seqs when that is the smaller
     limit = "-" if n <= capacity else "max_num_seqs" if capacity >= p.max_num_seqs else "KV cache"
     return State(ttft, gap, max(slows), n, capacity, att, limit)
+
+
+def conditional_threshold(p: Profile, decode_tp: int, itl_slo_ms: float) -> tuple[int, str]:
+    """The proxy's decode_only_below for a decode instance at TP `decode_tp` (plan.decode_only_below), and why."""
+    eff = _eff(decode_tp, p.decode_tp_factor)
+    step = (p.decode_step_ms + p.expert_step_ms) / eff + p.decode_step_ms_per_seq
+    per_token = p.prefill_us_per_token / _eff(decode_tp, p.prefill_tp_factor)
+    tokens = decode_only_below(step, per_token, itl_slo_ms)
+    return tokens, (f"a prompt below it, prefilled in one decode step ({step:.1f} ms + {per_token:.1f} us per token at "
+                    f"TP{decode_tp}), keeps that step within the ITL target ({itl_slo_ms:g} ms)")
 
 
 def _meets(s: State, judgement: str, ttft_slo_ms: float, target: float) -> bool:

@@ -5,12 +5,13 @@ request, in process, with no I/O.
     python benchmarks/routing_bench.py [--instances 1,4,16] [--dp 1,8] [--requests 20000] [--repeat 5]
                                        [--prompts text-44,text-4000,ids-1000,ids-8000]
 
-Prints, for each policy of appliance.proxy.policies, each prompt and each number of instances per role and DP
-size, the best of --repeat runs of --requests requests, in microseconds per request. A prompt is text-N (N
-characters of text) or ids-N (N token ids); the same prompt every time, so prefix_affinity finds all its blocks
-on one instance and none on the others (its most expensive case: the whole chain is compared there). A request
-streams hundreds of tokens whose relay costs tens of microseconds each (benchmarks/proxy_bench.py): this is what
-a policy adds on top.
+Prints, for each policy of appliance.proxy.policies, each prompt, conditional routing off and on
+(policies/conditional.py: the prompt's length is read, the decision made), and each number of instances per role
+and DP size, the best of --repeat runs of --requests requests, in microseconds per request. A prompt is text-N (N
+characters of text) or ids-N (N token ids, as `pdctl bench` sends); the same prompt every time, so prefix_affinity
+finds all its blocks on one instance and none on the others (its most expensive case: the whole chain is compared
+there). A request streams hundreds of tokens whose relay costs tens of microseconds each
+(benchmarks/proxy_bench.py): this is what a policy adds on top.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from __future__ import annotations
 import argparse
 import timeit
 
+from appliance.connector import get_connector
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import POLICIES, RequestFacts
+from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.routing import Router
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
@@ -31,6 +34,10 @@ def body(prompt: str) -> dict[str, object]:
     n = int(size)
     text = (SENTENCE * (n // len(SENTENCE) + 1))[:n]
     return {"model": "bench-model", "prompt": text if kind == "text" else tuple(range(n)), "max_tokens": 16}
+
+
+# conditional routing as the planner sets it on results/conditional's node (decode_only_below 318), and off
+RULES = {"off": Rules(0, 0), "on": Rules(318, 0)}
 
 
 def _registry(instances: int, dp_size: int) -> InstanceRegistry:
@@ -46,18 +53,18 @@ def _registry(instances: int, dp_size: int) -> InstanceRegistry:
     return registry
 
 
-def us_per_request(policy: str, prompt: str, instances: int, dp_size: int, requests: int, repeat: int) -> float:
+def us_per_request(policy: str, rules: Rules, prompt: str, instances: int, dp_size: int, requests: int,
+                   repeat: int) -> float:
     """The best of `repeat` runs of routing `requests` requests, in microseconds per request."""
-    router = Router(_registry(instances, dp_size), POLICIES[policy](), lambda: "read", checks_mode=True,
-                    disaggregated=True)
+    router = Router(_registry(instances, dp_size), POLICIES[policy](), lambda: "read", get_connector("nixl"), rules)
     request = body(prompt)
 
     def one() -> None:
         # a new RequestFacts per request, as legs.py makes: no policy may reuse the last request's work
         with router.route(RequestFacts("/v1/completions", request)) as route:
-            assert route.prefill is not None
-            with route.prefill.lease(route.prefill_rank):
-                pass
+            if route.prefill is not None:  # conditional routing on: a short prompt is the decode's alone
+                with route.prefill.lease(route.prefill_rank):
+                    pass
             with route.decode.lease(route.decode_rank):
                 pass
 
@@ -76,12 +83,16 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(n) for n in args.instances.split(",")]
     dps = [int(n) for n in args.dp.split(",")]
-    print(f"routing cost per disaggregated request (route + 2 leases), us, best of {args.repeat} x {args.requests}")
-    print(f"{'policy':<20}{'prompt':<12}" + "".join(f"{f'{n} inst, DP {d}':>16}" for n in sizes for d in dps))
+    print(f"routing cost per disaggregated request (route + 2 leases), us, best of {args.repeat} x {args.requests}; "
+          "conditional routing off and on")
+    print(f"{'policy':<20}{'prompt':<12}{'conditional':<12}"
+          + "".join(f"{f'{n} inst, DP {d}':>16}" for n in sizes for d in dps))
     for policy in POLICIES:
         for prompt in args.prompts.split(","):
-            cells = (us_per_request(policy, prompt, n, d, args.requests, args.repeat) for n in sizes for d in dps)
-            print(f"{policy:<20}{prompt:<12}" + "".join(f"{c:>16.2f}" for c in cells), flush=True)
+            for name, rules in RULES.items():
+                cells = (us_per_request(policy, rules, prompt, n, d, args.requests, args.repeat)
+                         for n in sizes for d in dps)
+                print(f"{policy:<20}{prompt:<12}{name:<12}" + "".join(f"{c:>16.2f}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -204,7 +204,8 @@ def test_every_proxy_key_is_defined_by_the_proxys_own_config_field() -> None:
         assert ours.get_default(call_default_factory=True) == theirs.get_default(call_default_factory=True), key
         assert ours.description == theirs.description, key
         assert ours.metadata[:len(theirs.metadata)] == theirs.metadata, key
-    assert set(ProxySettings.model_fields) - set(PROXY_KEYS) == {"restart_drain_s", "restart_hold_s"}
+    # pdctl's own: the restart hooks', and whether the planner writes the conditional-routing threshold
+    assert set(ProxySettings.model_fields) - set(PROXY_KEYS) == {"restart_drain_s", "restart_hold_s", "conditional_routing"}
     leaves = {f"{name}.{sub}" if name in ("registration", "admin", "timeouts") else name
               for name, field in ProxyConfig.model_fields.items()
               for sub in (field.annotation.model_fields if name in ("registration", "admin", "timeouts") else [""])}
@@ -217,7 +218,7 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
              "peer_hosts": {"10.0.0.5": ["10.0.1.5"]}, "registration_max_per_s": 50.0, "admin_host": "127.0.0.4",
              "admin_port": 11002, "admin_token_file": "/srv/token", "connect_timeout_s": 1.5,
              "prefill_timeout_s": 60.0, "first_token_timeout_s": 70.0, "between_tokens_timeout_s": 8.0,
-             "limits": {"max_connections": 99, "max_n": 4},
+             "limits": {"max_connections": 99, "max_n": 4}, "decode_only_below": 300, "prefill_saturated_at": 6,
              "prefix_affinity": {"load_bound": 2, "cache_tokens": 4096}}
     assert set(proxy) == set(PROXY_KEYS)
     planned = plan(Settings.model_validate({"connector": {"name": "moriio"}, "proxy": proxy}),
@@ -230,6 +231,20 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
         expected = tables[key](**proxy[key]) if key in tables else proxy[key]
         assert value == expected, key
     assert planned.proxy.registration.enabled and planned.proxy.mode == "read"
+
+
+@pytest.mark.parametrize(("proxy", "expected"), [
+    ({}, None),  # conditional routing off (the default): every prompt is handed over
+    ({"conditional_routing": True}, 2247),  # the sim's time model: (50 ms ITL - 5.05 ms step) x 1000 / 20 us
+    ({"conditional_routing": True, "decode_only_below": 100}, 100),  # the user's value wins
+    ({"decode_only_below": 0}, 0),  # off: every prompt is handed over
+])
+def test_the_conditional_threshold_comes_from_the_node_unless_set(proxy: dict[str, Any], expected: int) -> None:
+    settings = Settings.model_validate({"engine": {"kind": "sim"}, "connector": {"name": "nixl"}, "proxy": proxy})
+    assert plan(settings, load_inventory("sim:h200-8")).proxy.decode_only_below == expected
+    # a real-vLLM plan reads no model file: unset stays unset (the proxy hands every prompt over)
+    vllm = Settings.model_validate({"connector": {"name": "nixl"}, "proxy": proxy})
+    assert plan(vllm, load_inventory("sim:h200-8")).proxy.decode_only_below == proxy.get("decode_only_below")
 
 
 @pytest.mark.parametrize("key, value, rule", [("ping_port", 1023, "greater than or equal to 1024"),

@@ -28,6 +28,7 @@ from appliance.suggest import (
     Profile,
     Shape,
     bench_profile,
+    conditional_threshold,
     default_profile,
     descriptors,
     handoff,
@@ -127,11 +128,14 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
     prof = _profile(settings, inventory, model, profile_path)
     ranked = suggest(settings, inventory, prof, input_len, output_len, rate, heads)
     slo = settings.slo
+    split = next((p.candidate.decode for p in ranked if p.candidate.decode is not None), None)
+    threshold, why = conditional_threshold(prof, split.tp if split else 1, slo.itl_ms)
     if as_json:
         profile = {k: v for k, v in asdict(prof).items() if k != "kv_tokens_per_gpu"}
         click.echo(json.dumps({"profile": profile, "workload": {"input_len": input_len, "output_len": output_len,
                                "rate": rate, "ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms,
-                               "itl_judgement": slo.itl_judgement}, "suggestions": [_row(p) for p in ranked]}, indent=2))
+                               "itl_judgement": slo.itl_judgement}, "suggestions": [_row(p) for p in ranked],
+                               "decode_only_below": {"tokens": threshold, "why": why}}, indent=2))
         return
     console = rich_console()
     console.print(f"workload: {input_len} prompt + {output_len} output tokens at {rate:g} req/s; SLO TTFT "
@@ -168,6 +172,9 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
         console.print(f"apply:{mbt} PDCTL_COLOCATED__INSTANCES={c.colocated.instances} pdctl up --connector none")
     else:
         console.print(f"apply: pdctl rebalance --prefill {c.prefill} --decode {c.decode}")
+    set_by = "" if settings.proxy.decode_only_below is None else f" (set to {settings.proxy.decode_only_below})"
+    console.print(f"conditional routing: decode_only_below = {threshold} prompt tokens{set_by}: {why}; "
+                  "\\[proxy] decode_only_below sets it, 0 hands every prompt over (docs/routing.md)")
 
 
 # ---- --check: predictions against a measured sweep ---------------------------------------------------------

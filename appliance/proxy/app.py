@@ -18,7 +18,7 @@ from appliance.proxy import admin
 from appliance.proxy.body import INLINE_BYTES, BodyReader, BodyRules
 from appliance.proxy.config import ProxyConfig
 from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors
-from appliance.proxy.legs import OUTCOME, STAGE, LegFailure, error_response, handle_completion
+from appliance.proxy.legs import OUTCOME, ROUTE, STAGE, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE
 from appliance.proxy.state import ProxyState
 
@@ -33,6 +33,14 @@ _NOT_SPLIT = {
     "/v1/responses": "the Responses API is not served through the prefill/decode split; "
                      "use /v1/chat/completions or /v1/completions",
 }
+
+
+async def _route_header(request: web.Request, response: web.StreamResponse) -> None:
+    # aiohttp calls this as the response's head is about to be sent: the header precedes the body's first byte
+    # on every path, streamed, whole or an error after routing
+    route = request.get(ROUTE)
+    if route is not None:
+        response.headers["x-pdctl-route"] = route
 
 
 @web.middleware
@@ -91,6 +99,7 @@ class Proxy(ProxyState):
             server_log.addFilter(_OneLineBadRequests())
         api = web.Application(client_max_size=self.config.client_max_size, handler_args={"max_field_size": 16384},
                               middlewares=[_json_route_errors])
+        api.on_response_prepare.append(_route_header)
         api.router.add_post("/v1/completions", self._completions)
         api.router.add_post("/v1/chat/completions", self._chat)
         api.router.add_get("/v1/models", self._models)

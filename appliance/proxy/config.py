@@ -174,6 +174,13 @@ class ProxyConfig(_Model):
     max_tokens_limit: int = Field(default=1_000_000, ge=1)
     # the served model's context (vLLM --max-model-len) when the plan sets it: bounds token-id prompts
     max_model_len: int | None = Field(default=None, ge=1)
+    # conditional disaggregation (docs/routing.md); None in the settings: the planner's figure for the node
+    decode_only_below: int | None = Field(default=None, ge=0, description=(
+        "Prompts with fewer uncached tokens are prefilled by the decode instance itself; 0 (or unset in "
+        "proxy.json): every prompt the connector can hand over goes through a prefill instance"))
+    prefill_saturated_at: int = Field(default=0, ge=0, description=(
+        "Prefill legs running on a prefill instance from which a prompt goes to a less busy decode instance "
+        "instead (0: never)"))
 
     @field_validator("connector")
     @classmethod

@@ -14,7 +14,7 @@ from aiohttp import HttpVersion11, web
 from appliance.connector import HandoffError
 from appliance.proxy.instances import BackendState, Booking
 from appliance.proxy.policies import RequestFacts
-from appliance.proxy.prompts import can_hand_over, engine_requests
+from appliance.proxy.prompts import known_length, most_tokens, tokenize_request
 from appliance.proxy.routing import Route, Unroutable
 from appliance.proxy.state import ProxyState
 from appliance.proxy.upstream import Connection, Unchunked, UpstreamError
@@ -25,6 +25,8 @@ log = logging.getLogger("appliance.proxy.legs")
 OUTCOME: web.RequestKey[str] = web.RequestKey("pdctl_outcome", str)
 # how far a request got, for counting where clients leave: body, answer, stream, end (pdctl_proxy_client_aborts)
 STAGE: web.RequestKey[str] = web.RequestKey("pdctl_stage", str)
+# the route a request took, as its x-pdctl-route response header says it (docs/bench.md, "Routes")
+ROUTE: web.RequestKey[str] = web.RequestKey("pdctl_route", str)
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -513,7 +515,7 @@ def answer_from_prefill(body: dict[str, Any], answer: dict[str, Any]) -> web.Res
 
 
 async def handle_completion(proxy: ProxyState, request: web.Request, path: str, body: dict[str, Any]) -> web.StreamResponse:
-    """Route one validated request through the legs its connector and mode call for."""
+    """Route one validated request and serve it on the legs its route, connector and mode call for."""
     started = time.monotonic()
     # the engines' own key, when they have one; the client's key is never forwarded to an engine
     headers: list[tuple[str, str]] = []
@@ -524,12 +526,79 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
     except Unroutable as exc:
         raise LegFailure(503, f"no healthy {exc} instance is available; try again shortly") from None
     with route:
-        if route.prefill is None:
+        block = proxy.router.block_size
+        if route.prefill is not None and block is not None and known_length(path, body) is None \
+                and not await can_hand_over(proxy, route.decode, path, body, headers, block):
+            # the router settles what the body tells; a text prompt over its bound is counted by the decode
+            route.alone("handoff-impossible")
+        proxy.metrics.routes.labels(route.name, route.reason).inc()
+        request[ROUTE] = route.header()
+        if route.name == "colocated":
             rid = request.headers.get("X-Request-Id") or None
             if rid is not None:
                 headers.append(("X-Request-Id", rid))
             return await run_decode(proxy, request, route.decode, route.decode_rank, path, body, headers, started)
+        if route.prefill is None:
+            return await _decode_only(proxy, request, route, path, body, headers, started)
         return await _disaggregated(proxy, request, path, body, headers, started, route)
+
+
+async def _decode_only(proxy: ProxyState, request: web.Request, route: Route, path: str, body: dict[str, Any],
+                       headers: list[tuple[str, str]], started: float) -> web.StreamResponse:
+    """A request of a disaggregated node that its decode instance prefills itself: the connector's alone_body,
+    which no hand-off can be waited for or read from."""
+    connector = proxy.connector
+    alone, mend = connector.alone_body(body)
+    response = await run_decode(proxy, request, route.decode, route.decode_rank, path, alone, headers, started)
+    if mend and isinstance(response, web.Response) and response.status == 200 and response.body:
+        answer = json.loads(response.body or b"")  # type: ignore[arg-type]
+        return web.json_response(connector.alone_answer(body, answer))
+    return response
+
+
+async def count_tokens(proxy: ProxyState, inst: BackendState, path: str, body: dict[str, Any],
+                       headers: list[tuple[str, str]]) -> int | None:
+    """The prompt's token count from the instance's /tokenize; None when it cannot tell (several prompts, an
+    answer that is not a count): the caller then takes the way that works for every length."""
+    request = tokenize_request(path, body, proxy.config.model)
+    if request is None:
+        return None
+    payload = json.dumps(request, separators=(",", ":")).encode()
+    try:
+        conn, head = await inst.pool.open("POST", "/tokenize", headers, payload, collect=True,
+                                          head_timeout=proxy.config.timeouts.prefill_s)
+    except UpstreamError:
+        return None
+    assert conn.done_fut is not None
+    try:
+        answer = await conn.done_fut
+    except UpstreamError:
+        return None
+    except BaseException:
+        conn.abort()
+        raise
+    inst.pool.release(conn)
+    if head.status != 200:
+        return None
+    try:
+        count = json.loads(answer or b"").get("count")
+    except (ValueError, AttributeError):
+        return None
+    return count if isinstance(count, int) else None
+
+
+async def can_hand_over(proxy: ProxyState, inst: BackendState, path: str, body: dict[str, Any],
+                        headers: list[tuple[str, str]], block_size: int) -> bool:
+    """Whether the connector can hand this request's prompt over; asks `inst` to count it only when the
+    body does not settle it. Unknown counts as no: serving without a hand-off works for every length."""
+    connector = proxy.connector
+    count = known_length(path, body)
+    if count is None:
+        most = most_tokens(path, body)
+        if most is not None and not any(connector.handoff_possible(n, block_size) for n in range(most + 1)):
+            return False
+        count = await count_tokens(proxy, inst, path, body, headers)
+    return count is not None and connector.handoff_possible(count, block_size)
 
 
 def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, decode_body: dict[str, Any],
@@ -575,18 +644,6 @@ async def _disaggregated(
     connector = proxy.connector
     prefill, prefill_rank, decode, decode_rank = route.prefill, route.prefill_rank, route.decode, route.decode_rank
     assert prefill is not None  # a route without a prefill instance is one leg (handle_completion)
-    block = proxy.config.block_size
-    if (connector.one_request_per_handoff and engine_requests(path, body) > 1) or (
-            connector.lengths_matter and block is not None and not await can_hand_over(proxy, decode, path, body,
-                                                                                       headers, block)):
-        # a prompt the connector cannot hand over is served by the decode instance alone, never sent down a
-        # hand-off that hands nothing over, hands over another prompt's KV or crashes the engine
-        alone, mend = connector.alone_body(body)
-        response = await run_decode(proxy, request, decode, decode_rank, path, alone, headers, started)
-        if mend and isinstance(response, web.Response) and response.status == 200 and response.body:
-            answer = json.loads(response.body or b"")  # type: ignore[arg-type]
-            return web.json_response(connector.alone_answer(body, answer))
-        return response
     # what the connector carries from one leg of this request to the other
     handoff: dict[str, Any] = {"mode": proxy.mode}
     rid = connector.request_id(prefill, decode)

@@ -123,6 +123,11 @@ class ProxyMetrics:
             "timeout: no answer within timeouts.prefill_s; stopped: the proxy stopped first; over_cap: too many "
             "kept at once, aborted instead)", ["outcome"], registry=self.registry,
         )
+        self.routes = Counter(
+            "pdctl_proxy_routes",
+            "Requests routed, by the route taken (disaggregated, decode-only, colocated) and why (docs/routing.md)",
+            ["route", "reason"], registry=self.registry,
+        )
         self.tokens = Counter(
             "pdctl_proxy_streamed_chunks", "SSE chunks relayed to clients", registry=self.registry,
         )

@@ -1,4 +1,5 @@
-"""How many tokens a request's prompt has, for connectors whose hand-off depends on it (lengths_matter).
+"""How many tokens a request's prompt has, for routing (conditional disaggregation) and for connectors whose
+hand-off depends on it (lengths_matter). Pure: legs.can_hand_over asks an engine when the body does not settle it.
 
 The proxy has no tokenizer. Token ids are counted; for a text prompt an upper bound comes from its UTF-8
 length (a byte-level BPE or byte-fallback tokenizer spends at least one byte of text per token, plus the few
@@ -8,12 +9,8 @@ special tokens it adds), which settles short prompts for free; otherwise the dec
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from typing import Any
-
-from appliance.proxy.instances import BackendState
-from appliance.proxy.state import ProxyState
-from appliance.proxy.upstream import UpstreamError
 
 # BOS, EOS and a SentencePiece prefix piece: more than any tokenizer adds to a completion prompt by itself
 _SPECIAL_TOKENS = 3
@@ -26,15 +23,17 @@ _CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "add_special_to
 _SEQUENCES = (list, tuple)
 
 
-def known_length(path: str, body: dict[str, Any]) -> int | None:
+def known_length(path: str, body: Mapping[str, Any]) -> int | None:
     """The prompt's token count when the body settles it (token ids), else None."""
     prompt = body.get("prompt") if path.endswith("/completions") and "messages" not in body else None
-    if isinstance(prompt, _SEQUENCES) and prompt and all(isinstance(t, int) for t in prompt):
+    # The first item tells token ids from a batch: every request is routed by this, and checking each of
+    # thousands of ids costs ~50 us. A list that mixes ids with anything else is the engine's 400 either way.
+    if isinstance(prompt, _SEQUENCES) and prompt and isinstance(prompt[0], int):
         return len(prompt)
     return None
 
 
-def engine_requests(path: str, body: dict[str, Any]) -> int:
+def engine_requests(path: str, body: Mapping[str, Any]) -> int:
     """How many engine requests vLLM makes of the request: n for each prompt of a batch (at least 1)."""
     n = body.get("n")
     samples = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
@@ -43,7 +42,7 @@ def engine_requests(path: str, body: dict[str, Any]) -> int:
     return samples * batch
 
 
-def most_tokens(path: str, body: dict[str, Any]) -> int | None:
+def most_tokens(path: str, body: Mapping[str, Any]) -> int | None:
     """At most how many tokens a single text prompt becomes, or None when no bound holds (chat templates)."""
     prompt = body.get("prompt")
     if "messages" in body or not isinstance(prompt, str):
@@ -62,48 +61,3 @@ def tokenize_request(path: str, body: dict[str, Any], model: str) -> dict[str, A
             out["add_special_tokens"] = body["add_special_tokens"]
         return out
     return None
-
-
-async def count_tokens(proxy: ProxyState, inst: BackendState, path: str, body: dict[str, Any],
-                       headers: list[tuple[str, str]]) -> int | None:
-    """The prompt's token count from the instance's /tokenize; None when it cannot tell (several prompts, an
-    answer that is not a count): the caller then takes the way that works for every length."""
-    request = tokenize_request(path, body, proxy.config.model)
-    if request is None:
-        return None
-    payload = json.dumps(request, separators=(",", ":")).encode()
-    try:
-        conn, head = await inst.pool.open("POST", "/tokenize", headers, payload, collect=True,
-                                          head_timeout=proxy.config.timeouts.prefill_s)
-    except UpstreamError:
-        return None
-    assert conn.done_fut is not None
-    try:
-        answer = await conn.done_fut
-    except UpstreamError:
-        return None
-    except BaseException:
-        conn.abort()
-        raise
-    inst.pool.release(conn)
-    if head.status != 200:
-        return None
-    try:
-        count = json.loads(answer or b"").get("count")
-    except (ValueError, AttributeError):
-        return None
-    return count if isinstance(count, int) else None
-
-
-async def can_hand_over(proxy: ProxyState, inst: BackendState, path: str, body: dict[str, Any],
-                        headers: list[tuple[str, str]], block_size: int) -> bool:
-    """Whether the connector can hand this request's prompt over; asks `inst` to count it only when the
-    body does not settle it. Unknown counts as no: serving without a hand-off works for every length."""
-    connector = proxy.connector
-    count = known_length(path, body)
-    if count is None:
-        most = most_tokens(path, body)
-        if most is not None and not any(connector.handoff_possible(n, block_size) for n in range(most + 1)):
-            return False
-        count = await count_tokens(proxy, inst, path, body, headers)
-    return count is not None and connector.handoff_possible(count, block_size)

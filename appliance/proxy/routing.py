@@ -1,13 +1,17 @@
 """Choosing where a request goes: the routable instances of each role its connector needs, one picked by the
-routing policy (appliance.proxy.policies), a DP rank inside it picked by the instance, the request booked on them."""
+routing policy (appliance.proxy.policies), whether the prefill hop is taken (policies/conditional.py), a DP rank
+inside each instance picked by the instance, the request booked on them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from appliance.connector import Connector
 from appliance.proxy.instances import BackendState, Booking, InstanceRegistry
 from appliance.proxy.policies import Policy, RequestFacts
+from appliance.proxy.policies.conditional import RouteFacts, RouteName, Rules, decide
+from appliance.proxy.prompts import engine_requests, known_length, most_tokens
 
 
 class Unroutable(Exception):
@@ -23,13 +27,32 @@ class Unroutable(Exception):
 class Route:
     """The instances (and DP ranks) one request runs on, booked on them from the moment it was routed until the
     end of its with block: `with router.route(facts) as route: ...`. Without a prefill instance the request is one
-    leg on `decode` (a colocated instance)."""
+    leg on `decode` (a colocated instance, or a decode instance that prefills the prompt itself); `name` and
+    `reason` say which route and why (policies/conditional.py)."""
 
     decode: BackendState
     decode_rank: int | None
     prefill: BackendState | None
     prefill_rank: int | None
     bookings: tuple[Booking, ...]
+    name: RouteName
+    reason: str
+
+    def alone(self, reason: str) -> None:
+        """Serve the request on its decode instance alone after all (a prompt found too short to hand over):
+        the prefill instance no longer counts it."""
+        for booking in self.bookings:
+            if booking.inst is self.prefill:
+                booking.end()
+        self.prefill, self.prefill_rank = None, None
+        self.name, self.reason = "decode-only", reason
+
+    def header(self) -> str:
+        """The x-pdctl-route header's value (docs/bench.md, "Routes")."""
+        if self.prefill is not None:
+            return f"{self.name}; prefill={self.prefill.name}; decode={self.decode.name}"
+        role = "both" if self.name == "colocated" else "decode"
+        return f"{self.name}; {role}={self.decode.name}"
 
     def __enter__(self) -> Route:
         return self
@@ -42,13 +65,17 @@ class Route:
 class Router:
     """Routes requests over the routable instances of each role with the policy the `routing` setting names."""
 
-    def __init__(self, registry: InstanceRegistry, policy: Policy, mode: Callable[[], str], checks_mode: bool,
-                 disaggregated: bool) -> None:
+    def __init__(self, registry: InstanceRegistry, policy: Policy, mode: Callable[[], str], connector: Connector,
+                 rules: Rules, block_size: int | None = None) -> None:
         self.registry = registry
         self.policy = policy
         self.mode = mode
-        self.checks_mode = checks_mode  # the connector's engines fix their transfer mode at start
-        self.disaggregated = disaggregated  # a prefill and a decode instance per request, else one colocated
+        self.connector = connector
+        self.checks_mode = connector.mode_fixed_at_start  # the connector's engines fix their transfer mode at start
+        self.disaggregated = connector.disaggregated  # a prefill and a decode instance per request, else colocated
+        self.rules = rules
+        # the engines' KV block size, for a connector whose hand-off depends on the prompt's length
+        self.block_size = block_size if connector.lengths_matter else None
 
     def routable(self, inst: BackendState) -> bool:
         """Healthy, not draining or in a planned stop, and running the proxy's transfer mode (where known)."""
@@ -63,6 +90,32 @@ class Router:
             return None
         return self.policy.pick(role, candidates, request)
 
+    def facts(self, request: RequestFacts, prefill: BackendState, decode: BackendState) -> RouteFacts:
+        """What the conditional decision reads of `request` on these instances: the prompt's length where the body
+        settles it (token ids) or bounds it (a text prompt), and whether the connector can hand it over as far
+        as the body tells (a text prompt over the bound is counted later, by legs.py)."""
+        path, body = request.path, request.body
+        tokens = bound = None
+        if self.rules.decode_only_below or self.block_size is not None:  # else no rule reads the length
+            tokens = known_length(path, body)
+            bound = most_tokens(path, body) if tokens is None else tokens
+        possible = True
+        if self.block_size is not None:
+            block, connector = self.block_size, self.connector
+            if tokens is not None:
+                possible = connector.handoff_possible(tokens, block)
+            elif bound is not None:
+                possible = any(connector.handoff_possible(n, block) for n in range(bound + 1))
+        one_each = self.connector.one_request_per_handoff
+        return RouteFacts(
+            prompt_tokens=bound,
+            cached_tokens=self.policy.expected_cached_tokens(decode, request) if bound is not None else 0,
+            batch=one_each and engine_requests(path, body) > 1,
+            handoff_possible=possible,
+            prefill_legs=prefill.in_flight,
+            decode_legs=decode.in_flight,
+        )
+
     def route(self, request: RequestFacts) -> Route:
         """The route for `request`, booked on its instances at once (no await in between: a drain that starts
         afterwards waits for it); raises Unroutable when a role it needs has no routable instance."""
@@ -70,13 +123,16 @@ class Router:
             inst = self.pick("both", request)
             if inst is None:
                 raise Unroutable(())
-            return Route(inst, inst.pick_rank(), None, None, (inst.book(),))
+            return Route(inst, inst.pick_rank(), None, None, (inst.book(),), "colocated", "colocated")
         prefill = self.pick("prefill", request)
         decode = self.pick("decode", request)
         if prefill is None or decode is None:
             raise Unroutable(tuple(r for r, i in (("prefill", prefill), ("decode", decode)) if i is None))
+        name, reason = decide(self.facts(request, prefill, decode), self.rules)
+        if name == "decode-only":
+            return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason)
         # Both instances count the request until it ends: the decode leg starts only after the prefill leg in
         # READ mode, and a drain of the decode instance in between must wait for it rather than let it be
         # stopped under the request (a 502 "cannot connect").
         bookings = (prefill.book(), decode.book())
-        return Route(decode, decode.pick_rank(), prefill, prefill.pick_rank(), bookings)
+        return Route(decode, decode.pick_rank(), prefill, prefill.pick_rank(), bookings, name, reason)

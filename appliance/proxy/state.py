@@ -12,6 +12,7 @@ from appliance.proxy.instances import InstanceRegistry
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.planned import PlannedStops
 from appliance.proxy.policies import POLICIES
+from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.routing import Router
 
 
@@ -31,9 +32,9 @@ class ProxyState:
         self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
         self.health = HealthChecker(self.registry, config.health,
                                     on_listener=lambda result: self.metrics.listener_checks.labels(result).inc())
+        rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at)
         self.router = Router(self.registry, POLICIES[config.routing].from_config(config), lambda: self.mode,
-                             checks_mode=self.connector.mode_fixed_at_start,
-                             disaggregated=self.connector.disaggregated)
+                             self.connector, rules, config.block_size)
         self.planned = PlannedStops(self.registry, self.health)
         self.started_at = time.time()
         # While pdctl re-carves the node a role can briefly have no routable instance: requests then wait

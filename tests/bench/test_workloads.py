@@ -243,7 +243,8 @@ def test_a_timed_file_is_replayed_in_order_never_early(deployment: str, tmp_path
     assert [(r["prefix_group"], r["conversation"], r["turn"]) for r in reqs] == [
         ("sys-a", None, None), (None, "c1", 1), ("sys-a", None, None), (None, None, None), (None, "c1", 2),
         (None, None, None)]
-    assert {r["route"] for r in reqs} == {"unknown"}  # the proxy sets no route header yet
+    # the proxy's x-pdctl-route header, recorded per request (one route: no "by route" table)
+    assert {r["route"] for r in reqs} == {"colocated"} and all(set(r["route_instances"]) == {"both"} for r in reqs)
     assert "by route" not in done.stderr and "workload w.jsonl, the file's arrival times" in done.stderr
 
 

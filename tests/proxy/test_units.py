@@ -18,11 +18,13 @@ from appliance.connector.moriio.registration import (
 from appliance.proxy.config import Backend, ProxyConfig, Routing
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import POLICIES, RequestFacts
+from appliance.proxy.policies.conditional import REASONS, RouteFacts, Rules, decide
 from appliance.proxy.policies.least_outstanding import LeastOutstanding
 from appliance.proxy.policies.round_robin import RoundRobin
 from appliance.proxy.routing import Router, Unroutable
 
 FACTS = RequestFacts("/v1/completions", {"model": "m", "prompt": "hi"})
+OFF = Rules(decode_only_below=0, prefill_saturated_at=0)  # conditional routing off: every prompt disaggregated
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 9, "min_tokens": 3, "stream": True,
         "stream_options": {"include_usage": True}}
 
@@ -104,7 +106,7 @@ def _registry(*specs: tuple[str, str]) -> InstanceRegistry:
 
 def test_round_robin_skips_what_is_not_routable() -> None:
     registry = _registry(("both-0", "both"), ("both-1", "both"), ("both-2", "both"))
-    router = Router(registry, RoundRobin(), lambda: "read", checks_mode=False, disaggregated=False)
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector("none"), OFF)
     assert [router.pick("both", FACTS).name for _ in range(4)] == ["both-0", "both-1", "both-2", "both-0"]  # type: ignore[union-attr]
     registry.instances["both-1"].draining = True
     registry.instances["both-2"].healthy = False
@@ -115,7 +117,7 @@ def test_round_robin_skips_what_is_not_routable() -> None:
 
 def test_least_outstanding_and_mode_check() -> None:
     registry = _registry(("decode-0", "decode"), ("decode-1", "decode"))
-    router = Router(registry, LeastOutstanding(), lambda: "write", checks_mode=True, disaggregated=True)
+    router = Router(registry, LeastOutstanding(), lambda: "write", get_connector("nixl"), OFF)
     registry.instances["decode-0"].in_flight = 5
     assert {router.pick("decode", FACTS).name for _ in range(4)} == {"decode-1"}  # type: ignore[union-attr]
     # an engine registered in the other transfer mode is not routed while the proxy runs this one
@@ -153,7 +155,7 @@ def test_a_route_books_its_instances_until_it_ends_and_its_legs_lease_their_rank
     registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
     prefill, decode = registry.instances["prefill-0"], registry.instances["decode-0"]
     decode.set_dp_size(2)
-    router = Router(registry, LeastOutstanding(), lambda: "read", checks_mode=False, disaggregated=True)
+    router = Router(registry, LeastOutstanding(), lambda: "read", get_connector("example"), OFF)
     with router.route(FACTS) as route:
         assert (route.prefill, route.decode, route.prefill_rank, route.decode_rank) == (prefill, decode, None, 0)
         assert (prefill.routed, decode.routed) == (1, 1)
@@ -172,7 +174,7 @@ def test_a_route_books_its_instances_until_it_ends_and_its_legs_lease_their_rank
 
 def test_a_colocated_route_is_one_leg() -> None:
     registry = _registry(("both-0", "both"))
-    router = Router(registry, RoundRobin(), lambda: "read", checks_mode=False, disaggregated=False)
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector("none"), OFF)
     with router.route(FACTS) as route:
         assert route.prefill is None and route.decode.name == "both-0" and route.decode.routed == 1
     registry.instances["both-0"].healthy = False
@@ -273,3 +275,63 @@ def test_configs_written_with_dynamic_registration_still_load() -> None:
     assert ProxyConfig.model_validate(old).registration.enabled
     with pytest.raises(ValidationError, match="max_instance"):
         ProxyConfig.model_validate({**old, "registration": {"max_instance": 1}})  # a misspelling is still refused
+
+
+# ---- conditional disaggregation: the pure decision ---------------------------------------------------------
+
+def _facts(tokens: int | None = 1000, cached: int = 0, batch: bool = False, possible: bool = True,
+           prefill_legs: int = 0, decode_legs: int = 1) -> RouteFacts:
+    return RouteFacts(tokens, cached, batch, possible, prefill_legs, decode_legs)
+
+
+RULES = Rules(decode_only_below=256, prefill_saturated_at=4)
+
+
+@pytest.mark.parametrize(("facts", "rules", "expected"), [
+    # the hand-off cannot carry it: decode-only whatever the settings, conditional routing off included
+    (_facts(batch=True), OFF, ("decode-only", "batch")),
+    (_facts(possible=False), OFF, ("decode-only", "handoff-impossible")),
+    (_facts(batch=True, possible=False), RULES, ("decode-only", "batch")),
+    # off (0): every other prompt takes the prefill hop, short, idle decode or saturated prefill alike
+    (_facts(tokens=3, prefill_legs=9, decode_legs=0), OFF, ("disaggregated", "policy")),
+    # the threshold: strictly below it
+    (_facts(tokens=255), RULES, ("decode-only", "short-prompt")),
+    (_facts(tokens=256), RULES, ("disaggregated", "policy")),
+    # what the policy expects cached on the decode makes a long prompt short; never more than the prompt
+    (_facts(tokens=1000, cached=745), RULES, ("decode-only", "cached-prefix")),
+    (_facts(tokens=1000, cached=744), RULES, ("disaggregated", "policy")),
+    (_facts(tokens=100, cached=5000), RULES, ("decode-only", "short-prompt")),
+    # unknown length (a chat request): only the load rules apply
+    (_facts(tokens=None, cached=0), RULES, ("disaggregated", "policy")),
+    # a saturated prefill sends work to a decode that has fewer requests than the prefill has legs
+    (_facts(prefill_legs=4, decode_legs=3), RULES, ("decode-only", "prefill-saturated")),
+    (_facts(prefill_legs=4, decode_legs=4), RULES, ("disaggregated", "policy")),
+    (_facts(prefill_legs=3, decode_legs=1), RULES, ("disaggregated", "policy")),
+    (_facts(prefill_legs=9, decode_legs=0), Rules(256, 0), ("decode-only", "decode-idle")),
+    # an idle decode takes a prompt when the prefill is busy, not when both are idle
+    (_facts(prefill_legs=1, decode_legs=0), RULES, ("decode-only", "decode-idle")),
+    (_facts(prefill_legs=0, decode_legs=0), RULES, ("disaggregated", "policy")),
+])
+def test_conditional_decision(facts: RouteFacts, rules: Rules, expected: tuple[str, str]) -> None:
+    assert decide(facts, rules) == expected
+    assert expected[1] in REASONS
+
+
+def test_a_route_decided_decode_only_books_only_the_decode_and_says_so() -> None:
+    registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
+    prefill, decode = registry.instances["prefill-0"], registry.instances["decode-0"]
+    router = Router(registry, "round_robin", lambda: "read", get_connector("example"), Rules(16, 0))
+    short = RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3]})
+    with router.route(short) as route:
+        assert (route.name, route.reason, route.prefill) == ("decode-only", "short-prompt", None)
+        assert route.header() == "decode-only; decode=decode-0"
+        assert (prefill.routed, decode.routed) == (0, 1)
+    long = RequestFacts("/v1/completions", {"model": "m", "prompt": list(range(16))})
+    with router.route(long) as route:
+        assert (route.name, route.reason) == ("disaggregated", "policy")
+        assert route.header() == "disaggregated; prefill=prefill-0; decode=decode-0"
+        assert (prefill.routed, decode.routed) == (1, 1)
+        route.alone("handoff-impossible")  # the decode counted the prompt: too short to hand over after all
+        assert (route.name, route.prefill, prefill.routed, decode.routed) == ("decode-only", None, 0, 1)
+        assert route.header() == "decode-only; decode=decode-0"
+    assert (prefill.routed, decode.routed) == (0, 0)

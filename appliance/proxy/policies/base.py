@@ -11,10 +11,11 @@ make one call, Router.route, whatever the policy. What the policies that come ne
   ids) and keeps its own per-instance estimate of cached prefixes, keyed by the instance's BackendState, fed by the
   prefixes of the requests it has sent there (it sees each pick it makes); bounded by load through the same
   counters least_outstanding reads. expected_cached_tokens is what it tells the route decision.
-- conditional disaggregation decides per request whether the prefill hop is taken at all, from the prompt's
-  length, its uncached part and the prefill and decode instances' load: a decision over the whole route, made in
-  Router.route, which then returns a Route without a prefill instance. legs.py serves that on one leg, with the
-  connector's alone_body for a disaggregated connector (as it serves a prompt the connector cannot hand over).
+- conditional disaggregation (policies/conditional.py) decides per request whether the prefill hop is taken at
+  all, from the prompt's length, its uncached part (Policy.expected_cached_tokens) and the prefill and decode
+  instances' load: a decision over the whole route, made in Router.route, which then returns a Route without a
+  prefill instance. legs.py serves that on one leg, with the connector's alone_body (as it serves a prompt the
+  connector cannot hand over, which the same decision names).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class Policy(ABC):
         """One of `candidates`: the routable instances of `role` (never empty), in the plan's order."""
 
     def expected_cached_tokens(self, inst: BackendState, request: RequestFacts) -> int:
-        """How many of the request's prompt tokens `inst` is expected to hold in its prefix cache (0: unknown)."""
+        """How many of the request's prompt tokens this policy expects cached on `inst` (conditional routing
+        subtracts them from the prompt); a policy that keeps no estimate of instances' caches expects none."""
         return 0
 
     def prefix_tokens(self) -> Mapping[tuple[str, str], Sequence[int]]:

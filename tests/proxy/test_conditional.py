@@ -1,0 +1,199 @@
+"""Conditional disaggregation end to end: the real proxy in front of simulated NIXL engines (READ). The engines
+judge each route: a prompt handed over is reported cached by the decode (its KV came from the prefill, which
+counted a send), a decode-only one is not, and every answer equals the decode engine's own for the prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from tests.proxy.cluster import (
+    MODEL,
+    Cluster,
+    Sim,
+    cluster,
+    proxy_config,
+    run,
+    sim_state,
+    static_backends,
+    words,
+)
+from tests.proxy.test_sim_e2e import all_drained, proxy_ready
+from tests.support.httpclient import post
+from tests.support.waiting import eventually as wait_until
+
+TOKENS = 16
+DISAGGREGATED = "disaggregated; prefill=prefill-0; decode=decode-0"
+DECODE_ONLY = "decode-only; decode=decode-0"
+
+
+def _start(c: Cluster, prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
+           **settings: Any) -> tuple[Sim, Sim]:
+    p = c.sim("prefill-0", "prefill", "nixl", "--side-channel-port", "0", *prefill_args)
+    d = c.sim("decode-0", "decode", "nixl", *decode_args)
+    c.ready()
+    c.start_proxy(proxy_config("nixl", backends=static_backends(("prefill-0", "prefill", p), ("decode-0", "decode", d)),
+                               **settings))
+    c.ready()
+    return p, d
+
+
+async def _ask(c: Cluster, d: Sim, tokens: int | str, stream: bool = False, max_tokens: int = TOKENS) -> tuple[str, int]:
+    """Send a prompt of `tokens` tokens through the proxy, then the same to the decode engine alone: the answers
+    must be the same. Returns the proxy's x-pdctl-route header and the prompt tokens the decode reported cached."""
+    route, cached, text = await _through_proxy(c, tokens, stream, max_tokens)
+    assert text == await _own_answer(d, tokens, max_tokens)
+    return route, cached
+
+
+def _body(tokens: int | str, max_tokens: int) -> dict[str, Any]:
+    # token ids, as `pdctl bench` sends: their count is known to the proxy (a text prompt's is only bounded)
+    prompt = list(range(100, 100 + tokens)) if isinstance(tokens, int) else tokens
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+
+
+async def _own_answer(d: Sim, tokens: int | str, max_tokens: int = TOKENS) -> str:
+    """The decode engine's own answer to the prompt, asked directly."""
+    status, raw, _ = await post(d.url, "/v1/completions", _body(tokens, max_tokens))
+    assert status == 200, raw
+    return str(json.loads(raw)["choices"][0]["text"])
+
+
+async def _through_proxy(c: Cluster, tokens: int | str, stream: bool = False,
+                         max_tokens: int = TOKENS) -> tuple[str, int, str]:
+    """(x-pdctl-route, cached prompt tokens, text) of the prompt sent through the proxy."""
+    assert c.proxy is not None
+    body = _body(tokens, max_tokens)
+    if stream:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    status, raw, headers = await post(c.proxy.url, "/v1/completions", body)
+    assert status == 200, raw
+    if stream:
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        usage = events[-1]["usage"]
+    else:
+        answer = json.loads(raw)
+        text, usage = answer["choices"][0]["text"], answer["usage"]
+    assert usage["prompt_tokens"] == (tokens if isinstance(tokens, int) else len(tokens.split()))
+    return headers["x-pdctl-route"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0, text
+
+
+async def _routes(c: Cluster) -> dict[tuple[str, str], float]:
+    """The proxy's pdctl_proxy_routes_total samples by (route, reason)."""
+    assert c.proxy is not None
+    async with aiohttp.ClientSession() as s, s.get(c.proxy.url + "/metrics") as r:
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("pdctl_proxy_routes_total{"):
+            labels = dict(kv.split("=") for kv in line[line.index("{") + 1:line.index("}")].split(","))
+            out[(labels["route"].strip('"'), labels["reason"].strip('"'))] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_short_prompts_go_decode_only_and_long_ones_through_the_prefill() -> None:
+    with cluster() as c:
+        p, d = _start(c, decode_only_below=32)
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            for stream in (False, True):
+                assert await _ask(c, d, 31, stream) == (DECODE_ONLY, 0)  # prefilled where it is decoded
+                route, cached = await _ask(c, d, 32, stream)
+                assert route == DISAGGREGATED and cached > 0  # its KV came from the prefill
+            assert (await sim_state(p))["stats"]["kv_sends"] == 2  # the prefill saw the long prompts only
+            # a text prompt is short when its UTF-8 length bounds its tokens below the threshold (5 x 5 + 3)
+            assert await _ask(c, d, words(5)) == (DECODE_ONLY, 0)
+            route, cached = await _ask(c, d, words(6))  # 33 bytes may be 32 tokens: handed over
+            assert route == DISAGGREGATED and cached > 0
+            assert await _routes(c) == {("decode-only", "short-prompt"): 3, ("disaggregated", "policy"): 3}
+            await all_drained(p, d)
+
+        run(scenario())
+
+
+def test_threshold_zero_hands_every_prompt_over() -> None:
+    with cluster() as c:
+        p, d = _start(c, decode_only_below=0)
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            route, cached = await _ask(c, d, 3)
+            assert route == DISAGGREGATED and cached > 0
+            assert await _routes(c) == {("disaggregated", "policy"): 1}
+
+        run(scenario())
+
+
+def test_a_busy_prefill_sends_work_to_an_idle_decode_and_a_saturated_one_to_a_less_busy_decode() -> None:
+    # a slow prefill (40 tokens: 4 s) and slow decode steps (a 250-token answer: 5 s) keep legs running
+    with cluster() as c:
+        p, d = _start(c, ("--prefill-us-per-token", "100000"), ("--decode-step-ms", "20"),
+                      decode_only_below=8, prefill_saturated_at=2)
+
+        async def prefilling(n: int) -> bool:
+            s = await sim_state(p)
+            return bool(s["requests_running"] + s["requests_waiting"] == n)
+
+        async def decoding(n: int) -> bool:
+            s = await sim_state(d)
+            return bool(s["requests_running"] + s["requests_waiting"] + s["requests_waiting_for_kv"] == n)
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            # the decode is idle but so is the prefill: the long prompt takes the prefill hop
+            first = asyncio.ensure_future(_through_proxy(c, 40))
+            await wait_until(lambda: prefilling(1), what="the first prompt on the prefill")
+            # the prefill is busy and the decode runs nothing: the next prompt starts on the decode at once
+            idle = await _through_proxy(c, 40)
+            # a short prompt decoding for a while keeps one leg on the decode
+            busy = asyncio.ensure_future(_through_proxy(c, 4, max_tokens=250))
+            await wait_until(lambda: decoding(1), what="the short prompt decoding")
+            second = asyncio.ensure_future(_through_proxy(c, 40))
+            await wait_until(lambda: prefilling(2), what="two prompts on the prefill")
+            # two prefill legs (saturated at 2) against one decode leg: the decode prefills this one itself
+            saturated = await _through_proxy(c, 40)
+            long_answer = await _own_answer(d, 40)
+            for got in (idle, saturated):
+                assert got == (DECODE_ONLY, 0, long_answer)
+            assert await busy == (DECODE_ONLY, 0, await _own_answer(d, 4, 250))
+            for task in (first, second):
+                route, cached, text = await task
+                assert route == DISAGGREGATED and cached > 0 and text == long_answer
+            assert await _routes(c) == {("disaggregated", "policy"): 2, ("decode-only", "decode-idle"): 1,
+                                        ("decode-only", "short-prompt"): 1, ("decode-only", "prefill-saturated"): 1}
+            await all_drained(p, d)
+
+        run(scenario())
+
+
+def test_a_colocated_node_says_so_on_every_answer_errors_included() -> None:
+    with cluster() as c:
+        a, b = c.sim("both-0", "both", "none"), c.sim("both-1", "both", "none")
+        c.ready()
+        c.start_proxy(proxy_config("none", routing="round_robin",
+                                   backends=static_backends(("both-0", "both", a), ("both-1", "both", b))))
+        c.ready()
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            assert c.proxy is not None
+            seen = []
+            for stream in (False, True):
+                route, cached, text = await _through_proxy(c, 8, stream)
+                seen.append(route)
+                assert cached == 0 and text
+            assert seen == ["colocated; both=both-0", "colocated; both=both-1"]
+            # the engine's own 400 (a prompt longer than its context) goes back with the route it took
+            status, _, headers = await post(c.proxy.url, "/v1/completions", _body(600, TOKENS))
+            assert status == 400 and headers["x-pdctl-route"] == "colocated; both=both-0"
+            # a request refused before routing (no prompt) took no route: no header
+            status, _, headers = await post(c.proxy.url, "/v1/completions", {"model": MODEL})
+            assert status == 400 and "x-pdctl-route" not in headers
+            assert await _routes(c) == {("colocated", "colocated"): 3}
+
+        run(scenario())
