@@ -26,11 +26,11 @@ VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 TTFT = "pdctl_proxy_time_to_first_token_seconds"
 ITL = "pdctl_proxy_inter_token_latency_seconds"
 
-# Metrics that arrive with issue 25 items 1-2 (prefix affinity, conditional disaggregation): until the proxy
-# exports them, the dashboard's panels over them stay empty. The lead makes these strict after the merge.
-ARRIVING = {"pdctl_proxy_routes_total": {"route", "reason"},
-            "pdctl_proxy_prefix_lookup_tokens_total": {"instance", "role"},
-            "pdctl_proxy_prefix_hit_tokens_total": {"instance", "role"}}
+# The routing metrics (conditional disaggregation's routes; prefix affinity's lookups and hits, exported while
+# that policy routes) and the labels the dashboard's panels group them by.
+ROUTING = {"pdctl_proxy_routes_total": {"route", "reason"},
+           "pdctl_proxy_prefix_lookup_tokens_total": {"instance", "role"},
+           "pdctl_proxy_prefix_hit_tokens_total": {"instance", "role"}}
 # vLLM counts these, the simulated engine does not: checked against vLLM's source instead.
 REAL_VLLM_ONLY = {"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
                   "vllm:nixl_num_failed_transfers_total"}
@@ -214,6 +214,8 @@ def test_every_vllm_name_the_dashboard_reads_is_one_vllm_declares() -> None:
 
 def test_every_metric_the_dashboard_reads_is_on_the_nodes_metrics(tmp_path: Path) -> None:
     config = write_config(tmp_path, tmp_path / "state", extra="[slo]\nttft_ms = 250\nitl_ms = 30\n")
+    # prefix affinity: the policy whose prefix metrics the dashboard reads
+    config.write_text(config.read_text().replace("[proxy]\n", '[proxy]\nrouting = "prefix_affinity"\n', 1))
     try:
         pdctl(config, "up", "--connector", "nixl", check=True)
         out = tmp_path / "prometheus.yml"
@@ -239,10 +241,10 @@ def test_every_metric_the_dashboard_reads_is_on_the_nodes_metrics(tmp_path: Path
     used = _metric_names(board)
 
     proxy_used = {n for n in used if n.startswith("pdctl_")}
-    assert set(ARRIVING) <= proxy_used
-    assert proxy_used - set(ARRIVING) - set(proxy) == set(), sorted(proxy)
-    for name, labels in ARRIVING.items():  # absent until items 1-2 land; once there, with the labels read
-        assert all(labels <= set(s.labels) for s in proxy.get(name, [])), name
+    assert set(ROUTING) <= proxy_used
+    assert proxy_used - set(proxy) == set(), sorted(proxy)
+    for name, labels in ROUTING.items():  # the labels the panels group by
+        assert proxy[name] and all(labels <= set(s.labels) for s in proxy[name]), name
     assert proxy["pdctl_proxy_requests_total"][0].labels["status"] == "200"
 
     engine_used = {n for n in used if n.startswith("vllm:")}

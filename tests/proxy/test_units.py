@@ -320,7 +320,7 @@ def test_conditional_decision(facts: RouteFacts, rules: Rules, expected: tuple[s
 def test_a_route_decided_decode_only_books_only_the_decode_and_says_so() -> None:
     registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
     prefill, decode = registry.instances["prefill-0"], registry.instances["decode-0"]
-    router = Router(registry, "round_robin", lambda: "read", get_connector("example"), Rules(16, 0))
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), Rules(16, 0))
     short = RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3]})
     with router.route(short) as route:
         assert (route.name, route.reason, route.prefill) == ("decode-only", "short-prompt", None)
