@@ -51,6 +51,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from appliance import runsim
 from appliance.connector import disaggregated_name, get_connector, resolve_name
 from appliance.errors import PdctlError
 from appliance.inventory.models import Inventory
@@ -188,7 +189,7 @@ class Profile:
     prefill_us_per_token: float  # at TP1, without attention
     decode_step_ms: float
     decode_step_ms_per_seq: float
-    max_num_seqs: int
+    max_num_seqs: int  # the decode role's (and a colocated instance's, unless colocated_max_num_seqs)
     source: str
     prefill_tp_factor: float = 0.9
     decode_tp_factor: float = 0.9
@@ -218,6 +219,7 @@ class Profile:
     band: tuple[float, float] = (1.0, 1.0)
     kv_tokens_per_gpu: Callable[[int], float | None] = field(default=lambda tp: None, compare=False, repr=False)
     default_budget: int = 2048
+    colocated_max_num_seqs: int | None = None  # [colocated] max_num_seqs, when it differs from the decode's
 
 
 @dataclass(frozen=True)
@@ -364,6 +366,7 @@ def gpu_profile(settings: Settings, inventory: Inventory, model: ModelShape, blo
         graph_tokens=_graph_tokens([*settings.colocated.extra_args, *settings.decode.extra_args]),
         decode_step_ms_per_seq=0.0,
         max_num_seqs=settings.decode.max_num_seqs or 1024,
+        colocated_max_num_seqs=settings.colocated.max_num_seqs,
         source=f"{what}, {how}; scaled by config.json{terms}",
         prefill_tp_factor=H200_PREFILL_TP_FACTOR, decode_tp_factor=H200_DECODE_TP_FACTOR,
         kv_read_tbps=hw.hbm_tbps * hw.kv_share, ttft_overhead_ms=H200_TTFT_OVERHEAD_MS,
@@ -538,21 +541,81 @@ def _saturated(capacity: float, limit: str) -> State:
     return State(None, None, None, None, capacity, {j: 0.0 for j in JUDGEMENTS}, limit)
 
 
-def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: int, itl_slo_ms: float) -> State:
-    """A candidate's TTFT p90, gaps, occupancy and ITL attainment at `rate` (module docstring)."""
+@dataclass(frozen=True)
+class _Engine:
+    """A candidate's decode-capable engine (colocated, or the decode role), per instance: its step costs."""
+
+    tp: int
+    dec_eff: float
+    max_num_seqs: int
+    per_seq: float  # each running sequence's KV read, ms per step
+    capacity: float  # the most running sequences it holds (KV cache, max_num_seqs)
+    base: Callable[[float], float]  # a step of `tokens` tokens: the weights it streams (MoE: the experts visited)
+
+    def step(self, n: float) -> float:
+        """A decode step of n running sequences."""
+        return self.base(n) + self.per_seq * n
+
+
+def _engine(p: Profile, cand: Candidate, input_len: int, output_len: int) -> _Engine:
     context = input_len + output_len / 2  # tokens a running sequence holds, on average
     per_seq_gpu = p.decode_step_ms_per_seq + (
         context * p.kv_bytes_per_token / (p.kv_read_tbps * 1e12) * 1e3 if p.kv_read_tbps and p.kv_bytes_per_token else 0.0)
     role = cand.colocated if cand.colocated is not None else cand.decode
     assert role is not None
-    r = rate / role.instances
     dec_eff = _eff(role.tp, p.decode_tp_factor)
-    per_seq = per_seq_gpu / dec_eff
 
-    def base(tokens: float) -> float:  # a step of `tokens` tokens: the weights it streams (MoE: the experts visited)
-        return (p.decode_step_ms + p.expert_step_ms * _touched(p, tokens)) / dec_eff
+    def base(tokens: float) -> float:
+        # The routed experts are cut evenly across the ranks (expert parallel: E / TP whole experts a rank;
+        # without it, 1 / TP of each expert): each rank streams its share of the experts its step visits, at
+        # 1 / TP. The dense factor (all-reduces, launches, measured on a dense model) stays on the rest.
+        return p.decode_step_ms / dec_eff + p.expert_step_ms * _touched(p, tokens) / role.tp
+    seqs = (p.colocated_max_num_seqs or p.max_num_seqs) if cand.colocated is not None else p.max_num_seqs
     kv_tokens = p.kv_tokens_per_gpu(role.tp)
-    capacity = min(p.max_num_seqs, kv_tokens * role.tp / context) if kv_tokens is not None else float(p.max_num_seqs)
+    capacity = min(seqs, kv_tokens * role.tp / context) if kv_tokens is not None else float(seqs)
+    return _Engine(role.tp, dec_eff, seqs, per_seq_gpu / dec_eff, capacity, base)
+
+
+def _chunk_extra(p: Profile, eng: _Engine, n: float, c: int, start: int) -> float:
+    """What a prompt chunk of c tokens (prompt tokens start..start+c, attending to what precedes them) adds to
+    a decode step of n running sequences: it streams the weights its n + c tokens visit, and its compute hides
+    under a share of that; an MoE step larger than the largest CUDA graph runs eagerly (the floor)."""
+    full = eng.base(n + c)
+    extra = full - eng.base(n) + max(0.0, _compute_ms(p, c, start + c / 2, eng.tp) - p.chunk_overlap * full)
+    if p.graph_tokens and n + c > p.graph_tokens and p.mixed_floor_ms:
+        extra = max(extra, p.mixed_floor_ms - eng.step(n))
+    return extra
+
+
+def _prefill_side(p: Profile, cand: Candidate, eng: _Engine, input_len: int) -> tuple[float, float, float]:
+    """A disaggregated candidate's prefill service per prompt, the hand-off's transfer after it, and the stall a
+    joining request puts on the decode's step (ms)."""
+    pre = cand.prefill
+    assert pre is not None
+    post, transfer = handoff(p, input_len, pre.tp)
+    compute = _compute_ms(p, input_len, input_len / 2, pre.tp)
+    if p.experts:
+        # An MoE prompt step also streams the experts its tokens visit (each rank its share), most of it not
+        # hidden under the compute (the 8000-token step measured 129 ms on the H200: module constants); a dense
+        # one is compute-bound, its weights folded into the calibrated prefill rate.
+        experts = p.expert_step_ms * _touched(p, input_len) / pre.tp
+        compute = experts + max(0.0, compute - p.chunk_overlap * experts)
+    if p.write_overlaps_prefill and not p.post_on_decode:
+        # pushed layer by layer while the prefill runs: what is left after it is the last layer's share, or
+        # the part the link could not keep up with
+        transfer = max(transfer / p.layers, transfer - compute)
+    service = compute + (0.0 if p.post_on_decode else post)
+    stall = (post if p.post_on_decode else 0.0) + input_len * p.join_us_per_prompt_token / 1000 / eng.dec_eff
+    return service, transfer, stall
+
+
+def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: int, itl_slo_ms: float) -> State:
+    """A candidate's TTFT p90, gaps, occupancy and ITL attainment at `rate` (module docstring)."""
+    eng = _engine(p, cand, input_len, output_len)
+    role = cand.colocated if cand.colocated is not None else cand.decode
+    assert role is not None
+    r = rate / role.instances
+    base, per_seq, capacity = eng.base, eng.per_seq, eng.capacity
     if cand.colocated is not None:
         budget = cand.budget or p.default_budget
 
@@ -563,25 +626,16 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
             if chunk < 1:
                 return None
             chunks = math.ceil(input_len / chunk)
-            # Each chunk step, over a decode step: it streams the weights its n + c tokens visit, and its compute
-            # (c tokens attending to the prompt so far) hides under a share of that. The prompt is cut into full
-            # chunks and a shorter last one, each attending to what precedes it: the slowest is not
-            # necessarily the last.
-            extras = []
-            for i in range(chunks):
-                c = min(chunk, input_len - i * chunk)
-                full = base(n + c)
-                extra_i = full - base(n) + max(0.0, _compute_ms(p, c, i * chunk + c / 2, role.tp) - p.chunk_overlap * full)
-                if p.graph_tokens and n + c > p.graph_tokens and p.mixed_floor_ms:
-                    extra_i = max(extra_i, p.mixed_floor_ms - (base(n) + per_seq * n))  # the floor, over a decode step
-                extras.append(extra_i)
+            # The prompt is cut into full chunks and a shorter last one, each attending to what precedes it:
+            # the slowest is not necessarily the last.
+            extras = [_chunk_extra(p, eng, n, min(chunk, input_len - i * chunk), i * chunk) for i in range(chunks)]
             extra = sum(extras) / chunks
             return chunks, extra, extras, _decode(r, output_len, base, per_seq, r * chunks * extra / 1000)
 
         # The running count n is a fixed point: n running -> chunks -> the engine's time share -> n. The map
         # falls with n for an MoE model (the chunk's experts are read anyway by more running tokens) and jumps
         # with ceil(n): iterating it oscillates, so bisect on where it crosses n.
-        lo, hi = 0.0, float(p.max_num_seqs)
+        lo, hi = 0.0, float(eng.max_num_seqs)
         for _ in range(40):
             mid = (lo + hi) / 2
             at = chunked(mid)
@@ -598,7 +652,7 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
         if solved is None:
             return _saturated(capacity, "engine throughput")
         gap, n = solved
-        step = base(n) + per_seq * n
+        step = eng.step(n)
         service = chunks * (step + extra)
         share = r * chunks * gap / 1000  # of the engine's steps that carry a prompt chunk
         wait = _wait(share, service)
@@ -607,32 +661,65 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
     else:
         pre = cand.prefill
         assert pre is not None
-        post, transfer = handoff(p, input_len, pre.tp)
-        compute = _compute_ms(p, input_len, input_len / 2, pre.tp)
-        if p.experts:
-            # An MoE prompt step also streams the experts its tokens visit, most of it not hidden under the
-            # compute (the 8000-token step measured 129 ms on the H200: module constants); a dense one is
-            # compute-bound, its weights folded into the calibrated prefill rate.
-            experts = p.expert_step_ms * _touched(p, input_len) / _eff(pre.tp, p.decode_tp_factor)
-            compute = experts + max(0.0, compute - p.chunk_overlap * experts)
-        if p.write_overlaps_prefill and not p.post_on_decode:
-            # pushed layer by layer while the prefill runs: what is left after it is the last layer's share, or
-            # the part the link could not keep up with
-            transfer = max(transfer / p.layers, transfer - compute)
-        service = compute + (0.0 if p.post_on_decode else post)
+        service, transfer, stall = _prefill_side(p, cand, eng, input_len)
         wait = _wait(rate / pre.instances * service / 1000, service)
-        stall = (post if p.post_on_decode else 0.0) + input_len * p.join_us_per_prompt_token / 1000 / dec_eff
         solved = _decode(r, output_len, base, per_seq, r * stall / 1000)
         if solved is None:
             return _saturated(capacity, "decode throughput")
         gap, n = solved
-        step = base(n) + per_seq * n
+        step = eng.step(n)
         ttft = None if wait is None else p.ttft_overhead_ms + service + 2.3 * wait + transfer + step
         slows, q = [step + stall], r * gap / 1000
     att = {j: _itl_attainment(j, gap, slows, q, output_len, itl_slo_ms) for j in JUDGEMENTS}
     # the bound that binds: the KV cache, or the engine's max_num_seqs when that is the smaller
-    limit = "-" if n <= capacity else "max_num_seqs" if capacity >= p.max_num_seqs else "KV cache"
+    limit = "-" if n <= capacity else "max_num_seqs" if capacity >= eng.max_num_seqs else "KV cache"
     return State(ttft, gap, max(slows), n, capacity, att, limit)
+
+
+# ---- a finite run: N requests, every one judged (appliance/runsim.py) ---------------------------------------
+
+FINITE_SEEDS = 4  # arrival draws averaged: a run of 100 requests is one draw, its attainment noisy by +-5 %
+
+
+def finite_attainment(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: int, ttft_slo_ms: float,
+                      itl_slo_ms: float, requests: int, seeds: int = FINITE_SEEDS) -> dict[str, float]:
+    """The share of a run's `requests` requests (Poisson arrivals at `rate`, every one judged) that meet both
+    SLOs, under each judgement, averaged over `seeds` arrival draws; the requests go round the instances."""
+    eng = _engine(p, cand, input_len, output_len)
+    role = cand.colocated if cand.colocated is not None else cand.decode
+    assert role is not None
+    if eng.capacity < 1:
+        return {j: 0.0 for j in JUDGEMENTS}
+    instances = role.instances
+    gaps = max(0, output_len - 1)
+    total = {j: 0.0 for j in JUDGEMENTS}
+    for seed in range(seeds):
+        arrive = [t / rate for t in runsim.unit_arrivals(requests, seed)]
+        # the proxy sends the requests round the instances of a role: instance k gets requests k, k + I, ...
+        if cand.colocated is not None:
+            budget = cand.budget or p.default_budget
+            served = [x for k in range(instances) for x in runsim.colocated(
+                arrive[k::instances], input_len, output_len, budget, eng.capacity, eng.step,
+                lambda n, c, start: _chunk_extra(p, eng, n, c, start), p.ttft_overhead_ms, itl_slo_ms, SLOW_GAP_SPREAD)]
+        else:
+            pre = cand.prefill
+            assert pre is not None
+            service, transfer, stall = _prefill_side(p, cand, eng, input_len)
+            ready = runsim.prefilled(arrive, service, pre.instances, transfer)
+            served = [x for k in range(instances) for x in runsim.disaggregated(
+                arrive[k::instances], ready[k::instances], output_len, eng.capacity, eng.step, stall,
+                p.ttft_overhead_ms, itl_slo_ms, SLOW_GAP_SPREAD)]
+        for j in JUDGEMENTS:
+            ok = 0.0
+            for s in served:
+                if s.ttft_ms > ttft_slo_ms:
+                    continue
+                if j == "mean":
+                    ok += s.mean_gap_ms <= itl_slo_ms
+                else:
+                    ok += _poisson_cdf(_tolerated(j, gaps, s.mean_gap_ms, itl_slo_ms * 1.0001, itl_slo_ms), s.slow_gaps)
+            total[j] += ok / len(served)
+    return {j: v / seeds for j, v in total.items()}
 
 
 def conditional_threshold(p: Profile, decode_tp: int, itl_slo_ms: float) -> tuple[int, str]:
@@ -650,31 +737,58 @@ def _meets(s: State, judgement: str, ttft_slo_ms: float, target: float) -> bool:
             and s.attainment[judgement] >= target)
 
 
-def goodput(p: Profile, cand: Candidate, input_len: int, output_len: int, ttft_slo_ms: float, itl_slo_ms: float,
-            judgement: str, target: float = 0.9) -> float:
-    """The highest rate at which the candidate meets both SLOs under `judgement` (0 when none does)."""
-    def ok(rate: float) -> bool:
-        return _meets(state(p, cand, rate, input_len, output_len, itl_slo_ms), judgement, ttft_slo_ms, target)
-
+def _highest(ok: Callable[[float], bool], halvings: int = 40) -> float:
+    """The highest rate for which ok(rate) holds (bracketed by doubling from 1 req/s, then bisected)."""
     lo, hi = 0.0, 1.0
     if not ok(1e-6):
         return 0.0
     while ok(hi) and hi < 1e5:
         lo, hi = hi, hi * 2
-    for _ in range(40):
+    for _ in range(halvings):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
 
 
-def predict(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: int, settings: Settings) -> Prediction:
-    """One candidate at `rate`, and its goodput under every judgement."""
+def goodput(p: Profile, cand: Candidate, input_len: int, output_len: int, ttft_slo_ms: float, itl_slo_ms: float,
+            judgement: str, target: float = 0.9, requests: int | None = None) -> float:
+    """The highest rate at which the candidate meets both SLOs under `judgement` (0 when none does): in the
+    steady state, or (`requests`) in a run of that many requests, every one judged."""
+    return goodputs(p, cand, input_len, output_len, ttft_slo_ms, itl_slo_ms, target, requests, (judgement,))[judgement]
+
+
+def goodputs(p: Profile, cand: Candidate, input_len: int, output_len: int, ttft_slo_ms: float, itl_slo_ms: float,
+             target: float = 0.9, requests: int | None = None,
+             judgements: tuple[str, ...] = JUDGEMENTS) -> dict[str, float]:
+    """goodput under each of `judgements` (a finite run is simulated once per rate for all of them)."""
+    if requests is None:
+        def steady(j: str) -> Callable[[float], bool]:
+            return lambda rate: _meets(state(p, cand, rate, input_len, output_len, itl_slo_ms), j, ttft_slo_ms, target)
+        return {j: _highest(steady(j)) for j in judgements}
+    memo: dict[float, dict[str, float]] = {}
+
+    def attained(rate: float) -> dict[str, float]:
+        if rate not in memo:
+            memo[rate] = finite_attainment(p, cand, rate, input_len, output_len, ttft_slo_ms, itl_slo_ms, requests)
+        return memo[rate]
+
+    def finite(j: str) -> Callable[[float], bool]:
+        return lambda rate: attained(rate)[j] >= target
+    return {j: _highest(finite(j), halvings=14) for j in judgements}
+
+
+def predict(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: int, settings: Settings,
+            requests: int | None = None) -> Prediction:
+    """One candidate at `rate`, and its goodput under every judgement (`requests`: in a run of that many)."""
     slo = settings.slo
     s = state(p, cand, rate, input_len, output_len, slo.itl_ms)
-    good = {j: goodput(p, cand, input_len, output_len, slo.ttft_ms, slo.itl_ms, j, slo.attainment) for j in JUDGEMENTS}
+    good = goodputs(p, cand, input_len, output_len, slo.ttft_ms, slo.itl_ms, slo.attainment, requests)
     j = slo.itl_judgement
     itl = None if s.gap_ms is None else s.gap_ms if j == "mean" else s.slow_gap_ms
-    meets = _meets(s, j, slo.ttft_ms, slo.attainment)
+    if requests is None:
+        meets = _meets(s, j, slo.ttft_ms, slo.attainment)
+    else:
+        meets = finite_attainment(p, cand, rate, input_len, output_len, slo.ttft_ms, slo.itl_ms, requests)[j] >= slo.attainment
     if meets:
         why = "-"
     elif s.limit != "-":
@@ -736,14 +850,14 @@ def _plans(settings: Settings, inventory: Inventory) -> bool:
 
 
 def suggest(settings: Settings, inventory: Inventory, profile: Profile, input_len: int, output_len: int,
-            rate: float, heads: Heads | None = None) -> list[Prediction]:
+            rate: float, heads: Heads | None = None, requests: int | None = None) -> list[Prediction]:
     """Colocated shapes and splits ranked together: meeting the SLOs at `rate` first, then by predicted
     goodput under the run's judgement, then fewer instances.
 
     `heads`: the model's head counts when known; shapes whose TP the model cannot take are left out."""
     if not inventory.gpus:
         raise PdctlError("this node has no GPUs to split", fix="plan for a GPU node with --inventory sim:mi300x-8")
-    preds = [predict(profile, c, rate, input_len, output_len, settings)
+    preds = [predict(profile, c, rate, input_len, output_len, settings, requests)
              for c in candidates(settings, inventory, heads)]
     if not preds:
         why = f" for a model with {heads.attention} attention heads" if heads else ""

@@ -67,6 +67,10 @@ def render_plan(p: Plan, console: Console) -> None:
 @click.option("--output-len", type=click.IntRange(min=1), default=256, show_default=True, help="--suggest: output tokens.")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
               help="--suggest: requests per second.")
+@click.option("--requests", type=click.IntRange(min=1),
+              help="--suggest: predict a benchmark run of this many requests per rate, every one judged (`vllm bench "
+              "serve --num-prompts N`, `pdctl bench --lifetimes 0 -n N`) [default: the steady state, as `pdctl "
+              "bench` judges it].")
 @click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), help="--suggest: TTFT SLO [slo.ttft_ms].")
 @click.option("--itl-ms", type=click.FloatRange(min=0, min_open=True), help="--suggest: ITL SLO [slo.itl_ms].")
 @click.option("--profile", type=click.Path(dir_okay=False, exists=True),
@@ -78,7 +82,7 @@ def render_plan(p: Plan, console: Console) -> None:
               "several runs of the same workload together.")
 @click.pass_context
 def plan(ctx: click.Context, /, as_json: bool, suggest: bool, input_len: int, output_len: int, rate: float,
-         ttft_ms: float | None, itl_ms: float | None, profile: str | None, check: tuple[str, ...], **options: Any) -> None:
+         requests: int | None, ttft_ms: float | None, itl_ms: float | None, profile: str | None, check: tuple[str, ...], **options: Any) -> None:
     """Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."""
     # --suggest and --check rank or model shapes themselves: of the plan flags, the connector, its mode and the
     # engine apply to them, the GPUs and TPs do not
@@ -91,7 +95,7 @@ def plan(ctx: click.Context, /, as_json: bool, suggest: bool, input_len: int, ou
     if suggest:
         from appliance.cli.suggest import print_suggestions
 
-        print_suggestions(ctx, input_len, output_len, rate, ttft_ms, itl_ms, profile, as_json, modelled)
+        print_suggestions(ctx, input_len, output_len, rate, ttft_ms, itl_ms, profile, as_json, modelled, requests)
         return
     settings, _ = obtain(ctx)
     overrides, layout_note = node_overrides(Node(settings), options)

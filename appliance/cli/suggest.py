@@ -118,29 +118,31 @@ def _describe(console: Console, prof: Profile, settings: Settings, inventory: In
 
 def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate: float, ttft_ms: float | None,
                       itl_ms: float | None, profile_path: str | None, as_json: bool,
-                      modelled: dict[str, Any] | None = None) -> None:
+                      modelled: dict[str, Any] | None = None, requests: int | None = None) -> None:
     """Rank the colocated shapes and splits for the workload and say why (`modelled`: the plan flags'
-    connector, mode and engine overrides)."""
+    connector, mode and engine overrides; `requests`: a run of that many requests, not the steady state)."""
     overrides = {**(modelled or {}),
                  "slo": {k: v for k, v in (("ttft_ms", ttft_ms), ("itl_ms", itl_ms)) if v is not None}}
     settings, inventory = obtain(ctx, overrides)
     heads, model = _model(settings)
     prof = _profile(settings, inventory, model, profile_path)
-    ranked = suggest(settings, inventory, prof, input_len, output_len, rate, heads)
+    ranked = suggest(settings, inventory, prof, input_len, output_len, rate, heads, requests)
     slo = settings.slo
     split = next((p.candidate.decode for p in ranked if p.candidate.decode is not None), None)
     threshold, why = conditional_threshold(prof, split.tp if split else 1, slo.itl_ms)
     if as_json:
         profile = {k: v for k, v in asdict(prof).items() if k != "kv_tokens_per_gpu"}
         click.echo(json.dumps({"profile": profile, "workload": {"input_len": input_len, "output_len": output_len,
-                               "rate": rate, "ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms,
+                               "rate": rate, "requests": requests, "ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms,
                                "itl_judgement": slo.itl_judgement}, "suggestions": [_row(p) for p in ranked],
                                "decode_only_below": {"tokens": threshold, "why": why}}, indent=2))
         return
     console = rich_console()
+    run = (f"a run of {requests} requests per rate, every one judged (goodput: the highest rate at which "
+           f"{slo.attainment:.0%} of them meet the SLOs)" if requests else "the steady state")
     console.print(f"workload: {input_len} prompt + {output_len} output tokens at {rate:g} req/s; SLO TTFT "
                   f"{slo.ttft_ms:g} ms, ITL {slo.itl_ms:g} ms ({slo.itl_judgement}); {len(inventory.gpus)} GPUs "
-                  f"({inventory.source})")
+                  f"({inventory.source}); modelled: {run}")
     _describe(console, prof, settings, inventory, model, heads, input_len, output_len, rate,
               split_fits=any(p.layout == "disaggregated" for p in ranked))
     table = Table(show_header=True, header_style="bold")
@@ -242,7 +244,9 @@ def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | 
             continue
         # a WRITE shape's decode does not post the hand-off (the prefill does), whatever the settings say
         shape_prof = replace(prof, post_on_decode=False) if shape.name == "disagg-write" else prof
-        pred = predict(shape_prof, cand, measured[0].rate, w.input_len, w.output_len, settings)
+        # a run that judged every request (no steady window) is modelled as a run of that many requests
+        finite = w.num_requests if not w.lifetimes else None
+        pred = predict(shape_prof, cand, measured[0].rate, w.input_len, w.output_len, settings, finite)
         lowest = min(r.rate for r in measured)
         for j in BENCH_JUDGEMENTS:
             good = shape.goodput.get(j)
