@@ -165,7 +165,8 @@ VLLM_DEFAULT_BLOCK_SIZE = 16  # CUDA
 
 
 def _graph_tokens(engine_args: list[str]) -> int:
-    """vLLM's largest captured CUDA graph (tokens per step): --compilation-config's max_cudagraph_capture_size."""
+    """vLLM's largest captured CUDA graph (tokens per step) when --compilation-config sets it
+    (max_cudagraph_capture_size); 0: vLLM's default (`_default_graph_tokens`)."""
     for flag, value in zip(engine_args, engine_args[1:], strict=False):
         if flag in ("--compilation-config", "-cc"):
             try:
@@ -174,7 +175,15 @@ def _graph_tokens(engine_args: list[str]) -> int:
                 continue
             if isinstance(size, int) and size > 0:
                 return size
-    return VLLM_CUDAGRAPH_MAX_TOKENS
+    return 0
+
+
+def _default_graph_tokens(max_num_seqs: int, budget: int) -> int:
+    """vLLM's default largest CUDA graph (VllmConfig._set_cudagraph_sizes): twice max_num_seqs, at most 512 (1024
+    on Blackwell), and never over the step's token budget. So `--max-num-seqs 64` caps the graphs at 128 tokens,
+    and a step of 64 decodes and a 512-token prompt chunk runs eagerly (results/gpu-h200x1/s5: the MoE shape's
+    such steps took ~100 ms, where budget 512 with graphs up to 512 gave 24 ms)."""
+    return min(2 * max_num_seqs, VLLM_CUDAGRAPH_MAX_TOKENS, budget)
 
 
 def accelerator_of(gpu_name: str) -> Accelerator | None:
@@ -207,7 +216,7 @@ class Profile:
     experts: int = 0  # its tokens visit: 1 - (1 - k/E)^tokens); decode_step_ms holds the rest
     experts_per_token: int = 0
     mixed_floor_ms: float = 0.0  # a step of running decodes and over graph_tokens prompt tokens: at least this
-    graph_tokens: int = 0  # the largest CUDA graph's tokens (0: no floor)
+    graph_tokens: int = 0  # the largest CUDA graph's tokens as --compilation-config sets it (0: vLLM's default)
     kv_bytes_per_token: int | None = None
     layers: int = 1
     block_size: int = VLLM_DEFAULT_BLOCK_SIZE
@@ -548,6 +557,7 @@ class _Engine:
     tp: int
     dec_eff: float
     max_num_seqs: int
+    graph_tokens: int  # its largest CUDA graph (tokens per step): a larger MoE step runs eagerly
     per_seq: float  # each running sequence's KV read, ms per step
     capacity: float  # the most running sequences it holds (KV cache, max_num_seqs)
     base: Callable[[float], float]  # a step of `tokens` tokens: the weights it streams (MoE: the experts visited)
@@ -573,7 +583,9 @@ def _engine(p: Profile, cand: Candidate, input_len: int, output_len: int) -> _En
     seqs = (p.colocated_max_num_seqs or p.max_num_seqs) if cand.colocated is not None else p.max_num_seqs
     kv_tokens = p.kv_tokens_per_gpu(role.tp)
     capacity = min(seqs, kv_tokens * role.tp / context) if kv_tokens is not None else float(seqs)
-    return _Engine(role.tp, dec_eff, seqs, per_seq_gpu / dec_eff, capacity, base)
+    budget = (cand.budget or p.default_budget) if cand.colocated is not None else p.default_budget
+    graph = p.graph_tokens or _default_graph_tokens(seqs, budget)
+    return _Engine(role.tp, dec_eff, seqs, graph, per_seq_gpu / dec_eff, capacity, base)
 
 
 def _chunk_extra(p: Profile, eng: _Engine, n: float, c: int, start: int) -> float:
@@ -582,7 +594,7 @@ def _chunk_extra(p: Profile, eng: _Engine, n: float, c: int, start: int) -> floa
     under a share of that; an MoE step larger than the largest CUDA graph runs eagerly (the floor)."""
     full = eng.base(n + c)
     extra = full - eng.base(n) + max(0.0, _compute_ms(p, c, start + c / 2, eng.tp) - p.chunk_overlap * full)
-    if p.graph_tokens and n + c > p.graph_tokens and p.mixed_floor_ms:
+    if n + c > eng.graph_tokens and p.mixed_floor_ms:
         extra = max(extra, p.mixed_floor_ms - eng.step(n))
     return extra
 

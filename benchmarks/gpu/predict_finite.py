@@ -2,7 +2,9 @@
 budget 512 and a given max_num_seqs, 2000/1000 tokens, TTFT 1 s / ITL 50 ms, both as the steady state and as a
 run of 100 requests every one of which is judged (`pdctl bench --lifetimes 0 -n 100`).
 
-    python benchmarks/gpu/predict_finite.py MODEL_DIR bf16|fp8 MAX_NUM_SEQS > predicted.json
+    python benchmarks/gpu/predict_finite.py MODEL_DIR bf16|fp8 MAX_NUM_SEQS [GRAPH_TOKENS] > predicted.json
+
+GRAPH_TOKENS: the engine's `--compilation-config '{"max_cudagraph_capture_size": N}'` (default: vLLM's own).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ def main(argv: list[str]) -> int:
     """Print the predictions as JSON."""
     model_dir, quant, seqs = argv[0], argv[1], int(argv[2])
     args = ["--quantization", "fp8"] if quant == "fp8" else []
+    if len(argv) > 3:
+        args += ["--compilation-config", json.dumps({"max_cudagraph_capture_size": int(argv[3])})]
     shape = read_model_shape(model_dir)
     if shape is None:
         raise SystemExit(f"no readable config.json in {model_dir}")
@@ -32,6 +36,7 @@ def main(argv: list[str]) -> int:
     prof = gpu_profile(settings, load_inventory("sim:h200-1"), shape, 16, False)
     cand = Candidate("colocated", colocated=Shape(1, 1), budget=512)
     out: dict = {"model": model_dir.rstrip("/").rsplit("/", 1)[-1], "quantization": quant, "max_num_seqs": seqs,
+                 "engine_args": args,
                  "budget": 512, "workload": "2000/1000", "slo": "TTFT 1000 ms, ITL 50 ms", "profile": prof.source,
                  "steady_goodput": goodputs(prof, cand, 2000, 1000, 1000, 50, 0.9),
                  "finite_100_goodput": goodputs(prof, cand, 2000, 1000, 1000, 50, 0.9, 100), "per_rate": {}}
