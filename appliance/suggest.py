@@ -162,6 +162,7 @@ H200_RESERVE_GIB = 0.0
 # default logged "Compiling a graph for compile range (1, 8192)" on an H200 (results/gpu-h200x1).
 VLLM_GPU_DEFAULT_BUDGET = 8192
 VLLM_DEFAULT_BLOCK_SIZE = 16  # CUDA
+VLLM_GPU_DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's max_num_seqs when unset, for an API server on a large GPU
 
 
 def _graph_tokens(engine_args: list[str]) -> int:
@@ -374,8 +375,8 @@ def gpu_profile(settings: Settings, inventory: Inventory, model: ModelShape, blo
         mixed_floor_ms=model.layers * H200_MOE_MIXED_US_PER_LAYER / 1000 if experts else 0.0,
         graph_tokens=_graph_tokens([*settings.colocated.extra_args, *settings.decode.extra_args]),
         decode_step_ms_per_seq=0.0,
-        max_num_seqs=settings.decode.max_num_seqs or 1024,
-        colocated_max_num_seqs=settings.colocated.max_num_seqs,
+        max_num_seqs=settings.decode.max_num_seqs or VLLM_GPU_DEFAULT_MAX_NUM_SEQS,
+        colocated_max_num_seqs=settings.colocated.max_num_seqs or VLLM_GPU_DEFAULT_MAX_NUM_SEQS,
         source=f"{what}, {how}; scaled by config.json{terms}",
         prefill_tp_factor=H200_PREFILL_TP_FACTOR, decode_tp_factor=H200_DECODE_TP_FACTOR,
         kv_read_tbps=hw.hbm_tbps * hw.kv_share, ttft_overhead_ms=H200_TTFT_OVERHEAD_MS,
@@ -599,6 +600,15 @@ def _chunk_extra(p: Profile, eng: _Engine, n: float, c: int, start: int) -> floa
     return extra
 
 
+def _prefill_fits(p: Profile, cand: Candidate, input_len: int) -> bool:
+    """Whether a disaggregated candidate's prefill instance holds its share of the weights and one prompt's KV."""
+    pre = cand.prefill
+    if pre is None:
+        return True
+    tokens = p.kv_tokens_per_gpu(pre.tp)
+    return tokens is None or tokens * pre.tp >= input_len
+
+
 def _prefill_side(p: Profile, cand: Candidate, eng: _Engine, input_len: int) -> tuple[float, float, float]:
     """A disaggregated candidate's prefill service per prompt, the hand-off's transfer after it, and the stall a
     joining request puts on the decode's step (ms)."""
@@ -673,6 +683,8 @@ def state(p: Profile, cand: Candidate, rate: float, input_len: int, output_len: 
     else:
         pre = cand.prefill
         assert pre is not None
+        if not _prefill_fits(p, cand, input_len):
+            return _saturated(capacity, "prefill memory")
         service, transfer, stall = _prefill_side(p, cand, eng, input_len)
         wait = _wait(rate / pre.instances * service / 1000, service)
         solved = _decode(r, output_len, base, per_seq, r * stall / 1000)
@@ -700,7 +712,7 @@ def finite_attainment(p: Profile, cand: Candidate, rate: float, input_len: int, 
     eng = _engine(p, cand, input_len, output_len)
     role = cand.colocated if cand.colocated is not None else cand.decode
     assert role is not None
-    if eng.capacity < 1:
+    if eng.capacity < 1 or not _prefill_fits(p, cand, input_len):
         return {j: 0.0 for j in JUDGEMENTS}
     instances = role.instances
     gaps = max(0, output_len - 1)
