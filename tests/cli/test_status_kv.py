@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.ports import free_port
+from tests.support.pdctl import set_fault
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,10 +126,7 @@ def test_status_asks_the_engines_figures_in_the_same_round_as_their_health(tmp_p
         _complete(proxy, 2, 2)
         before = json.loads(_pdctl(config, "status", "--json").stdout)
         prefill = next(i["url"] for i in before["instances"] if i["name"] == "prefill-0")
-        fault = urllib.request.Request(prefill + "/sim/fault", json.dumps({"health_waits_for_metrics": True}).encode(),
-                                       {"Content-Type": "application/json"})
-        with urllib.request.urlopen(fault, timeout=10) as answer:
-            assert json.loads(answer.read())["health_waits_for_metrics"] is True
+        assert set_fault(prefill, health_waits_for_metrics=True)["health_waits_for_metrics"] is True
         status = _pdctl(config, "status", "--json")
         doc = {i["name"]: i for i in json.loads(status.stdout)["instances"]}
         assert doc["prefill-0"]["health"] == "healthy", status.stdout
