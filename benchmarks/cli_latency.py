@@ -9,11 +9,15 @@ median CPU time (user + system) the command used, which other jobs on a shared m
 takes the deployment down. With `--config` it measures the node that file deploys and leaves it running.
 `--against TREE` also times another source tree of pdctl (e.g. `git archive main | tar -x -C /tmp/base`) on the
 same deployment, its runs interleaved with this tree's so that both see the same load on a shared machine.
+`pdctl status --json (in process)` is what one status costs once Python and pdctl are loaded: the command run
+again in a process that already ran it (its asking of the manager, the engines and the proxy, and the document):
+on a loaded machine the fresh processes' wall time is mostly the run queue's, which hides a change there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -36,6 +40,44 @@ def _pdctl(config: Path, args: list[str], env: dict[str, str], tree: Path = ROOT
     # `python -m appliance` from `tree`: what the `pdctl` console script runs, for either source tree
     return subprocess.run([sys.executable, "-m", "appliance", "--config", str(config), *args], capture_output=True,
                           text=True, env=dict(env, PYTHONPATH=str(tree)), cwd=tree, timeout=120)
+
+
+# Runs `pdctl status --json` once (loading everything), then times `runs` more in the same process: wall and CPU.
+_IN_PROCESS = """
+import contextlib, io, json, sys, time
+from appliance.cli.main import main
+runs = int(sys.argv.pop(1))
+def once():
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(sys.argv[1:])
+        except SystemExit:
+            pass
+once()
+out = []
+for _ in range(runs):
+    start, cpu = time.perf_counter(), time.process_time()
+    once()
+    out.append((time.perf_counter() - start, time.process_time() - cpu))
+print(json.dumps(out))
+"""
+
+
+def in_process(config: Path, runs: int, env: dict[str, str], trees: dict[str, Path]) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds of `pdctl status --json` run again in a process that has run it, per tree; the trees
+    take turns, 5 runs at a time."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for _ in range(0, runs, 5):
+        for label, tree in trees.items():
+            done = subprocess.run([sys.executable, "-c", _IN_PROCESS, "5", "--config", str(config), "status", "--json"],
+                                  capture_output=True, text=True, env=dict(env, PYTHONPATH=str(tree)), cwd=tree,
+                                  timeout=300)
+            if done.returncode != 0:
+                raise SystemExit(f"status in process ({tree}) exited {done.returncode}: {done.stderr.strip()}")
+            name = "pdctl status --json (in process)"
+            out.setdefault(f"{name} [{label}]" if len(trees) > 1 else name, []).extend(
+                (wall, cpu) for wall, cpu in json.loads(done.stdout))
+    return out
 
 
 def _children_cpu() -> float:
@@ -83,16 +125,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"pdctl up failed: {up.stdout}{up.stderr}")
         try:
             trees = {"this": ROOT, **({"against": args.against.resolve()} if args.against else {})}
-            figures = measure(config, args.runs, env, trees)
+            figures = measure(config, args.runs, env, trees) | in_process(config, args.runs, env, trees)
         finally:
             if args.config is None:
                 _pdctl(config, ["down"], env)
-    print(f"{'command':<32} {'median':>7} {'min':>7} {'max':>7} {'CPU':>7}  (seconds, {args.runs} runs, "
+    width = max(len(name) for name in figures)
+    print(f"{'command':<{width}} {'median':>7} {'min':>7} {'max':>7} {'CPU':>7}  (seconds, {args.runs} runs, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})")
     for name, runs in figures.items():
         wall = [w for w, _ in runs]
         cpu = statistics.median(c for _, c in runs)
-        print(f"{name:<32} {statistics.median(wall):7.3f} {min(wall):7.3f} {max(wall):7.3f} {cpu:7.3f}")
+        print(f"{name:<{width}} {statistics.median(wall):7.3f} {min(wall):7.3f} {max(wall):7.3f} {cpu:7.3f}")
     return 0
 
 

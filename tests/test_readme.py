@@ -45,3 +45,11 @@ def test_the_readme_says_what_replaces_systemctl_under_supervisord() -> None:
     using = README.split("## Using it", 1)[1].split("###", 1)[0]
     assert "systemd only" in using and "System has not been booted with systemd" in using
     assert "under supervisord use `pdctl restart`" in " ".join(using.split())
+
+
+def test_the_readme_explains_cached_tokens_in_each_mode() -> None:
+    # issue 27: in WRITE mode cached_tokens equals the whole prompt even for 11 tokens, which the README did not
+    # explain; the behaviour itself is checked on real vLLM (tests/engine/test_pdctl_vllm_e2e.py, write mode)
+    said = " ".join(README.split("`usage.prompt_tokens_details.cached_tokens`", 1)[1].split("\n\n", 1)[0].split())
+    assert "In READ mode" in said and "whole blocks" in said and "reports `cached_tokens` 0" in said
+    assert "In WRITE mode" in said and "`cached_tokens` equals `prompt_tokens` however short the prompt" in said

@@ -110,19 +110,24 @@ def proxy_counters(plan: Plan) -> dict[str, Any] | None:
     return out
 
 
-def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, inventory: Inventory) -> dict[str, Any]:
-    """The `pdctl status --json` document (see the module docstring)."""
+def ask_node(plan: Plan, manager: ServiceManager) -> tuple[Snapshot, dict[str, Any]]:
+    """The node's snapshot and each healthy engine's KV transfer figures (where its connector publishes them),
+    asked in one round: on a CPU-starved node (vLLM's idle NIXL engines keep a core each busy) every further
+    round trip to an engine's API server is another wait in its run queue."""
+    connector = get_connector(plan.connector)
+    with ThreadPoolExecutor(max_workers=len(plan.instances)) as pool:
+        figures = {i.name: pool.submit(connector.transfer_figures, i.url) for i in plan.instances}
+        snap = snapshot(plan, manager)
+    # an engine that is not healthy (or a process squatting a stopped one's port) has no figures to show
+    return snap, {name: future.result() for name, future in figures.items() if snap.health.get(name)}
+
+
+def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, inventory: Inventory,
+                    kv: dict[str, Any]) -> dict[str, Any]:
+    """The `pdctl status --json` document (see the module docstring); `kv`: each engine's KV transfer figures."""
     now = time.time()
     restarts = manager.restart_counts()
     instances = []
-    # the engines' own KV transfer figures, where their connector publishes them: every engine asked at once
-    connector = get_connector(plan.connector)
-    asked = [i for i in plan.instances if snap.health.get(i.name)]
-    kv: dict[str, Any] = {}
-    if asked:
-        with ThreadPoolExecutor(max_workers=len(asked)) as pool:
-            kv = dict(zip([i.name for i in asked], pool.map(lambda i: connector.transfer_figures(i.url), asked),
-                          strict=True))
     for inst in plan.instances:
         st = snap.units[instance_unit(inst)]
         instances.append({
@@ -333,8 +338,8 @@ def _status(ctx: click.Context, as_json: bool, manager: str | None, gpus: Future
         if config_error:
             raise config_error from None
         raise
-    snap = snapshot(plan, mgr)
-    doc = status_document(plan, mgr, snap, gpus.result())
+    snap, kv = ask_node(plan, mgr)
+    doc = status_document(plan, mgr, snap, gpus.result(), kv)
     doc["config_error"] = str(config_error) if config_error else None
     if as_json:
         click.echo(json.dumps(doc, indent=2))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.ports import free_port
+from tests.support.pdctl import set_fault
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,4 +110,27 @@ def test_status_warns_when_cross_layer_blocks_were_asked_but_descriptors_are_per
         assert len(lines) == 1 and "VLLM_USE_V2_MODEL_RUNNER=0" in lines[0], text.stdout
     finally:
         down = _pdctl(config, "down", env=env)
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
+def test_status_asks_the_engines_figures_in_the_same_round_as_their_health(tmp_path: Path) -> None:
+    """An engine's /metrics is asked beside its /health, not after it: on a CPU-starved node each round trip to
+    a vLLM API server costs its own wait. The prefill's /health here answers only once its /metrics was asked
+    (the simulated engine's health_waits_for_metrics fault): a status that asks in turn sees it unhealthy."""
+    proxy = free_port()
+    config = tmp_path / "pdctl.toml"
+    config.write_text(_nixl_settings(tmp_path, proxy, '[engine]\nkind = "sim"\n', 'mode = "write"\n'))
+    up = _pdctl(config, "up")
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        _complete(proxy, 2, 2)
+        before = json.loads(_pdctl(config, "status", "--json").stdout)
+        prefill = next(i["url"] for i in before["instances"] if i["name"] == "prefill-0")
+        assert set_fault(prefill, health_waits_for_metrics=True)["health_waits_for_metrics"] is True
+        status = _pdctl(config, "status", "--json")
+        doc = {i["name"]: i for i in json.loads(status.stdout)["instances"]}
+        assert doc["prefill-0"]["health"] == "healthy", status.stdout
+        assert doc["prefill-0"]["kv_transfer"]["transfers"] == 2, doc["prefill-0"]
+    finally:
+        down = _pdctl(config, "down")
     assert down.returncode == 0, down.stdout + down.stderr

@@ -110,9 +110,16 @@ def try_complete(proxy_url: str) -> dict[str, Any] | None:
         return None
 
 
-def crash_on_next_token(engine_url: str) -> None:
-    """Make a simulated engine exit with status 1 at its next generated token (its POST /sim/fault)."""
-    body = json.dumps({"crash_after_tokens": 1}).encode()
+def set_fault(engine_url: str, **faults: Any) -> dict[str, Any]:
+    """Set faults of a simulated engine (its POST /sim/fault); the engine's faults as they now are."""
+    body = json.dumps(faults).encode()
     request = urllib.request.Request(engine_url + "/sim/fault", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200
+        now: dict[str, Any] = json.loads(response.read())
+    return now
+
+
+def crash_on_next_token(engine_url: str) -> None:
+    """Make a simulated engine exit with status 1 at its next generated token."""
+    set_fault(engine_url, crash_after_tokens=1)

@@ -78,8 +78,9 @@ def figures(now: dict[str, float], before: dict[str, float] | None = None) -> di
     }
 
 
-def engine_figures(url: str, timeout: float = 3.0) -> dict[str, Any] | None:
-    """The figures of the engine at `url` since it started, or None (no NIXL metrics, or no answer)."""
+def engine_figures(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    """The figures of the engine at `url` since it started, or None (no NIXL metrics, or no answer). `pdctl
+    status` asks them beside the engine's /health, so the wait is the health probe's: a hung engine costs one."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as response:
             text = response.read().decode()

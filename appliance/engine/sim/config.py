@@ -20,6 +20,9 @@ class FaultConfig(BaseModel):
     prefill_delay_s: float = Field(default=0.0, ge=0.0, description="Delay prefill requests.")
     prefill_fail: bool = Field(default=False, description="Prefill requests answer 500.")
     refuse_registration: bool = Field(default=False, description="MoRIIO: never register with the proxy.")
+    health_waits_for_metrics: bool = Field(
+        default=False, description="/health answers only once /metrics was asked since this was set (30 s at most, "
+                                   "then 503): a caller asking both at once sees it healthy, one asking in turn not.")
 
 
 class SimConfig(SimTimeModel):

@@ -202,6 +202,7 @@ class SimServer:
         self.failed_total = 0
         self.prompt_tokens_total = 0
         self._tokens_since_fault = 0
+        self._metrics_asked = asyncio.Event()  # the health_waits_for_metrics fault's gate
         self._runner: web.AppRunner | None = None
         self.ready = False
         self.registry = make_registry(self)
@@ -270,6 +271,11 @@ class SimServer:
 
     # ---- plain endpoints -------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
+        if self.cfg.faults.health_waits_for_metrics:
+            try:
+                await asyncio.wait_for(self._metrics_asked.wait(), 30)
+            except TimeoutError:
+                return web.Response(status=503)
         return web.Response(status=200 if self.ready else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -286,6 +292,7 @@ class SimServer:
         return web.json_response({"object": "list", "data": [card]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self._metrics_asked.set()
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -329,6 +336,8 @@ class SimServer:
             setattr(self.cfg.faults, name, value)
         if "crash_after_tokens" in body:
             self._tokens_since_fault = 0
+        if "health_waits_for_metrics" in body:
+            self._metrics_asked.clear()
         return web.json_response(self.cfg.faults.model_dump())
 
     # ---- completions -----------------------------------------------------------------------------
