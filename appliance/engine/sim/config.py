@@ -20,6 +20,7 @@ class FaultConfig(BaseModel):
     prefill_delay_s: float = Field(default=0.0, ge=0.0, description="Delay prefill requests.")
     prefill_fail: bool = Field(default=False, description="Prefill requests answer 500.")
     refuse_registration: bool = Field(default=False, description="MoRIIO: never register with the proxy.")
+    health_delay_s: float = Field(default=0.0, ge=0.0, description="Delay /health answers (a busy API server).")
 
 
 class SimConfig(SimTimeModel):

@@ -270,6 +270,9 @@ class SimServer:
 
     # ---- plain endpoints -------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
+        delay = self.cfg.faults.health_delay_s
+        if delay:
+            await asyncio.sleep(delay)
         return web.Response(status=200 if self.ready else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
