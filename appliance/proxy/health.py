@@ -113,11 +113,17 @@ class HealthChecker:
         result, ok = judge(answer, inst.healthy, inst.pool.last_rx >= started)
         if self.on_probe is not None:
             self.on_probe(inst.name, result)
-        if result == SERVING:
-            self._log_slow(inst)
-            return ok
+        if result == SERVING and not ok:
+            return False  # out of rotation, its legs still running: out until a probe passes
         if ok and self._listener_due(inst):
+            # after a slow probe too: a local process on a dead engine's port could otherwise stream on its legs,
+            # leave /health unanswered and never have its listener checked
             ok = self._listener_ok(inst)
+            if not ok:
+                result = "listener"
+        if result == SERVING and ok:
+            self._log_slow(inst)
+            return True
         if ok and not inst.healthy:
             log.info("%s (%s) is healthy", inst.name, inst.url)
         elif not ok and inst.healthy:

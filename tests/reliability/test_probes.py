@@ -171,3 +171,67 @@ def test_a_hung_or_killed_engine_is_still_ejected(tmp_path: Path, fault: str) ->
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
         node.stop()
+
+
+# a local process on a dead engine's port that streams like vLLM and leaves /health unanswered (run as nobody)
+SLOW_SQUATTER = r"""
+import http.server, sys, time
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        if self.path == "/health":
+            time.sleep(30)
+        self.send_response(404); self.send_header("Content-Length", "0"); self.end_headers()
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked"); self.end_headers()
+        for event in [b'data: {"choices": [{"index": 0, "text": "SQUATTER"}]}\n\n'] * 40 + [b"data: [DONE]\n\n"]:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event)); self.wfile.flush(); time.sleep(0.05)
+        self.wfile.write(b"0\r\n\r\n")
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starts the squatter as another user (needs root)")
+def test_a_squatter_that_streams_and_stalls_its_probes_is_still_checked(tmp_path: Path) -> None:
+    """The listener check (who owns the instance's port) ran only after a probe answered 200: a local process that
+    took a dead engine's port between two probes, streamed on the legs sent to it and left /health unanswered
+    would have its slow probes read as a busy engine, and get every client's prompts. A slow probe runs the
+    check too: it is ejected at its first probe, as one that answers /health is."""
+    node = Node(tmp_path)
+    try:
+        url = node.engine("both-0", "both", "none", *ENGINE)
+        port = int(url.rsplit(":", 1)[1])
+        # probes far apart: the engine dies and the squatter binds between two of them
+        node.proxy("none", [{"name": "both-0", "role": "both", "url": url}], timeouts=TIMEOUTS,
+                   health={"probe_interval_s": 8.0, "probe_timeout_s": 1.0, "listener_check_interval_s": 0.1})
+        _wait_health(node, "both-0", True)
+        probed = _probes(node, "both-0", "ok")
+        deadline = time.monotonic() + 30
+        while _probes(node, "both-0", "ok") == probed:  # a probe just passed: the next one is 8 s away
+            assert time.monotonic() < deadline, "no periodic probe"
+            time.sleep(0.02)
+        next(p for p in node.procs if p.name == "both-0").kill()
+        squatter = node.start("squatter", ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                                           "/usr/bin/python3", "-c", SLOW_SQUATTER, str(port)])
+        node.wait_http(squatter, url + "/v1/models", ready=False)  # it answers (404) once it listens
+
+        async def canaries() -> list[bytes]:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                answers = []
+                until = time.monotonic() + 30  # three probe cycles and more
+                while _healthy(node)["both-0"] and time.monotonic() < until:
+                    answers.append((await post(node.proxy_url, "/v1/completions", STREAM, session=session))[1])
+                return answers
+
+        answers = asyncio.run(canaries())
+        assert not _healthy(node)["both-0"], f"the squatter kept serving: {len(answers)} canaries"
+        assert any(b"SQUATTER" in a for a in answers)  # it did take the port between two probes
+        assert _probes(node, "both-0", "unreachable") == 0  # no probe came while the port was free
+        out = next(p for p in node.procs if p.name == "proxy").output()
+        assert "foreign_owner" in out and "(listener): ejected" in out, out[-2000:]
+    finally:
+        node.stop()
