@@ -1,5 +1,11 @@
 """Instance health: active /health probes (with a check of who owns the listener) and passive failure counting
-from the legs; an instance that fails either is out of rotation until a probe passes."""
+from the legs; an instance that fails either is out of rotation until a probe passes.
+
+A probe that gets no answer within probe_timeout_s ejects the instance only when nothing came from it on any
+connection (its legs' streams and answers) while the probe waited: an engine that sends tokens is serving, its
+/health is slow because its API server is busy; a hung one (stopped, deadlocked) sends nothing. A refused or
+reset connection, a broken answer and any answer but 200 eject at once (docs/threat-model.md: the ejection rule).
+"""
 
 from __future__ import annotations
 
@@ -18,21 +24,42 @@ from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.upstream import UpstreamError
 
 log = logging.getLogger("appliance.proxy.health")
-LOG_EVERY_S = 10.0  # a listener kept out of rotation: one log line per instance per this interval
+LOG_EVERY_S = 10.0  # a listener kept out of rotation, a slow probe: one log line per instance per this interval
+
+# What a probe found: its pdctl_proxy_health_probes_total result
+OK = "ok"  # answered 200
+FAILED = "failed"  # answered, not 200 (vLLM: 503 while it loads, 500 once its engine core died)
+UNREACHABLE = "unreachable"  # connection refused or reset, or a broken answer
+TIMEOUT = "timeout"  # no answer within probe_timeout_s, and nothing from the instance on any connection meanwhile
+SERVING = "timeout_while_serving"  # no answer within probe_timeout_s, but bytes came from it meanwhile
+
+
+def judge(answer: str, healthy: bool, served: bool) -> tuple[str, bool]:
+    """A probe's result and whether the instance is healthy after it, from its answer (OK, FAILED, UNREACHABLE
+    or TIMEOUT), whether it was healthy before, and whether bytes came from it while the probe waited.
+
+    Bytes are evidence of life, not of health: they keep an instance in rotation through a slow probe, and never
+    put one back (that takes a probe answered 200, and the listener check)."""
+    if answer == TIMEOUT and served:
+        return SERVING, healthy
+    return answer, answer == OK
 
 
 class HealthChecker:
     """Active /health probes every probe_interval_s; passive failure counting from the legs."""
 
     def __init__(self, registry: InstanceRegistry, config: HealthConfig,
-                 on_listener: Callable[[str], None] | None = None) -> None:
+                 on_listener: Callable[[str], None] | None = None,
+                 on_probe: Callable[[str, str], None] | None = None) -> None:
         self.registry = registry
         self.config = config
         self.on_listener = on_listener
+        self.on_probe = on_probe  # (instance name, result) of every probe that answers for itself
         self.engine_uid = os.geteuid() if config.engine_uid is None else config.engine_uid
         self._local = frozenset(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs)
         self._listener_checked: dict[str, float] = {}  # per instance: when its listener's owner was last seen right
         self._listener_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, refusals since
+        self._slow_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, slow probes since
         self._task: asyncio.Task[None] | None = None
         self._probing: set[str] = set()
         self._started: dict[str, int] = {}  # per instance name: the last probe started, and answered
@@ -65,7 +92,8 @@ class HealthChecker:
             await asyncio.sleep(self.config.probe_interval_s)
 
     async def probe(self, inst: BackendState, fresh: bool = False) -> bool:
-        """GET /health on the instance; healthy iff 200. Updates the instance.
+        """GET /health on the instance and update it (judge: healthy iff 200, or no answer in time while it
+        served); whether it is healthy now.
 
         A probe already running for it answers for this one too, unless `fresh`: then the answer is always
         from a probe started now (one that began before the instance came back would say it is down).
@@ -74,19 +102,32 @@ class HealthChecker:
             return inst.healthy
         self._probing.add(inst.name)
         seq = self._started[inst.name] = self._started.get(inst.name, 0) + 1
+        started = time.monotonic()
         try:
-            ok = await self._get_health(inst)
+            answer = await self._get_health(inst)
         finally:
             self._probing.discard(inst.name)
         if seq < self._answered.get(inst.name, 0):
             return inst.healthy  # a probe started after this one has answered already: its word stands
         self._answered[inst.name] = seq
+        result, ok = judge(answer, inst.healthy, inst.pool.last_rx >= started)
+        if self.on_probe is not None:
+            self.on_probe(inst.name, result)
+        if result == SERVING and not ok:
+            return False  # out of rotation, its legs still running: out until a probe passes
         if ok and self._listener_due(inst):
+            # after a slow probe too: a local process on a dead engine's port could otherwise stream on its legs,
+            # leave /health unanswered and never have its listener checked
             ok = self._listener_ok(inst)
+            if not ok:
+                result = "listener"
+        if result == SERVING and ok:
+            self._log_slow(inst)
+            return True
         if ok and not inst.healthy:
             log.info("%s (%s) is healthy", inst.name, inst.url)
         elif not ok and inst.healthy:
-            log.warning("%s (%s) failed its health probe: ejected", inst.name, inst.url)
+            log.warning("%s (%s) failed its health probe (%s): ejected", inst.name, inst.url, result)
         inst.healthy = ok
         if ok:
             inst.failures = 0
@@ -94,6 +135,16 @@ class HealthChecker:
         else:
             inst.failed_probes += 1
         return ok
+
+    def _log_slow(self, inst: BackendState) -> None:
+        now = time.monotonic()
+        last, since = self._slow_logged.get(inst.name, (0.0, 0))
+        if now - last >= LOG_EVERY_S:
+            log.warning("%s (%s) did not answer /health within %gs but is sending data: busy, not hung; kept in "
+                        "rotation (%d more since)", inst.name, inst.url, self.config.probe_timeout_s, since)
+            self._slow_logged[inst.name] = (now, 0)
+        else:
+            self._slow_logged[inst.name] = (last, since + 1)
 
     def _listener_due(self, inst: BackendState) -> bool:
         # always before (re)admission; while healthy, sampled: a squatter needs the engine dead first, and a dead
@@ -128,20 +179,25 @@ class HealthChecker:
             self._listener_logged[inst.name] = (last, since + 1)
         return result == listeners.UNVERIFIABLE
 
-    async def _get_health(self, inst: BackendState) -> bool:
+    async def _get_health(self, inst: BackendState) -> str:
+        """GET /health: OK, FAILED, UNREACHABLE or TIMEOUT (no head, or then no whole answer, within probe_timeout_s;
+        connecting, when no idle connection is there, is bounded by the pool's connect timeout)."""
         timeout = self.config.probe_timeout_s
         try:
             conn, head = await inst.pool.open("GET", "/health", (), b"", collect=True, head_timeout=timeout)
-        except UpstreamError:
-            return False
+        except UpstreamError as exc:
+            return TIMEOUT if exc.timed_out else UNREACHABLE
         assert conn.done_fut is not None
         try:
             await asyncio.wait_for(asyncio.shield(conn.done_fut), timeout)
-        except (UpstreamError, asyncio.TimeoutError):
+        except asyncio.TimeoutError:
             conn.abort()
-            return False
+            return TIMEOUT
+        except UpstreamError as exc:
+            conn.abort()
+            return TIMEOUT if exc.timed_out else UNREACHABLE
         inst.pool.release(conn)
-        return head.status == 200
+        return OK if head.status == 200 else FAILED
 
     def leg_failed(self, inst: BackendState) -> None:
         """Passive check: count a failed leg; eject after fail_threshold in a row."""

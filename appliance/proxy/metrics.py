@@ -99,6 +99,13 @@ class ProxyMetrics:
             "pdctl_proxy_listener_checks", "Checks of who owns an instance's listening socket, by result", ["result"],
             registry=self.registry,
         )
+        self.health_probes = Counter(
+            "pdctl_proxy_health_probes",
+            "Health probes by instance and result: ok, failed (answered, not 200), unreachable (refused, reset, a "
+            "broken answer), timeout (no answer and no data from the instance: ejected), timeout_while_serving (no "
+            "answer, but data came on its legs meanwhile: kept in rotation)", ["instance", "result"],
+            registry=self.registry,
+        )
         self.client_aborts = Counter(
             "pdctl_proxy_client_aborts",
             "Requests the client abandoned (legs aborted), by when: body (while sending it), answer (before the "

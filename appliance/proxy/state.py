@@ -31,7 +31,8 @@ class ProxyState:
         self.metrics = ProxyMetrics(lambda: self.registry, lambda: self.router.policy.prefix_tokens())
         self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
         self.health = HealthChecker(self.registry, config.health,
-                                    on_listener=lambda result: self.metrics.listener_checks.labels(result).inc())
+                                    on_listener=lambda result: self.metrics.listener_checks.labels(result).inc(),
+                                    on_probe=lambda name, result: self.metrics.health_probes.labels(name, result).inc())
         rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at)
         self.router = Router(self.registry, POLICIES[config.routing].from_config(config), lambda: self.mode,
                              self.connector, rules, config.block_size)

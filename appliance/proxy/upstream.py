@@ -25,9 +25,10 @@ _LOW_WATER = 1 << 18
 class UpstreamError(Exception):
     """An engine leg failed at the transport level; `reason` is connect|timeout|reset|protocol."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, timed_out: bool = False) -> None:
         super().__init__(message)
         self.reason = reason
+        self.timed_out = timed_out or reason == "timeout"  # no answer in time, as opposed to refused or broken
 
 
 class Head:
@@ -150,6 +151,7 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         now = _monotonic()
+        self.pool.last_rx = now
         if self._state != _CHUNKED or self._collect is not None:
             self.last_rx = now
             self._received_other(data)
@@ -514,6 +516,8 @@ class UpstreamPool:
         self.max_idle = max_idle
         self._idle: list[Connection] = []
         self._closed = False
+        # when any connection of this pool last received bytes (monotonic): the engine is serving (health.py)
+        self.last_rx = 0.0
 
     async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
@@ -523,7 +527,7 @@ class UpstreamPool:
                 self.connect_timeout,
             )
         except asyncio.TimeoutError:
-            raise UpstreamError("connect", f"connecting to {self.address} timed out") from None
+            raise UpstreamError("connect", f"connecting to {self.address} timed out", timed_out=True) from None
         except OSError as exc:
             raise UpstreamError("connect", f"cannot connect to {self.address}: {exc.strerror or exc}") from None
         return conn

@@ -16,6 +16,7 @@ from appliance.connector.moriio.registration import (
     normalize_registration,
 )
 from appliance.proxy.config import Backend, ProxyConfig, Routing
+from appliance.proxy.health import FAILED, OK, SERVING, TIMEOUT, UNREACHABLE, judge
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import POLICIES, RequestFacts
 from appliance.proxy.policies.conditional import REASONS, RouteFacts, Rules, decide
@@ -335,3 +336,23 @@ def test_a_route_decided_decode_only_books_only_the_decode_and_says_so() -> None
         assert (route.name, route.prefill, prefill.routed, decode.routed) == ("decode-only", None, 0, 1)
         assert route.header() == "decode-only; decode=decode-0"
     assert (prefill.routed, decode.routed) == (0, 0)
+
+
+# (answer, bytes came while it waited) -> (result, healthy after) for an instance in rotation, and out of it
+PROBE_VERDICTS = [
+    (OK, False, (OK, True), (OK, True)),
+    (OK, True, (OK, True), (OK, True)),
+    (FAILED, False, (FAILED, False), (FAILED, False)),
+    (FAILED, True, (FAILED, False), (FAILED, False)),  # vLLM's 500 once its engine died: out, whatever streamed
+    (UNREACHABLE, False, (UNREACHABLE, False), (UNREACHABLE, False)),
+    (UNREACHABLE, True, (UNREACHABLE, False), (UNREACHABLE, False)),  # refused or reset: out at once
+    (TIMEOUT, False, (TIMEOUT, False), (TIMEOUT, False)),  # hung: silent everywhere
+    (TIMEOUT, True, (SERVING, True), (SERVING, False)),  # busy: stays in, and bytes never put one back
+]
+
+
+@pytest.mark.parametrize(("answer", "served", "in_rotation", "out_of_rotation"), PROBE_VERDICTS)
+def test_a_probe_ejects_on_its_answer_and_on_a_timeout_only_when_nothing_came(
+        answer: str, served: bool, in_rotation: tuple[str, bool], out_of_rotation: tuple[str, bool]) -> None:
+    assert judge(answer, True, served) == in_rotation
+    assert judge(answer, False, served) == out_of_rotation

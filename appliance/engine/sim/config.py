@@ -23,6 +23,7 @@ class FaultConfig(BaseModel):
     health_waits_for_metrics: bool = Field(
         default=False, description="/health answers only once /metrics was asked since this was set (30 s at most, "
                                    "then 503): a caller asking both at once sees it healthy, one asking in turn not.")
+    health_delay_s: float = Field(default=0.0, ge=0.0, description="Delay /health answers (a busy API server).")
 
 
 class SimConfig(SimTimeModel):

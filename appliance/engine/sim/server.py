@@ -276,6 +276,9 @@ class SimServer:
                 await asyncio.wait_for(self._metrics_asked.wait(), 30)
             except TimeoutError:
                 return web.Response(status=503)
+        delay = self.cfg.faults.health_delay_s
+        if delay:
+            await asyncio.sleep(delay)
         return web.Response(status=200 if self.ready else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
