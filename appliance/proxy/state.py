@@ -32,7 +32,7 @@ class ProxyState:
         self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
         self.health = HealthChecker(self.registry, config.health,
                                     on_listener=lambda result: self.metrics.listener_checks.labels(result).inc())
-        rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at)
+        rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at, config.decode_only_window_ms / 1000)
         self.router = Router(self.registry, POLICIES[config.routing].from_config(config), lambda: self.mode,
                              self.connector, rules, config.block_size)
         self.planned = PlannedStops(self.registry, self.health)
