@@ -95,10 +95,11 @@ class Router:
         return self.policy.pick(role, candidates, request)
 
     def facts(self, request: RequestFacts, prefill: BackendState, decode: BackendState,
-              recent_tokens: int = 0) -> RouteFacts:
+              recent_tokens: int) -> RouteFacts:
         """What the conditional decision reads of `request` on these instances: the prompt's length where the body
         settles it (token ids) or bounds it (a text prompt), and whether the connector can hand it over as far
-        as the body tells (a text prompt over the bound is counted later, by legs.py)."""
+        as the body tells (a text prompt over the bound is counted later, by legs.py); `recent_tokens`: what the
+        decode was sent to prefill itself over the last window."""
         path, body = request.path, request.body
         tokens = bound = None
         if self.rules.decode_only_below or self.block_size is not None:  # else no rule reads the length
@@ -134,14 +135,17 @@ class Router:
         decode = self.pick("decode", request)
         if prefill is None or decode is None:
             raise Unroutable(tuple(r for r, i in (("prefill", prefill), ("decode", decode)) if i is None))
-        window = self._windows.get(decode) or self._windows.setdefault(decode, PrefillWindow())
-        now = time.monotonic()
-        facts = self.facts(request, prefill, decode, window.recent(now, self.rules.window_s))
+        window, now = None, 0.0
+        if self.rules.decode_only_below:  # else no rule reads the window
+            window = self._windows.get(decode) or self._windows.setdefault(decode, PrefillWindow())
+            now = time.monotonic()
+        facts = self.facts(request, prefill, decode, window.recent(now, self.rules.window_s) if window else 0)
         name, reason = decide(facts, self.rules)
         if name == "decode-only":
-            # every prompt the decode prefills counts, whatever the rule that sent it there (a chat prompt's
-            # length is unknown: not counted)
-            window.add(now, uncached(facts) or 0)
+            if window is not None:
+                # every prompt the decode prefills counts, whatever the rule that sent it there (a chat prompt's
+                # length is unknown: not counted)
+                window.add(now, uncached(facts) or 0)
             return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason)
         # Both instances count the request until it ends: the decode leg starts only after the prefill leg in
         # READ mode, and a drain of the decode instance in between must wait for it rather than let it be
