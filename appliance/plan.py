@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
+from statistics import NormalDist
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -40,6 +41,14 @@ from appliance.settings import EMBEDDED_MODEL, EngineKind, Settings, deep_merge,
 from appliance.statedir import StateDir
 
 SCHEMA_VERSION: Literal[2] = 2
+# A slow step's length varies around the modelled one (chunks of two prompts in one step, contexts, the GPU's
+# own variation): in results/gpu-h200x1/s4 (Qwen3-8B, 3000/300, 1 x H200) the chunk steps' gaps had p90 / p50
+# of 1.10-1.23 at budget 2048 (3, 4.5 and 7 req/s: lognormal sigma 0.07-0.15, median 43-50 ms where the model
+# gives 47.6) and 1.13-1.23 at budget 512 (sigma 0.10-0.16): 0.1.
+SLOW_GAP_SPREAD = 0.1
+# The share of a running stream's gaps that may be slow: numpy's p99 of a 100-token answer's 99 gaps lets one
+# of them pass the target (docs/bench.md), so a decode step carrying a short prompt may be over it this often.
+SLOW_STEP_SHARE = 0.01
 
 
 class Frozen(BaseModel):
@@ -562,7 +571,7 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         threshold = decode_only_below(sim.decode_step_ms + sim.decode_step_ms_per_seq, sim.prefill_us_per_token,
                                       settings.slo.itl_ms)
     from_plan = {
-        "decode_only_below": threshold,
+        "decode_only_below": threshold, "decode_only_window_ms": settings.slo.itl_ms,
         "mode": mode, "connector": connector, "model": served_name, "block_size": block_size,
         "max_model_len": settings.model.max_model_len,
         "registration": {"enabled": get_connector(connector).registers_with_proxy},
@@ -579,11 +588,14 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
 
 def decode_only_below(step_ms: float, prefill_us_per_token: float, itl_slo_ms: float) -> int:
     """The prompt length below which a decode instance prefills a prompt itself (conditional disaggregation): the
-    longest prompt whose compute, in one decode step of `step_ms`, keeps that step within the ITL target. Such a
-    prompt slows the running streams' one gap less than the target allows, and saves its request the hand-off."""
+    longest prompt whose compute, in one decode step of `step_ms`, keeps that step under the ITL target in all
+    but SLOW_STEP_SHARE of such steps (their lengths spread by SLOW_GAP_SPREAD). The proxy sends a decode fewer
+    than this many such tokens per ITL target, so no step carries two; then even a stream whose every step
+    carried one would see about the 1 % of slow gaps its p99 tolerates, and the request saves the hand-off."""
+    longest = itl_slo_ms * math.exp(-NormalDist().inv_cdf(1 - SLOW_STEP_SHARE) * SLOW_GAP_SPREAD)
     if prefill_us_per_token <= 0:
-        return 0 if step_ms > itl_slo_ms else 1_000_000  # free prefill: every prompt, unless no step fits
-    return max(0, math.floor((itl_slo_ms - step_ms) * 1000 / prefill_us_per_token))
+        return 0 if step_ms > longest else 1_000_000  # free prefill: every prompt, unless no step fits
+    return max(0, math.floor((longest - step_ms) * 1000 / prefill_us_per_token))
 
 
 def backends(instances: list[Instance]) -> list[Backend]:

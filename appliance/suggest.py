@@ -56,7 +56,7 @@ from appliance.connector import disaggregated_name, get_connector, resolve_name
 from appliance.errors import PdctlError
 from appliance.inventory.models import Inventory
 from appliance.model_config import Heads, ModelShape, experts_touched
-from appliance.plan import _usable, decode_only_below, plan, platform_of
+from appliance.plan import SLOW_GAP_SPREAD, SLOW_STEP_SHARE, _usable, decode_only_below, plan, platform_of
 from appliance.settings import EMBEDDED_MODEL, Settings
 
 TP_SIZES = (1, 2, 4, 8)
@@ -149,11 +149,6 @@ H200_MOE_CHUNK_OVERLAP = 0.15
 # at p50 of the gaps over 2.5x the median), the chunk's own cost: the floor is eager execution above the
 # largest captured graph, and applies only to steps larger than it.
 H200_MOE_MIXED_US_PER_LAYER = 1670.0
-# A slow step's length varies around the modelled one (chunks of two prompts in one step, contexts, the GPU's
-# own variation): in results/gpu-h200x1/s4 (Qwen3-8B, 3000/300, 1 x H200) the chunk steps' gaps had p90 / p50
-# of 1.10-1.23 at budget 2048 (3, 4.5 and 7 req/s: lognormal sigma 0.07-0.15, median 43-50 ms where the model
-# gives 47.6) and 1.13-1.23 at budget 512 (sigma 0.10-0.16): 0.1.
-SLOW_GAP_SPREAD = 0.1
 VLLM_CUDAGRAPH_MAX_TOKENS = 512  # vLLM 0.24's largest captured CUDA graph (tokens per step) on these runs
 # KV cache: vLLM's budget is GPU memory x gpu_memory_utilization - weights; activations and CUDA graphs come
 # out of the rest. This gives 267,626 tokens per H200 at TP1; vLLM reported 269,312 (README, 2000/1000 runs).
@@ -490,7 +485,7 @@ def _itl_attainment(judgement: str, gap: float, slows: list[float], q: float, ou
         return 0.0
     # The slow steps are not all alike (chunks of two prompts, contexts, the GPU's own variation): the share of
     # them over the target, each one's length lognormal around the modelled one
-    over = sum(0.5 * math.erfc(math.log(slo_ms / x) / SLOW_GAP_SPREAD / math.sqrt(2)) for x in slows if x > 0) / len(slows)
+    over = sum(runsim.over_target(x, slo_ms, SLOW_GAP_SPREAD) for x in slows) / len(slows)
     slow = max(slows)
     if over < 1e-4:
         return 1.0
@@ -753,7 +748,8 @@ def conditional_threshold(p: Profile, decode_tp: int, itl_slo_ms: float) -> tupl
     per_token = p.prefill_us_per_token / _eff(decode_tp, p.prefill_tp_factor)
     tokens = decode_only_below(step, per_token, itl_slo_ms)
     return tokens, (f"a prompt below it, prefilled in one decode step ({step:.1f} ms + {per_token:.1f} us per token at "
-                    f"TP{decode_tp}), keeps that step within the ITL target ({itl_slo_ms:g} ms)")
+                    f"TP{decode_tp}), keeps that step under the ITL target ({itl_slo_ms:g} ms) in "
+                    f"{1 - SLOW_STEP_SHARE:.0%} of such steps; the proxy sends a decode fewer such tokens per target")
 
 
 def _meets(s: State, judgement: str, ttft_slo_ms: float, target: float) -> bool:

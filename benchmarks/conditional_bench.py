@@ -1,15 +1,18 @@
 """Goodput of always-disaggregated, colocated and conditionally disaggregated deployments on simulated engines,
-on a mixed workload (short and long prompts), with `pdctl bench --compare` (real proxy, real sockets, engines
-that follow a time model: results/conditional/sim.toml, the advisor's H200 profile).
+on a mixed workload (short and long prompts), with one `pdctl bench --compare` run of the three shapes (real
+proxy, real sockets, engines that follow a time model: results/conditional/sim.toml, the advisor's H200 profile).
 
     python benchmarks/conditional_bench.py [--config results/conditional/sim.toml] [--inventory sim:h200-2]
         [--rates 2,4,6,8,10,12] [-n 60] [--seed 0] [--input-len 2000] [--output-len 100]
         [--colocated colocated-2-mbt256] [--out results/conditional]
 
-Runs two comparisons: the disaggregated split and the tuned colocated shape as the settings are (conditional
-routing off), then the same split with `[proxy] conditional_routing = true` (the planner's decode_only_below).
-Prints each one's goodput under every ITL judgement, and for the conditional run the routes its requests took
-(the proxy's x-pdctl-route header as bench.json records it) and the TTFT and ITL p99 per route at every rate.
+Shapes: `disagg-read` (every prompt handed over), `disagg-read-conditional` (the same split, `[proxy]
+conditional_routing = true`: the planner's decode_only_below) and the tuned colocated shape. While it runs, the
+engines' and the proxy's /metrics are sampled every half second (the deployed plan.json names them), so each
+rate's figures can be explained by the engines' own: requests running and waiting, decode steps and how many
+of them carried a prefill, and the proxy's routes by reason. Prints each shape's goodput under every ITL
+judgement, then per shape and rate: routes, slow gaps and the engines' figures; writes engines.jsonl (the
+samples) next to bench.json.
 """
 
 from __future__ import annotations
@@ -21,29 +24,88 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import tomllib
 
-def _compare(args: argparse.Namespace, shapes: str, out: Path, env: dict[str, str]) -> dict[str, Any]:
-    """One `pdctl bench --compare` run; its bench.json."""
-    command = [sys.executable, "-m", "appliance", "--config", args.config, "bench", "--compare", "--deploy",
-               "processes", "--inventory", args.inventory, "--shapes", shapes, "--workload", "mixed-lengths",
-               "--rates", args.rates, "-n", str(args.n), "--lifetimes", "0", "--stop-on", "none",
-               "--seed", str(args.seed), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-               "--no-plots", "--out", str(out)]
-    print("$", " ".join(command[2:]), flush=True)
-    subprocess.run(command, check=True, env={**os.environ, **env})
-    return dict(json.loads((out / "bench.json").read_text()))
+SHAPES = "disagg-read,disagg-read-conditional"
+ENGINE_SERIES = ("sim_requests_running", "sim_requests_waiting", "sim_requests_waiting_for_kv", "sim_decode_steps",
+                 "sim_decode_steps_with_prefill", "sim_decode_stall_seconds", "sim_prompt_tokens_computed")
 
 
-def _percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+def _scrape(url: str) -> dict[str, float]:
+    """The samples of one /metrics page by their name and labels (counters without `_total`)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=1) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name.replace("_total", "")] = float(value)
+    return out
 
 
-def _routes(doc: dict[str, Any]) -> None:
-    """Per rate: requests by route, and each route's TTFT p50 and worst gap p99, in ms."""
+class Sampler(threading.Thread):
+    """Samples the deployed node's engines and proxy every `every_s` seconds into a JSONL file."""
+
+    def __init__(self, state_dir: Path, out: Path, every_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.state_dir, self.out, self.every_s = state_dir, out, every_s
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        with self.out.open("w") as f:
+            while not self.stopped.wait(self.every_s):
+                try:
+                    plan = json.loads((self.state_dir / "plan.json").read_text())
+                except (OSError, ValueError):
+                    continue  # between shapes
+                targets = [(i["name"], i["role"], i["url"]) for i in plan["instances"]]
+                targets.append(("proxy", "proxy", f"http://127.0.0.1:{plan['proxy']['port']}"))
+                for name, role, url in targets:
+                    try:
+                        metrics = _scrape(url)
+                    except OSError:
+                        continue  # starting or stopping
+                    keep = {k: v for k, v in metrics.items()
+                            if k in ENGINE_SERIES or k.startswith("pdctl_proxy_routes{")}
+                    f.write(json.dumps({"t": time.time(), "instance": name, "role": role, "metrics": keep}) + "\n")
+                f.flush()
+
+
+def _engines(samples: list[dict[str, Any]], start: float, end: float) -> dict[str, dict[str, float]]:
+    """Per instance over [start, end]: mean and max of the running/waiting gauges, the counters' increase."""
+    by: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for s in samples:
+        if start <= s["t"] <= end:
+            by[s["instance"]].append(s)
+    out = {}
+    for inst, rows in by.items():
+        first, last = rows[0]["metrics"], rows[-1]["metrics"]
+        fig: dict[str, float] = {}
+        for gauge in ("sim_requests_running", "sim_requests_waiting", "sim_requests_waiting_for_kv"):
+            values = [r["metrics"].get(gauge, 0.0) for r in rows]
+            fig[gauge + " mean"], fig[gauge + " max"] = statistics.fmean(values), max(values)
+        for key in last:
+            if key not in ("sim_requests_running", "sim_requests_waiting", "sim_requests_waiting_for_kv"):
+                fig[key] = last[key] - first.get(key, 0.0)
+        out[inst] = fig
+    return out
+
+
+def _gaps(req: dict[str, Any]) -> list[float]:
+    t = req["chunk_times_s"]
+    return [(b - a) * 1000 for a, b in zip(t, t[1:], strict=False)]
+
+
+def _report(doc: dict[str, Any], samples: list[dict[str, Any]], itl_ms: float) -> None:
+    """Per shape and rate: the routes taken (TTFT p50 per route), the slow gaps requests met, the engines'
+    figures and the proxy's routes by reason."""
     for shape in doc["shapes"]:
         for rate in shape["rates"]:
             by: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
@@ -53,14 +115,32 @@ def _routes(doc: dict[str, Any]) -> None:
             for route, reqs in sorted(by.items()):
                 ok = [r for r in reqs if r["success"] and r["chunk_times_s"]]
                 ttft = statistics.median(r["chunk_times_s"][0] * 1000 for r in ok) if ok else float("nan")
-                gaps = [max((b - a for a, b in zip(r["chunk_times_s"], r["chunk_times_s"][1:], strict=False)),
-                            default=0.0) * 1000 for r in ok]
-                parts.append(f"{route} {len(reqs)} (TTFT p50 {ttft:.0f} ms, max gap p90 {_percentile(gaps, 0.9):.0f} ms)")
+                parts.append(f"{route} {len(reqs)} (TTFT p50 {ttft:.0f} ms)")
+            ok = [r for r in rate["requests"] if r["success"] and len(r["chunk_times_s"]) > 1]
+            gaps = [g for r in ok for g in _gaps(r)]
+            slow = sum(g > itl_ms for g in gaps)
+            twice = sum(sum(g > itl_ms for g in _gaps(r)) >= 2 for r in ok)
             print(f"  {shape['name']} @ {rate['rate']:g} req/s: " + "; ".join(parts))
+            if gaps:
+                print(f"    gaps over {itl_ms:g} ms: {slow} of {len(gaps)} ({100 * slow / len(gaps):.2f} %); requests "
+                      f"with 2 or more of them: {twice} of {len(ok)}")
+            start = datetime.fromisoformat(rate["started_at"]).timestamp()
+            for inst, fig in sorted(_engines(samples, start - 1, start + rate["duration_s"] + 1).items()):
+                if inst == "proxy":
+                    routes = {k.partition("{")[2].rstrip("}"): v for k, v in fig.items() if v}
+                    print(f"    proxy routes: {routes}")
+                    continue
+                steps = fig.get("sim_decode_steps", 0.0)
+                print(f"    {inst}: running mean {fig['sim_requests_running mean']:.1f} max "
+                      f"{fig['sim_requests_running max']:.0f}, waiting mean {fig['sim_requests_waiting mean']:.1f} "
+                      f"max {fig['sim_requests_waiting max']:.0f}, decode steps {steps:.0f} "
+                      f"(with prefill {fig.get('sim_decode_steps_with_prefill', 0.0):.0f}, stall "
+                      f"{fig.get('sim_decode_stall_seconds', 0.0):.2f} s), prompt tokens computed "
+                      f"{fig.get('sim_prompt_tokens_computed', 0.0):.0f}")
 
 
 def main() -> None:
-    """Run both comparisons and print their goodput and the conditional run's routes."""
+    """Run the comparison, then print its goodput and what explains it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="results/conditional/sim.toml")
     parser.add_argument("--inventory", default="sim:h200-2")
@@ -73,19 +153,30 @@ def main() -> None:
     parser.add_argument("--out", default="results/conditional")
     args = parser.parse_args()
     out = Path(args.out)
-    runs = {
-        "always / colocated": _compare(args, f"disagg-read,{args.colocated}", out / "baseline", {}),
-        "conditional": _compare(args, "disagg-read", out / "conditional", {"PDCTL_PROXY__CONDITIONAL_ROUTING": "true"}),
-    }
+    out.mkdir(parents=True, exist_ok=True)
+    config = tomllib.loads(Path(args.config).read_text())
+    sampler = Sampler(Path(config["state_dir"]), out / "engines.jsonl")
+    sampler.start()
+    command = [sys.executable, "-m", "appliance", "--config", args.config, "bench", "--compare", "--deploy",
+               "processes", "--inventory", args.inventory, "--shapes", f"{SHAPES},{args.colocated}",
+               "--workload", "mixed-lengths", "--rates", args.rates, "-n", str(args.n), "--lifetimes", "0",
+               "--stop-on", "none", "--seed", str(args.seed), "--input-len", str(args.input_len),
+               "--output-len", str(args.output_len), "--no-plots", "--out", str(out)]
+    print("$", " ".join(command[2:]), flush=True)
+    try:
+        subprocess.run(command, check=True, env=dict(os.environ))
+    finally:
+        sampler.stopped.set()
+        sampler.join()
+    doc = json.loads((out / "bench.json").read_text())
+    samples = [json.loads(line) for line in (out / "engines.jsonl").read_text().splitlines()]
     print("goodput, req/s (p99 / max / mean ITL judgement):")
-    for run, doc in runs.items():
-        for shape in doc["shapes"]:
-            name = "conditional (disagg-read)" if run == "conditional" else shape["name"]
-            good = shape["goodput"]
-            print(f"  {name}: " + " / ".join("-" if good.get(j) is None else f"{good[j]:g}" for j in ("p99", "max", "mean")))
-    print("routes and their latencies:")
-    _routes(runs["conditional"])
-    _routes(runs["always / colocated"])
+    for shape in doc["shapes"]:
+        good = shape["goodput"]
+        print(f"  {shape['name']}: " + " / ".join("-" if good.get(j) is None else f"{good[j]:g}"
+                                                  for j in ("p99", "max", "mean")))
+    print("per rate: routes, slow gaps, the engines' own figures:")
+    _report(doc, samples, float(doc["slo"]["itl_ms"]))
 
 
 if __name__ == "__main__":

@@ -36,8 +36,9 @@ def body(prompt: str) -> dict[str, object]:
     return {"model": "bench-model", "prompt": text if kind == "text" else tuple(range(n)), "max_tokens": 16}
 
 
-# conditional routing as the planner sets it on results/conditional's node (decode_only_below 318), and off
-RULES = {"off": Rules(0, 0), "on": Rules(318, 0)}
+# conditional routing as the planner sets it on results/conditional's node (decode_only_below 214, ITL target
+# 50 ms), and off
+RULES = {"off": Rules(0, 0, 0.05), "on": Rules(214, 0, 0.05)}
 
 
 def _registry(instances: int, dp_size: int) -> InstanceRegistry:

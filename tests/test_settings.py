@@ -184,7 +184,8 @@ def test_a_bad_connector_table_is_one_line_naming_the_key(tmp_path: Path, text: 
 
 # The proxy's config fields no [proxy] key sets: the plan decides them, or only a hand-written proxy.json does.
 NOT_PROXY_KEYS = {"mode", "connector", "model", "block_size", "max_model_len", "backends", "registration.enabled",
-                  "engine_api_key_file", "client_max_size", "max_tokens_limit", "health"}
+                  "engine_api_key_file", "client_max_size", "max_tokens_limit", "health",
+                  "decode_only_window_ms"}  # the plan writes slo.itl_ms
 
 
 def _field(model: Any, path: str) -> Any:
@@ -235,13 +236,18 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
 
 @pytest.mark.parametrize(("proxy", "expected"), [
     ({}, None),  # conditional routing off (the default): every prompt is handed over
-    ({"conditional_routing": True}, 2247),  # the sim's time model: (50 ms ITL - 5.05 ms step) x 1000 / 20 us
+    # the sim's time model: (39.6 ms - 5.05 ms step) x 1000 / 20 us, 39.6 ms the longest step the 50 ms ITL
+    # target takes in 99 % of cases (lognormal spread 0.1: 50 x exp(-2.326 x 0.1))
+    ({"conditional_routing": True}, 1728),
     ({"conditional_routing": True, "decode_only_below": 100}, 100),  # the user's value wins
     ({"decode_only_below": 0}, 0),  # off: every prompt is handed over
 ])
 def test_the_conditional_threshold_comes_from_the_node_unless_set(proxy: dict[str, Any], expected: int) -> None:
     settings = Settings.model_validate({"engine": {"kind": "sim"}, "connector": {"name": "nixl"}, "proxy": proxy})
-    assert plan(settings, load_inventory("sim:h200-8")).proxy.decode_only_below == expected
+    planned = plan(settings, load_inventory("sim:h200-8")).proxy
+    assert planned.decode_only_below == expected
+    # the window over which a decode prefills fewer than that itself: the ITL target
+    assert planned.decode_only_window_ms == settings.slo.itl_ms == 50
     # a real-vLLM plan reads no model file: unset stays unset (the proxy hands every prompt over)
     vllm = Settings.model_validate({"connector": {"name": "nixl"}, "proxy": proxy})
     assert plan(vllm, load_inventory("sim:h200-8")).proxy.decode_only_below == proxy.get("decode_only_below")

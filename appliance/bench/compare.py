@@ -3,6 +3,8 @@
 Shapes (settings overrides on top of the user's settings; the planner checks each one; names in families.py):
 - disagg-read:  the configured connector in READ mode (decode pulls the KV).
 - disagg-write: the same connector in WRITE mode (prefill pushes); skipped where the connector has no write.
+- disagg-read-conditional, disagg-write-conditional: the same with `[proxy] conditional_routing = true` (the
+                planner's decode_only_below unless the settings set one): short prompts prefilled by the decode.
 - colocated-N[-mbtB]: connector "none", the disaggregated plan's GPUs split into N identical instances
                 behind the proxy's round-robin (colocated-2 on 8 GPUs: the reference's 2 x TP4), with
                 chunked-prefill budget max_num_batched_tokens = B (default: vLLM's).
@@ -96,11 +98,16 @@ def shapes(
         assert parsed is not None  # expand() let only known names through
         if parsed.family == "disaggregated":
             mode = parse_mode(parsed.mode or "read")
+            overrides: dict[str, Any] = {"connector": {"name": connector, "mode": mode}}
+            conditional = ""
+            if parsed.conditional:
+                overrides["proxy"] = {"conditional_routing": True}
+                conditional = ", conditional routing"
             out.append(
                 Shape(
                     shape_name,
-                    f"disaggregated, {connector} {mode.upper()} ({where})",
-                    {"connector": {"name": connector, "mode": mode}},
+                    f"disaggregated, {connector} {mode.upper()}{conditional} ({where})",
+                    overrides,
                     unsplittable or _missing_mode(kv_connector, mode),
                 )
             )

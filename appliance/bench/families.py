@@ -1,7 +1,8 @@
 """Shape names of `pdctl bench --compare`, and the best shape of each family (disaggregated, colocated).
 
 A name says what runs, so results from separate runs (`--label`) merge and compare:
-- `disagg-read`, `disagg-write`: the disaggregated family, by KV transfer mode.
+- `disagg-read`, `disagg-write`: the disaggregated family, by KV transfer mode; `disagg-read-conditional`,
+  `disagg-write-conditional`: the same split with conditional routing on (docs/routing.md).
 - `colocated-N`: the colocated family, N identical instances over the same GPUs (TP = GPUs / N), vLLM's
   default chunked-prefill budget; `colocated-N-mbtB`: the same with `max_num_batched_tokens = B`.
 - `colocated` (in `--shapes` only): every instance count the GPUs allow x every `--budgets` value.
@@ -35,20 +36,21 @@ class ShapeName:
     mode: str | None = None  # disaggregated: read | write
     instances: int | None = None  # colocated
     budget: int | None = None  # colocated max_num_batched_tokens; None: vLLM's default
+    conditional: bool = False  # disaggregated: the proxy decides per request whether the prefill hop is taken
 
     @property
     def knob(self) -> str:
         """The family's tuning knobs in words (what the report says won)."""
         if self.family == "disaggregated":
-            return f"{self.mode.upper() if self.mode else '?'}"
+            return f"{self.mode.upper() if self.mode else '?'}" + (", conditional" if self.conditional else "")
         budget = f"max_num_batched_tokens {self.budget}" if self.budget else "vLLM's default budget"
         return f"{budget}, {self.instances} inst."
 
 
 def parse_name(name: str) -> ShapeName | None:
     """The shape a name stands for; None for names outside the two families (e.g. a --url label)."""
-    if name in ("disagg-read", "disagg-write"):
-        return ShapeName(name, "disaggregated", mode=name.split("-")[1])
+    if name in ("disagg-read", "disagg-write", "disagg-read-conditional", "disagg-write-conditional"):
+        return ShapeName(name, "disaggregated", mode=name.split("-")[1], conditional=name.endswith("-conditional"))
     m = _COLOCATED.fullmatch(name)
     if m and int(m.group(1)) > 0 and (m.group(2) is None or int(m.group(2)) > 0):
         return ShapeName(
@@ -92,7 +94,7 @@ def expand(wanted: Sequence[str], counts: Sequence[int], budgets: Sequence[int |
             if parse_name(item) is None:
                 raise PdctlError(
                     f"unknown shape '{item}'",
-                    fix="use disagg-read, disagg-write, colocated, colocated-N or colocated-N-mbtB",
+                    fix="use disagg-read, disagg-write (-conditional), colocated, colocated-N or colocated-N-mbtB",
                 )
             if item not in out:
                 out.append(item)

@@ -43,8 +43,9 @@ if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
     "--shapes",
     default="disagg-read,disagg-write,colocated",
     show_default=True,
-    help="With --compare: which shapes, in order: disagg-read, disagg-write, colocated-N[-mbtB] (N instances, "
-    "max_num_batched_tokens B), colocated (every N the GPUs allow x every --budgets value).",
+    help="With --compare: which shapes, in order: disagg-read, disagg-write (each also -conditional: conditional "
+    "routing on), colocated-N[-mbtB] (N instances, max_num_batched_tokens B), colocated (every N the GPUs allow x "
+    "every --budgets value).",
 )
 @click.option(
     "--budgets",

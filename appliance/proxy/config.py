@@ -181,6 +181,10 @@ class ProxyConfig(_Model):
     prefill_saturated_at: int = Field(default=0, ge=0, description=(
         "Prefill legs running on a prefill instance from which a prompt goes to a less busy decode instance "
         "instead (0: never)"))
+    decode_only_window_ms: float = Field(default=50.0, gt=0, description=(
+        "A decode instance prefills fewer than decode_only_below prompt tokens itself in any window this long "
+        "(the planner writes slo.itl_ms): a decode step carries what arrived during the step before it, so no "
+        "step carries more; a short prompt over it takes the prefill hop (reason decode-busy)"))
 
     @field_validator("connector")
     @classmethod

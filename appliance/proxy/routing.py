@@ -4,13 +4,15 @@ inside each instance picked by the instance, the request booked on them."""
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.connector import Connector
 from appliance.proxy.instances import BackendState, Booking, InstanceRegistry
 from appliance.proxy.policies import Policy, RequestFacts
-from appliance.proxy.policies.conditional import RouteFacts, RouteName, Rules, decide
+from appliance.proxy.policies.conditional import PrefillWindow, RouteFacts, RouteName, Rules, decide, uncached
 from appliance.proxy.prompts import engine_requests, known_length, most_tokens
 
 
@@ -76,6 +78,8 @@ class Router:
         self.rules = rules
         # the engines' KV block size, for a connector whose hand-off depends on the prompt's length
         self.block_size = block_size if connector.lengths_matter else None
+        # per decode instance, the prompts it was sent to prefill itself lately (the decode-busy rule)
+        self._windows: weakref.WeakKeyDictionary[BackendState, PrefillWindow] = weakref.WeakKeyDictionary()
 
     def routable(self, inst: BackendState) -> bool:
         """Healthy, not draining or in a planned stop, and running the proxy's transfer mode (where known)."""
@@ -90,10 +94,12 @@ class Router:
             return None
         return self.policy.pick(role, candidates, request)
 
-    def facts(self, request: RequestFacts, prefill: BackendState, decode: BackendState) -> RouteFacts:
+    def facts(self, request: RequestFacts, prefill: BackendState, decode: BackendState,
+              recent_tokens: int) -> RouteFacts:
         """What the conditional decision reads of `request` on these instances: the prompt's length where the body
         settles it (token ids) or bounds it (a text prompt), and whether the connector can hand it over as far
-        as the body tells (a text prompt over the bound is counted later, by legs.py)."""
+        as the body tells (a text prompt over the bound is counted later, by legs.py); `recent_tokens`: what the
+        decode was sent to prefill itself over the last window."""
         path, body = request.path, request.body
         tokens = bound = None
         if self.rules.decode_only_below or self.block_size is not None:  # else no rule reads the length
@@ -114,6 +120,7 @@ class Router:
             handoff_possible=possible,
             prefill_legs=prefill.in_flight,
             decode_legs=decode.in_flight,
+            recent_tokens=recent_tokens,
         )
 
     def route(self, request: RequestFacts) -> Route:
@@ -128,8 +135,17 @@ class Router:
         decode = self.pick("decode", request)
         if prefill is None or decode is None:
             raise Unroutable(tuple(r for r, i in (("prefill", prefill), ("decode", decode)) if i is None))
-        name, reason = decide(self.facts(request, prefill, decode), self.rules)
+        window, now = None, 0.0
+        if self.rules.decode_only_below:  # else no rule reads the window
+            window = self._windows.get(decode) or self._windows.setdefault(decode, PrefillWindow())
+            now = time.monotonic()
+        facts = self.facts(request, prefill, decode, window.recent(now, self.rules.window_s) if window else 0)
+        name, reason = decide(facts, self.rules)
         if name == "decode-only":
+            if window is not None:
+                # every prompt the decode prefills counts, whatever the rule that sent it there (a chat prompt's
+                # length is unknown: not counted)
+                window.add(now, uncached(facts) or 0)
             return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason)
         # Both instances count the request until it ends: the decode leg starts only after the prefill leg in
         # READ mode, and a drain of the decode instance in between must wait for it rather than let it be

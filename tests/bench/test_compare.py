@@ -83,6 +83,17 @@ def test_write_is_skipped_where_the_connector_has_none() -> None:
             shapes(settings, load_inventory("sim:cpu"), [bad])
 
 
+def test_a_conditional_shape_is_the_same_split_with_the_planners_threshold() -> None:
+    settings = load_settings(overrides={"engine": {"kind": "sim"}})
+    inventory = load_inventory("sim:h200-2")
+    found = {s.name: s for s in shapes(settings, inventory, ["disagg-read", "disagg-read-conditional"])}
+    plain, conditional = (shape_plan(settings, inventory, found[n])[1] for n in ("disagg-read", "disagg-read-conditional"))
+    assert [i.gpus for i in conditional.instances] == [i.gpus for i in plain.instances] == [[0], [1]]
+    assert plain.proxy.decode_only_below is None  # every prompt handed over
+    assert conditional.proxy.decode_only_below == 1728  # the sim's time model (tests/test_settings.py)
+    assert "conditional routing" in found["disagg-read-conditional"].description
+
+
 def test_shape_settings_file_reads_back_as_the_same_settings() -> None:
     settings = load_settings(
         overrides={

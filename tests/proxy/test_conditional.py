@@ -95,6 +95,14 @@ async def _routes(c: Cluster) -> dict[tuple[str, str], float]:
     return out
 
 
+async def _decode_idle(c: Cluster) -> bool:
+    """True when the proxy counts no leg running on decode-0 (its pdctl_proxy_in_flight_requests)."""
+    assert c.proxy is not None
+    async with aiohttp.ClientSession() as s, s.get(c.proxy.url + "/metrics") as r:
+        text = await r.text()
+    return 'pdctl_proxy_in_flight_requests{instance="decode-0",role="decode"} 0.0' in text.splitlines()
+
+
 def test_short_prompts_go_decode_only_and_long_ones_through_the_prefill() -> None:
     with cluster() as c:
         p, d = _start(c, decode_only_below=32)
@@ -111,6 +119,38 @@ def test_short_prompts_go_decode_only_and_long_ones_through_the_prefill() -> Non
             route, cached = await _ask(c, d, words(6))  # 33 bytes may be 32 tokens: handed over
             assert route == DISAGGREGATED and cached > 0
             assert await _routes(c) == {("decode-only", "short-prompt"): 3, ("disaggregated", "policy"): 3}
+            await all_drained(p, d)
+
+        run(scenario())
+
+
+def test_a_decode_prefills_at_most_one_thresholds_worth_of_short_prompts_per_window() -> None:
+    # Two short prompts prefilled in one decode step are a gap of two prompts' compute for every stream it
+    # runs: past the threshold, a short prompt takes the prefill hop while the decode still runs the others.
+    # Slow decode steps keep the first stream running; a window of a minute holds every prompt sent here.
+    with cluster() as c:
+        p, d = _start(c, decode_args=("--decode-step-ms", "50"), decode_only_below=32, decode_only_window_ms=60_000)
+
+        async def decoding(n: int) -> bool:
+            s = await sim_state(d)
+            return bool(s["requests_running"] + s["requests_waiting"] + s["requests_waiting_for_kv"] == n)
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            stream = asyncio.ensure_future(_through_proxy(c, 4, stream=True, max_tokens=100))  # ~5 s of steps
+            await wait_until(lambda: decoding(1), what="the first short prompt decoding")
+            # 4 + 20 tokens sent to the decode: below the threshold, one step can carry both
+            assert await _ask(c, d, 20, max_tokens=2) == (DECODE_ONLY, 0)
+            # 4 + 20 + 20: not below it; the prefill computes this one and hands it over
+            route, cached = await _ask(c, d, 20, max_tokens=2)
+            assert route == DISAGGREGATED and cached > 0
+            assert not stream.done()  # the decode was running a stream all along
+            assert (await sim_state(p))["stats"]["kv_sends"] == 1
+            assert (await stream)[0] == DECODE_ONLY
+            await wait_until(lambda: _decode_idle(c), what="the proxy's leg on the decode ended")
+            # the decode runs nothing now: no stream to slow, whatever the window holds
+            assert await _ask(c, d, 20, max_tokens=2) == (DECODE_ONLY, 0)
+            assert await _routes(c) == {("decode-only", "short-prompt"): 3, ("disaggregated", "decode-busy"): 1}
             await all_drained(p, d)
 
         run(scenario())

@@ -19,13 +19,13 @@ from appliance.proxy.config import Backend, ProxyConfig, Routing
 from appliance.proxy.health import FAILED, OK, SERVING, TIMEOUT, UNREACHABLE, judge
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import POLICIES, RequestFacts
-from appliance.proxy.policies.conditional import REASONS, RouteFacts, Rules, decide
+from appliance.proxy.policies.conditional import REASONS, PrefillWindow, RouteFacts, Rules, decide
 from appliance.proxy.policies.least_outstanding import LeastOutstanding
 from appliance.proxy.policies.round_robin import RoundRobin
 from appliance.proxy.routing import Router, Unroutable
 
 FACTS = RequestFacts("/v1/completions", {"model": "m", "prompt": "hi"})
-OFF = Rules(decode_only_below=0, prefill_saturated_at=0)  # conditional routing off: every prompt disaggregated
+OFF = Rules(decode_only_below=0, prefill_saturated_at=0, window_s=0.05)  # conditional routing off: every prompt disaggregated
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 9, "min_tokens": 3, "stream": True,
         "stream_options": {"include_usage": True}}
 
@@ -281,11 +281,11 @@ def test_configs_written_with_dynamic_registration_still_load() -> None:
 # ---- conditional disaggregation: the pure decision ---------------------------------------------------------
 
 def _facts(tokens: int | None = 1000, cached: int = 0, batch: bool = False, possible: bool = True,
-           prefill_legs: int = 0, decode_legs: int = 1) -> RouteFacts:
-    return RouteFacts(tokens, cached, batch, possible, prefill_legs, decode_legs)
+           prefill_legs: int = 0, decode_legs: int = 1, recent: int = 0) -> RouteFacts:
+    return RouteFacts(tokens, cached, batch, possible, prefill_legs, decode_legs, recent)
 
 
-RULES = Rules(decode_only_below=256, prefill_saturated_at=4)
+RULES = Rules(decode_only_below=256, prefill_saturated_at=4, window_s=0.05)
 
 
 @pytest.mark.parametrize(("facts", "rules", "expected"), [
@@ -302,13 +302,24 @@ RULES = Rules(decode_only_below=256, prefill_saturated_at=4)
     (_facts(tokens=1000, cached=745), RULES, ("decode-only", "cached-prefix")),
     (_facts(tokens=1000, cached=744), RULES, ("disaggregated", "policy")),
     (_facts(tokens=100, cached=5000), RULES, ("decode-only", "short-prompt")),
+    # the decode-busy window: what the decode was sent to prefill itself lately plus this prompt stays below
+    # the threshold, else the prefill hop (one step never prefills two short prompts)
+    (_facts(tokens=200, recent=55), RULES, ("decode-only", "short-prompt")),
+    (_facts(tokens=200, recent=56), RULES, ("disaggregated", "decode-busy")),
+    (_facts(tokens=1000, cached=800, recent=55), RULES, ("decode-only", "cached-prefix")),
+    (_facts(tokens=1000, cached=800, recent=56), RULES, ("disaggregated", "decode-busy")),
+    # a decode running no leg has no stream to slow: the window does not apply
+    (_facts(tokens=200, recent=5000, decode_legs=0), RULES, ("decode-only", "short-prompt")),
+    # a busy short prompt still meets the saturation rule; a long one is never decode-busy
+    (_facts(tokens=200, recent=255, prefill_legs=4, decode_legs=3), RULES, ("decode-only", "prefill-saturated")),
+    (_facts(tokens=256, recent=0), RULES, ("disaggregated", "policy")),
     # unknown length (a chat request): only the load rules apply
     (_facts(tokens=None, cached=0), RULES, ("disaggregated", "policy")),
     # a saturated prefill sends work to a decode that has fewer requests than the prefill has legs
     (_facts(prefill_legs=4, decode_legs=3), RULES, ("decode-only", "prefill-saturated")),
     (_facts(prefill_legs=4, decode_legs=4), RULES, ("disaggregated", "policy")),
     (_facts(prefill_legs=3, decode_legs=1), RULES, ("disaggregated", "policy")),
-    (_facts(prefill_legs=9, decode_legs=0), Rules(256, 0), ("decode-only", "decode-idle")),
+    (_facts(prefill_legs=9, decode_legs=0), Rules(256, 0, 0.05), ("decode-only", "decode-idle")),
     # an idle decode takes a prompt when the prefill is busy, not when both are idle
     (_facts(prefill_legs=1, decode_legs=0), RULES, ("decode-only", "decode-idle")),
     (_facts(prefill_legs=0, decode_legs=0), RULES, ("disaggregated", "policy")),
@@ -321,7 +332,7 @@ def test_conditional_decision(facts: RouteFacts, rules: Rules, expected: tuple[s
 def test_a_route_decided_decode_only_books_only_the_decode_and_says_so() -> None:
     registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
     prefill, decode = registry.instances["prefill-0"], registry.instances["decode-0"]
-    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), Rules(16, 0))
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), Rules(16, 0, 60.0))
     short = RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3]})
     with router.route(short) as route:
         assert (route.name, route.reason, route.prefill) == ("decode-only", "short-prompt", None)
@@ -356,3 +367,34 @@ def test_a_probe_ejects_on_its_answer_and_on_a_timeout_only_when_nothing_came(
         answer: str, served: bool, in_rotation: tuple[str, bool], out_of_rotation: tuple[str, bool]) -> None:
     assert judge(answer, True, served) == in_rotation
     assert judge(answer, False, served) == out_of_rotation
+
+
+def test_the_prefill_window_sums_what_was_sent_within_it_and_forgets_the_rest() -> None:
+    window = PrefillWindow()
+    assert window.recent(10.0, 0.05) == 0
+    window.add(10.0, 200)
+    window.add(10.01, 0)  # a prompt the decode holds cached: nothing to prefill, nothing counted
+    window.add(10.03, 14)
+    assert window.recent(10.04, 0.05) == 214
+    assert window.recent(10.05, 0.05) == 14  # the first is a whole window old
+    assert window.recent(10.08, 0.05) == 0
+
+
+def test_a_decode_already_prefilling_a_short_prompt_sends_the_next_one_through_the_prefill() -> None:
+    registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
+    decode = registry.instances["decode-0"]
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), Rules(16, 0, 60.0))
+
+    def short(n: int) -> RequestFacts:
+        return RequestFacts("/v1/completions", {"model": "m", "prompt": list(range(n))})
+
+    with router.route(short(10)) as first, decode.lease(None):  # its decode leg runs
+        assert (first.name, first.reason) == ("decode-only", "short-prompt")
+        with router.route(short(5)) as second:  # 10 + 5 < 16: one step can carry both
+            assert (second.name, second.reason) == ("decode-only", "short-prompt")
+        with router.route(short(1)) as third:  # 10 + 5 + 1: not below the threshold
+            assert (third.name, third.reason) == ("disaggregated", "decode-busy")
+            assert third.header() == "disaggregated; prefill=prefill-0; decode=decode-0"
+    # the decode runs nothing now: no stream to slow, whatever the window holds
+    with router.route(short(15)) as idle:
+        assert (idle.name, idle.reason) == ("decode-only", "short-prompt")

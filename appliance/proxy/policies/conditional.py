@@ -10,31 +10,39 @@ nothing over, hand over another prompt's KV or crash the engine):
 - `short-prompt` / `cached-prefix`: fewer uncached prompt tokens than the threshold (`decode_only_below`):
   prefilling them on the decode costs its running streams less than a step's worth of ITL slack, and the
   request saves the hand-off. `cached-prefix` when the prompt itself is not short and the tokens the routing
-  policy expects cached on the decode make the difference.
+  policy expects cached on the decode make the difference. Only while the decode was sent fewer than
+  `decode_only_below` such tokens in all over the last window (the ITL target, `window_s`), or runs no leg:
+  a decode step carries the prompts that came during the step before it, which the target bounds, so no step
+  prefills more than one threshold's worth, however many short prompts arrive (two 200-token prompts in one
+  step are a 60 ms gap for every running stream, over a 50 ms target).
 - `prefill-saturated`: the prefill instance runs `prefill_saturated_at` or more prefill legs (a new one would
   wait behind them past the TTFT target) and the decode runs fewer legs than that prefill does.
 - `decode-idle`: the decode runs no leg at all and the prefill is busy: the prompt starts at once on an
   engine whose compute nobody else is using, and no running stream is slowed by it.
-- otherwise `policy`: the prefill hop.
+- otherwise the prefill hop: `decode-busy` for a prompt short enough that only the window kept it off the
+  decode, else `policy`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
 RouteName = Literal["disaggregated", "decode-only", "colocated"]
-REASONS = ("policy", "short-prompt", "cached-prefix", "prefill-saturated", "decode-idle", "handoff-impossible",
-           "batch", "colocated")
+REASONS = ("policy", "short-prompt", "cached-prefix", "decode-busy", "prefill-saturated", "decode-idle",
+           "handoff-impossible", "batch", "colocated")
 
 
 @dataclass(frozen=True, slots=True)
 class Rules:
-    """The proxy's conditional-routing settings (ProxyConfig's decode_only_below and prefill_saturated_at):
-    decode_only_below 0 turns conditional routing off, prefill_saturated_at 0 its saturation rule."""
+    """The proxy's conditional-routing settings (ProxyConfig's decode_only_below, prefill_saturated_at and
+    decode_only_window_ms): decode_only_below 0 turns conditional routing off, prefill_saturated_at 0 its
+    saturation rule."""
 
     decode_only_below: int
     prefill_saturated_at: int
+    window_s: float  # the ITL target: fewer than decode_only_below short-prompt tokens per decode in it
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +55,13 @@ class RouteFacts:
     handoff_possible: bool  # False: the connector surely cannot hand this prompt over
     prefill_legs: int  # prefill legs running on the prefill instance
     decode_legs: int  # decode legs running on the decode instance (requests it is decoding or prefilling)
+    recent_tokens: int = 0  # uncached prompt tokens the decode was sent to prefill itself within the window
+
+
+def uncached(facts: RouteFacts) -> int | None:
+    """The prompt tokens the decode would compute if it prefilled this request itself (None: unknown)."""
+    tokens = facts.prompt_tokens
+    return None if tokens is None else tokens - min(facts.cached_tokens, tokens)
 
 
 def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
@@ -57,15 +72,38 @@ def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
         return "decode-only", "handoff-impossible"
     if not rules.decode_only_below:
         return "disaggregated", "policy"
-    tokens = facts.prompt_tokens
-    if tokens is not None:
-        if tokens < rules.decode_only_below:
-            return "decode-only", "short-prompt"
-        if tokens - min(facts.cached_tokens, tokens) < rules.decode_only_below:
-            return "decode-only", "cached-prefix"
+    below, fresh = rules.decode_only_below, uncached(facts)
+    busy = False
+    if fresh is not None and fresh < below:
+        if facts.decode_legs == 0 or facts.recent_tokens + fresh < below:
+            short = facts.prompt_tokens is not None and facts.prompt_tokens < below
+            return "decode-only", "short-prompt" if short else "cached-prefix"
+        busy = True
     saturated = rules.prefill_saturated_at
     if saturated and facts.prefill_legs >= saturated and facts.decode_legs < facts.prefill_legs:
         return "decode-only", "prefill-saturated"
     if facts.decode_legs == 0 and facts.prefill_legs > 0:
         return "decode-only", "decode-idle"
-    return "disaggregated", "policy"
+    return "disaggregated", "decode-busy" if busy else "policy"
+
+
+class PrefillWindow:
+    """The uncached prompt tokens one decode instance was sent to prefill itself, over the last window: what
+    the `decode-busy` rule sums. The caller passes the time (monotonic seconds); entries older than the window
+    are dropped as it is read, so it holds at most a window's worth of decode-only requests."""
+
+    def __init__(self) -> None:
+        self._sent: deque[tuple[float, int]] = deque()
+        self._total = 0
+
+    def recent(self, now: float, window_s: float) -> int:
+        """Tokens sent within `window_s` before `now`."""
+        while self._sent and self._sent[0][0] <= now - window_s:
+            self._total -= self._sent.popleft()[1]
+        return self._total
+
+    def add(self, now: float, tokens: int) -> None:
+        """Count a prompt of `tokens` uncached tokens sent to the decode at `now`."""
+        if tokens > 0:
+            self._sent.append((now, tokens))
+            self._total += tokens
