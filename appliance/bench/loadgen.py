@@ -153,6 +153,17 @@ class InFlight:
         )
 
 
+def cut_short(asked: int, got: int, finish_reason: str | None) -> str | None:
+    """Why a stream that ended cleanly is still not the request asked for, or None. With ignore_eos a server
+    stops at max_tokens; a 'length' finish before it means the server cut max_tokens to what was left of the
+    model's context (vLLM 0.32 does, where older releases refuse the request): timing that as a success would
+    measure a shorter request than the report says. A 'stop' finish is a server that ignores ignore_eos."""
+    if finish_reason != "length" or got >= asked:
+        return None
+    return (f"generated {got} of {asked} tokens (finish_reason length): the prompt and output exceed the "
+            "model's context length; lower --input-len or --output-len")
+
+
 def _payload(target: Target, prompt_value: Sequence[int] | str, output_len: int | None) -> dict[str, Any]:
     return {
         "model": target.model,
@@ -207,6 +218,9 @@ async def send(
         await _stream(session, target, req, prompt_value)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         req.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    if req.error is None:
+        got = req.usage_tokens if req.usage_tokens is not None else sum(req.chunk_tokens)
+        req.error = cut_short(req.output_len or target.output_len, got, req.finish_reason)
     req.latency_s = time.perf_counter() - req.sent_at
     req.done = True
 
@@ -422,6 +436,15 @@ async def model_root(session: aiohttp.ClientSession, base_url: str, model: str,
     for card in await _model_cards(session, base_url, api_key):
         if card.get("id") == model and isinstance(card.get("root"), str):
             return str(card["root"])
+    return None
+
+
+async def served_context(session: aiohttp.ClientSession, base_url: str, model: str,
+                         api_key: str | None = None) -> int | None:
+    """The context length the server serves `model` with (vLLM's /v1/models card: `max_model_len`), or None."""
+    for card in await _model_cards(session, base_url, api_key):
+        if card.get("id") == model and isinstance(card.get("max_model_len"), int):
+            return int(card["max_model_len"])
     return None
 
 
