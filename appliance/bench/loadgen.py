@@ -43,7 +43,7 @@ import aiohttp
 from appliance.bench.analysis import Slo
 from appliance.bench.mixes import Mix
 from appliance.bench.results import RateResult, RequestResult, SteadyWindow, summarize
-from appliance.bench.steady import Window, is_steady, occupancy, ttft_trend
+from appliance.bench.steady import Window, is_steady, occupancy, steady_arrivals, ttft_trend
 from appliance.bench.trace import WorkloadFile, WorkloadRequest, build_prompts
 from appliance.bench.workload import PromptKind, arrivals, arrivals_until, prompt, rate_seed
 from appliance.errors import PdctlError
@@ -297,19 +297,22 @@ class RateRun:
 
 def request_count(run: RateRun, target: Target) -> int:
     """How many requests `run_rate` will send for `run` (the same seeded draw)."""
-    return len(_schedule(run, target, random.Random(rate_seed(run.seed, run.rate))))
+    return len(_schedule(run, target, random.Random(rate_seed(run.seed, run.rate)))[0])
 
 
-def _schedule(run: RateRun, target: Target, rng: random.Random) -> list[float]:
+def _schedule(run: RateRun, target: Target, rng: random.Random) -> tuple[list[float], RateRun]:
+    """The arrival times, and the run with its window as drawn (grown to hold its requests)."""
     workload = target.workload
     if isinstance(workload, WorkloadFile) and workload.timed:
-        return [r.arrival_s or 0.0 for r in workload.requests]
+        return [r.arrival_s or 0.0 for r in workload.requests], run
     # An untimed file is sent once per rate, in its order: every line, or what the window takes of them.
     count = len(workload.requests) if isinstance(workload, WorkloadFile) else run.num_requests
     if run.window is None:
-        return arrivals(run.rate, count, rng)
-    times = arrivals_until(run.rate, run.window.span_s, rng)[: run.window.max_requests]
-    return times[:count] if isinstance(workload, WorkloadFile) else times
+        return arrivals(run.rate, count, rng), run
+    if isinstance(workload, WorkloadFile):
+        return arrivals_until(run.rate, run.window.span_s, rng)[: run.window.max_requests][:count], run
+    times, window = steady_arrivals(run.rate, run.window, run.num_requests, rng)
+    return times, replace(run, window=window)
 
 
 async def run_rate(
@@ -323,7 +326,7 @@ async def run_rate(
     """Send one rate's requests on their Poisson schedule and wait for all; `stop` ends it early (partial)."""
     seed = rate_seed(run.seed, run.rate)
     rng = random.Random(seed)
-    times = _schedule(run, target, rng)
+    times, run = _schedule(run, target, rng)
     if target.workload is None:
         prompts = rate_prompts(target, rng, len(times))
         reqs = [InFlight(i, f"bench-{seed}-{i}", t) for i, t in enumerate(times)]
