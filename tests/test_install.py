@@ -29,3 +29,22 @@ def test_its_python_snippets_never_import_the_clone() -> None:
     # cited the clone's pdctl.toml for "every key" while errors cite the installed one).
     calls = re.findall(r'"\$[A-Z_]+/bin/python"((?: -\w)*) -c', INSTALL.read_text())
     assert len(calls) >= 2 and all("-I" in flags.split() for flags in calls), calls
+
+
+def test_uninstall_removes_the_link_it_made_and_only_that(tmp_path: Path) -> None:
+    # a fresh clone's `./install.sh --uninstall` left /usr/local/bin/pdctl pointing at the removed /opt/pdctl
+    prefix, bins = tmp_path / "opt", tmp_path / "bin"
+    (prefix / "bin").mkdir(parents=True)
+    bins.mkdir()
+    (bins / "pdctl").symlink_to(prefix / "bin" / "pdctl")
+
+    def uninstall() -> list[str]:
+        done = subprocess.run([str(INSTALL), "--uninstall", "--dry-run", "--prefix", str(prefix), "--bin-dir",
+                               str(bins), "--config", str(tmp_path / "pdctl.toml")], capture_output=True, text=True,
+                              timeout=60, check=True)
+        return done.stdout.splitlines()
+
+    assert f"would run: rm -f {bins / 'pdctl'}" in uninstall()
+    (bins / "pdctl").unlink()
+    (bins / "pdctl").symlink_to(tmp_path / "elsewhere" / "pdctl")  # not the link install.sh made
+    assert not any(line.startswith("would run: rm -f") and "bin/pdctl" in line for line in uninstall())

@@ -43,7 +43,7 @@ import aiohttp
 from appliance.bench.analysis import Slo
 from appliance.bench.mixes import Mix
 from appliance.bench.results import RateResult, RequestResult, SteadyWindow, summarize
-from appliance.bench.steady import Window, is_steady, occupancy, ttft_trend
+from appliance.bench.steady import Window, is_steady, occupancy, steady_arrivals, ttft_trend
 from appliance.bench.trace import WorkloadFile, WorkloadRequest, build_prompts
 from appliance.bench.workload import PromptKind, arrivals, arrivals_until, prompt, rate_seed
 from appliance.errors import PdctlError
@@ -153,6 +153,17 @@ class InFlight:
         )
 
 
+def cut_short(asked: int, got: int, finish_reason: str | None) -> str | None:
+    """Why a stream that ended cleanly is still not the request asked for, or None. With ignore_eos a server
+    stops at max_tokens; a 'length' finish before it means the server cut max_tokens to what was left of the
+    model's context (vLLM 0.32 does, where older releases refuse the request): timing that as a success would
+    measure a shorter request than the report says. A 'stop' finish is a server that ignores ignore_eos."""
+    if finish_reason != "length" or got >= asked:
+        return None
+    return (f"generated {got} of {asked} tokens (finish_reason length): the prompt and output exceed the "
+            "model's context length; lower --input-len or --output-len")
+
+
 def _payload(target: Target, prompt_value: Sequence[int] | str, output_len: int | None) -> dict[str, Any]:
     return {
         "model": target.model,
@@ -207,6 +218,9 @@ async def send(
         await _stream(session, target, req, prompt_value)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         req.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    if req.error is None:
+        got = req.usage_tokens if req.usage_tokens is not None else sum(req.chunk_tokens)
+        req.error = cut_short(req.output_len or target.output_len, got, req.finish_reason)
     req.latency_s = time.perf_counter() - req.sent_at
     req.done = True
 
@@ -283,19 +297,22 @@ class RateRun:
 
 def request_count(run: RateRun, target: Target) -> int:
     """How many requests `run_rate` will send for `run` (the same seeded draw)."""
-    return len(_schedule(run, target, random.Random(rate_seed(run.seed, run.rate))))
+    return len(_schedule(run, target, random.Random(rate_seed(run.seed, run.rate)))[0])
 
 
-def _schedule(run: RateRun, target: Target, rng: random.Random) -> list[float]:
+def _schedule(run: RateRun, target: Target, rng: random.Random) -> tuple[list[float], RateRun]:
+    """The arrival times, and the run with its window as drawn (grown to hold its requests)."""
     workload = target.workload
     if isinstance(workload, WorkloadFile) and workload.timed:
-        return [r.arrival_s or 0.0 for r in workload.requests]
+        return [r.arrival_s or 0.0 for r in workload.requests], run
     # An untimed file is sent once per rate, in its order: every line, or what the window takes of them.
     count = len(workload.requests) if isinstance(workload, WorkloadFile) else run.num_requests
     if run.window is None:
-        return arrivals(run.rate, count, rng)
-    times = arrivals_until(run.rate, run.window.span_s, rng)[: run.window.max_requests]
-    return times[:count] if isinstance(workload, WorkloadFile) else times
+        return arrivals(run.rate, count, rng), run
+    if isinstance(workload, WorkloadFile):
+        return arrivals_until(run.rate, run.window.span_s, rng)[: run.window.max_requests][:count], run
+    times, window = steady_arrivals(run.rate, run.window, run.num_requests, rng)
+    return times, replace(run, window=window)
 
 
 async def run_rate(
@@ -309,7 +326,7 @@ async def run_rate(
     """Send one rate's requests on their Poisson schedule and wait for all; `stop` ends it early (partial)."""
     seed = rate_seed(run.seed, run.rate)
     rng = random.Random(seed)
-    times = _schedule(run, target, rng)
+    times, run = _schedule(run, target, rng)
     if target.workload is None:
         prompts = rate_prompts(target, rng, len(times))
         reqs = [InFlight(i, f"bench-{seed}-{i}", t) for i, t in enumerate(times)]
@@ -422,6 +439,15 @@ async def model_root(session: aiohttp.ClientSession, base_url: str, model: str,
     for card in await _model_cards(session, base_url, api_key):
         if card.get("id") == model and isinstance(card.get("root"), str):
             return str(card["root"])
+    return None
+
+
+async def served_context(session: aiohttp.ClientSession, base_url: str, model: str,
+                         api_key: str | None = None) -> int | None:
+    """The context length the server serves `model` with (vLLM's /v1/models card: `max_model_len`), or None."""
+    for card in await _model_cards(session, base_url, api_key):
+        if card.get("id") == model and isinstance(card.get("max_model_len"), int):
+            return int(card["max_model_len"])
     return None
 
 

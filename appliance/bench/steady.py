@@ -23,9 +23,10 @@ well above the first in either; a longer run at that rate would miss more.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 # A window whose second half holds this much more in flight than its first is "growing", not steady
@@ -70,6 +71,26 @@ def plan_window(
         return Window(span, lifetime_s, lifetime_s + window, lifetime_s, max_requests)
     edge = min(lifetime_s, cap / 4)
     return Window(cap, edge, cap - edge, lifetime_s, max_requests)
+
+
+def steady_arrivals(rate: float, window: Window, min_measured: int, rng: random.Random) -> tuple[list[float], Window]:
+    """Poisson arrivals over `window`'s span, the window's end moved past its arrivals until it holds
+    `min_measured` of them, the drain following (at most window.max_requests arrivals). A window sized by the
+    expected count held what Poisson drew: 2 of 10 at 0.4 req/s, while the report said >= 10 were judged."""
+    drain = window.span_s - window.end_s
+    end, span = window.end_s, window.span_s
+    times: list[float] = []
+    measured, t = 0, 0.0
+    while len(times) < window.max_requests:
+        if t >= end and measured < min_measured:
+            end = math.nextafter(t, math.inf)  # this arrival is judged: the window ends right after it
+            span = end + drain
+        if t >= span:
+            break
+        times.append(t)
+        measured += window.start_s <= t < end
+        t += rng.expovariate(rate)
+    return times, replace(window, span_s=span, end_s=end)
 
 
 class Span(Protocol):

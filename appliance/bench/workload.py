@@ -147,6 +147,25 @@ def token_range(given: str | None, vocabulary: int | None, model: str, source: s
     return min(lo, vocabulary // 2), vocabulary
 
 
+def request_lengths(input_len: int, output_len: int, given: bool, context: int | None, model: str,
+                    source: str) -> tuple[int, int]:
+    """Prompt and output tokens per request: as asked where they fit the model's `context` (read from
+    `source`); the defaults cut to fit it, in their proportion; given lengths that do not fit refused."""
+    total = input_len + output_len
+    if context is None or total <= context:
+        return input_len, output_len
+    if given:
+        raise PdctlError(
+            f"--input-len {input_len} + --output-len {output_len} = {total} tokens, but {model}'s context is "
+            f"{context} tokens ({source})",
+            fix=f"keep their sum at or below {context}",
+        )
+    if context < 2:
+        raise PdctlError(f"{model}'s context is {context} tokens ({source}): too short for a prompt and an output")
+    output = max(1, output_len * context // total)
+    return context - output, output
+
+
 def parse_token_range(text: str) -> tuple[int, int]:
     """'LO:HI' -> (LO, HI), token ids LO <= id < HI."""
     try:

@@ -25,6 +25,8 @@ EXIT_NOTHING_MEASURED = 1
 
 if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
 
+    import aiohttp
+
     from appliance.bench.analysis import Slo
     from appliance.bench.compare import Shape
     from appliance.bench.mixes import Mix
@@ -289,10 +291,13 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
                    work: _Workload, stamp: datetime, out_dir: Path) -> BenchResult:
     """Sweep the --url (or the deployment's proxy), or with --compare every shape; what was measured so far
     when interrupted (first Ctrl-C)."""
+    from click.core import ParameterSource
+
     from appliance.bench.compare import PdctlDeployer
     from appliance.bench.loadgen import Target, discover_model, model_root
     from appliance.bench.runner import run_compare, run_url
     from appliance.bench.sweep import Stopper
+    from appliance.bench.workload import request_lengths
     from appliance.bench.workload import token_range as resolve_token_range
 
     if opts["compare"]:
@@ -313,9 +318,19 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
                 model = await discover_model(session, base_url, work.api_key)
             # a --url server says where it loaded the model from (vLLM's `root`); pdctl's own engines, the settings
             loaded_from = await model_root(session, base_url, model, work.api_key) if opts["url"] else None
+            context = await _context(session, settings, engine, base_url if opts["url"] else None, model,
+                                     work.api_key)
         vocabulary = _vocabulary(settings, engine, opts["url"], loaded_from)
         token_range = resolve_token_range(work.token_range, vocabulary.size if vocabulary else None, model,
                                           vocabulary.source if vocabulary else "")
+        if work.requests is None and context is not None:
+            given = any(ctx.get_parameter_source(n) is not ParameterSource.DEFAULT for n in ("input_len", "output_len"))
+            lengths = request_lengths(opts["input_len"], opts["output_len"], given, context[0], model, context[1])
+            if lengths != (opts["input_len"], opts["output_len"]):
+                console.print(f"prompt {lengths[0]} + output {lengths[1]} tokens: the defaults, "
+                              f"{opts['input_len']} + {opts['output_len']}, cut to {model}'s context of "
+                              f"{context[0]} tokens ({context[1]})", markup=False)
+                opts["input_len"], opts["output_len"] = lengths
         if opts["prompt_kind"] == "tokens":
             console.print(f"prompt token ids {token_range[0]}..{token_range[1] - 1} "
                           + (f"({model} has {vocabulary.size}, from {vocabulary.source})" if vocabulary else
@@ -346,6 +361,24 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
         else:
             await run_url(target, work.sweep, work.slo, result, out_dir, console, stopper, opts["label"])
         return result
+
+
+async def _context(session: aiohttp.ClientSession, settings: Settings, engine: str, url: str | None, model: str,
+                   api_key: str | None) -> tuple[int, str] | None:
+    """The measured model's context length and where it was read: the --url server's model card, else the
+    context pdctl's own engines are started with (their --max-model-len); None where neither says."""
+    from appliance.bench.loadgen import served_context
+    from appliance.engine.command import context_length
+    from appliance.plan import model_plan
+
+    if url:
+        served = await served_context(session, url, model, api_key)
+        return (served, f"max_model_len of {url}/v1/models") if served else None
+    if engine == "sim":
+        limit = settings.model.max_model_len
+    else:
+        limit = context_length(settings, model_plan(settings, StateDir.at(settings.state_dir)))
+    return (limit, "the engines' --max-model-len") if limit else None
 
 
 def _vocabulary(settings: Settings, engine: str, url: str | None, root: str | None) -> Vocabulary | None:

@@ -296,3 +296,31 @@ def test_the_default_token_range_comes_from_the_served_models_vocabulary(
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "draws ids up to 999" in done.stderr and "has 300 token ids" in done.stderr
     assert not (tmp_path / "o2" / "bench.json").exists()
+
+
+@pytest.fixture
+def short_context_engine(tmp_path: Path) -> Iterator[str]:
+    """A simulated engine serving a 64-token context, as the embedded model's 2048 is shorter than the defaults."""
+    engine = Proc("engine", [PY, "-m", "appliance.engine.sim", "--port", "0", "--model", "short", "--max-model-len",
+                             "64", "--log-level", "warning"], tmp_path, ready_line=True, session=True)
+    try:
+        yield json.loads(engine.read_line(re.compile(r'"url": "http://')))["url"]
+    finally:
+        engine.stop()
+
+
+def test_the_default_lengths_come_from_the_served_models_context(short_context_engine: str, tmp_path: Path) -> None:
+    url = short_context_engine
+    common = ["--rates", "4", "-n", "3", "--stop-on", "none", "--lifetimes", "0", "--no-plots"]
+    done = pdctl_in("bench", "--url", url, *common, "--out", "out", cwd=tmp_path)
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert (data["workload"]["input_len"], data["workload"]["output_len"]) == (43, 21)  # 2000:1000 in 64
+    requests = [q for r in data["shapes"][0]["rates"] for q in r["requests"]]
+    assert requests and all(q["success"] and q["output_tokens"] == 21 for q in requests)
+    assert "the defaults, 2000 + 1000, cut to short's context of 64 tokens" in " ".join(done.stderr.split())
+    # lengths the user chose that do not fit are refused before anything is sent, in one line
+    done = pdctl_in("bench", "--url", url, *common, "--input-len", "50", "--output-len", "20", "--out", "o2",
+                    cwd=tmp_path, check=False)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--input-len 50 + --output-len 20 = 70 tokens, but short's context is 64 tokens" in done.stderr
+    assert not (tmp_path / "o2" / "bench.json").exists()

@@ -142,6 +142,19 @@ async def _test_http_errors_and_cut_streams_are_failed_requests() -> None:
     assert result.summary.attainment == pytest.approx((8 - len(failed)) / 8)
 
 
+async def _test_a_stream_cut_short_by_the_context_is_a_failed_request() -> None:
+    # vLLM 0.32 cuts max_tokens to what is left of max_model_len and ends with finish_reason length: the
+    # default 2000 + 1000 tokens on the embedded model (2048) streamed 48 tokens, recorded as successes
+    async with VllmShapedServer([(0.01, 1)] * 3, continuous_usage=True) as server:
+        result = await _run(server, 2, output_len=7)
+    assert [r.status for r in result.requests] == ["error"] * 2
+    assert all(r.output_tokens == 3 and "generated 3 of 7 tokens" in (r.error or "") for r in result.requests)
+    assert result.summary.failed == 2 and result.summary.attainment == 0.0
+    async with VllmShapedServer([(0.01, 1)] * 3, continuous_usage=True) as server:
+        result = await _run(server, 2, output_len=3)  # all it was asked for: 'length' is max_tokens
+    assert [r.status for r in result.requests] == ["ok"] * 2
+
+
 async def _test_stop_marks_unfinished_requests_interrupted() -> None:
     stop = asyncio.Event()
     async with VllmShapedServer([(0.5, 1)] * 20, continuous_usage=True) as server:
@@ -250,3 +263,7 @@ def test_warm_up_requests_are_sent_but_not_recorded() -> None:
     assert len(seen) == 2
     assert all(body["max_tokens"] == 4 for body in seen)
     assert all(len(body["prompt"]) == 50 for body in seen)  # type: ignore[arg-type]
+
+
+def test_a_stream_cut_short_by_the_context_is_a_failed_request() -> None:
+    asyncio.run(_test_a_stream_cut_short_by_the_context_is_a_failed_request())

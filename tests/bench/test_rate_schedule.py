@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
 
 from appliance.bench.analysis import Judgement
 from appliance.bench.rate_schedule import parse_schedule
-from appliance.bench.steady import is_steady, plan_window
+from appliance.bench.steady import is_steady, plan_window, steady_arrivals
+from appliance.bench.workload import arrivals_until
 from appliance.errors import PdctlError
 
 Shape = Callable[[float], dict[str, float | None]]
@@ -61,3 +63,25 @@ def test_window_holds_k_lifetimes_between_warm_up_and_drain() -> None:
     assert capped.span_s == 50 and capped.start_s == capped.span_s - capped.end_s == 12.5
     assert capped.measured(12.5) and not capped.measured(37.5) and not capped.measured(12.4)
     assert is_steady((20, 25), (300, 400)) and not is_steady((20, 27), None) and not is_steady((20, 20), (300, 560))
+
+
+def test_the_window_holds_the_fewest_measured_requests_whatever_poisson_draws() -> None:
+    # the report says ">= N requests are judged": a window sized by the expected count held 2 of 10 at 0.4 req/s
+    short = 0
+    for seed in range(300):
+        planned = plan_window(rate=0.4, lifetime_s=0.08, lifetimes=3, min_measured=10, max_requests=5000)
+        rng = random.Random(seed)
+        times, window = steady_arrivals(0.4, planned, 10, rng)
+        assert sum(window.measured(t) for t in times) >= 10
+        assert window.end_s >= planned.end_s and window.span_s - window.end_s == planned.span_s - planned.end_s
+        assert times == sorted(times) and times[-1] < window.span_s and times[0] == 0.0
+        drawn = random.Random(seed)
+        as_before = arrivals_until(0.4, planned.span_s, drawn)
+        if sum(planned.measured(t) for t in as_before) < 10:
+            short += 1
+        else:  # a draw that held them is kept as it was: the same requests at the same times
+            assert window == planned and times == as_before
+    assert short > 50  # Poisson(10) falls short of 10 about 4 times in 9: the case is exercised
+    capped = plan_window(rate=0.4, lifetime_s=0.08, lifetimes=3, min_measured=10, max_requests=6)
+    times, _ = steady_arrivals(0.4, capped, 10, random.Random(1))
+    assert len(times) == 6  # the request cap still ends arrivals
