@@ -143,7 +143,7 @@ class _Stream:
     """One bound SUB socket (an instance's DP rank), its reader and its connection monitor."""
 
     def __init__(self, ctx: zmq.asyncio.Context, inst: BackendState, rank: int, port: int, sink: BlockSink,
-                 count: Callable[[str, str], None]) -> None:
+                 count: Callable[[str, str], None], left: Callable[[str], None]) -> None:
         self.inst, self.rank, self.port = inst, rank, port
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
@@ -157,7 +157,7 @@ class _Stream:
         self.sock = sock
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.peers = 0
-        self.tasks = [asyncio.create_task(self._read(sink, count)), asyncio.create_task(self._watch(sink))]
+        self.tasks = [asyncio.create_task(self._read(sink, count)), asyncio.create_task(self._watch(sink, left))]
 
     async def _read(self, sink: BlockSink, count: Callable[[str, str], None]) -> None:
         name = self.inst.name
@@ -170,7 +170,7 @@ class _Stream:
                 continue
             count(name, sink.apply(seq, events))
 
-    async def _watch(self, sink: BlockSink) -> None:
+    async def _watch(self, sink: BlockSink, left: Callable[[str], None]) -> None:
         while True:
             event = parse_monitor_message(await self.monitor.recv_multipart())["event"]
             if event == zmq.EVENT_ACCEPTED:
@@ -180,6 +180,7 @@ class _Stream:
                 self.peers = max(0, self.peers - 1)
                 if not self.peers:
                     sink.disconnected()
+                    left(self.inst.name)
 
     def close(self) -> None:
         for task in self.tasks:
@@ -202,11 +203,15 @@ class KvEventsListener:
         self._streams: dict[tuple[str, int], _Stream] = {}
         self._unbound: dict[int, float | None] = {}  # port -> since when it fails to bind (None: warned)
         self.counts: dict[tuple[str, str], int] = {}  # (instance, result) -> messages
+        self.disconnects: dict[str, int] = {}  # instance -> times a rank's last publisher left
         self._task: asyncio.Task[None] | None = None
 
     def _count(self, instance: str, result: str) -> None:
         key = (instance, result)
         self.counts[key] = self.counts.get(key, 0) + 1
+
+    def _left(self, instance: str) -> None:
+        self.disconnects[instance] = self.disconnects.get(instance, 0) + 1
 
     def reconcile(self) -> None:
         """Bind the ports of instances that have none bound yet, close those of instances gone or replaced."""
@@ -220,7 +225,8 @@ class KvEventsListener:
             if key in self._streams:
                 continue
             try:
-                self._streams[key] = _Stream(self._ctx, inst, key[1], port, self._sink_for(inst, key[1]), self._count)
+                self._streams[key] = _Stream(self._ctx, inst, key[1], port, self._sink_for(inst, key[1]), self._count,
+                                             self._left)
             except zmq.ZMQError as exc:
                 # the proxy this one takes over from releases it in a moment; longer, something else holds it
                 since = self._unbound.setdefault(port, time.monotonic())

@@ -181,20 +181,20 @@ class EventBlocks:
     `capacity` blocks: a real engine holds fewer (its KV cache is at most `cache_tokens`), a hostile publisher's
     flood evicts the oldest."""
 
-    def __init__(self, capacity: int, block_size: int, model: str) -> None:
+    def __init__(self, capacity: int, model: str) -> None:
         self.capacity = capacity
-        self.block_size = block_size
+        self.block_size: int | None = None  # the engine's, from its first BlockStored (the plan may not know it)
         self.model = model
         self.by_vllm: OrderedDict[Any, int] = OrderedDict()
         self.held: dict[int, int] = {}
         self.seq: int | None = None  # the last sequence number applied
         self.live = False  # a publisher is connected
-        self.wrong_size = False  # the engine's blocks are not the proxy's size: its events cannot be matched
 
     def reset(self) -> None:
         """Forget everything (the engine restarted or cleared its cache, or events were lost)."""
         self.by_vllm.clear()
         self.held.clear()
+        self.block_size = None
 
     def connected(self) -> None:
         """A publisher connected: the stream is alive (what it says next starts a new sequence)."""
@@ -208,8 +208,9 @@ class EventBlocks:
 
     def apply(self, seq: int, events: list[Event]) -> str:
         """Apply one batch of events; "gap" when batches were lost (the index starts over from this one), else
-        "applied", or the reason its events are of no use here ("block-size": the engine's block size is not the
-        proxy's; "unparented": blocks whose prefix the index does not know)."""
+        "applied", or the reason some of its events are of no use here ("block-size": blocks of another size than the
+        stream's first; "unparented": blocks whose prefix the index does not know; "unmatchable": blocks of inputs
+        other than token ids)."""
         result = "applied"
         if self.seq is not None and seq != self.seq + 1:
             self.reset()
@@ -230,9 +231,10 @@ class EventBlocks:
     def _store(self, event: Stored) -> str | None:
         if event.medium not in (None, "GPU") or event.group not in (None, 0):
             return None  # a copy in a CPU offload tier, or another KV cache group: not what a prefill reuses
-        if event.block_size != self.block_size:
-            self.wrong_size = True
-            return "block-size"
+        if self.block_size is None:
+            self.block_size = event.block_size
+        elif event.block_size != self.block_size:
+            return "block-size"  # a hybrid model's other block size: its hashes chain differently
         if event.parent is None:
             salt = _salt(event.extra_keys[0] if event.extra_keys else None, event.lora_name)
             if salt is False:
@@ -243,7 +245,7 @@ class EventBlocks:
             if known is None:
                 return "unparented"
             parent = known
-        size, tokens, extra = self.block_size, event.token_ids, event.extra_keys
+        size, tokens, extra = event.block_size, event.token_ids, event.extra_keys
         for k, vllm_hash in enumerate(event.hashes):
             if extra and _salt(extra[k], event.lora_name) is False:
                 return "unmatchable"  # multimodal or embedded input: no request's token ids name this block
@@ -301,7 +303,7 @@ class PrefixAffinity(Policy):
         self._turn: dict[str, int] = {}
         # the request last looked at and its prompt: the router asks for each role, the conditional decision asks
         # expected_cached_tokens, and the prompt is hashed once for all of them
-        self._last: tuple[RequestFacts, Prompt] | None = None
+        self._last: tuple[RequestFacts, dict[int, Prompt]] | None = None
         # (role, instance name) -> [prompt tokens looked up, tokens expected cached]: kept across restarts of the
         # instance, as counters must be (metrics.py exposes them)
         self._tokens: dict[tuple[str, str], list[int]] = {}
@@ -322,18 +324,27 @@ class PrefixAffinity(Policy):
             ranks = self._events[inst] = {}
         blocks = ranks.get(rank)
         if blocks is None:
-            blocks = ranks[rank] = EventBlocks(self.capacity, self.block_size, self.model)
+            blocks = ranks[rank] = EventBlocks(self.capacity, self.model)
         return blocks
 
-    def prefix_source(self, inst: BackendState) -> str:
-        """"events" while every DP rank of `inst` has a live KV events stream of the proxy's block size (its
-        token-id prompts are matched exactly), else "estimate"."""
+    def _live_ranks(self, inst: BackendState) -> list[EventBlocks] | None:
+        """The event indexes of every DP rank of `inst` while each has a publisher connected; else None."""
         ranks = self._events.get(inst)
         ports = len(inst.kv_events_ports)
-        if not ranks or not ports or any(
-                (b := ranks.get(rank)) is None or not b.live or b.wrong_size for rank in range(ports)):
-            return "estimate"
-        return "events"
+        if not ranks or not ports:
+            return None
+        live = []
+        for rank in range(ports):
+            blocks = ranks.get(rank)
+            if blocks is None or not blocks.live:
+                return None
+            live.append(blocks)
+        return live
+
+    def prefix_source(self, inst: BackendState) -> str:
+        """"events" while every DP rank of `inst` has a live KV events stream (its token-id prompts are matched
+        exactly), else "estimate"."""
+        return "estimate" if self._live_ranks(inst) is None else "events"
 
     def _pending_of(self, inst: BackendState, now: float) -> OrderedDict[int, float]:
         pending = self._pending.get(inst)
@@ -343,12 +354,15 @@ class PrefixAffinity(Policy):
             pending.popitem(last=False)
         return pending
 
-    def _prompt(self, request: RequestFacts) -> Prompt:
+    def _prompt(self, request: RequestFacts, block_size: int | None = None) -> Prompt:
+        """The request's prompt in blocks of `block_size` (the plan's by default; an engine's events may say another)."""
+        size = block_size or self.block_size
         last = self._last
-        if last is not None and last[0] is request:
-            return last[1]
-        prompt = prompt_of(request, self.block_size)
-        self._last = (request, prompt)
+        if last is None or last[0] is not request:
+            last = self._last = (request, {})
+        prompt = last[1].get(size)
+        if prompt is None:
+            prompt = last[1][size] = prompt_of(request, size, self.model)
         return prompt
 
     def _index(self, inst: BackendState) -> BlockIndex:
@@ -357,18 +371,23 @@ class PrefixAffinity(Policy):
             index = self._indexes[inst] = BlockIndex(self.capacity, inst.failed_probes)
         return index
 
-    def _matched(self, inst: BackendState, prompt: Prompt) -> int:
-        if prompt.token_ids and self.prefix_source(inst) == "events":
-            pending = self._pending_of(inst, time.monotonic())
-            ranks = self._events[inst].values()
-            return sum(max(_run(chain, rank.held, pending) for rank in ranks) for chain in prompt.chains)
-        index = self._index(inst)
-        return sum(index.matched(chain) for chain in prompt.chains)
+    def _cached(self, inst: BackendState, request: RequestFacts) -> int:
+        """Prompt tokens expected cached on `inst`: from its events (token ids, every rank live), else estimated."""
+        prompt = self._prompt(request)
+        ranks = self._live_ranks(inst) if prompt.token_ids else None
+        if ranks is None:
+            index = self._index(inst)
+            return sum(index.matched(chain) for chain in prompt.chains) * prompt.block_tokens
+        pending = self._pending_of(inst, time.monotonic())
+        best = 0
+        for rank in ranks:  # the instance picks a rank by load: the best one's match is what it may find
+            ranked = self._prompt(request, rank.block_size)
+            best = max(best, sum(_run(chain, rank.held, pending) for chain in ranked.chains) * ranked.block_tokens)
+        return best
 
     def expected_cached_tokens(self, inst: BackendState, request: RequestFacts) -> int:
         """The prompt tokens `inst` is expected to hold in its prefix cache for `request` (text: an estimate)."""
-        prompt = self._prompt(request)
-        return self._matched(inst, prompt) * prompt.block_tokens
+        return self._cached(inst, request)
 
     def pick(self, role: str, candidates: Sequence[BackendState], request: RequestFacts) -> BackendState:
         """The best prefix match within the load bound (least loaded, then round, on a tie); the prompt's blocks
@@ -384,17 +403,20 @@ class PrefixAffinity(Policy):
             inst = candidates[(turn + k) % count]
             if inst.in_flight > bound:
                 continue
-            match = self._matched(inst, prompt) if prompt.chains else 0
+            match = self._cached(inst, request) if prompt.chains else 0
             if match > best_match or (match == best_match and inst.in_flight < best.in_flight):
                 best, best_match = inst, match
         index = self._index(best)
         for chain in prompt.chains:
             index.add(chain)
         if best.kv_events_ports and prompt.token_ids:
+            # its events report these blocks once its engine has computed them; until then they count as held
+            ranks = self._events.get(best)
+            first = ranks.get(0) if ranks else None
             now = time.monotonic()
             pending = self._pending_of(best, now)
             until = now + PENDING_S
-            for chain in prompt.chains:
+            for chain in self._prompt(request, first.block_size if first else None).chains:
                 for block in chain:
                     pending[block] = until
                     pending.move_to_end(block)
@@ -402,7 +424,7 @@ class PrefixAffinity(Policy):
         if counts is None:
             counts = self._tokens[(role, best.name)] = [0, 0]
         counts[0] += prompt.tokens
-        counts[1] += min(best_match * prompt.block_tokens, prompt.tokens)
+        counts[1] += min(best_match, prompt.tokens)
         return best
 
     def prefix_tokens(self) -> Mapping[tuple[str, str], Sequence[int]]:
