@@ -19,6 +19,7 @@ import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.ports import free_ports
+from appliance.proxy import admin
 from appliance.proxy.app import Proxy
 from appliance.proxy.kv_events import MAX_MESSAGE_BYTES
 from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
@@ -146,8 +147,10 @@ def test_events_send_a_prompt_where_its_engine_says_its_prefix_is() -> None:
             await pubs[0].send({"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"})
             await eventually(lambda: px.kv_events.counts.get(("both-0", "applied")) == 2, what="store, remove")
             assert policy.expected_cached_tokens(px.registry.instances["both-0"], _facts(fresh)) == 0
-            counts = (await _metrics(px))
+            counts = await _metrics(px)
             assert counts["source"] == {"both-0": "events", "both-1": "events"}
+            # what `pdctl status` shows per backend
+            assert {i["name"]: i["prefix_source"] for i in admin.state(px)["instances"]} == counts["source"]
             assert counts["events"][("both-1", "applied")] == 2
     asyncio.run(scenario())
 
