@@ -104,7 +104,8 @@ def _event(raw: Any) -> Event:
     if (not isinstance(tokens, list) or not isinstance(size, int) or isinstance(size, bool) or size < 1
             or len(tokens) != len(hashes) * size or not all(type(t) is int for t in tokens)
             or (parent is not None and not isinstance(parent, (bytes, int)))
-            or (extra is not None and len(extra) != len(hashes))):
+            or (extra is not None and (len(extra) != len(hashes)
+                                       or not all(keys is None or isinstance(keys, list) for keys in extra)))):
         raise BadMessage("garbled")
     return Stored(hashes, parent, tokens, size, _optional(raw.get("lora_name"), str), extra, medium, group)
 
@@ -131,6 +132,9 @@ class BlockSink(Protocol):
 
     def apply(self, seq: int, events: list[Event]) -> str:
         """Apply one batch; the result counted ("applied", "gap" when the sequence broke and it started over)."""
+
+    def start_over(self) -> None:
+        """Forget what the stream said; its next batch starts a new sequence."""
 
     def disconnected(self) -> None:
         """No publisher is connected any more: what it said no longer holds (its engine may have restarted)."""
@@ -168,7 +172,15 @@ class _Stream:
             except BadMessage as exc:
                 count(name, str(exc))
                 continue
-            count(name, sink.apply(seq, events))
+            try:
+                result = sink.apply(seq, events)
+            except Exception:
+                # a message parse() let through that the index cannot take: this reader must outlive it (the
+                # instance's routing would silently fall back to a stale index otherwise); its rank starts over
+                log.exception("KV events of %s rank %d: a message could not be applied", name, self.rank)
+                sink.start_over()
+                result = "error"
+            count(name, result)
 
     async def _watch(self, sink: BlockSink, left: Callable[[str], None]) -> None:
         while True:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,12 @@ pytestmark = [
 ]
 
 BLOCK = 128  # vLLM's CPU default block size: the engines report it in their events
+VOCABULARY = 695  # token ids the tiny model's tokenizer has
+
+
+def _tokens(start: int, n: int) -> list[int]:
+    """`n` token ids the tiny model has, from `start` on (wrapping), distinct for distinct starts."""
+    return [100 + (start + k) % (VOCABULARY - 100) for k in range(n)]
 
 
 def _config(tmp: Path) -> Path:
@@ -58,8 +65,11 @@ def _complete(url: str, prompt: list[int]) -> tuple[dict[str, Any], str | None]:
     body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 2, "temperature": 0}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read()), resp.headers.get("x-pdctl-route")
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read()), resp.headers.get("x-pdctl-route")
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{url}: {exc.code} {exc.read()!r}") from None
 
 
 def _engine_ports(http_port: int) -> set[int]:
@@ -87,7 +97,7 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
             "both-0": "events", "both-1": "events"}
 
         # Another client of both-1 (straight to the engine) caches a prompt the proxy never saw.
-        shared = list(range(200, 200 + 3 * BLOCK + 40))
+        shared = _tokens(0, 3 * BLOCK + 40)
         _complete(backends["both-1"]["url"], shared)
         wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1", result="applied"),
                    timeout=60, what="both-1's events")
@@ -101,7 +111,7 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
             result, route = _complete(proxy, prompt)
             routes.append(route)
             cached.append(result["usage"]["prompt_tokens_details"]["cached_tokens"])
-        conversation = list(range(3000, 3000 + 2 * BLOCK + 10))
+        conversation = _tokens(500, 2 * BLOCK + 10)
         first, first_route = _complete(proxy, conversation)
         second, second_route = _complete(proxy, conversation + [5] * (BLOCK + 20))
         assert routes == ["colocated; both=both-1"] * 2, routes
@@ -133,7 +143,7 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
             spies.append(spy)
         try:
             applied = _value(_scrape(proxy), "pdctl_proxy_kv_events_total", result="applied")
-            _complete(proxy, list(range(6000, 6000 + 2 * BLOCK)))
+            _complete(proxy, _tokens(250, 2 * BLOCK))
             wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", result="applied") > applied,
                        timeout=60, what="the proxy receives the new blocks")
             poller = zmq.Poller()

@@ -211,6 +211,8 @@ HOSTILE: list[list[bytes]] = [
     [b"", (0).to_bytes(8, "big"), _batch(_stored([1.5] * BLOCK, [b"x"]))],  # type: ignore[list-item]
     [b"", (0).to_bytes(8, "big"), _batch(_stored([1] * BLOCK, [b"x"], parent_block_hash=[1]))],
     [b"", (0).to_bytes(8, "big"), _batch(_stored([1] * BLOCK, [b"x"], extra_keys=[]))],
+    [b"", (0).to_bytes(8, "big"), _batch(_stored([1] * BLOCK, [b"x"], extra_keys=[5]))],
+    [b"", (0).to_bytes(8, "big"), _batch(_stored([1] * BLOCK, [b"x"], lora_name=["a"]))],
     [b"", (0).to_bytes(8, "big"), msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [[1]]}], 0])],
     # a map keyed by a map: unhashable once decoded
     [b"", (0).to_bytes(8, "big"), b"\x92\xcb" + b"\x00" * 8 + b"\x91\x81\x81\x01\x02\x03"],
@@ -248,7 +250,8 @@ def test_hostile_frames_are_dropped_and_counted_and_the_proxy_keeps_routing() ->
 
 
 def test_a_flood_is_bounded_by_a_small_cache() -> None:
-    """With cache_tokens of four blocks of the plan's size, the index never holds more than that many."""
+    """With cache_tokens of four blocks of the plan's size, the index never holds more than that many, nor the
+    blocks routed to an instance and not yet reported."""
     async def scenario() -> None:
         async with _node(cache_tokens=64) as (px, pubs):
             blocks = px.router.policy.event_blocks(px.registry.instances["both-0"], 0)
@@ -256,4 +259,11 @@ def test_a_flood_is_bounded_by_a_small_cache() -> None:
             await pubs[0].send(*[_stored([k] * BLOCK, [k]) for k in range(100)])
             await eventually(lambda: px.kv_events.counts.get(("both-0", "applied")) == 1, what="the flood")
             assert len(blocks.by_vllm) == 4 and len(blocks.held) == 4
+            # what was routed and not yet reported is bounded the same way, its head kept (both engines' blocks
+            # are BLOCK tokens, as their events said)
+            await pubs[1].send(_stored([1] * BLOCK, [1]))
+            await eventually(lambda: px.kv_events.counts.get(("both-1", "applied")) == 1, what="both-1's block")
+            long = list(range(20_000, 20_000 + 20 * BLOCK))
+            where = px.registry.instances[await _route(px, long)]
+            assert px.router.policy.expected_cached_tokens(where, _facts(long)) == 4 * BLOCK
     asyncio.run(scenario())

@@ -196,6 +196,11 @@ class EventBlocks:
         self.held.clear()
         self.block_size = None
 
+    def start_over(self) -> None:
+        """Forget everything, and the sequence: the next batch starts a new one."""
+        self.seq = None
+        self.reset()
+
     def connected(self) -> None:
         """A publisher connected: the stream is alive (what it says next starts a new sequence)."""
         self.live = True
@@ -203,8 +208,7 @@ class EventBlocks:
     def disconnected(self) -> None:
         """The publisher left: its engine stopped (its cache with it), or may be replaced by another."""
         self.live = False
-        self.seq = None
-        self.reset()
+        self.start_over()
 
     def apply(self, seq: int, events: list[Event]) -> str:
         """Apply one batch of events; "gap" when batches were lost (the index starts over from this one), else
@@ -417,9 +421,11 @@ class PrefixAffinity(Policy):
             pending = self._pending_of(best, now)
             until = now + PENDING_S
             for chain in self._prompt(request, first.block_size if first else None).chains:
-                for block in chain:
+                for block in reversed(chain):  # head last: the bound below drops a prompt's tail first
                     pending[block] = until
                     pending.move_to_end(block)
+            while len(pending) > self.capacity:  # a flood of new prompts: the oldest stop counting first
+                pending.popitem(last=False)
         counts = self._tokens.get((role, best.name))
         if counts is None:
             counts = self._tokens[(role, best.name)] = [0, 0]
