@@ -16,8 +16,9 @@ The exact path: where an instance's engine publishes vLLM's KV cache events (kv_
 has an EventBlocks index of the blocks the engine says it holds, as the same chained hashes, computed from the
 token ids each BlockStored event carries (vLLM's own block hashes are sha256 over its own serialization, with a
 seed the proxy does not share: they only name blocks here, for eviction and parenting). A token-id prompt is
-matched there, plus what was routed to the instance in the last PENDING_S seconds and is not yet reported (its
-prefill is still running); text and chat prompts, and instances without a live stream, use the estimate.
+matched there, plus the blocks routed to the instance in the last PENDING_S seconds that it did not hold and has not
+reported yet (their prefill is still running); text and chat prompts, and instances without a live stream, use the
+estimate.
 """
 
 from __future__ import annotations
@@ -181,10 +182,13 @@ class EventBlocks:
     `capacity` blocks: a real engine holds fewer (its KV cache is at most `cache_tokens`), a hostile publisher's
     flood evicts the oldest."""
 
-    def __init__(self, capacity: int, model: str) -> None:
+    def __init__(self, capacity: int, model: str, pending: OrderedDict[int, float] | None = None) -> None:
         self.capacity = capacity
         self.block_size: int | None = None  # the engine's, from its first BlockStored (the plan may not know it)
         self.model = model
+        # the instance's blocks routed and not yet reported: a block reported stored leaves it, and from then on
+        # this index (its evictions too) says whether it is held
+        self.pending: OrderedDict[int, float] = OrderedDict() if pending is None else pending
         self.by_vllm: OrderedDict[Any, int] = OrderedDict()
         self.held: dict[int, int] = {}
         self.seq: int | None = None  # the last sequence number applied
@@ -259,6 +263,7 @@ class EventBlocks:
                 self._drop(old)
             self.by_vllm[vllm_hash] = parent
             self.held[parent] = self.held.get(parent, 0) + 1
+            self.pending.pop(parent, None)
         while len(self.by_vllm) > self.capacity:
             self._drop(self.by_vllm.popitem(last=False)[1])
         return None
@@ -328,7 +333,10 @@ class PrefixAffinity(Policy):
             ranks = self._events[inst] = {}
         blocks = ranks.get(rank)
         if blocks is None:
-            blocks = ranks[rank] = EventBlocks(self.capacity, self.model)
+            pending = self._pending.get(inst)
+            if pending is None:
+                pending = self._pending[inst] = OrderedDict()
+            blocks = ranks[rank] = EventBlocks(self.capacity, self.model, pending)
         return blocks
 
     def _live_ranks(self, inst: BackendState) -> list[EventBlocks] | None:
@@ -414,14 +422,18 @@ class PrefixAffinity(Policy):
         for chain in prompt.chains:
             index.add(chain)
         if best.kv_events_ports and prompt.token_ids:
-            # its events report these blocks once its engine has computed them; until then they count as held
-            ranks = self._events.get(best)
-            first = ranks.get(0) if ranks else None
+            # its events report the blocks its engine computes for this prompt once it has; until then they count
+            # as held (those it holds already are the events' to vouch for, evictions included)
+            ranks = self._events.get(best) or {}
+            first = ranks.get(0)
+            held = [rank.held for rank in ranks.values()]
             now = time.monotonic()
             pending = self._pending_of(best, now)
             until = now + PENDING_S
             for chain in self._prompt(request, first.block_size if first else None).chains:
                 for block in reversed(chain):  # head last: the bound below drops a prompt's tail first
+                    if any(block in h for h in held):
+                        continue
                     pending[block] = until
                     pending.move_to_end(block)
             while len(pending) > self.capacity:  # a flood of new prompts: the oldest stop counting first
