@@ -68,6 +68,16 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def events_by_result(metrics: str) -> dict[str, float]:
+    """The proxy's KV event messages by result (applied, gap, garbled, ...), both engines together."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "pdctl_proxy_kv_events_total":
+                out[sample.labels["result"]] = out.get(sample.labels["result"], 0.0) + sample.value
+    return out
+
+
 def block_size(url: str) -> int:
     """The engine's KV block size, from vLLM's vllm:cache_config_info labels."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
@@ -143,6 +153,8 @@ def run_policy(policy: str, seed: int, engines: list[str], events: list[int], bl
         )
         after = [scrape(e) for e in engines]
         proxy = scrape(url)
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+            url_text = resp.read().decode()
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -168,7 +180,11 @@ def run_policy(policy: str, seed: int, engines: list[str], events: list[int], bl
         "ttft_ms_median_first_turns": ttft(first=True), "ttft_ms_median_later_turns": ttft(first=False),
         "proxy_lookup_tokens": proxy.get("pdctl_proxy_prefix_lookup_tokens_total", 0.0),
         "proxy_hit_tokens": proxy.get("pdctl_proxy_prefix_hit_tokens_total", 0.0),
-        "kv_event_messages": proxy.get("pdctl_proxy_kv_events_total", 0.0),
+        "kv_event_messages": events_by_result(url_text),
+        # an instance out of rotation for a while sends its conversations elsewhere: say when it happened
+        "ejections": [line.split(" failed", 1)[0].rsplit(" ", 2)[-2] for line in
+                      (work / f"proxy-{policy}.log").read_text(errors="replace").splitlines()
+                      if "ejected" in line],
     }
 
 
