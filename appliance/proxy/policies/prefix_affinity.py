@@ -393,6 +393,8 @@ class PrefixAffinity(Policy):
         pending = self._pending_of(inst, time.monotonic())
         best = 0
         for rank in ranks:  # the instance picks a rank by load: the best one's match is what it may find
+            if not rank.held and not pending:
+                continue
             ranked = self._prompt(request, rank.block_size)
             best = max(best, sum(_run(chain, rank.held, pending) for chain in ranked.chains) * ranked.block_tokens)
         return best
@@ -432,10 +434,12 @@ class PrefixAffinity(Policy):
             until = now + PENDING_S
             for chain in self._prompt(request, first.block_size if first else None).chains:
                 for block in reversed(chain):  # head last: the bound below drops a prompt's tail first
-                    if any(block in h for h in held):
-                        continue
-                    pending[block] = until
-                    pending.move_to_end(block)
+                    for h in held:
+                        if block in h:
+                            break
+                    else:
+                        pending[block] = until
+                        pending.move_to_end(block)
             while len(pending) > self.capacity:  # a flood of new prompts: the oldest stop counting first
                 pending.popitem(last=False)
         counts = self._tokens.get((role, best.name))
