@@ -23,12 +23,13 @@ import timeit
 from appliance.connector import get_connector
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.kv_events import Stored
-from appliance.proxy.policies import POLICIES, RequestFacts
+from appliance.proxy.policies import POLICIES, Policy, RequestFacts
 from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.routing import Router
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
+MODEL = "bench-model"
 
 
 def body(prompt: str) -> dict[str, object]:
@@ -36,7 +37,7 @@ def body(prompt: str) -> dict[str, object]:
     kind, _, size = prompt.partition("-")
     n = int(size)
     text = (SENTENCE * (n // len(SENTENCE) + 1))[:n]
-    return {"model": "bench-model", "prompt": text if kind == "text" else tuple(range(n)), "max_tokens": 16}
+    return {"model": MODEL, "prompt": text if kind == "text" else tuple(range(n)), "max_tokens": 16}
 
 
 # conditional routing as the planner sets it on results/conditional's node (decode_only_below 318), and off
@@ -77,10 +78,14 @@ def us_per_request(policy: str, rules: Rules, prompt: str, instances: int, dp_si
     """The best of `repeat` runs of routing `requests` requests, in microseconds per request."""
     name, _, source = policy.partition(":")
     registry = _registry(instances, dp_size, events=source == "events")
-    chosen = POLICIES[name]()
     request = body(prompt)
-    if isinstance(chosen, PrefixAffinity) and source == "events":
+    chosen: Policy
+    if source == "events":
+        # the served model's name: what the events' blocks are seeded with, as the requests' (they name it)
+        chosen = PrefixAffinity(model=MODEL)
         _feed_events(chosen, registry, request)
+    else:
+        chosen = POLICIES[name]()
     router = Router(registry, chosen, lambda: "read", get_connector("nixl"), rules)
 
     def one() -> None:

@@ -392,11 +392,15 @@ class PrefixAffinity(Policy):
             return sum(index.matched(chain) for chain in prompt.chains) * prompt.block_tokens
         pending = self._pending_of(inst, time.monotonic())
         best = 0
+        alone: dict[int | None, int] = {}  # a rank that reports nothing matches on the pending blocks alone: once
         for rank in ranks:  # the instance picks a rank by load: the best one's match is what it may find
-            if not rank.held and not pending:
+            if not rank.held and (not pending or rank.block_size in alone):
                 continue
             ranked = self._prompt(request, rank.block_size)
-            best = max(best, sum(_run(chain, rank.held, pending) for chain in ranked.chains) * ranked.block_tokens)
+            match = sum(_run(chain, rank.held, pending) for chain in ranked.chains) * ranked.block_tokens
+            if not rank.held:
+                alone[rank.block_size] = match
+            best = max(best, match)
         return best
 
     def expected_cached_tokens(self, inst: BackendState, request: RequestFacts) -> int:
