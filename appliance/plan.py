@@ -49,6 +49,7 @@ SLOW_GAP_SPREAD = 0.1
 # The share of a running stream's gaps that may be slow: numpy's p99 of a 100-token answer's 99 gaps lets one
 # of them pass the target (docs/bench.md), so a decode step carrying a short prompt may be over it this often.
 SLOW_STEP_SHARE = 0.01
+KV_EVENTS = "kv_events"  # the purpose of an instance's ports the proxy binds for its engine's KV cache events
 
 
 class Frozen(BaseModel):
@@ -421,6 +422,9 @@ def _instance(settings: Settings, inventory: Inventory, connector: Connector, ct
         ports[purpose] = list(span)
     if ctx.dp > 1:
         ports["dp_rpc"] = [rs.dp_rpc_port + ctx.index]
+    if kv_events(settings, ctx.role):
+        # vLLM's publisher of DP rank r connects to the endpoint's port + r
+        ports[KV_EVENTS] = [rs.kv_events_port + ctx.index * ctx.dp + rank for rank in range(ctx.dp)]
     kv_config = connector.kv_transfer_config(ctx)
     argv, env = engine_command(settings, ctx, model, connector, kv_config, gpus, ports)
     gpu_numa = {g.index: g.numa_node for g in inventory.gpus}
@@ -451,6 +455,14 @@ def _instance(settings: Settings, inventory: Inventory, connector: Connector, ct
         env=env,
     )
     return instance, warnings
+
+
+def kv_events(settings: Settings, role: Role) -> bool:
+    """Whether a role's engines publish their KV cache events to the proxy: prefix-affinity routing wants them,
+    the setting allows them, the engine is vLLM (a simulated engine has none) and its prefix cache is not off."""
+    p = settings.proxy
+    return (p.routing == "prefix_affinity" and p.prefix_affinity.kv_events and settings.engine.kind == "vllm"
+            and settings.role(role).enable_prefix_caching is not False)
 
 
 def _check_rank_ports(connector: Connector, ctx: InstanceContext, settings: Settings) -> None:
@@ -600,7 +612,8 @@ def decode_only_below(step_ms: float, prefill_us_per_token: float, itl_slo_ms: f
 
 def backends(instances: list[Instance]) -> list[Backend]:
     """The proxy's static backends: every instance of the plan."""
-    return [Backend(name=i.name, role=i.role, url=i.url, dp_size=i.dp, tp_size=i.tp, kv=i.proxy_kv) for i in instances]
+    return [Backend(name=i.name, role=i.role, url=i.url, dp_size=i.dp, tp_size=i.tp, kv=i.proxy_kv,
+                    kv_events_ports=i.ports.get(KV_EVENTS, [])) for i in instances]
 
 
 def _schema_1_to_2(data: dict[str, Any]) -> dict[str, Any]:
@@ -660,5 +673,7 @@ def busy_ports(plan_: Plan, is_free: Callable[[str, int], bool]) -> list[BusyPor
     for port, owner in all_ports(plan_.instances, proxy):
         host = hosts.get(owner, "127.0.0.1")
         if not is_free(host, port):
-            problems.append(BusyPort(port, host, owner, None if owner in hosts else owner.split(" ", 1)[0]))
+            # the proxy binds each instance's KV events ports (the engines connect to it)
+            proxys = owner in hosts or owner.endswith(f" {KV_EVENTS}")
+            problems.append(BusyPort(port, host, owner, None if proxys else owner.split(" ", 1)[0]))
     return problems

@@ -199,6 +199,8 @@ class RoleSettings(Section):
     handshake_port: Port = Field(default=6301, ge=1024, le=65535, description="MORI-IO handshake / NIXL side channel")
     notify_port: Port = Field(default=6105, ge=1024, le=65535, description="MORI-IO notify base")
     dp_rpc_port: Port = Field(default=29550, ge=1024, le=65535, description="vLLM --data-parallel-rpc-port (DP > 1)")
+    kv_events_port: Port = Field(default=6901, ge=1024, le=65535, description=(
+        "KV cache events (prefix_affinity routing): the proxy binds it on 127.0.0.1, one port per DP rank"))
 
     @field_validator("gpus")
     @classmethod
@@ -223,6 +225,7 @@ class DecodeSettings(RoleSettings):
     handshake_port: Port = Field(default=7301, ge=1024, le=65535)
     notify_port: Port = Field(default=7501, ge=1024, le=65535)
     dp_rpc_port: Port = Field(default=29650, ge=1024, le=65535)
+    kv_events_port: Port = Field(default=7901, ge=1024, le=65535)
 
 
 class ColocatedSettings(RoleSettings):
@@ -232,6 +235,7 @@ class ColocatedSettings(RoleSettings):
     handshake_port: Port = Field(default=8301, ge=1024, le=65535)
     notify_port: Port = Field(default=8501, ge=1024, le=65535)
     dp_rpc_port: Port = Field(default=29750, ge=1024, le=65535)
+    kv_events_port: Port = Field(default=8901, ge=1024, le=65535)
 
 
 def _proxy_field(path: str, *tighter: Any) -> Any:

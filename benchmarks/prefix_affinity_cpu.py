@@ -3,8 +3,13 @@ colocated (`both`) instances behind the proxy, a multi-turn workload (`pdctl ben
 per policy the engines' own prefix-cache counters and the clients' TTFT.
 
     PDCTL_TEST_VLLM_PYTHON=/path/to/vllm/venv/bin/python python benchmarks/prefix_affinity_cpu.py \\
-        [--policies round_robin,least_outstanding,prefix_affinity] [--conversations 15] [--turns 4] \\
-        [--input-len 512] [--output-len 16] [--rate 2] [--out results/cpu-prefix-affinity]
+        [--policies round_robin,least_outstanding,prefix_affinity,prefix_affinity:events] [--conversations 15] \\
+        [--turns 4] [--input-len 512] [--output-len 16] [--rate 2] [--kv-cache 64M] [--out results/cpu-prefix-affinity]
+
+`prefix_affinity` is the policy on its estimate (the proxy knows no KV events port of the engines);
+`prefix_affinity:events` the same policy fed by the engines' KV cache events (each engine publishes them, as the
+planner has it do, to a port the proxy binds; with the other policies nobody listens there). The engines publish in
+every run, so the cost of publishing is the same for all.
 
 The engines start once (two vLLM processes, prefix caching on, vLLM's CPU default block size) and serve every
 policy in turn, each behind a new proxy; each policy's run has its own seed, so no run finds another's prompts in
@@ -38,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from appliance.engine.command import kv_events_config  # noqa: E402
 from appliance.ports import free_ports  # noqa: E402
 from tests.engine.vllm_helpers import (  # noqa: E402
     start_vllm,
@@ -62,6 +68,16 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def events_by_result(metrics: str) -> dict[str, float]:
+    """The proxy's KV event messages by result (applied, gap, garbled, ...), both engines together."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "pdctl_proxy_kv_events_total":
+                out[sample.labels["result"]] = out.get(sample.labels["result"], 0.0) + sample.value
+    return out
+
+
 def block_size(url: str) -> int:
     """The engine's KV block size, from vLLM's vllm:cache_config_info labels."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
@@ -72,12 +88,17 @@ def block_size(url: str) -> int:
     raise SystemExit("the engine's /metrics has no vllm:cache_config_info: cannot tell its block size")
 
 
-def start_proxy(policy: str, engines: list[str], block: int, work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """`python -m appliance.proxy` in front of `engines` with routing `policy`; returns it and its URL."""
+def start_proxy(policy: str, engines: list[str], events: list[int], block: int,
+                work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m appliance.proxy` in front of `engines` with routing `policy` (":events": with the engines' KV
+    events ports, `events`); returns it and its URL."""
     port, admin = free_ports(2)
-    config = {"connector": "none", "model": MODEL, "routing": policy, "block_size": block, "port": port,
+    routing, _, source = policy.partition(":")
+    config = {"connector": "none", "model": MODEL, "routing": routing, "block_size": block, "port": port,
               "admin": {"port": admin},
-              "backends": [{"name": f"both-{k}", "role": "both", "url": url} for k, url in enumerate(engines)]}
+              "backends": [{"name": f"both-{k}", "role": "both", "url": url,
+                            "kv_events_ports": [events[k]] if source == "events" else []}
+                           for k, url in enumerate(engines)]}
     path = work / f"proxy-{policy}.json"
     path.write_text(json.dumps(config))
     log = open(work / f"proxy-{policy}.log", "wb")  # noqa: SIM115 - the process writes it until it stops
@@ -96,15 +117,31 @@ def start_proxy(policy: str, engines: list[str], block: int, work: Path) -> tupl
     raise SystemExit(f"the proxy for {policy} did not become ready; see {work}/proxy-{policy}.log")
 
 
-def run_policy(policy: str, seed: int, engines: list[str], block: int, args: argparse.Namespace,
+def wait_for_events(url: str, engines: int) -> None:
+    """Until every engine's event publisher has connected to the proxy (pdctl_proxy_prefix_source says events)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        live = [s for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "pdctl_proxy_prefix_source" and s.labels["source"] == "events" and s.value == 1]
+        if len(live) == engines:
+            return
+        time.sleep(0.5)
+    raise SystemExit("the engines' KV events did not reach the proxy within 60 s")
+
+
+def run_policy(policy: str, seed: int, engines: list[str], events: list[int], block: int, args: argparse.Namespace,
                work: Path) -> dict[str, Any]:
     """One policy's run: a proxy, the multi-turn workload through it, the counters' differences."""
-    proc, url = start_proxy(policy, engines, block, work)
+    proc, url = start_proxy(policy, engines, events, block, work)
+    if policy.endswith(":events"):
+        wait_for_events(url, len(engines))
     settings = work / "pdctl.toml"  # the bench's SLO defaults, never the host's /etc/pdctl
     settings.write_text("")
     try:
         before = [scrape(e) for e in engines]
-        out = work / f"bench-{policy}"
+        out = work / f"bench-{policy.replace(':', '-')}"
         requests = args.conversations * args.turns
         subprocess.run(
             [sys.executable, "-m", "appliance.cli.main", "bench", "--url", url, "--engine", "vllm",
@@ -116,6 +153,8 @@ def run_policy(policy: str, seed: int, engines: list[str], block: int, args: arg
         )
         after = [scrape(e) for e in engines]
         proxy = scrape(url)
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+            url_text = resp.read().decode()
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -126,7 +165,7 @@ def run_policy(policy: str, seed: int, engines: list[str], block: int, args: arg
         return [a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True)]
 
     queries, hits = delta("vllm:prefix_cache_queries_total"), delta("vllm:prefix_cache_hits_total")
-    (args.out / f"bench-{policy}.json").write_text((out / "bench.json").read_text())
+    (args.out / f"bench-{policy.replace(':', '-')}.json").write_text((out / "bench.json").read_text())
 
     def ttft(first: bool) -> float | None:
         # the first turns can find nothing cached under any policy: the control for the box's load during the run
@@ -141,13 +180,18 @@ def run_policy(policy: str, seed: int, engines: list[str], block: int, args: arg
         "ttft_ms_median_first_turns": ttft(first=True), "ttft_ms_median_later_turns": ttft(first=False),
         "proxy_lookup_tokens": proxy.get("pdctl_proxy_prefix_lookup_tokens_total", 0.0),
         "proxy_hit_tokens": proxy.get("pdctl_proxy_prefix_hit_tokens_total", 0.0),
+        "kv_event_messages": events_by_result(url_text),
+        # an instance out of rotation for a while sends its conversations elsewhere: say when it happened
+        "ejections": [line.split(" failed", 1)[0].rsplit(" ", 2)[-2] for line in
+                      (work / f"proxy-{policy}.log").read_text(errors="replace").splitlines()
+                      if "ejected" in line],
     }
 
 
 def main() -> None:
     """Start the engines, run each policy, print and write the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policies", default="round_robin,least_outstanding,prefix_affinity")
+    parser.add_argument("--policies", default="round_robin,least_outstanding,prefix_affinity,prefix_affinity:events")
     parser.add_argument("--conversations", type=int, default=15)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--input-len", type=int, default=512)
@@ -165,14 +209,15 @@ def main() -> None:
         model = write_tiny_model_with(python, work / "model")
         # the tiny tokenizer has fewer ids than its config's vocab_size: draw prompts from the ones it has
         args.vocabulary = len(json.loads((model / "tokenizer.json").read_text())["model"]["vocab"])
-        ports = free_ports(2)
-        servers = [start_vllm(f"both-{k}", vllm_argv(python, model, port, MODEL, kv_cache_bytes=args.kv_cache),
+        ports, events = free_ports(2), free_ports(2)
+        servers = [start_vllm(f"both-{k}", [*vllm_argv(python, model, port, MODEL, kv_cache_bytes=args.kv_cache),
+                                            "--kv-events-config", json.dumps(kv_events_config(events[k]))],
                               vllm_env(), work, port) for k, port in enumerate(ports)]
         try:
             wait_ready(servers)
             engines = [s.url for s in servers]
             block = block_size(engines[0])
-            rows = [run_policy(policy, seed, engines, block, args, work)
+            rows = [run_policy(policy, seed, engines, events, block, args, work)
                     for seed, policy in enumerate(args.policies.split(","), start=1)]
         finally:
             for server in servers:
@@ -183,13 +228,13 @@ def main() -> None:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"2 vLLM CPU engines, block {block}, {args.conversations} conversations x {args.turns} turns, "
           f"input {args.input_len}, output {args.output_len}, {args.rate} req/s")
-    print(f"{'policy':<20}{'ok':>4}{'per engine':>12}{'vLLM hit rate':>15}{'proxy est.':>12}"
+    print(f"{'policy':<24}{'ok':>4}{'per engine':>12}{'vLLM hit rate':>15}{'proxy est.':>12}"
           f"{'TTFT p50 turn 1':>17}{'later turns':>13}{'later/first':>13}")
     for row in rows:
         est = row["proxy_hit_tokens"] / row["proxy_lookup_tokens"] if row["proxy_lookup_tokens"] else None
         first, later = row["ttft_ms_median_first_turns"], row["ttft_ms_median_later_turns"]
         split = "/".join(str(int(n)) for n in row["engine_requests"])
-        print(f"{row['policy']:<20}{row['ok']:>4}{split:>12}{_fmt(row['hit_rate']):>15}{_fmt(est):>12}"
+        print(f"{row['policy']:<24}{row['ok']:>4}{split:>12}{_fmt(row['hit_rate']):>15}{_fmt(est):>12}"
               f"{_fmt(first, 1):>17}{_fmt(later, 1):>13}{_fmt(later / first if first and later else None, 2):>13}")
 
 

@@ -10,7 +10,8 @@ Prints, for each policy of appliance.proxy.policies, each prompt, conditional ro
 and DP size, the best of --repeat runs of --requests requests, in microseconds per request. A prompt is text-N (N
 characters of text) or ids-N (N token ids, as `pdctl bench` sends); the same prompt every time, so prefix_affinity
 finds all its blocks on one instance and none on the others (its most expensive case: the whole chain is compared
-there). A request streams hundreds of tokens whose relay costs tens of microseconds each
+there); `prefix_affinity:events` is the same policy with every instance's DP ranks' KV event streams live and the
+prompt's blocks reported by one instance of each role. A request streams hundreds of tokens whose relay costs tens of microseconds each
 (benchmarks/proxy_bench.py): this is what a policy adds on top.
 """
 
@@ -21,11 +22,14 @@ import timeit
 
 from appliance.connector import get_connector
 from appliance.proxy.instances import BackendState, InstanceRegistry
-from appliance.proxy.policies import POLICIES, RequestFacts
+from appliance.proxy.kv_events import Stored
+from appliance.proxy.policies import POLICIES, Policy, RequestFacts
 from appliance.proxy.policies.conditional import Rules
+from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.routing import Router
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
+MODEL = "bench-model"
 
 
 def body(prompt: str) -> dict[str, object]:
@@ -33,7 +37,7 @@ def body(prompt: str) -> dict[str, object]:
     kind, _, size = prompt.partition("-")
     n = int(size)
     text = (SENTENCE * (n // len(SENTENCE) + 1))[:n]
-    return {"model": "bench-model", "prompt": text if kind == "text" else tuple(range(n)), "max_tokens": 16}
+    return {"model": MODEL, "prompt": text if kind == "text" else tuple(range(n)), "max_tokens": 16}
 
 
 # conditional routing as the planner sets it on results/conditional's node (decode_only_below 214, ITL target
@@ -41,24 +45,49 @@ def body(prompt: str) -> dict[str, object]:
 RULES = {"off": Rules(0, 0, 0.05), "on": Rules(214, 0, 0.05)}
 
 
-def _registry(instances: int, dp_size: int) -> InstanceRegistry:
+def _registry(instances: int, dp_size: int, events: bool = False) -> InstanceRegistry:
     registry = InstanceRegistry(1.0)
     port = 20000
     for role in ("prefill", "decode"):
         for k in range(instances):
             port += 1
-            inst = BackendState(f"{role}-{k}", role, f"http://127.0.0.1:{port}", connect_timeout=1.0, dp_size=dp_size)
+            inst = BackendState(f"{role}-{k}", role, f"http://127.0.0.1:{port}", connect_timeout=1.0, dp_size=dp_size,
+                                kv_events_ports=range(30000 + port * 8, 30000 + port * 8 + dp_size) if events else ())
             inst.healthy = True
             registry.instances[inst.name] = inst
             registry.by_role[role].append(inst)
     return registry
 
 
+def _feed_events(policy: PrefixAffinity, registry: InstanceRegistry, request: dict[str, object]) -> None:
+    """Every rank's KV event stream live; the first instance of each role's rank 0 holds the prompt's blocks (a
+    token-id prompt's: a text prompt is matched on the estimate whatever the source)."""
+    prompt = request["prompt"]
+    for insts in registry.by_role.values():
+        for inst in insts:
+            for rank in range(inst.dp_size):
+                policy.event_blocks(inst, rank).connected()
+        if insts and isinstance(prompt, tuple):
+            size = policy.block_size
+            tokens = list(prompt[:len(prompt) // size * size])
+            hashes = list(range(len(tokens) // size))
+            policy.event_blocks(insts[0], 0).apply(0, [Stored(hashes, None, tokens, size, None, None, "GPU", 0)])
+
+
 def us_per_request(policy: str, rules: Rules, prompt: str, instances: int, dp_size: int, requests: int,
                    repeat: int) -> float:
     """The best of `repeat` runs of routing `requests` requests, in microseconds per request."""
-    router = Router(_registry(instances, dp_size), POLICIES[policy](), lambda: "read", get_connector("nixl"), rules)
+    name, _, source = policy.partition(":")
+    registry = _registry(instances, dp_size, events=source == "events")
     request = body(prompt)
+    chosen: Policy
+    if source == "events":
+        # the served model's name: what the events' blocks are seeded with, as the requests' (they name it)
+        chosen = PrefixAffinity(model=MODEL)
+        _feed_events(chosen, registry, request)
+    else:
+        chosen = POLICIES[name]()
+    router = Router(registry, chosen, lambda: "read", get_connector("nixl"), rules)
 
     def one() -> None:
         # a new RequestFacts per request, as legs.py makes: no policy may reuse the last request's work
@@ -86,14 +115,14 @@ def main() -> None:
     dps = [int(n) for n in args.dp.split(",")]
     print(f"routing cost per disaggregated request (route + 2 leases), us, best of {args.repeat} x {args.requests}; "
           "conditional routing off and on")
-    print(f"{'policy':<20}{'prompt':<12}{'conditional':<12}"
+    print(f"{'policy':<24}{'prompt':<12}{'conditional':<12}"
           + "".join(f"{f'{n} inst, DP {d}':>16}" for n in sizes for d in dps))
-    for policy in POLICIES:
+    for policy in [*POLICIES, "prefix_affinity:events"]:
         for prompt in args.prompts.split(","):
             for name, rules in RULES.items():
                 cells = (us_per_request(policy, rules, prompt, n, d, args.requests, args.repeat)
                          for n in sizes for d in dps)
-                print(f"{policy:<20}{prompt:<12}{name:<12}" + "".join(f"{c:>16.2f}" for c in cells), flush=True)
+                print(f"{policy:<24}{prompt:<12}{name:<12}" + "".join(f"{c:>16.2f}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from appliance.errors import PlanError
 from appliance.inventory import load_inventory
 from appliance.inventory.models import Gpu, Inventory
 from appliance.plan import Plan, all_ports, busy_ports, plan
-from appliance.settings import Settings, load_settings
+from appliance.settings import Settings, deep_merge, load_settings
 
 
 def make(overrides: dict[str, Any] | None = None) -> Settings:
@@ -145,6 +145,27 @@ def test_colocated_layout() -> None:
     assert all(i.kv_transfer_config is None for i in p.instances)
 
 
+def test_prefix_affinity_on_vllm_has_each_dp_rank_publish_its_kv_events_to_the_proxy() -> None:
+    """Each instance's DP ranks get consecutive ports (vLLM's publisher of rank r connects to the endpoint's port
+    + r), the engine's argv connects there (a host, not a wildcard: the proxy binds), the proxy's backends list
+    them and a busy one is the proxy's to bind. Off for another routing, the setting, a simulated engine, or an
+    engine without a prefix cache."""
+    on = {"connector": {"name": "none"}, "colocated": {"instances": 2, "dp": 2}, "proxy": {"routing": "prefix_affinity"}}
+    p = plan(make(on), load_inventory("sim:h200-8"))
+    for inst, base in zip(p.instances, (8901, 8903), strict=True):
+        assert inst.ports["kv_events"] == [base, base + 1]
+        config = json.loads(inst.argv[inst.argv.index("--kv-events-config") + 1])
+        assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{base}",
+                          "topic": ""}  # no replay endpoint: vLLM would bind that one, for anyone to ask
+    assert [b.kv_events_ports for b in p.proxy.backends] == [[8901, 8902], [8903, 8904]]
+    assert busy_ports(p, lambda host, port: port != 8902) == [(8902, "127.0.0.1", "both-0 kv_events", None)]
+    for off in ({"proxy": {"routing": "least_outstanding"}}, {"proxy": {"prefix_affinity": {"kv_events": False}}},
+                {"engine": {"kind": "sim"}}, {"colocated": {"instances": 2, "dp": 2, "enable_prefix_caching": False}}):
+        q = plan(make(deep_merge(on, off)), load_inventory("sim:h200-8"))
+        assert all("kv_events" not in i.ports and "--kv-events-config" not in i.argv for i in q.instances), off
+        assert all(b.kv_events_ports == [] for b in q.proxy.backends), off
+
+
 def test_schema_1_plan_still_loads() -> None:
     """A plan.json written before the proxy's config became Plan.proxy (a deployed node's state) still loads."""
     old = json.loads((Path(__file__).parent / "data" / "plan-schema1.json").read_text())
@@ -234,10 +255,10 @@ def _inventory(n: int) -> Inventory:
 @given(
     p_inst=st.integers(1, 4), p_tp=st.sampled_from([1, 2, 4, 8]), p_dp=st.sampled_from([1, 2, 4]),
     d_inst=st.integers(1, 4), d_tp=st.sampled_from([1, 2, 4, 8]), d_dp=st.sampled_from([1, 2, 4]),
-    connector=st.sampled_from(["moriio", "none"]),
+    connector=st.sampled_from(["moriio", "none"]), routing=st.sampled_from(["least_outstanding", "prefix_affinity"]),
 )
 def test_no_two_ranks_share_a_port(p_inst: int, p_tp: int, p_dp: int, d_inst: int, d_tp: int, d_dp: int,
-                                  connector: str) -> None:
+                                  connector: str, routing: str) -> None:
     need = p_inst * p_tp * p_dp + d_inst * d_tp * d_dp
     assume(need <= 64)
     overrides = {
@@ -245,6 +266,7 @@ def test_no_two_ranks_share_a_port(p_inst: int, p_tp: int, p_dp: int, d_inst: in
         "prefill": {"instances": p_inst, "tp": p_tp, "dp": p_dp},
         "decode": {"instances": d_inst, "tp": d_tp, "dp": d_dp, "handshake_port": 9301, "notify_port": 11501},
         "colocated": {"instances": p_inst, "tp": p_tp, "dp": p_dp},
+        "proxy": {"routing": routing},
     }
     if connector == "moriio" and ((p_dp > 1 and p_tp > 1) or (d_dp > 1 and d_tp > 1)):
         # every vLLM release binds MoRIIO rank ports at base + dp_rank + tp_rank: such shapes are refused
@@ -267,6 +289,10 @@ def test_no_two_ranks_share_a_port(p_inst: int, p_tp: int, p_dp: int, d_inst: in
             assert len(hs) == len(nt) == ranks
         if inst.dp > 1:
             assert "--data-parallel-rpc-port" in inst.argv
+        if routing == "prefix_affinity":  # one KV events port per DP rank, consecutive from the argv's
+            events = inst.ports["kv_events"]
+            endpoint = json.loads(inst.argv[inst.argv.index("--kv-events-config") + 1])["endpoint"]
+            assert events == list(range(events[0], events[0] + inst.dp)) and endpoint.endswith(f":{events[0]}")
     used = [g for i in p.instances for g in i.gpus]
     assert len(used) == len(set(used))
 

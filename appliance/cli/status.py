@@ -20,7 +20,8 @@ engines themselves report them.
                     appliance/connector/nixl/stats.py)
     proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts, automatic_restarts, last_exit,
                     reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
-                    healthy, draining, in_flight), requests {total, by_status{code: n},
+                    healthy, draining, in_flight, prefix_source: events|estimate under prefix_affinity
+                    routing (docs/routing.md), else null), requests {total, by_status{code: n},
                     leg_failures, client_aborts, held (requests that waited for a role with no instance:
                     a restart, rebalance or mode switch), max_hold_s} | null,
                     port_conflict (why it cannot answer: which of its ports, on which address, another process
@@ -149,7 +150,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         })
     pst = snap.units[PROXY_UNIT]
     admin = snap.proxy
-    keys = ("name", "role", "url", "healthy", "draining", "in_flight")
+    keys = ("name", "role", "url", "healthy", "draining", "in_flight", "prefix_source")
     proxy = {
         "unit": PROXY_UNIT,
         "url": plan.proxy.url,
@@ -282,7 +283,8 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
             console.print(f"{unit['name']} last stopped by itself ({escape(unit['last_exit'])}){restarting}; "
                           f"{unit['automatic_restarts']} automatic restart(s)")
     if p["reachable"]:
-        reg = ", ".join(f"{r['name']}({r['role']}{'' if r['healthy'] else ', unhealthy'})" for r in p["registered"])
+        reg = ", ".join(f"{r['name']}({r['role']}{'' if r['healthy'] else ', unhealthy'}"
+                        f"{', prefix ' + r['prefix_source'] if r.get('prefix_source') else ''})" for r in p["registered"])
         req = p["requests"] or {}
         codes = " ".join(f"{k}:{v}" for k, v in sorted(req.get("by_status", {}).items()))
         console.print(f"proxy {p['url']} mode {p['mode']}; backends: {escape(reg) or 'none'}; "

@@ -78,6 +78,15 @@ def context_length(settings: Settings, model: ModelPlan) -> int | None:
     return settings.model.max_model_len or (2048 if model.generate else None)
 
 
+def kv_events_config(port: int) -> dict[str, Any]:
+    """vLLM's --kv-events-config publishing to the proxy's SUB socket on 127.0.0.1:`port` (DP rank r: port + r).
+
+    A tcp endpoint with a host is one vLLM's publisher connects to (a wildcard or ipc:// one it binds): the proxy
+    binds, so no other local process can subscribe to the events, which carry prompts' token ids. No replay
+    endpoint: vLLM binds that one, and anyone could ask it for every recent batch."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": ""}
+
+
 def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_config: dict[str, Any] | None,
               ports: dict[str, list[int]]) -> list[str]:
     """vLLM's OpenAI server arguments for one instance (parallelism, Wide-EP knobs, batching, connector)."""
@@ -120,6 +129,8 @@ def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_con
         argv.extend(["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))])
     if not any(a == "--block-size" or a.startswith("--block-size=") for a in rs.extra_args):
         _flag(argv, "--block-size", ctx.block_size)
+    if "kv_events" in ports:
+        argv.extend(["--kv-events-config", json.dumps(kv_events_config(ports["kv_events"][0]), separators=(",", ":"))])
     argv.extend(rs.extra_args)
     return argv
 

@@ -26,7 +26,9 @@ Target = Literal["ray-serve", "llm-d"]
 ClusterRole = Literal["prefill", "decode"]
 
 # vLLM flags that describe where one process listens on this node; a cluster engine decides them itself.
-NODE_LOCAL_FLAGS = frozenset({"model", "served_model_name", "host", "port", "data_parallel_rpc_port"})
+# kv_events_config: the engine publishes to pdctl's proxy on 127.0.0.1 of its own node (prefix affinity)
+NODE_LOCAL_FLAGS = frozenset({"model", "served_model_name", "host", "port", "data_parallel_rpc_port",
+                              "kv_events_config"})
 
 # vLLM flags typed as human-readable integers on its command line ('256M', '32k'); as EngineArgs keyword
 # arguments (Ray's engine_kwargs) they must be plain integers. See vllm/engine/arg_utils.py.

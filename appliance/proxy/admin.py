@@ -47,7 +47,8 @@ def state(proxy: ProxyState) -> dict[str, Any]:
         },
         "requests": proxy.metrics.request_totals(),
         "planned_stops": sorted(proxy.planned.active),
-        "instances": [inst.state() for inst in proxy.registry.instances.values()],
+        "instances": [{**inst.state(), "prefix_source": proxy.router.policy.prefix_source(inst)}
+                      for inst in proxy.registry.instances.values()],
     }
 
 

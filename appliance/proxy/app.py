@@ -127,6 +127,8 @@ class Proxy(ProxyState):
         elif self.config.registration.enabled:
             self._registration_bind = asyncio.create_task(self._bind_registration())
         self.health.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
         log.info(
             "proxy on %s:%d (admin %s:%d), connector %s, mode %s, %d static backends",
             self.config.host, self.api_port, self.config.admin.host, self.admin_port,
@@ -198,6 +200,8 @@ class Proxy(ProxyState):
             self._registration_bind.cancel()
         await self.health.stop()
         await self.planned.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.listener is not None:
             await self.listener.stop()
         for server in self._servers:

@@ -6,7 +6,7 @@ import json
 import logging
 import stat
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -127,6 +127,11 @@ class PrefixAffinityConfig(_Model):
     # bound still caps. Its memory: about 150 bytes per block remembered (65,536 blocks of 16 tokens: ~10 MB).
     cache_tokens: int = Field(default=1_048_576, ge=1, le=1 << 30, description=(
         "Prompt tokens the policy remembers per instance (an estimate of its KV cache's size in tokens)"))
+    # vLLM's KV cache events say exactly which blocks an engine holds; the planner turns them on for vLLM engines
+    # (a simulated engine publishes none), and the proxy falls back to the estimate per instance without them.
+    kv_events: bool = Field(default=True, description=(
+        "vLLM engines publish their KV cache events to the proxy (exact prefix matches for token-id prompts); "
+        "false: the estimate only"))
 
 
 class Backend(_Model):
@@ -138,6 +143,9 @@ class Backend(_Model):
     dp_size: int = Field(default=1, ge=1)
     tp_size: int = Field(default=1, ge=1)
     kv: dict[str, str | int] = Field(default_factory=dict)
+    # where the instance's DP ranks publish their KV cache events: the proxy binds a SUB socket on 127.0.0.1 at
+    # each (docs/routing.md); empty: none, the prefix estimate serves it
+    kv_events_ports: list[Annotated[int, Field(ge=1, le=65535)]] = Field(default_factory=list)
 
     @field_validator("url")
     @classmethod

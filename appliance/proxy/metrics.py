@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from appliance.proxy.histogram import FastHistogram
-from appliance.proxy.instances import InstanceRegistry
+from appliance.proxy.instances import BackendState, InstanceRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -44,6 +44,14 @@ class _LiveCollector(Collector):
             hit.add_metric([role, name], expected)
         yield lookup
         yield hit
+        events = CounterMetricFamily("pdctl_proxy_kv_events",
+                                     "KV cache event messages received from the instance's engine, by result "
+                                     "(applied; gap: some were lost, its index started over; garbled; block-size, "
+                                     "unparented, unmatchable: of no use to prefix matching)",
+                                     labels=["instance", "result"])
+        for (name, result), n in list(m.kv_events().items()):
+            events.add_metric([name, result], n)
+        yield events
         yield m.itl.family("pdctl_proxy_inter_token_latency_seconds", "Time between streamed chunks relayed")
         in_flight = GaugeMetricFamily(
             "pdctl_proxy_in_flight_requests", "Requests in flight per instance", labels=["instance", "role"]
@@ -60,6 +68,10 @@ class _LiveCollector(Collector):
                                    "Objects frozen out of the garbage collector's walks at start (see python_gc_*)")
         frozen.add_metric([], gc.get_freeze_count())
         yield frozen
+        source = GaugeMetricFamily("pdctl_proxy_prefix_source",
+                                   "1 for where prefix affinity learns what the instance caches: events (its engine's "
+                                   "KV cache events, exact for token-id prompts) or estimate (what was routed there)",
+                                   labels=["instance", "role", "source"])
         registry = m.registry_source()
         if registry is not None:
             for inst in list(registry.instances.values()):
@@ -67,6 +79,9 @@ class _LiveCollector(Collector):
                 in_flight.add_metric(labels, inst.in_flight)
                 healthy.add_metric(labels, 1 if inst.healthy else 0)
                 draining.add_metric(labels, 1 if inst.draining else 0)
+                if (where := m.source_of(inst)) is not None:
+                    source.add_metric([*labels, where], 1)
+        yield source
         yield in_flight
         yield healthy
         yield draining
@@ -76,10 +91,14 @@ class ProxyMetrics:
     """Counters and histograms the proxy updates; rendered at GET /metrics."""
 
     def __init__(self, registry_source: Callable[[], InstanceRegistry | None],
-                 prefix_source: Callable[[], Mapping[tuple[str, str], Sequence[int]]]) -> None:
+                 prefix_source: Callable[[], Mapping[tuple[str, str], Sequence[int]]],
+                 source_of: Callable[[BackendState], str | None] = lambda inst: None,
+                 kv_events: Callable[[], Mapping[tuple[str, str], int]] = dict) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry_source = registry_source
         self.prefix_source = prefix_source  # the routing policy's prefix token counts (policies/base.py)
+        self.source_of = source_of  # where the policy's knowledge of an instance's cache comes from
+        self.kv_events = kv_events  # KV event messages received, by (instance, result) (kv_events.py)
         self.requests = Counter(
             "pdctl_proxy_requests", "Client requests by HTTP status and mode", ["status", "mode"],
             registry=self.registry,

@@ -9,10 +9,12 @@ from appliance.connector import get_connector
 from appliance.proxy.config import ProxyConfig, read_secret
 from appliance.proxy.health import HealthChecker
 from appliance.proxy.instances import InstanceRegistry
+from appliance.proxy.kv_events import KvEventsListener
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.planned import PlannedStops
 from appliance.proxy.policies import POLICIES
 from appliance.proxy.policies.conditional import Rules
+from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.routing import Router
 
 
@@ -28,14 +30,19 @@ class ProxyState:
         self.api_key = read_secret(config.api_key_file)
         self.engine_key = read_secret(config.engine_api_key_file)
         self.admin_token = read_secret(config.admin.token_file)
-        self.metrics = ProxyMetrics(lambda: self.registry, lambda: self.router.policy.prefix_tokens())
+        self.metrics = ProxyMetrics(lambda: self.registry, lambda: self.router.policy.prefix_tokens(),
+                                    source_of=lambda inst: self.router.policy.prefix_source(inst),
+                                    kv_events=lambda: self.kv_events.counts if self.kv_events is not None else {})
         self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
         self.health = HealthChecker(self.registry, config.health,
                                     on_listener=lambda result: self.metrics.listener_checks.labels(result).inc(),
                                     on_probe=lambda name, result: self.metrics.health_probes.labels(name, result).inc())
         rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at, config.decode_only_window_ms / 1000)
-        self.router = Router(self.registry, POLICIES[config.routing].from_config(config), lambda: self.mode,
-                             self.connector, rules, config.block_size)
+        policy = POLICIES[config.routing].from_config(config)
+        # the engines' KV cache events, for prefix affinity's exact path (bound by app.Proxy.start)
+        self.kv_events = KvEventsListener(lambda: list(self.registry.instances.values()), policy.event_blocks) \
+            if isinstance(policy, PrefixAffinity) and config.prefix_affinity.kv_events else None
+        self.router = Router(self.registry, policy, lambda: self.mode, self.connector, rules, config.block_size)
         self.planned = PlannedStops(self.registry, self.health)
         self.started_at = time.time()
         # While pdctl re-carves the node a role can briefly have no routable instance: requests then wait

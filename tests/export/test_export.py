@@ -172,6 +172,12 @@ def test_autoscaling_bounds_and_dp_groups() -> None:
     assert decode["deployment_config"] == {"num_replicas": 3}  # DP groups: Ray multiplies by DP itself
     assert decode["engine_kwargs"]["data_parallel_size"] == 2 and decode["engine_kwargs"]["tensor_parallel_size"] == 2
     assert "data_parallel_rpc_port" not in decode["engine_kwargs"]
+    # the KV events go to the node's own proxy (prefix affinity): a cluster has none listening there
+    affinity = {**overrides, "proxy": {"routing": "prefix_affinity"}}
+    _, docs = export(affinity, "sim:h200-8", target="ray-serve")
+    assert all("kv_events_config" not in app_args(docs)[f"{role}_config"]["engine_kwargs"] for role in ("prefill", "decode"))
+    _, docs = export(affinity, "sim:h200-8", target="llm-d")
+    assert not any("kv-events" in arg for pod in docs["llm-d/modelserver.yaml"] for arg in containers(pod)["vllm"]["args"])
     with pytest.raises(ExportError, match="replica ranges are a Ray Serve option"):
         export(XPYD_NVIDIA, "sim:h200-8", target="llm-d", prefill_replicas="1:6")
 

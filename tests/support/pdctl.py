@@ -22,6 +22,7 @@ def write_config(directory: Path, state_dir: Path, manager: str = "supervisor", 
     # the connectors' own ports too (NIXL side channel, MORI-IO handshake and notify): two deployments on
     # their defaults, another test's among them, fail at the engines' bind
     hs_p, nt_p, hs_d, nt_d, hs_c, nt_c = free_ports(6, width=32)  # DP x TP ranks of up to 8 GPUs a role
+    ev_p, ev_d, ev_c = free_ports(3, width=16)  # KV events (prefix_affinity on vLLM): DP ranks of 2 instances
     path = directory / "pdctl.toml"
     path.write_text(
         f"""state_dir = {json.dumps(str(state_dir))}
@@ -34,14 +35,17 @@ health_timeout_s = 60
 http_port = {prefill}
 handshake_port = {hs_p}
 notify_port = {nt_p}
+kv_events_port = {ev_p}
 [decode]
 http_port = {decode}
 handshake_port = {hs_d}
 notify_port = {nt_d}
+kv_events_port = {ev_d}
 [colocated]
 http_port = {colocated}
 handshake_port = {hs_c}
 notify_port = {nt_c}
+kv_events_port = {ev_c}
 [proxy]
 port = {proxy}
 admin_port = {admin}

@@ -57,6 +57,11 @@ class Policy(ABC):
         subtracts them from the prompt); a policy that keeps no estimate of instances' caches expects none."""
         return 0
 
+    def prefix_source(self, inst: BackendState) -> str | None:
+        """Where the policy's knowledge of `inst`'s prefix cache comes from ("events" or "estimate"); None for a
+        policy that keeps none."""
+        return None
+
     def prefix_tokens(self) -> Mapping[tuple[str, str], Sequence[int]]:
         """(role, instance) -> (prompt tokens looked up, tokens expected cached) for the requests the policy routed
         there, for the proxy's prefix metrics; empty for a policy that keeps no prefix estimate."""

@@ -11,11 +11,20 @@ touched last to first, so the LRU drops a prompt's tail before its head, as vLLM
 
 An instance whose engine went down (a failed health probe) or that was replaced (a new BackendState) starts
 empty: its cache did too. docs/routing.md says when the estimate is right and when it is not.
+
+The exact path: where an instance's engine publishes vLLM's KV cache events (kv_events.py), each of its DP ranks
+has an EventBlocks index of the blocks the engine says it holds, as the same chained hashes, computed from the
+token ids each BlockStored event carries (vLLM's own block hashes are sha256 over its own serialization, with a
+seed the proxy does not share: they only name blocks here, for eviction and parenting). A token-id prompt is
+matched there, plus the blocks routed to the instance in the last PENDING_S seconds that it did not hold and has not
+reported yet (their prefill is still running); text and chat prompts, and instances without a live stream, use the
+estimate.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -23,6 +32,7 @@ from typing import Any
 
 from appliance.proxy.config import PrefixAffinityConfig, ProxyConfig
 from appliance.proxy.instances import BackendState
+from appliance.proxy.kv_events import Cleared, Event, Removed, Stored
 from appliance.proxy.policies.base import Policy, RequestFacts
 
 # Text characters per token of a BPE tokenizer on English prose and code (about 4): what makes a character block
@@ -37,18 +47,22 @@ _SEQUENCES = (list, tuple)
 # client may send (limits: 8 MiB) would cost ~100 ms. Prompts that share their first 4096 blocks are told apart by
 # load only, and at most that many tokens are expected cached.
 MAX_BLOCKS = 4096
+# How long blocks routed to an instance count as held there before its events say so: its prefill may wait in the
+# engine's queue, then runs; the engine reports the blocks at the end of the step that computed them.
+PENDING_S = 30.0
 
 
 class Prompt:
     """One request's prompt as chained block hashes (one chain per prompt of a batch), each block `block_tokens`
     tokens (exact for token ids, estimated for text), and its token count (the same way)."""
 
-    __slots__ = ("chains", "tokens", "block_tokens")
+    __slots__ = ("chains", "tokens", "block_tokens", "token_ids")
 
-    def __init__(self, chains: list[list[int]], tokens: int, block_tokens: int) -> None:
+    def __init__(self, chains: list[list[int]], tokens: int, block_tokens: int, token_ids: bool = False) -> None:
         self.chains = chains
         self.tokens = tokens
         self.block_tokens = block_tokens
+        self.token_ids = token_ids  # every prompt is token ids: its blocks are the engine's, as its events name them
 
 
 def _chain(seed: int, items: Sequence[Any], size: int, most: int) -> list[int]:
@@ -82,11 +96,16 @@ def render_chat(body: Mapping[str, Any]) -> str:
     return "\x1e".join(parts) + "\x1e"
 
 
-def prompt_of(request: RequestFacts, block_size: int) -> Prompt:
-    """The request's prompt blocks. The seed keeps requests with different `cache_salt`s (vLLM keeps their caches
-    apart) or models (a LoRA adapter) from ever matching each other."""
+def seed_of(model: str, cache_salt: Any) -> int:
+    """The hash a prompt's chain starts from: requests with different `cache_salt`s (vLLM keeps their caches
+    apart) or models (a LoRA adapter) never match each other. An empty salt is none, as in vLLM."""
+    return hash((model, str(cache_salt or None)))
+
+
+def prompt_of(request: RequestFacts, block_size: int, model: str = "") -> Prompt:
+    """The request's prompt blocks; `model` is the served model's name, which a request without one gets."""
     body = request.body
-    seed = hash((str(body.get("model")), str(body.get("cache_salt"))))
+    seed = seed_of(str(body.get("model") or model), body.get("cache_salt"))
     text_block = block_size * CHARS_PER_TOKEN
     if request.path.endswith("/chat/completions"):  # the body validator made sure messages is a list
         text = render_chat(body)
@@ -97,11 +116,13 @@ def prompt_of(request: RequestFacts, block_size: int) -> Prompt:
         return Prompt([], 0, block_size)
     chains: list[list[int]] = []
     tokens = hashed = 0
+    token_ids = True
     try:
         for one in prompts:
             if isinstance(one, str):
                 chains.append(_chain(seed, one, text_block, MAX_BLOCKS - hashed))
                 tokens += len(one) // CHARS_PER_TOKEN
+                token_ids = False
             elif _is_token_ids(one):
                 chains.append(_chain(seed, tuple(one), block_size, MAX_BLOCKS - hashed))
                 tokens += len(one)
@@ -112,7 +133,15 @@ def prompt_of(request: RequestFacts, block_size: int) -> Prompt:
         # a list or object among the token ids (the engine answers 400): no prefix, the request goes by load; checked
         # here rather than id by id, so that a well-formed prompt pays nothing for it
         return Prompt([], 0, block_size)
-    return Prompt(chains, tokens, block_size)
+    return Prompt(chains, tokens, block_size, token_ids)
+
+
+def _run(chain: list[int], held: Mapping[int, int], pending: Mapping[int, float]) -> int:
+    """How many leading blocks of `chain` are held or pending."""
+    for k, block in enumerate(chain):
+        if block not in held and block not in pending:
+            return k
+    return len(chain)
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -147,37 +176,205 @@ class BlockIndex:
             blocks.popitem(last=False)
 
 
+class EventBlocks:
+    """What one DP rank of an instance holds as its engine's KV cache events say: vLLM's hash of each block -> the
+    block's chained hash (as _chain computes it), and how many of vLLM's blocks stand for each chained hash. At most
+    `capacity` blocks: a real engine holds fewer (its KV cache is at most `cache_tokens`), a hostile publisher's
+    flood evicts the oldest."""
+
+    def __init__(self, capacity: int, model: str, pending: OrderedDict[int, float] | None = None) -> None:
+        self.capacity = capacity
+        self.block_size: int | None = None  # the engine's, from its first BlockStored (the plan may not know it)
+        self.model = model
+        # the instance's blocks routed and not yet reported: a block reported stored leaves it, and from then on
+        # this index (its evictions too) says whether it is held
+        self.pending: OrderedDict[int, float] = OrderedDict() if pending is None else pending
+        self.by_vllm: OrderedDict[Any, int] = OrderedDict()
+        self.held: dict[int, int] = {}
+        self.seq: int | None = None  # the last sequence number applied
+        self.live = False  # a publisher is connected
+
+    def reset(self) -> None:
+        """Forget everything (the engine restarted or cleared its cache, or events were lost)."""
+        self.by_vllm.clear()
+        self.held.clear()
+        self.block_size = None
+
+    def start_over(self) -> None:
+        """Forget everything, and the sequence: the next batch starts a new one."""
+        self.seq = None
+        self.reset()
+
+    def connected(self) -> None:
+        """A publisher connected: the stream is alive (what it says next starts a new sequence)."""
+        self.live = True
+
+    def disconnected(self) -> None:
+        """The publisher left: its engine stopped (its cache with it), or may be replaced by another."""
+        self.live = False
+        self.start_over()
+
+    def apply(self, seq: int, events: list[Event]) -> str:
+        """Apply one batch of events; "gap" when batches were lost (the index starts over from this one), else
+        "applied", or the reason some of its events are of no use here ("block-size": blocks of another size than the
+        stream's first; "unparented": blocks whose prefix the index does not know; "unmatchable": blocks of inputs
+        other than token ids)."""
+        result = "applied"
+        if self.seq is not None and seq != self.seq + 1:
+            self.reset()
+            result = "gap"
+        self.seq = seq
+        for event in events:
+            if isinstance(event, Stored):
+                why = self._store(event)
+                if why is not None and result == "applied":
+                    result = why
+            elif isinstance(event, Removed):
+                if event.medium in (None, "GPU") and event.group in (None, 0):
+                    self._remove(event.hashes)
+            elif isinstance(event, Cleared):
+                self.reset()
+        return result
+
+    def _store(self, event: Stored) -> str | None:
+        if event.medium not in (None, "GPU") or event.group not in (None, 0):
+            return None  # a copy in a CPU offload tier, or another KV cache group: not what a prefill reuses
+        if self.block_size is None:
+            self.block_size = event.block_size
+        elif event.block_size != self.block_size:
+            return "block-size"  # a hybrid model's other block size: its hashes chain differently
+        if event.parent is None:
+            salt = _salt(event.extra_keys[0] if event.extra_keys else None, event.lora_name)
+            if salt is False:
+                return "unmatchable"
+            parent = seed_of(event.lora_name or self.model, salt)
+        else:
+            known = self.by_vllm.get(event.parent)
+            if known is None:
+                return "unparented"
+            parent = known
+        size, tokens, extra = event.block_size, event.token_ids, event.extra_keys
+        for k, vllm_hash in enumerate(event.hashes):
+            if extra and _salt(extra[k], event.lora_name) is False:
+                return "unmatchable"  # multimodal or embedded input: no request's token ids name this block
+            parent = hash((parent, hash(tuple(tokens[k * size:(k + 1) * size]))))
+            old = self.by_vllm.pop(vllm_hash, None)
+            if old is not None:
+                self._drop(old)
+            self.by_vllm[vllm_hash] = parent
+            self.held[parent] = self.held.get(parent, 0) + 1
+            self.pending.pop(parent, None)
+        while len(self.by_vllm) > self.capacity:
+            self._drop(self.by_vllm.popitem(last=False)[1])
+        return None
+
+    def _remove(self, hashes: list[Any]) -> None:
+        for vllm_hash in hashes:
+            block = self.by_vllm.pop(vllm_hash, None)
+            if block is not None:
+                self._drop(block)
+
+    def _drop(self, block: int) -> None:
+        n = self.held[block] - 1
+        if n:
+            self.held[block] = n
+        else:
+            del self.held[block]
+
+
+def _salt(keys: Any, lora_name: str | None) -> Any:
+    """The cache salt among a block's extra keys (None: none); False when they hold anything a prompt of token ids
+    cannot (multimodal inputs, prompt embeddings)."""
+    rest = list(keys or ())
+    if lora_name is not None and rest and rest[0] == lora_name:
+        rest = rest[1:]
+    if not rest:
+        return None
+    if len(rest) == 1 and isinstance(rest[0], str):
+        return rest[0]
+    return False
+
+
 class PrefixAffinity(Policy):
     """The instance that holds most of the prompt's leading blocks among those within `load_bound` legs in flight
     of the least loaded one; ties (no match at all, too) go to the least loaded, then round."""
 
     name = "prefix_affinity"
 
-    def __init__(self, settings: PrefixAffinityConfig | None = None, block_size: int | None = None) -> None:
+    def __init__(self, settings: PrefixAffinityConfig | None = None, block_size: int | None = None,
+                 model: str = "") -> None:
         settings = settings or PrefixAffinityConfig()
         self.block_size = block_size or DEFAULT_BLOCK_SIZE
+        self.model = model
         self.load_bound = settings.load_bound
         self.capacity = max(1, settings.cache_tokens // self.block_size)
         self._indexes: weakref.WeakKeyDictionary[BackendState, BlockIndex] = weakref.WeakKeyDictionary()
         self._turn: dict[str, int] = {}
         # the request last looked at and its prompt: the router asks for each role, the conditional decision asks
         # expected_cached_tokens, and the prompt is hashed once for all of them
-        self._last: tuple[RequestFacts, Prompt] | None = None
+        self._last: tuple[RequestFacts, dict[int, Prompt]] | None = None
         # (role, instance name) -> [prompt tokens looked up, tokens expected cached]: kept across restarts of the
         # instance, as counters must be (metrics.py exposes them)
         self._tokens: dict[tuple[str, str], list[int]] = {}
+        # the exact path: per instance, one index per DP rank fed by its KV events, and the blocks routed there
+        # that its events have not had time to report (chained hash -> when that stops counting)
+        self._events: weakref.WeakKeyDictionary[BackendState, dict[int, EventBlocks]] = weakref.WeakKeyDictionary()
+        self._pending: weakref.WeakKeyDictionary[BackendState, OrderedDict[int, float]] = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> PrefixAffinity:
         """The policy with the proxy's prefix_affinity settings and the plan's KV block size."""
-        return cls(config.prefix_affinity, config.block_size)
+        return cls(config.prefix_affinity, config.block_size, config.model)
 
-    def _prompt(self, request: RequestFacts) -> Prompt:
+    def event_blocks(self, inst: BackendState, rank: int) -> EventBlocks:
+        """The index of what `inst`'s DP rank `rank` holds, which its KV events feed (kv_events.KvEventsListener)."""
+        ranks = self._events.get(inst)
+        if ranks is None:
+            ranks = self._events[inst] = {}
+        blocks = ranks.get(rank)
+        if blocks is None:
+            pending = self._pending.get(inst)
+            if pending is None:
+                pending = self._pending[inst] = OrderedDict()
+            blocks = ranks[rank] = EventBlocks(self.capacity, self.model, pending)
+        return blocks
+
+    def _live_ranks(self, inst: BackendState) -> list[EventBlocks] | None:
+        """The event indexes of every DP rank of `inst` while each has a publisher connected; else None."""
+        ranks = self._events.get(inst)
+        ports = len(inst.kv_events_ports)
+        if not ranks or not ports:
+            return None
+        live = []
+        for rank in range(ports):
+            blocks = ranks.get(rank)
+            if blocks is None or not blocks.live:
+                return None
+            live.append(blocks)
+        return live
+
+    def prefix_source(self, inst: BackendState) -> str:
+        """"events" while every DP rank of `inst` has a live KV events stream (its token-id prompts are matched
+        exactly), else "estimate"."""
+        return "estimate" if self._live_ranks(inst) is None else "events"
+
+    def _pending_of(self, inst: BackendState, now: float) -> OrderedDict[int, float]:
+        pending = self._pending.get(inst)
+        if pending is None:
+            pending = self._pending[inst] = OrderedDict()
+        while pending and next(iter(pending.values())) < now:
+            pending.popitem(last=False)
+        return pending
+
+    def _prompt(self, request: RequestFacts, block_size: int | None = None) -> Prompt:
+        """The request's prompt in blocks of `block_size` (the plan's by default; an engine's events may say another)."""
+        size = block_size or self.block_size
         last = self._last
-        if last is not None and last[0] is request:
-            return last[1]
-        prompt = prompt_of(request, self.block_size)
-        self._last = (request, prompt)
+        if last is None or last[0] is not request:
+            last = self._last = (request, {})
+        prompt = last[1].get(size)
+        if prompt is None:
+            prompt = last[1][size] = prompt_of(request, size, self.model)
         return prompt
 
     def _index(self, inst: BackendState) -> BlockIndex:
@@ -186,14 +383,29 @@ class PrefixAffinity(Policy):
             index = self._indexes[inst] = BlockIndex(self.capacity, inst.failed_probes)
         return index
 
-    def _matched(self, inst: BackendState, prompt: Prompt) -> int:
-        index = self._index(inst)
-        return sum(index.matched(chain) for chain in prompt.chains)
+    def _cached(self, inst: BackendState, request: RequestFacts) -> int:
+        """Prompt tokens expected cached on `inst`: from its events (token ids, every rank live), else estimated."""
+        prompt = self._prompt(request)
+        ranks = self._live_ranks(inst) if prompt.token_ids else None
+        if ranks is None:
+            index = self._index(inst)
+            return sum(index.matched(chain) for chain in prompt.chains) * prompt.block_tokens
+        pending = self._pending_of(inst, time.monotonic())
+        best = 0
+        alone: dict[int | None, int] = {}  # a rank that reports nothing matches on the pending blocks alone: once
+        for rank in ranks:  # the instance picks a rank by load: the best one's match is what it may find
+            if not rank.held and (not pending or rank.block_size in alone):
+                continue
+            ranked = self._prompt(request, rank.block_size)
+            match = sum(_run(chain, rank.held, pending) for chain in ranked.chains) * ranked.block_tokens
+            if not rank.held:
+                alone[rank.block_size] = match
+            best = max(best, match)
+        return best
 
     def expected_cached_tokens(self, inst: BackendState, request: RequestFacts) -> int:
         """The prompt tokens `inst` is expected to hold in its prefix cache for `request` (text: an estimate)."""
-        prompt = self._prompt(request)
-        return self._matched(inst, prompt) * prompt.block_tokens
+        return self._cached(inst, request)
 
     def pick(self, role: str, candidates: Sequence[BackendState], request: RequestFacts) -> BackendState:
         """The best prefix match within the load bound (least loaded, then round, on a tie); the prompt's blocks
@@ -209,17 +421,36 @@ class PrefixAffinity(Policy):
             inst = candidates[(turn + k) % count]
             if inst.in_flight > bound:
                 continue
-            match = self._matched(inst, prompt) if prompt.chains else 0
+            match = self._cached(inst, request) if prompt.chains else 0
             if match > best_match or (match == best_match and inst.in_flight < best.in_flight):
                 best, best_match = inst, match
         index = self._index(best)
         for chain in prompt.chains:
             index.add(chain)
+        if best.kv_events_ports and prompt.token_ids:
+            # its events report the blocks its engine computes for this prompt once it has; until then they count
+            # as held (those it holds already are the events' to vouch for, evictions included)
+            ranks = self._events.get(best) or {}
+            first = ranks.get(0)
+            held = [rank.held for rank in ranks.values()]
+            now = time.monotonic()
+            pending = self._pending_of(best, now)
+            until = now + PENDING_S
+            for chain in self._prompt(request, first.block_size if first else None).chains:
+                for block in reversed(chain):  # head last: the bound below drops a prompt's tail first
+                    for h in held:
+                        if block in h:
+                            break
+                    else:
+                        pending[block] = until
+                        pending.move_to_end(block)
+            while len(pending) > self.capacity:  # a flood of new prompts: the oldest stop counting first
+                pending.popitem(last=False)
         counts = self._tokens.get((role, best.name))
         if counts is None:
             counts = self._tokens[(role, best.name)] = [0, 0]
         counts[0] += prompt.tokens
-        counts[1] += min(best_match * prompt.block_tokens, prompt.tokens)
+        counts[1] += min(best_match, prompt.tokens)
         return best
 
     def prefix_tokens(self) -> Mapping[tuple[str, str], Sequence[int]]:

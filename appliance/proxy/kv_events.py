@@ -1,0 +1,269 @@
+"""vLLM's KV cache events, received: which blocks each engine's DP rank stores and evicts, for prefix affinity's
+exact path (policies/prefix_affinity.py; docs/routing.md, "Which source a deployment uses").
+
+Each rank's publisher (vllm/distributed/kv_events.py, ZmqEventPublisher) connects a ZMQ PUB to the port the plan
+gave it, where this listener binds a SUB on 127.0.0.1 (the proxy binds, so no other local process can subscribe:
+the events carry prompts' token ids). A message is three frames: the topic, an 8-byte big-endian sequence number
+(from 0 at the engine's start) and a msgpack KVEventBatch: [ts, [event, ...], dp_rank], each event a map tagged
+by "type" (BlockStored, BlockRemoved, AllBlocksCleared).
+
+Anything else that arrives (any local process may connect to the port and send) is dropped and counted, never
+raised: parse() is pure and says why a message is bad, the listener is the thin shell around the sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgpack
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from appliance.proxy.instances import BackendState
+
+log = logging.getLogger("appliance.proxy")
+
+# The largest message read: a batch of one scheduler step's events (a 64k-token prompt's BlockStored is ~300 KB of
+# token ids); ZMQ drops a larger one before it is buffered whole, so a hostile sender cannot make the proxy hold it.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# How often the listener follows the instance set (a rebalance changes it) and retries a port it could not bind
+# (the proxy it takes over from may still hold it).
+RECONCILE_S = 1.0
+UNBOUND_WARN_S = 10.0
+
+
+class BadMessage(ValueError):
+    """A message that is not a KV event batch; its text is the reason counted (pdctl_proxy_kv_events_total)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """Blocks an engine stored: their hashes (vLLM's), their parent's, their token ids, one extra-keys entry per
+    block (the LoRA name, then the cache salt on a prompt's first block; anything else: multimodal)."""
+
+    hashes: list[Hashable]
+    parent: Hashable | None
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None
+    extra_keys: list[Any] | None
+    medium: str | None
+    group: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """Blocks an engine evicted, by vLLM's hash."""
+
+    hashes: list[Hashable]
+    medium: str | None
+    group: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """The engine dropped its whole prefix cache (a reset)."""
+
+
+Event = Stored | Removed | Cleared
+
+
+def _hashes(value: Any) -> list[Hashable]:
+    if not isinstance(value, list) or not all(isinstance(h, (bytes, int)) for h in value):
+        raise BadMessage("garbled")
+    return value
+
+
+def _optional(value: Any, kind: type) -> Any:
+    if value is not None and not isinstance(value, kind):
+        raise BadMessage("garbled")
+    return value
+
+
+def _event(raw: Any) -> Event:
+    if not isinstance(raw, Mapping):
+        raise BadMessage("garbled")
+    kind = raw.get("type")
+    if kind == "AllBlocksCleared":
+        return Cleared()
+    medium, group = _optional(raw.get("medium"), str), _optional(raw.get("group_idx"), int)
+    if kind == "BlockRemoved":
+        return Removed(_hashes(raw.get("block_hashes")), medium, group)
+    if kind != "BlockStored":
+        raise BadMessage("garbled")
+    hashes, tokens, size = _hashes(raw.get("block_hashes")), raw.get("token_ids"), raw.get("block_size")
+    parent = raw.get("parent_block_hash")
+    extra = _optional(raw.get("extra_keys"), list)
+    if (not isinstance(tokens, list) or not isinstance(size, int) or isinstance(size, bool) or size < 1
+            or len(tokens) != len(hashes) * size or not all(type(t) is int for t in tokens)
+            or (parent is not None and not isinstance(parent, (bytes, int)))
+            or (extra is not None and (len(extra) != len(hashes)
+                                       or not all(keys is None or isinstance(keys, list) for keys in extra)))):
+        raise BadMessage("garbled")
+    return Stored(hashes, parent, tokens, size, _optional(raw.get("lora_name"), str), extra, medium, group)
+
+
+def parse(frames: Sequence[bytes]) -> tuple[int, list[Event]]:
+    """A message's sequence number and events; BadMessage when it is not a well-formed KV event batch."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        raise BadMessage("garbled")
+    seq = int.from_bytes(frames[1], "big")
+    try:
+        batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        raise BadMessage("garbled") from None
+    if not isinstance(batch, list) or len(batch) not in (2, 3) or not isinstance(batch[1], list):
+        raise BadMessage("garbled")
+    try:
+        return seq, [_event(raw) for raw in batch[1]]
+    except (TypeError, AttributeError):  # an unhashable key, a map with a list for a key, ...
+        raise BadMessage("garbled") from None
+
+
+class BlockSink(Protocol):
+    """Where one instance rank's events go (the prefix-affinity policy's index of that rank)."""
+
+    def apply(self, seq: int, events: list[Event]) -> str:
+        """Apply one batch; the result counted ("applied", "gap" when the sequence broke and it started over)."""
+
+    def start_over(self) -> None:
+        """Forget what the stream said; its next batch starts a new sequence."""
+
+    def disconnected(self) -> None:
+        """No publisher is connected any more: what it said no longer holds (its engine may have restarted)."""
+
+    def connected(self) -> None:
+        """A publisher is connected: the stream is alive."""
+
+
+class _Stream:
+    """One bound SUB socket (an instance's DP rank), its reader and its connection monitor."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, inst: BackendState, rank: int, port: int, sink: BlockSink,
+                 count: Callable[[str, str], None], left: Callable[[str], None]) -> None:
+        self.inst, self.rank, self.port = inst, rank, port
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        try:
+            sock.bind(f"tcp://127.0.0.1:{port}")
+        except zmq.ZMQError:
+            sock.close()
+            raise
+        self.sock = sock
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.peers = 0
+        self.tasks = [asyncio.create_task(self._read(sink, count)), asyncio.create_task(self._watch(sink, left))]
+
+    async def _read(self, sink: BlockSink, count: Callable[[str, str], None]) -> None:
+        name = self.inst.name
+        while True:
+            frames = await self.sock.recv_multipart()
+            try:
+                seq, events = parse(frames)
+            except BadMessage as exc:
+                count(name, str(exc))
+                continue
+            try:
+                result = sink.apply(seq, events)
+            except Exception:
+                # a message parse() let through that the index cannot take: this reader must outlive it (the
+                # instance's routing would silently fall back to a stale index otherwise); its rank starts over
+                log.exception("KV events of %s rank %d: a message could not be applied", name, self.rank)
+                sink.start_over()
+                result = "error"
+            count(name, result)
+
+    async def _watch(self, sink: BlockSink, left: Callable[[str], None]) -> None:
+        while True:
+            event = parse_monitor_message(await self.monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_ACCEPTED:
+                self.peers += 1
+                sink.connected()
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.peers = max(0, self.peers - 1)
+                if not self.peers:
+                    sink.disconnected()
+                    left(self.inst.name)
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+class KvEventsListener:
+    """A SUB socket on 127.0.0.1 for each KV events port of each instance, following the instance set; each
+    rank's events go to the sink `sink_for(inst, rank)` gives. Counts every message by instance and result."""
+
+    def __init__(self, instances: Callable[[], Iterable[BackendState]],
+                 sink_for: Callable[[BackendState, int], BlockSink]) -> None:
+        self._instances = instances
+        self._sink_for = sink_for
+        self._ctx = zmq.asyncio.Context()
+        self._streams: dict[tuple[str, int], _Stream] = {}
+        self._unbound: dict[int, float | None] = {}  # port -> since when it fails to bind (None: warned)
+        self.counts: dict[tuple[str, str], int] = {}  # (instance, result) -> messages
+        self.disconnects: dict[str, int] = {}  # instance -> times a rank's last publisher left
+        self._task: asyncio.Task[None] | None = None
+
+    def _count(self, instance: str, result: str) -> None:
+        key = (instance, result)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def _left(self, instance: str) -> None:
+        self.disconnects[instance] = self.disconnects.get(instance, 0) + 1
+
+    def reconcile(self) -> None:
+        """Bind the ports of instances that have none bound yet, close those of instances gone or replaced."""
+        wanted = {(inst.name, rank): (inst, port) for inst in self._instances()
+                  for rank, port in enumerate(inst.kv_events_ports)}
+        for key, stream in list(self._streams.items()):
+            if key not in wanted or wanted[key] != (stream.inst, stream.port):
+                stream.close()
+                del self._streams[key]
+        for key, (inst, port) in wanted.items():
+            if key in self._streams:
+                continue
+            try:
+                self._streams[key] = _Stream(self._ctx, inst, key[1], port, self._sink_for(inst, key[1]), self._count,
+                                             self._left)
+            except zmq.ZMQError as exc:
+                # the proxy this one takes over from releases it in a moment; longer, something else holds it
+                since = self._unbound.setdefault(port, time.monotonic())
+                if since is not None and time.monotonic() - since > UNBOUND_WARN_S:
+                    log.warning("KV events of %s rank %d: cannot bind 127.0.0.1:%d (%s): whatever holds it gets "
+                                "the engine's events; its prefix matches stay estimated", inst.name, key[1], port, exc)
+                    self._unbound[port] = None  # said once
+                continue
+            self._unbound.pop(port, None)
+
+    async def _run(self) -> None:
+        while True:
+            self.reconcile()
+            await asyncio.sleep(RECONCILE_S)
+
+    def start(self) -> None:
+        """Bind now and follow the instance set from here on (on the running loop)."""
+        self.reconcile()
+        self._task = asyncio.create_task(self._run())
+
+    def close(self) -> None:
+        """Close every socket."""
+        if self._task is not None:
+            self._task.cancel()
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
+        self._ctx.term()

@@ -1,0 +1,159 @@
+"""Prefix affinity's exact path on real vLLM (CPU build, the tiny embedded model): `pdctl up` with two colocated
+instances and routing = "prefix_affinity" has each engine publish its KV cache events to the proxy. One deployment,
+several checks: the proxy's index says what vLLM's own counters say was cached, it routes a prompt to the engine
+that cached its prefix for another client (which the estimate cannot know), and no other local process can
+subscribe to the events (they carry prompts' token ids)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.pdctl import pdctl, write_config
+from tests.support.processes import ROOT
+from tests.support.waiting import wait_until
+
+VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(1500),
+    pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed"),
+]
+
+BLOCK = 128  # vLLM's CPU default block size: the engines report it in their events
+VOCABULARY = 695  # token ids the tiny model's tokenizer has
+
+
+def _tokens(start: int, n: int) -> list[int]:
+    """`n` token ids the tiny model has, from `start` on (wrapping), distinct for distinct starts."""
+    return [100 + (start + k) % (VOCABULARY - 100) for k in range(n)]
+
+
+def _config(tmp: Path) -> Path:
+    cfg = write_config(tmp, tmp / "state", extra='routing = "prefix_affinity"\n[model]\npath = "embedded:tiny-qwen3"\n')
+    text = cfg.read_text().replace('kind = "sim"\nhealth_timeout_s = 60',
+                                   f'kind = "vllm"\npython = {json.dumps(VLLM_PYTHON)}\nhealth_timeout_s = 900')
+    cfg.write_text(text.replace("[colocated]\n", "[colocated]\ninstances = 2\n"))
+    return cfg
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _value(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for (n, ls), v in metrics.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def _complete(url: str, prompt: list[int]) -> tuple[dict[str, Any], str | None]:
+    body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read()), resp.headers.get("x-pdctl-route")
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{url}: {exc.code} {exc.read()!r}") from None
+
+
+def _engine_ports(http_port: int) -> set[int]:
+    """Every TCP port a process of the engine serving `http_port` listens on (the server and its children)."""
+    owner = next(c.pid for c in psutil.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == http_port and c.pid)
+    procs = [psutil.Process(owner), *psutil.Process(owner).children(recursive=True)]
+    return {c.laddr.port for p in procs for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    try:
+        up = pdctl(cfg, "up", "--connector", "none", timeout=1200)
+        assert up.returncode == 0, up.stdout + up.stderr
+        proxy_cfg = json.loads((tmp_path / "state" / "proxy.json").read_text())
+        backends = {b["name"]: b for b in proxy_cfg["backends"]}
+        assert set(backends) == {"both-0", "both-1"} and all(len(b["kv_events_ports"]) == 1 for b in backends.values())
+        proxy = f"http://127.0.0.1:{proxy_cfg['port']}"
+        wait_until(lambda: {ls[-1][1] for (n, ls), v in _scrape(proxy).items()
+                            if n == "pdctl_proxy_prefix_source" and v == 1} == {"events"},
+                   timeout=120, what="both engines' event streams live")
+        status = json.loads(pdctl(cfg, "status", "--json").stdout)
+        assert {r["name"]: r["prefix_source"] for r in status["proxy"]["registered"]} == {
+            "both-0": "events", "both-1": "events"}
+
+        # Another client of both-1 (straight to the engine) caches a prompt the proxy never saw.
+        shared = _tokens(0, 3 * BLOCK + 40)
+        _complete(backends["both-1"]["url"], shared)
+        wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1", result="applied"),
+                   timeout=60, what="both-1's events")
+        engines_before = {name: _scrape(b["url"]) for name, b in backends.items()}
+        proxy_before = _scrape(proxy)
+
+        # Its continuation through the proxy goes to both-1 (the estimate would know nothing), twice in a row, and
+        # a conversation's later turn goes where its first turn went.
+        routes, cached = [], []
+        for prompt in (shared + [7] * 20, shared + [8] * 30):
+            result, route = _complete(proxy, prompt)
+            routes.append(route)
+            cached.append(result["usage"]["prompt_tokens_details"]["cached_tokens"])
+        conversation = _tokens(500, 2 * BLOCK + 10)
+        first, first_route = _complete(proxy, conversation)
+        second, second_route = _complete(proxy, conversation + [5] * (BLOCK + 20))
+        assert routes == ["colocated; both=both-1"] * 2, routes
+        assert cached == [3 * BLOCK] * 2, cached
+        assert second_route == first_route and second["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BLOCK
+
+        # The proxy expected exactly what vLLM's own counters say was cached, instance by instance.
+        proxy_after = _scrape(proxy)
+        for name, b in backends.items():
+            vllm_hits = (_value(_scrape(b["url"]), "vllm:prefix_cache_hits_total")
+                         - _value(engines_before[name], "vllm:prefix_cache_hits_total"))
+            expected = (_value(proxy_after, "pdctl_proxy_prefix_hit_tokens_total", instance=name)
+                        - _value(proxy_before, "pdctl_proxy_prefix_hit_tokens_total", instance=name))
+            assert expected == vllm_hits, (name, expected, vllm_hits)
+        assert _value(proxy_after, "pdctl_proxy_kv_events_total", result="garbled") == 0
+
+        # No local process can subscribe to the events: the engines listen on no port that publishes them (their
+        # publishers connect to the proxy), and a SUB on every port they do listen on receives nothing while the
+        # proxy receives a new batch.
+        ports = set().union(*(_engine_ports(int(b["url"].rsplit(":", 1)[1])) for b in backends.values()))
+        assert not ports & {p for b in backends.values() for p in b["kv_events_ports"]}
+        ctx = zmq.Context()
+        spies = []
+        for port in ports:
+            spy = ctx.socket(zmq.SUB)
+            spy.setsockopt(zmq.SUBSCRIBE, b"")
+            spy.setsockopt(zmq.LINGER, 0)
+            spy.connect(f"tcp://127.0.0.1:{port}")
+            spies.append(spy)
+        try:
+            applied = _value(_scrape(proxy), "pdctl_proxy_kv_events_total", result="applied")
+            _complete(proxy, _tokens(250, 2 * BLOCK))
+            wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", result="applied") > applied,
+                       timeout=60, what="the proxy receives the new blocks")
+            poller = zmq.Poller()
+            for spy in spies:
+                poller.register(spy, zmq.POLLIN)
+            assert poller.poll(2000) == []  # the proxy has its batch already: nothing is on its way to a spy
+        finally:
+            for spy in spies:
+                spy.close()
+            ctx.term()
+    finally:
+        subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
+                       env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)

@@ -1,0 +1,294 @@
+"""Prefix affinity's exact path through a real proxy: its KV events listener binds a SUB socket per instance port on
+127.0.0.1 and a real ZMQ PUB connects to it, as vLLM's publisher does (tests/engine/test_vllm_kv_events.py runs
+real vLLM). The events, in vLLM 0.32's wire format, decide where a token-id prompt goes even where the proxy never
+sent its prefix; evictions, clears, lost batches and a publisher that leaves undo it; hostile frames are dropped
+and counted while the proxy keeps routing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import msgpack
+import zmq
+import zmq.asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.ports import free_ports
+from appliance.proxy import admin
+from appliance.proxy.app import Proxy
+from appliance.proxy.kv_events import MAX_MESSAGE_BYTES
+from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
+from tests.support.httpclient import local
+from tests.support.waiting import eventually
+
+BLOCK = 128  # the engines' block size here (vLLM's CPU default); the proxy's plan says 16: the events tell it
+PROMPT = list(range(1000, 1000 + 3 * BLOCK + 5))  # three whole blocks and a partial one
+
+
+def _stored(tokens: list[int], hashes: list[Any], parent: Any = None, **extra: Any) -> dict[str, Any]:
+    """A BlockStored event as vLLM's msgspec encoder writes it (a map tagged by "type")."""
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None, **extra}
+
+
+def _batch(*events: dict[str, Any]) -> bytes:
+    return msgpack.packb([time.time(), list(events), 0])
+
+
+class Publisher:
+    """What vLLM's ZmqEventPublisher does with a tcp://127.0.0.1:P endpoint: a PUB that connects, and numbers
+    its batches from 0. An XPUB here (a PUB that also reads the subscriptions it gets), so that the test knows
+    when the proxy's SUB has subscribed: a PUB drops what it sends before that, vLLM's too."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, port: int) -> None:
+        self.sock = ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.seq = 0
+
+    async def subscribed(self) -> None:
+        """Wait for the proxy's subscription to everything (b"\x01" and the empty topic)."""
+        assert await asyncio.wait_for(self.sock.recv(), 30) == b"\x01"
+
+    async def send(self, *events: dict[str, Any], seq: int | None = None) -> None:
+        """One batch, with the next sequence number unless `seq` says."""
+        self.seq = self.seq if seq is None else seq
+        await self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), _batch(*events)])
+        self.seq += 1
+
+    async def raw(self, frames: list[bytes]) -> None:
+        await self.sock.send_multipart(frames)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+async def _metrics(px: Proxy) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.get(local(px.api_port) + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, Any] = {"source": {}, "events": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pdctl_proxy_prefix_source" and sample.value == 1:
+                out["source"][sample.labels["instance"]] = sample.labels["source"]
+            elif sample.name == "pdctl_proxy_kv_events_total":
+                out["events"][(sample.labels["instance"], sample.labels["result"])] = sample.value
+    return out
+
+
+async def _route(px: Proxy, prompt: list[int] | str, **extra: Any) -> str:
+    """The instance the proxy routes a completion of `prompt` to (its x-pdctl-route header)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
+    async with aiohttp.ClientSession() as s, s.post(local(px.api_port) + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        await r.read()
+        return r.headers["x-pdctl-route"].rsplit("=", 1)[1]
+
+
+@asynccontextmanager
+async def _node(**settings: Any) -> AsyncIterator[tuple[Proxy, list[Publisher]]]:
+    """Two `both` fake engines, each with a KV events port the proxy binds and a publisher connected to it."""
+    ports = free_ports(2)
+    ctx = zmq.asyncio.Context()
+    async with engines("both", "both") as pair:
+        config = proxy_config("none", [backend(f"both-{k}", "both", pair[k], kv_events_ports=[ports[k]])
+                                       for k in range(2)],
+                              routing="prefix_affinity", block_size=16, prefix_affinity=settings)
+        async with running_proxy(config) as px:
+            pubs = [Publisher(ctx, port) for port in ports]
+            try:
+                for pub in pubs:
+                    await pub.subscribed()
+                await eventually(lambda: set(_sources(px).values()) == {"events"}, what="both streams live")
+                yield px, pubs
+            finally:
+                for pub in pubs:
+                    pub.close()
+                ctx.term()
+
+
+def _sources(px: Proxy) -> dict[str, str | None]:
+    return {inst.name: px.router.policy.prefix_source(inst) for inst in px.registry.instances.values()}
+
+
+
+def test_events_send_a_prompt_where_its_engine_says_its_prefix_is() -> None:
+    """both-1 reports the prompt's blocks (a request the proxy never routed: another client of the engine): the
+    prompt and its continuations go to both-1, whichever the rotation would pick, and the proxy counts the
+    three blocks as hit. A BlockRemoved of the middle block leaves one; the request's own blocks then count
+    as pending on the instance it went to."""
+    async def scenario() -> None:
+        async with _node() as (px, pubs):
+            await pubs[1].send(_stored(PROMPT[:2 * BLOCK], [b"h1", b"h2"]))
+            await pubs[1].send(_stored(PROMPT[2 * BLOCK:3 * BLOCK], [b"h3"], parent=b"h2"))
+            await eventually(lambda: px.kv_events.counts.get(("both-1", "applied")) == 2, what="two batches")
+            for _ in range(3):  # the rotation alternates; the match decides
+                assert await _route(px, PROMPT + [7, 8]) == "both-1"
+            policy = px.router.policy
+            one = px.registry.instances["both-1"]
+            facts = _facts(PROMPT)
+            assert policy.expected_cached_tokens(one, facts) == 3 * BLOCK
+            assert policy.expected_cached_tokens(px.registry.instances["both-0"], facts) == 0
+            # a prompt the engines have not reported yet counts as held where it was just sent (its prefill runs)
+            burst = list(range(9000, 9000 + 2 * BLOCK))
+            first = await _route(px, burst)
+            assert [await _route(px, burst) for _ in range(3)] == [first] * 3
+            # a text prompt cannot be matched against token ids: the estimate serves it
+            assert await _route(px, "some text " * 200) in ("both-0", "both-1")
+            # evicted: the run of held blocks stops at the first missing one
+            fresh = list(range(5000, 5000 + 2 * BLOCK))
+            await pubs[0].send(_stored(fresh, [7, 8]))
+            await pubs[0].send({"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"})
+            await eventually(lambda: px.kv_events.counts.get(("both-0", "applied")) == 2, what="store, remove")
+            assert policy.expected_cached_tokens(px.registry.instances["both-0"], _facts(fresh)) == 0
+            counts = await _metrics(px)
+            assert counts["source"] == {"both-0": "events", "both-1": "events"}
+            # what `pdctl status` shows per backend
+            assert {i["name"]: i["prefix_source"] for i in admin.state(px)["instances"]} == counts["source"]
+            assert counts["events"][("both-1", "applied")] == 2
+    asyncio.run(scenario())
+
+
+def _facts(prompt: list[int], **extra: Any) -> Any:
+    from appliance.proxy.policies.base import RequestFacts
+
+    return RequestFacts("/v1/completions", {"model": MODEL, "prompt": prompt, **extra})
+
+
+def test_a_cleared_cache_a_lost_batch_and_a_departed_publisher_forget_what_events_said() -> None:
+    """AllBlocksCleared, a gap in the sequence numbers (batches lost: the index starts over from the one that
+    arrived) and the publisher's disconnection (its engine stopped) each leave nothing matched; without a
+    publisher the instance is served by the estimate."""
+    async def scenario() -> None:
+        async with _node() as (px, pubs):
+            policy, one = px.router.policy, px.registry.instances["both-1"]
+            facts = _facts(PROMPT)
+
+            async def store(seq: int | None = None) -> None:
+                await pubs[1].send(_stored(PROMPT[:3 * BLOCK], [b"a", b"b", b"c"]), seq=seq)
+                await eventually(lambda: policy.expected_cached_tokens(one, facts) == 3 * BLOCK, what="stored")
+
+            await store()
+            await pubs[1].send({"type": "AllBlocksCleared"})
+            await eventually(lambda: policy.expected_cached_tokens(one, facts) == 0, what="cleared")
+            await store()
+            await pubs[1].send({"type": "BlockRemoved", "block_hashes": [b"zz"], "medium": "GPU"},
+                               seq=pubs[1].seq + 5)
+            await eventually(lambda: px.kv_events.counts.get(("both-1", "gap")) == 1, what="the gap counted")
+            assert policy.expected_cached_tokens(one, facts) == 0
+            await store()
+            pubs[1].close()
+            await eventually(lambda: policy.prefix_source(one) == "estimate", what="the stream gone")
+            assert policy.expected_cached_tokens(one, facts) == 0
+            # the salt and the model seed the chain as the request's: a salted prompt matches only its salt
+            await pubs[0].send(_stored(PROMPT[:BLOCK], [b"s"], extra_keys=[("salt-1",)]))
+            zero = px.registry.instances["both-0"]
+            await eventually(lambda: policy.expected_cached_tokens(zero, _facts(PROMPT, cache_salt="salt-1")) == BLOCK,
+                             what="salted block")
+            assert policy.expected_cached_tokens(zero, _facts(PROMPT)) == 0
+            assert policy.expected_cached_tokens(zero, _facts(PROMPT, cache_salt="salt-2")) == 0
+    asyncio.run(scenario())
+
+
+def test_blocks_routed_then_reported_then_evicted_stop_counting() -> None:
+    """A prompt's blocks count as held where it was routed until its engine reports them; from then on the events
+    alone say: an eviction is seen at once, also of a block the engine held before the prompt came (which was never
+    the routing's to vouch for). Seen on real vLLM with a small cache: the proxy expected 0.659 of the prompt tokens
+    cached where vLLM hit 0.428 (results/cpu-prefix-affinity/small-cache)."""
+    async def scenario() -> None:
+        async with _node() as (px, pubs):
+            policy = px.router.policy
+            for k, pub in enumerate(pubs):  # both engines' block size becomes BLOCK
+                await pub.send(_stored([1] * BLOCK, [b"seed"]))
+                await eventually(lambda k=k: px.kv_events.counts.get((f"both-{k}", "applied")) == 1, what="seeded")
+            where = await _route(px, PROMPT)
+            inst, pub = px.registry.instances[where], pubs[int(where[-1])]
+            assert policy.expected_cached_tokens(inst, _facts(PROMPT)) == 3 * BLOCK  # pending
+            await pub.send(_stored(PROMPT[:3 * BLOCK], [b"p1", b"p2", b"p3"]))
+            await pub.send({"type": "BlockRemoved", "block_hashes": [b"p2"], "medium": "GPU"})
+            await eventually(lambda: policy.expected_cached_tokens(inst, _facts(PROMPT)) == BLOCK, what="evicted")
+            # its head still held there: the continuation goes there, only its new blocks become pending
+            longer = PROMPT[:BLOCK] + list(range(40_000, 40_000 + 2 * BLOCK))
+            assert await _route(px, longer) == where
+            await pub.send({"type": "BlockRemoved", "block_hashes": [b"p1"], "medium": "GPU"})
+            await eventually(lambda: policy.expected_cached_tokens(inst, _facts(longer)) == 0, what="head evicted")
+    asyncio.run(scenario())
+
+
+HOSTILE: list[list[bytes]] = [
+    [b"only one frame"],
+    [b"", b"short", b"\x90"],
+    [b"", (0).to_bytes(8, "big"), b"\xc1 not msgpack"],
+    [b"", (0).to_bytes(8, "big"), msgpack.packb({"a": 1})],
+    [b"", (0).to_bytes(8, "big"), msgpack.packb([1.0, "events", 0])],
+    [b"", (0).to_bytes(8, "big"), msgpack.packb([1.0, [1, 2, 3], 0])],
+    [b"", (0).to_bytes(8, "big"), msgpack.packb([1.0, [{"type": "Nope"}], 0])],
+    [b"", (0).to_bytes(8, "big"), msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": "x"}], 0])],
+    # token ids not a whole number of blocks, a bool block size, a float token, a list parent, extra keys too few
+    [b"", (0).to_bytes(8, "big"), _batch(_stored([1, 2, 3], [b"x"]))],
+    [b"", (0).to_bytes(8, "big"), _batch(_stored([1] * BLOCK, [b"x"], block_size=True))],
+    [b"", (0).to_bytes(8, "big"), _batch(_stored([1.5] * BLOCK, [b"x"]))],  # type: ignore[list-item]
+    [b"", (0).to_bytes(8, "big"), _batch(_stored([1] * BLOCK, [b"x"], parent_block_hash=[1]))],
+    [b"", (0).to_bytes(8, "big"), _batch(_stored([1] * BLOCK, [b"x"], extra_keys=[]))],
+    [b"", (0).to_bytes(8, "big"), _batch(_stored([1] * BLOCK, [b"x"], extra_keys=[5]))],
+    [b"", (0).to_bytes(8, "big"), _batch(_stored([1] * BLOCK, [b"x"], lora_name=["a"]))],
+    [b"", (0).to_bytes(8, "big"), msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [[1]]}], 0])],
+    # a map keyed by a map: unhashable once decoded
+    [b"", (0).to_bytes(8, "big"), b"\x92\xcb" + b"\x00" * 8 + b"\x91\x81\x81\x01\x02\x03"],
+    [b"", (0).to_bytes(8, "big"), b"\x91" * 100_000],  # nested past msgpack's stack
+]
+
+
+def test_hostile_frames_are_dropped_and_counted_and_the_proxy_keeps_routing() -> None:
+    """Whatever any local process sends to an events port (it may connect: the proxy binds on 127.0.0.1) is
+    dropped and counted as garbled; a message over the size limit is cut by ZMQ before it is buffered; the
+    listener then still applies the engine's real events, and requests are served throughout."""
+    async def scenario() -> None:
+        async with _node() as (px, pubs):
+            for frames in HOSTILE:
+                await pubs[0].raw(frames)
+            await eventually(lambda: px.kv_events.counts.get(("both-0", "garbled")) == len(HOSTILE),
+                             what="every hostile message counted", timeout=60)
+            assert await _route(px, PROMPT) in ("both-0", "both-1")
+            # over the size limit: ZMQ cuts the connection (the listener sees the publisher leave), the publisher
+            # connects again and the listener applies what it sends then
+            policy = px.router.policy
+            await pubs[1].raw([b"", (1).to_bytes(8, "big"), b"\x00" * (MAX_MESSAGE_BYTES + 1)])
+            await eventually(lambda: px.kv_events.disconnects.get("both-1") == 1, what="the cut", timeout=60)
+            await pubs[1].subscribed()
+            one = px.registry.instances["both-1"]
+            await eventually(lambda: policy.prefix_source(one) == "events", what="connected again")
+            other = list(range(3000, 3000 + 2 * BLOCK))  # not routed before: nothing pending for it anywhere
+            await pubs[1].send(_stored(other[:BLOCK], [b"ok"]), seq=0)
+            await eventually(lambda: policy.expected_cached_tokens(one, _facts(other)) == BLOCK,
+                             what="a real event after the oversized one", timeout=60)
+            metrics = await _metrics(px)
+            assert metrics["events"][("both-0", "garbled")] == len(HOSTILE)
+            assert await _route(px, other) == "both-1"
+    asyncio.run(scenario(), debug=False)
+
+
+def test_a_flood_is_bounded_by_a_small_cache() -> None:
+    """With cache_tokens of four blocks of the plan's size, the index never holds more than that many, nor the
+    blocks routed to an instance and not yet reported."""
+    async def scenario() -> None:
+        async with _node(cache_tokens=64) as (px, pubs):
+            blocks = px.router.policy.event_blocks(px.registry.instances["both-0"], 0)
+            assert blocks.capacity == 4
+            await pubs[0].send(*[_stored([k] * BLOCK, [k]) for k in range(100)])
+            await eventually(lambda: px.kv_events.counts.get(("both-0", "applied")) == 1, what="the flood")
+            assert len(blocks.by_vllm) == 4 and len(blocks.held) == 4
+            # what was routed and not yet reported is bounded the same way, its head kept (both engines' blocks
+            # are BLOCK tokens, as their events said)
+            await pubs[1].send(_stored([1] * BLOCK, [1]))
+            await eventually(lambda: px.kv_events.counts.get(("both-1", "applied")) == 1, what="both-1's block")
+            long = list(range(20_000, 20_000 + 20 * BLOCK))
+            where = px.registry.instances[await _route(px, long)]
+            assert px.router.policy.expected_cached_tokens(where, _facts(long)) == 4 * BLOCK
+    asyncio.run(scenario())
