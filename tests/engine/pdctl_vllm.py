@@ -82,19 +82,25 @@ class VllmNode:
         return str(self.status()["proxy"]["url"])
 
     def ready_for_a_test(self, mode: str | None = None) -> dict[str, int]:
-        """A test's start: the node is up, switched to `mode` (`pdctl mode`, engines restarted) when it runs the
-        other one, healthy, and no engine or proxy restarted by itself; each instance's PID."""
+        """A test's start: the node is up, healthy, no engine or proxy restarted by itself, and in `mode` (switched
+        with `pdctl mode`, engines restarted, when it runs the other one); each instance's PID."""
         self._wait_up()
-        if mode is not None and self.status()["mode"] != mode:
+        doc = self._fit("an earlier test of this module left it so")
+        if mode is not None and doc["mode"] != mode:
             done = self.pdctl("mode", mode, "--yes", "--allow-downtime", "--hold", "1200", timeout=1500)
             assert done.returncode == 0, f"switching the shared node to {mode} for this test failed:\n{done.stdout}{done.stderr}"
+            doc = self._fit(f"after `pdctl mode {mode}`")
+        assert mode is None or (doc["mode"], doc["proxy"]["mode"]) == (mode, mode), json.dumps(doc)
+        return {i["name"]: i["pid"] for i in doc["instances"]}
+
+    def _fit(self, why: str) -> dict[str, Any]:
+        """The node's status, asserted healthy with no automatic restart of an engine or the proxy."""
         doc = self.status()
-        harmed = "the shared node is not fit at this test's start (an earlier test of this module left it so): "
+        harmed = f"the shared node is not fit at this test's start ({why}): "
         assert doc["state"] == "healthy", harmed + json.dumps(doc)
         units = [*doc["instances"], doc["proxy"]]
         assert all(u["automatic_restarts"] == 0 for u in units), harmed + json.dumps(units)
-        assert mode is None or (doc["mode"], doc["proxy"]["mode"]) == (mode, mode), harmed + json.dumps(doc)
-        return {i["name"]: i["pid"] for i in doc["instances"]}
+        return doc
 
     def assert_unharmed(self, before: dict[str, int]) -> None:
         """The node is healthy and no engine stopped: the same PIDs as `before`, no automatic restart."""
