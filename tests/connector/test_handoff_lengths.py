@@ -1,6 +1,6 @@
 """Which prompt lengths each connector can hand over (Connector.handoff_possible), as read from vLLM 0.32's
 connectors: lengths 0, 1, under one block, k*B and k*B+1 for the CPU's 128-token and the GPU's 16-token blocks.
-tests/engine/test_pdctl_vllm_e2e.py sends the same lengths, twice each (prefix hits), to real engines."""
+The legal requests of tests/engine/pdctl_vllm.py send the same lengths, twice each (prefix hits), to real engines."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Start, wait for and stop real CPU vLLM processes for the end-to-end tests (no pdctl code involved).
+"""Start, wait for and stop real CPU vLLM processes without pdctl (benchmarks/prefix_affinity_cpu.py), and post
+to an engine (the end-to-end tests' hand-done legs).
 
-The argv and environment here are the ones notes/vllm-cpu.md documents; pdctl's own vLLM command
-builder should produce the same, so the tests can switch to it without changing the flow.
+The argv and environment here are the ones notes/vllm-cpu.md documents; pdctl's own vLLM command builder
+produces the same flags, and tests/engine/test_pdctl_vllm_example.py runs the two-leg flow on the engines it starts.
 """
 
 from __future__ import annotations
@@ -23,15 +24,6 @@ REPO = Path(__file__).resolve().parents[2]
 # Seconds; generous because three engines import torch and vLLM at once on two loaded cores.
 READY_TIMEOUT_S = 420.0
 REQUEST_TIMEOUT_S = 120.0
-
-
-def example_kv_config(role: str, storage: Path) -> dict[str, Any]:
-    """vLLM's --kv-transfer-config for ExampleConnector; role is kv_producer (prefill) or kv_consumer (decode)."""
-    return {
-        "kv_connector": "ExampleConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-    }
 
 
 def vllm_argv(
@@ -171,22 +163,6 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT
             return json.loads(resp.read())  # type: ignore[no-any-return]
     except urllib.error.HTTPError as exc:
         raise RuntimeError(f"POST {url} -> {exc.code}: {exc.read().decode(errors='replace')}") from exc
-
-
-def rss_bytes(server: VllmProcess) -> int:
-    """Resident memory of the server and all its children (API server + engine core), from /proc."""
-    pids = [server.proc.pid]
-    total = 0
-    while pids:
-        pid = pids.pop()
-        try:
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                pids += [int(p) for p in f.read().split()]
-        except OSError:
-            continue
-    return total
 
 
 def write_tiny_model_with(python: str, model_dir: Path) -> Path:

@@ -1,0 +1,168 @@
+"""Real vLLM on the CPU, run the way a user runs it: `pdctl up` starts prefill, decode and the proxy under
+supervisord with the CPU default (ExampleConnector, READ); a request through pdctl's proxy is served with the
+prefill's KV, and its greedy output equals the same request on a colocated instance (`pdctl up --connector none`,
+a second deployment beside it); vLLM's two legs sent by hand straight to the engines pdctl started do the same
+(notes/vllm-cpu.md). Both nodes are brought up once and shared by the tests of this module."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.pdctl_vllm import (
+    PROMPT,
+    VLLM_PYTHON,
+    VllmNode,
+    ask,
+    assert_every_legal_request_answered,
+    send,
+)
+from tests.engine.vllm_helpers import post_json
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(1200),
+    pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed"),
+]
+
+
+@pytest.fixture(scope="module")
+def homes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of this module's nodes."""
+    return tmp_path_factory.mktemp("example")
+
+
+@pytest.fixture(scope="module")
+def node(homes: Path) -> Iterator[VllmNode]:
+    """The module's disaggregated node on the CPU default: ExampleConnector, READ."""
+    deployed = VllmNode(homes / "pd")
+    try:
+        yield deployed
+    finally:
+        deployed.down()
+
+
+@pytest.fixture(scope="module")
+def colocated(homes: Path) -> Iterator[VllmNode]:
+    """A colocated node beside it, the reference for greedy output."""
+    deployed = VllmNode(homes / "colocated", "--connector", "none")
+    try:
+        yield deployed
+    finally:
+        deployed.down()
+
+
+def test_disaggregated_vllm_on_cpu_matches_colocated(node: VllmNode, colocated: VllmNode) -> None:
+    # Both deployments start at once (the fixtures start `pdctl up`, the first use waits for it): vLLM's
+    # start-up is mostly imports, so they overlap well on two cores.
+    node.ready_for_a_test()
+    colocated.ready_for_a_test()
+    store = node.state / "kv-store"
+    stored = set(store.iterdir()) if store.exists() else set()
+    # a prompt no other test sends: neither the decode's prefix cache nor the store can hold it yet
+    prompt = "Disaggregated or colocated: " + PROMPT
+    disagg, reference = ask(node.url, prompt), ask(colocated.url, prompt)
+    cached = disagg["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 128, disagg["usage"]  # whole KV blocks came from the prefill instance
+    assert disagg["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert disagg["usage"]["completion_tokens"] == 12
+    # The KV store holds what prefill wrote: the handoff went through shared storage, not a recompute.
+    assert set(store.iterdir()) - stored, sorted(p.name for p in stored)
+
+
+def test_no_legal_request_kills_an_engine(node: VllmNode) -> None:
+    """Issue 23: one 1-token prompt killed the ExampleConnector's engine cores (prefill and decode); the NIXL
+    flows: test_pdctl_vllm_e2e.py."""
+    assert_every_legal_request_answered(node, "read")
+
+
+def test_a_seeded_batch_does_not_kill_the_example_connectors_decode(node: VllmNode) -> None:
+    """vLLM 0.32's CPU engine core died (RuntimeError: CPU Generator does not use offset) on a step that prefilled
+    part of a seeded request's prompt: the ExampleConnector's decode-alone path adds prompt_logprobs, so a seeded
+    batch of ["Hello", PROMPT, 300 words] with n=2 (4 + 447 + 900 tokens, twice: over the 2048-token step) was
+    cut, and so was a seeded batch of three distinct 900-token prompts without prompt logprobs. The CPU engines
+    now prefill every prompt in one step; each seed's answer is the same whichever way the request came."""
+    before = node.ready_for_a_test()
+    url = node.url
+    seeded = {"model": "tiny-qwen3", "max_tokens": 4, "temperature": 0.8, "seed": 1234}
+    # that batch's shape in prompts no other test sends (each a few tokens longer): a prefix cache that held
+    # them would leave nothing to prefill
+    batch = ["Seed", "Seeded: " + PROMPT, " ".join(["seed"] * 300)]
+    texts = []
+    for extra in ({"n": 2}, {"n": 2, "prompt_logprobs": 0}):
+        status, text = send(url, "/v1/completions", {**seeded, "prompt": batch, **extra})
+        assert status == 200, text
+        choices = sorted(json.loads(text)["choices"], key=lambda c: c["index"])
+        assert len(choices) == 6, choices
+        texts.append([c["text"] for c in choices])
+    assert texts[0] == texts[1]  # the seeds decide the samples, with or without the client's prompt logprobs
+    distinct = [" ".join([word] * 300) for word in ("apple", "river", "stone")]
+    status, text = send(url, "/v1/completions", {**seeded, "prompt": distinct})
+    assert status == 200, text
+    assert len(json.loads(text)["choices"]) == 3
+    node.assert_unharmed(before)
+
+
+# The hand-done legs below (no proxy) use a prompt of their own, long enough to fill a 128-token block.
+HAND_PROMPT = (
+    "A prefill instance computes the key and value cache for the whole prompt in one pass, and a decode "
+    "instance then generates tokens one at a time while the proxy streams the answer back. "
+) * 4 + "Count the blocks: one, two, three"
+
+
+def _engines(deployed: VllmNode) -> dict[str, str]:
+    """Each engine's own URL (the proxy left out), by instance name."""
+    return {i["name"]: i["url"] for i in deployed.status()["instances"]}
+
+
+def _completion(url: str, **extra: object) -> dict[str, Any]:
+    body = {"model": "tiny-qwen3", "prompt": HAND_PROMPT, "temperature": 0, "return_token_ids": True, **extra}
+    return post_json(url + "/v1/completions", body)
+
+
+def test_disaggregated_output_equals_colocated_and_reuses_prefill_kv(node: VllmNode, colocated: VllmNode) -> None:
+    """vLLM's own two-leg flow, done by hand straight to the engines `pdctl up` started: the decode reuses the
+    prefill's KV through the ExampleConnector's shared storage and answers as the colocated engine does."""
+    node.ready_for_a_test()
+    colocated.ready_for_a_test()
+    engines = _engines(node)
+    (both,) = _engines(colocated).values()
+    store = node.state / "kv-store"
+    stored = set(store.iterdir()) if store.exists() else set()
+    reference = _completion(both, max_tokens=12)
+
+    # Leg 1: prefill computes the prompt's KV (saved to shared storage) and one throwaway token.
+    first = _completion(engines["prefill-0"], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert first["usage"]["completion_tokens"] == 1
+    assert set(store.iterdir()) - stored, "prefill wrote no KV to the shared storage"
+    # ExampleConnector returns no params of its own; the decode leg says it is the remote-prefill half.
+    params = first.get("kv_transfer_params") or {"do_remote_prefill": True}
+
+    # Leg 2: decode loads the prompt's KV from storage and generates.
+    second = _completion(engines["decode-0"], max_tokens=12, kv_transfer_params=params)
+
+    prompt_tokens = reference["usage"]["prompt_tokens"]
+    cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    print(f"decode reused {cached} of {prompt_tokens} prompt tokens from prefill")
+    assert 0 < cached < prompt_tokens, f"decode reused {cached} of {prompt_tokens} prompt tokens"
+    assert second["usage"]["prompt_tokens"] == prompt_tokens
+    ref_choice, pd_choice = reference["choices"][0], second["choices"][0]
+    assert len(ref_choice["token_ids"]) == 12
+    assert pd_choice["token_ids"] == ref_choice["token_ids"]
+    assert pd_choice["text"] == ref_choice["text"]
+
+
+def test_decode_without_prefill_computes_everything_itself(node: VllmNode) -> None:
+    # A prompt no prefill has seen: nothing in storage, so the consumer must compute it all (0 cached),
+    # which shows the cached tokens above came from the prefill leg and not from decode's own cache.
+    node.ready_for_a_test()
+    prompt = "The quick brown fox jumps over the lazy dog. " * 30
+    body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    answer = post_json(_engines(node)["decode-0"] + "/v1/completions", body)
+    cached = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert answer["usage"]["prompt_tokens"] > 128
+    assert cached == 0
