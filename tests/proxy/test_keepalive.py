@@ -1,0 +1,98 @@
+"""A client's keep-alive connection after each way an answer can end (a real proxy and engine on loopback).
+
+Clients reuse their connection (the OpenAI client, aiohttp, `vllm bench serve`, curl with several URLs): an
+answer must leave it reusable, complete and correctly framed, or say `Connection: close` in its head. A
+connection closed without saying so fails the client's NEXT request, which reads as the proxy dropping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.support.fake_engines import MODEL, FakeEngine, backend, engines, proxy_config, running_proxy
+from tests.support.httpclient import OneConnection, sse_events
+
+STREAM = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
+WHOLE = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+
+
+def _stream_done(status: int, raw: bytes) -> None:
+    assert status == 200 and sse_events(raw)[-1] == "[DONE]"
+
+
+def _error_event(code: int) -> Callable[[int, bytes], None]:
+    def check(status: int, raw: bytes) -> None:
+        events = sse_events(raw)
+        assert status == 200 and events[0] != "[DONE]"  # tokens came first, then the error event ended it
+        assert json.loads(events[-1])["error"]["code"] == code
+    return check
+
+
+def _json_answer(code: int) -> Callable[[int, bytes], None]:
+    def check(status: int, raw: bytes) -> None:
+        doc = json.loads(raw)
+        assert status == code and (doc["error"]["code"] == code if code != 200 else doc["choices"])
+    return check
+
+
+@dataclass
+class Ending:
+    """One way the first answer ends: the engine's faults and the proxy's timeouts behind it, and its check."""
+
+    body: dict[str, Any]
+    check: Callable[[int, bytes], None]
+    engine: dict[str, Any] = field(default_factory=dict)
+    timeouts: dict[str, float] = field(default_factory=dict)
+    path: str = "/v1/completions"
+
+
+ENDINGS = {
+    "stream-ends-normally": Ending(STREAM, _stream_done),
+    "whole-answer": Ending(WHOLE, _json_answer(200)),
+    "engine-reset-mid-stream": Ending(STREAM, _error_event(502), {"crash_after_tokens": 2}),
+    "no-token-between-tokens": Ending(STREAM, _error_event(504), {"token_delay_s": 0.6},
+                                      {"between_tokens_s": 0.3, "first_token_s": 5}),
+    "no-first-token": Ending(STREAM, _json_answer(504), {"token_delay_s": 1.0}, {"first_token_s": 0.3}),
+    "engine-error-before-stream": Ending(STREAM, _json_answer(503), {"status_before_stream": 503}),
+    "engine-error-whole-answer": Ending(WHOLE, _json_answer(503), {"status_before_stream": 503}),
+    "proxy-rejects-body": Ending({**STREAM, "max_tokens": "many"}, _json_answer(400)),
+    "unknown-path": Ending(STREAM, _json_answer(404), path="/v1/nothing"),
+}
+
+
+@pytest.mark.parametrize("name", ENDINGS)
+def test_the_next_request_on_the_same_connection_succeeds(name: str) -> None:
+    ending = ENDINGS[name]
+
+    async def scenario() -> None:
+        async with engines("both", **ending.engine) as (engine,), running_proxy(
+            proxy_config("none", [backend("both-0", "both", engine)],
+                         timeouts={"connect_s": 2, "prefill_s": 5, "first_token_s": 5, "between_tokens_s": 5,
+                                   **ending.timeouts})
+        ) as px:
+            client = OneConnection(px.api_port)
+            try:
+                status, raw, headers, _ = await asyncio.to_thread(client.post, ending.path, ending.body)
+                ending.check(status, raw)
+                # every one of these answers is complete and framed: none needs to close the connection
+                assert headers.get("connection", "").lower() != "close", headers
+                _healthy(engine)
+                status, raw, _, reused = await asyncio.to_thread(client.post, "/v1/completions", STREAM)
+                _stream_done(status, raw)
+                assert reused
+            finally:
+                client.close()
+
+    asyncio.run(scenario())
+
+
+def _healthy(engine: FakeEngine) -> None:
+    engine.crash_after_tokens = None
+    engine.token_delay_s = 0.0
+    engine.status_before_stream = 200
