@@ -17,6 +17,7 @@ import pytest
 
 from tests.support.fake_engines import MODEL, FakeEngine, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import OneConnection, sse_events
+from tests.support.waiting import eventually
 
 STREAM = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
 WHOLE = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
@@ -96,3 +97,27 @@ def _healthy(engine: FakeEngine) -> None:
     engine.crash_after_tokens = None
     engine.token_delay_s = 0.0
     engine.status_before_stream = 200
+
+
+@pytest.mark.parametrize("body", [WHOLE, STREAM], ids=["whole", "stream"])
+def test_an_answer_that_ends_while_the_proxy_stops_says_connection_close(body: dict[str, Any]) -> None:
+    """A stopping proxy (a planned restart hands its sockets to a new one) closes each connection after its
+    answer: an answer whose head is sent after the stop began says so, and the client opens a new connection
+    for its next request rather than have it fail on this one."""
+    async def scenario() -> None:
+        async with engines("both", token_delay_s=0.3) as (engine,), running_proxy(
+            proxy_config("none", [backend("both-0", "both", engine)])
+        ) as px:
+            client = OneConnection(px.api_port)
+            try:
+                answer = asyncio.ensure_future(asyncio.to_thread(client.post, "/v1/completions", body))
+                await eventually(lambda: engine.requests, what="the request at the engine")
+                stopping = asyncio.ensure_future(px.stop())
+                status, raw, headers, _ = await answer
+                await stopping
+            finally:
+                client.close()
+            (_stream_done if body is STREAM else _json_answer(200))(status, raw)
+            assert headers.get("connection", "").lower() == "close", headers
+
+    asyncio.run(scenario())
