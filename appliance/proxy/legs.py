@@ -394,9 +394,12 @@ async def _relay_stream(
     """Relay the engine's stream to the client until it ends; a failure mid-stream ends it with an error event."""
     assert conn.done_fut is not None
     response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    # HTTP/1.0 has no chunked encoding: its stream goes out unframed and ends when the connection closes
+    # HTTP/1.0 has no chunked encoding: its stream goes out unframed and ends when the connection closes, also
+    # for a client that asked for keep-alive (aiohttp would leave that connection open: the stream never ends)
     http10 = request.version < HttpVersion11
-    if not http10:
+    if http10:
+        response.force_close()
+    else:
         response.enable_chunked_encoding()
     await response.prepare(request)
     request[STAGE] = "stream"

@@ -121,3 +121,28 @@ def test_an_answer_that_ends_while_the_proxy_stops_says_connection_close(body: d
             assert headers.get("connection", "").lower() == "close", headers
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("crash", [None, 2], ids=["stream-ends-normally", "engine-reset-mid-stream"])
+def test_an_http10_keep_alive_stream_ends_with_the_connection(crash: int | None) -> None:
+    """HTTP/1.0 has no chunked encoding: a stream to an HTTP/1.0 client is delimited by the connection's
+    close, even when the client asked for keep-alive. The head does not say keep-alive, and the proxy closes
+    at the stream's end (the read below ends there, long before the idle timeout would close it)."""
+    async def scenario() -> None:
+        async with engines("both", crash_after_tokens=crash) as (engine,), running_proxy(
+            proxy_config("none", [backend("both-0", "both", engine)], limits={"idle_timeout_s": 600})
+        ) as px:
+            reader, writer = await asyncio.open_connection("127.0.0.1", px.api_port)
+            body = json.dumps(STREAM).encode()
+            writer.write(b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+            try:
+                answer = await asyncio.wait_for(reader.read(), 30)  # to the connection's end
+            finally:
+                writer.close()
+            head, _, streamed = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.0 200") and b"keep-alive" not in head.lower(), head
+            last = sse_events(streamed)[-1]
+            assert last == "[DONE]" if crash is None else json.loads(last)["error"]["code"] == 502
+
+    asyncio.run(scenario())
