@@ -51,6 +51,7 @@ class Ending:
     engine: dict[str, Any] = field(default_factory=dict)
     timeouts: dict[str, float] = field(default_factory=dict)
     path: str = "/v1/completions"
+    proxy: dict[str, Any] = field(default_factory=dict)
 
 
 ENDINGS = {
@@ -64,6 +65,9 @@ ENDINGS = {
     "engine-error-whole-answer": Ending(WHOLE, _json_answer(503), {"status_before_stream": 503}),
     "proxy-rejects-body": Ending({**STREAM, "max_tokens": "many"}, _json_answer(400)),
     "unknown-path": Ending(STREAM, _json_answer(404), path="/v1/nothing"),
+    # answered before its body is read: the body that follows is read and dropped, not taken for a request
+    "body-over-the-limit": Ending({**STREAM, "prompt": "x" * 4096}, _json_answer(413),
+                                  proxy={"client_max_size": 1024}),
 }
 
 
@@ -75,7 +79,7 @@ def test_the_next_request_on_the_same_connection_succeeds(name: str) -> None:
         async with engines("both", **ending.engine) as (engine,), running_proxy(
             proxy_config("none", [backend("both-0", "both", engine)],
                          timeouts={"connect_s": 2, "prefill_s": 5, "first_token_s": 5, "between_tokens_s": 5,
-                                   **ending.timeouts})
+                                   **ending.timeouts}, **ending.proxy)
         ) as px:
             client = OneConnection(px.api_port)
             try:
@@ -144,5 +148,27 @@ def test_an_http10_keep_alive_stream_ends_with_the_connection(crash: int | None)
             assert head.startswith(b"HTTP/1.0 200") and b"keep-alive" not in head.lower(), head
             last = sse_events(streamed)[-1]
             assert last == "[DONE]" if crash is None else json.loads(last)["error"]["code"] == 502
+
+    asyncio.run(scenario())
+
+
+def test_a_body_that_does_not_arrive_in_time_is_answered_408_with_connection_close() -> None:
+    """The rest of the body may still come: its connection cannot carry another request, and the 408 says so."""
+    async def scenario() -> None:
+        async with engines("both") as (engine,), running_proxy(
+            proxy_config("none", [backend("both-0", "both", engine)], limits={"body_timeout_s": 0.3})
+        ) as px:
+            reader, writer = await asyncio.open_connection("127.0.0.1", px.api_port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\"")
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+                length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                              if line.startswith(b"content-length:"))
+                rest = await asyncio.wait_for(reader.readexactly(length), 30)
+            finally:
+                writer.close()
+            assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower(), head
+            assert json.loads(rest)["error"]["code"] == 408
 
     asyncio.run(scenario())
