@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
+from tests.proxy import cluster as e2e
 from tests.support.fake_engines import MODEL, FakeEngine, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import OneConnection, sse_events
-from tests.support.waiting import eventually
+from tests.support.pdctl import set_fault
+from tests.support.processes import http_status
+from tests.support.waiting import eventually, wait_until
 
 STREAM = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
 WHOLE = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
@@ -172,3 +176,39 @@ def test_a_body_that_does_not_arrive_in_time_is_answered_408_with_connection_clo
             assert json.loads(rest)["error"]["code"] == 408
 
     asyncio.run(scenario())
+
+
+def test_an_engine_process_that_exits_mid_stream_leaves_the_client_connection_usable() -> None:
+    """Separate processes: the proxy (`python -m appliance.proxy`) and two simulated engines, each set to exit
+    hard after 3 tokens. The one that serves the first stream dies in it: the stream ends with an error event,
+    and the client's next request, on the same connection, is served by the other engine."""
+    with e2e.cluster() as c:
+        sims = [c.sim(f"both-{i}", "both", "none", "--fault-crash-after-tokens", "3") for i in range(2)]
+        c.ready()
+        proxy = c.start_proxy(e2e.proxy_config("none", routing="round_robin", backends=e2e.static_backends(
+            *((s.name, "both", s) for s in sims))))
+        c.ready()
+
+        def healthy_engines() -> int:
+            with urllib.request.urlopen(proxy.url + "/health", timeout=5) as resp:  # 503 (none healthy) raises
+                return int(json.loads(resp.read())["healthy"]["both"])
+
+        wait_until(lambda: http_status(proxy.url + "/health") == 200 and healthy_engines() == 2, timeout=30,
+                   what="both engines healthy", interval=0.1)
+        client = OneConnection(proxy.port)
+        try:
+            body = {"model": e2e.MODEL, "prompt": e2e.words(5), "max_tokens": 50, "stream": True}
+            status, raw, headers, _ = client.post("/v1/completions", body)
+            _error_event(502)(status, raw)
+            assert headers.get("connection", "").lower() != "close", headers
+            message = json.loads(sse_events(raw)[-1])["error"]["message"]  # "decode leg on both-N failed: ..."
+            survivors = [s for s in sims if f" on {s.name} " not in message]
+            assert len(survivors) == 1, message
+            survivor = survivors[0]
+            set_fault(survivor.url, crash_after_tokens=None)
+            wait_until(lambda: healthy_engines() == 1, timeout=30, what="the dead engine ejected", interval=0.1)
+            status, raw, _, reused = client.post("/v1/completions", body)
+            assert status == 200 and sse_events(raw)[-1] == "[DONE]", c.logs()
+            assert reused
+        finally:
+            client.close()
