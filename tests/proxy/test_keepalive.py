@@ -62,9 +62,10 @@ ENDINGS = {
     "stream-ends-normally": Ending(STREAM, _stream_done),
     "whole-answer": Ending(WHOLE, _json_answer(200)),
     "engine-reset-mid-stream": Ending(STREAM, _error_event(502), {"crash_after_tokens": 2}),
-    "no-token-between-tokens": Ending(STREAM, _error_event(504), {"token_delay_s": 0.6},
-                                      {"between_tokens_s": 0.3, "first_token_s": 5}),
-    "no-first-token": Ending(STREAM, _json_answer(504), {"token_delay_s": 1.0}, {"first_token_s": 0.3}),
+    # the engine's pauses are far above the proxy's bounds, so that a loaded box cannot blur the two
+    "no-token-between-tokens": Ending(STREAM, _error_event(504), {"token_delay_s": 2.0},
+                                      {"between_tokens_s": 0.2, "first_token_s": 10}),
+    "no-first-token": Ending(STREAM, _json_answer(504), {"token_delay_s": 2.0}, {"first_token_s": 0.2}),
     "engine-error-before-stream": Ending(STREAM, _json_answer(503), {"status_before_stream": 503}),
     "engine-error-whole-answer": Ending(WHOLE, _json_answer(503), {"status_before_stream": 503}),
     "proxy-rejects-body": Ending({**STREAM, "max_tokens": "many"}, _json_answer(400)),
@@ -113,7 +114,7 @@ def test_an_answer_that_ends_while_the_proxy_stops_says_connection_close(body: d
     answer: an answer whose head is sent after the stop began says so, and the client opens a new connection
     for its next request rather than have it fail on this one."""
     async def scenario() -> None:
-        async with engines("both", token_delay_s=0.3) as (engine,), running_proxy(
+        async with engines("both", token_delay_s=0.5) as (engine,), running_proxy(
             proxy_config("none", [backend("both-0", "both", engine)])
         ) as px:
             client = OneConnection(px.api_port)
