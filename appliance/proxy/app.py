@@ -76,6 +76,7 @@ class Proxy(ProxyState):
     def __init__(self, config: ProxyConfig, listeners: tuple[socket.socket, socket.socket] | None = None) -> None:
         super().__init__(config)
         self.listeners = listeners  # (API, admin) sockets bound by the keeper, or None to bind them here
+        self.stopping = False
         self._registration_bind: asyncio.Task[None] | None = None
         self.listener: ProxyListener | None = None
         self._runners: list[web.AppRunner] = []
@@ -100,6 +101,7 @@ class Proxy(ProxyState):
         api = web.Application(client_max_size=self.config.client_max_size, handler_args={"max_field_size": 16384},
                               middlewares=[_json_route_errors])
         api.on_response_prepare.append(_route_header)
+        api.on_response_prepare.append(self._closing_header)
         api.router.add_post("/v1/completions", self._completions)
         api.router.add_post("/v1/chat/completions", self._chat)
         api.router.add_get("/v1/models", self._models)
@@ -196,6 +198,7 @@ class Proxy(ProxyState):
 
     async def stop(self) -> None:
         """Stop accepting, let the requests in flight finish (limits.stop_drain_s), close every socket and pool."""
+        self.stopping = True
         if self._registration_bind is not None:
             self._registration_bind.cancel()
         await self.health.stop()
@@ -224,6 +227,14 @@ class Proxy(ProxyState):
             for task in work:
                 task.cancel()
             await asyncio.wait(work)
+
+    async def _closing_header(self, request: web.Request, response: web.StreamResponse) -> None:
+        # A stopping proxy closes each client connection after its answer (aiohttp's shutdown): an answer whose
+        # head is still to be sent says so, so that the client's next request opens a new connection (to the
+        # proxy taking over) rather than fail on this one. A stream whose head went out before cannot say it.
+        if self.stopping:
+            response.force_close()
+            response.headers["Connection"] = "close"
 
     # handlers
     def _unauthorized(self, request: web.Request) -> web.Response | None:

@@ -394,9 +394,12 @@ async def _relay_stream(
     """Relay the engine's stream to the client until it ends; a failure mid-stream ends it with an error event."""
     assert conn.done_fut is not None
     response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    # HTTP/1.0 has no chunked encoding: its stream goes out unframed and ends when the connection closes
+    # HTTP/1.0 has no chunked encoding: its stream goes out unframed and ends when the connection closes, also
+    # for a client that asked for keep-alive (aiohttp would leave that connection open: the stream never ends)
     http10 = request.version < HttpVersion11
-    if not http10:
+    if http10:
+        response.force_close()
+    else:
         response.enable_chunked_encoding()
     await response.prepare(request)
     request[STAGE] = "stream"
@@ -423,7 +426,7 @@ async def _relay_stream(
             if isinstance(error, ConnectionResetError):
                 raise error from None
             relay.stop()
-            await _end_stream_with_error(proxy, request, response, transport, inst, error, out)
+            await _end_stream_with_error(proxy, request, response, transport, inst, error, out, conn.cut_mid_chunk)
             return response
         relay.stop()
         proxy.metrics.streamed_chunks += conn.chunks
@@ -444,8 +447,11 @@ async def _end_stream_with_error(
     inst: BackendState,
     error: BaseException,
     out: Any,
+    cut_mid_chunk: bool,
 ) -> None:
-    """A stream that failed after its first token: count why, and end it with an SSE error event."""
+    """A stream that failed after its first token: count why, and end it with an SSE error event and the
+    closing chunk, which leave the client's keep-alive connection reusable (its head promised that). A stream
+    cut inside a chunk can take neither: its connection is closed, and the client sees an incomplete body."""
     if isinstance(error, UpstreamError):
         # the engine's connection ended mid-stream (e.g. the instance stopped): an error event, not a cut
         _leg_failed(proxy, inst, error.reason)
@@ -457,11 +463,12 @@ async def _end_stream_with_error(
     elif status == 504:
         proxy.metrics.leg_failures.labels("decode", "timeout").inc()
     log.warning("stream from %s ended with an error: %s", inst.name, message)
-    if not transport.is_closing():
+    request[OUTCOME] = "stream_error"
+    if cut_mid_chunk:
+        transport.close()
+    elif not transport.is_closing():
         out(_sse_error(status, message))
         await _write_end(proxy, request, response)
-    response.force_close()
-    request[OUTCOME] = "stream_error"
 
 
 async def _write_end(proxy: ProxyState, request: web.Request, response: web.StreamResponse) -> None:

@@ -268,6 +268,12 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
 
     @property
+    def cut_mid_chunk(self) -> bool:
+        """True when the relayed stream ended inside a chunk: the client holds part of it, so nothing more
+        can be framed after it on that connection."""
+        return self._left > 0
+
+    @property
     def reusable(self) -> bool:
         return (
             not self.closed

@@ -34,7 +34,9 @@ def _awkward_pieces() -> list[bytes]:
 class PieceEngine:
     """An HTTP/1.1 keep-alive engine that writes each streamed answer in the pieces given, one read each."""
 
-    def __init__(self) -> None:
+    def __init__(self, pieces: list[bytes] | None = None, then_close: bool = False) -> None:
+        self.pieces = pieces or _awkward_pieces()
+        self.then_close = then_close  # after the pieces, close the connection (the engine died mid-answer)
         self.server: asyncio.base_events.Server | None = None
         self.streams = 0
         self.connections = 0
@@ -57,10 +59,13 @@ class PieceEngine:
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
                     continue
                 self.streams += 1
-                for piece in _awkward_pieces():
+                for piece in self.pieces:
                     writer.write(piece)
                     await writer.drain()
                     await asyncio.sleep(0.03)  # one piece per read on the proxy's side
+                if self.then_close:
+                    writer.close()
+                    return
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
 
@@ -83,6 +88,34 @@ def test_relay_passes_awkwardly_cut_chunks_intact_and_reuses_the_connection() ->
             # one connection for the probe, one for both streams
             assert engine.streams == 2 and engine.connections <= 2
             assert b"pdctl_proxy_streamed_chunks_total 12.0" in px.metrics.render()
+        assert engine.server is not None
+        engine.server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_cut_inside_a_chunk_ends_with_the_connection_not_with_bytes_framed_after_it() -> None:
+    """The client holds part of a chunk: an error event or closing chunk written after it would be read as the
+    rest of that chunk (a corrupt stream on a connection the client would reuse). The proxy closes instead."""
+    whole, cut = _chunk(EVENTS[0]), _chunk(EVENTS[1])[:12]
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def scenario() -> None:
+        engine = PieceEngine([head + whole, cut], then_close=True)
+        port = await engine.start()
+        config = proxy_config("none", [{"name": "both-0", "role": "both", "url": f"http://127.0.0.1:{port}"}],
+                              health={"probe_interval_s": 30})
+        async with running_proxy(config) as px:
+            reader, writer = await asyncio.open_connection("127.0.0.1", px.api_port)
+            body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True}).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+            answer = await asyncio.wait_for(reader.read(), 30)  # to the connection's end
+            writer.close()
+            answer_head, _, answer_body = answer.partition(b"\r\n\r\n")
+            assert answer_head.startswith(b"HTTP/1.1 200") and b"chunked" in answer_head.lower()
+            assert answer_body == whole + cut
+            assert b"pdctl_proxy_requests_total{mode=\"colocated\",status=\"stream_error\"} 1.0" in px.metrics.render()
         assert engine.server is not None
         engine.server.close()
 

@@ -615,8 +615,9 @@ async def run_flow(flow: str, workdir: Path, kinds: list[str], per_round: int, s
     rng = random.Random(seed)
     try:
         await asyncio.to_thread(dep.up)
-        # a new connection per request: a keep-alive connection the proxy closed after a failed stream
-        # would otherwise be reused by the next trial and reset (a client-side race, not the fault's doing)
+        # a new connection per request: a stream a killed engine cut inside a chunk ends with its connection
+        # closed (nothing more can be framed after it), which the next trial could race on a reused connection
+        # (a client-side race, not the fault's doing; the other endings keep the connection, test_keepalive.py)
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
             matrix = Matrix(dep, session, rng)

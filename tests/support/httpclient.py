@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 from typing import Any
 
@@ -25,6 +26,29 @@ async def post(base: str, path: str, body: Any, headers: dict[str, str] | None =
     finally:
         if own:
             await client.close()
+
+
+class OneConnection:
+    """Requests over one client connection, as a keep-alive client (the OpenAI client, aiohttp, curl with several
+    URLs) sends them: the next request goes over the same socket unless the answer before it said
+    `Connection: close`. A connection the server closed without saying so fails that next request
+    (http.client raises RemoteDisconnected or a ConnectionError), as it does for those clients."""
+
+    def __init__(self, port: int, timeout: float = 60) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+
+    def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str], bool]:
+        """POST `body` (JSON); (status, whole body, headers, whether it went over the previous answer's socket)."""
+        before = self.conn.sock
+        self.conn.request("POST", path, body=json.dumps(body).encode(),
+                          headers={"Content-Type": "application/json", **(headers or {})})
+        reused = before is not None and self.conn.sock is before
+        resp = self.conn.getresponse()
+        return resp.status, resp.read(), {k.lower(): v for k, v in resp.getheaders()}, reused
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.conn.close()
 
 
 def local(port: int) -> str:
