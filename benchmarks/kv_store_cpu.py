@@ -5,8 +5,9 @@ proxy that bounds nothing (as before pdctl bounded the store), then behind one w
     PDCTL_TEST_VLLM_PYTHON=/path/to/vllm/venv/bin/python python benchmarks/kv_store_cpu.py \\
         [--prompts 200] [--prompt-len 300] [--max-mib 16] [--min-idle 5] [--out results/cpu-kv-store]
 
-Prints, per phase, the store's size and folder count every --every requests, the requests that failed, the
-decode's KV hits (usage cached_tokens > 0) and the proxy's evictions; writes OUT/summary.json.
+Prints, per phase, the store's size and folder count every --every requests (and, bounded, once more after
+min_idle_s without requests), the requests that failed, the decode's KV hits (usage cached_tokens > 0), the proxy's
+evictions and whether both engines are alive at the end; writes OUT/summary.json.
 """
 
 from __future__ import annotations
@@ -108,6 +109,13 @@ def run_phase(name: str, kv_store: dict[str, Any] | None, engines: dict[str, str
                 samples.append({"requests": i, "s": round(time.monotonic() - started, 1), "mib": size / 2**20,
                                 "folders": folders})
                 print(f"{name:<10}{i:>6}{samples[-1]['s']:>8}{size / 2**20:>10.1f}{folders:>9}", flush=True)
+        if kv_store is not None:
+            # KV used within min_idle_s is never evicted: the bound holds once the newest has aged that long
+            time.sleep(kv_store["min_idle_s"] + 2 * kv_store["sweep_interval_s"])
+            size, folders = store_size(storage)
+            samples.append({"requests": args.prompts, "s": round(time.monotonic() - started, 1),
+                            "mib": size / 2**20, "folders": folders, "settled": True})
+            print(f"{name:<10}{'idle':>6}{samples[-1]['s']:>8}{size / 2**20:>10.1f}{folders:>9}", flush=True)
         evicted = evictions(url)
     finally:
         proc.terminate()

@@ -141,14 +141,17 @@ class KvStoreSweeper:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
-        over = False
+        over, failure = False, ""
         while True:
             try:
                 result = await asyncio.to_thread(sweep, self.config, time.time())
             except OSError as exc:
-                # a store the proxy cannot read or write (its owner or mode changed): say so, keep serving
-                log.warning("KV store sweep failed: %s", exc)
+                # a store the proxy cannot read or write (its owner or mode changed): say so once, keep serving
+                if str(exc) != failure:
+                    log.warning("KV store sweep failed: %s", exc)
+                failure = str(exc)
             else:
+                failure = ""
                 self.on_sweep(result)
                 if result.evicted:
                     log.info("KV store: evicted %d prompts' KV, %.1f -> %.1f MiB", result.evicted,
