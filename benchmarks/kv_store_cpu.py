@@ -48,8 +48,11 @@ def store_size(storage: Path) -> tuple[int, int]:
     for folder in storage.iterdir():
         if folder.name.startswith("."):
             continue
+        try:
+            size += sum(f.stat().st_size for f in folder.iterdir())
+        except FileNotFoundError:
+            continue  # the proxy evicted it meanwhile
         folders += 1
-        size += sum(f.stat().st_size for f in folder.iterdir())
     return size, folders
 
 
