@@ -6,7 +6,9 @@ How an engine uses a folder (vLLM 0.32, kv_connector/v1/example_connector.py): t
 folder exists (a hit), and the worker then reads one safetensors file per layer in the same step; a file gone by
 then raises in the engine core, which dies. So a folder is evicted whole and at once (renamed out of the store,
 then removed: a check sees all of it or nothing), and only once nothing has written or read it for
-min_idle_s. Reads show in a file's atime: after each read seen, the sweep re-arms the file (sets its own atime
+min_idle_s. A folder with fewer files than the others is one whose writer died mid-prompt (an engine killed
+or out of disk while it saved its layers): any engine that finds it dies reading it, the restarted one as well,
+so it goes as soon as it is idle, whatever the bounds. Reads show in a file's atime: after each read seen, the sweep re-arms the file (sets its own atime
 again, which moves its ctime) so that the next read updates the atime under relatime as well.
 """
 
@@ -33,21 +35,26 @@ _EVICTING = ".evicting-"  # a folder renamed out of the store, being removed
 
 @dataclass(frozen=True)
 class Entry:
-    """One prompt's KV folder: its size (bytes of its files) and when it was last written or read."""
+    """One prompt's KV folder: its size (bytes of its files), how many files (one per layer) and when it was
+    last written or read."""
 
     path: str
     size: int
     last_used: float
+    files: int
 
 
 def to_evict(entries: Iterable[Entry], now: float, max_bytes: float, max_age_s: float,
              min_idle_s: float) -> list[Entry]:
-    """The folders to evict, least recently used first: those older than max_age_s, and more until the rest fit
-    in max_bytes; never one used within min_idle_s (an engine may be between its check and its read)."""
+    """The folders to evict: the incomplete ones (fewer files than the fullest: their writer died), then the least
+    recently used first, those older than max_age_s and more until the rest fit in max_bytes; never one used
+    within min_idle_s (an engine may be between its check and its read, or still writing it)."""
     ordered = sorted(entries, key=lambda e: e.last_used)
-    total = sum(e.size for e in ordered)
-    out: list[Entry] = []
-    for entry in ordered:
+    layers = max((e.files for e in ordered), default=0)
+    out = [e for e in ordered if e.files < layers and now - e.last_used >= min_idle_s]
+    whole = [e for e in ordered if e.files == layers]
+    total = sum(e.size for e in ordered) - sum(e.size for e in out)
+    for entry in whole:
         idle = now - entry.last_used
         if idle < min_idle_s or (total <= max_bytes and idle <= max_age_s):
             break  # every later one was used more recently still
@@ -61,18 +68,19 @@ def _entry(path: str) -> Entry | None:
     it went away meanwhile."""
     try:
         st = os.stat(path, follow_symlinks=False)
-        size, last = 0, st.st_mtime
+        size, last, count = 0, st.st_mtime, 0
         with os.scandir(path) as files:
             for f in files:
                 fs = f.stat(follow_symlinks=False)
                 size += fs.st_size
+                count += 1
                 last = max(last, fs.st_mtime, fs.st_atime)
                 if fs.st_atime_ns > fs.st_ctime_ns:
                     # relatime updates the atime of a read only when it is not after the mtime or ctime
                     os.utime(f.path, ns=(fs.st_atime_ns, fs.st_mtime_ns), follow_symlinks=False)
     except FileNotFoundError:
         return None
-    return Entry(path, size, last)
+    return Entry(path, size, last, count)
 
 
 def scan(folder: str) -> list[Entry]:

@@ -19,8 +19,8 @@ from tests.support.waiting import eventually
 MIB = 1024 * 1024
 
 
-def _entries(*ages: float, size: int = 10) -> list[Entry]:
-    return [Entry(f"/kv/{i}", size, 1000.0 - age) for i, age in enumerate(ages)]
+def _entries(*ages: float, size: int = 10, files: int = 4) -> list[Entry]:
+    return [Entry(f"/kv/{i}", size, 1000.0 - age, files) for i, age in enumerate(ages)]
 
 
 def test_least_recently_used_go_first_until_the_rest_fit() -> None:
@@ -39,6 +39,14 @@ def test_recently_used_ones_stay_even_over_the_bound() -> None:
     chosen = to_evict(_entries(5, 50, 30, 20), 1000.0, max_bytes=0, max_age_s=10, min_idle_s=25)
     assert [e.path for e in chosen] == ["/kv/1", "/kv/2"]
     assert to_evict(_entries(5, 50), 1000.0, max_bytes=MIB, max_age_s=3600, min_idle_s=0) == []
+
+
+def test_a_folder_its_writer_left_incomplete_goes_once_idle_whatever_the_bounds() -> None:
+    # an engine killed (or out of disk) while saving a prompt's layers: every engine that finds it dies reading it
+    entries = [*_entries(5, 50), *_entries(40, 3, files=2)]
+    entries = [Entry(f"/kv/{i}", e.size, e.last_used, e.files) for i, e in enumerate(entries)]
+    chosen = to_evict(entries, 1000.0, max_bytes=MIB, max_age_s=3600, min_idle_s=25)
+    assert [e.path for e in chosen] == ["/kv/2"]  # /kv/3 may still be being written
 
 
 def _prompt_folder(root: Path, name: str, payload: bytes = b"kv") -> Path:
@@ -140,6 +148,49 @@ def test_many_distinct_prompts_stay_within_the_bound_and_keep_succeeding(tmp_pat
             assert len(names) < sent / 2, len(names)
             stats = (await sim_state(d))["stats"]
             assert stats["kv_pulls"] >= sent, stats
+
+        run(scenario())
+
+
+def test_a_prompt_whose_kv_a_dead_writer_left_incomplete_is_served_again_once_the_proxy_evicts_it(
+        tmp_path: Path) -> None:
+    """A prefill killed while it saved a prompt's layers leaves a folder with some of them: an engine that finds
+    it dies reading the rest (the simulated one fails the request), the restarted prefill too. The proxy evicts
+    it once idle, though the store is far under its bounds, and the prompt is served again."""
+    storage = tmp_path / "kv"
+    with cluster() as c:
+        p = c.sim("prefill-0", "prefill", "example", "--shared-storage", str(storage))
+        d = c.sim("decode-0", "decode", "example", "--shared-storage", str(storage))
+        c.ready()
+        c.start_proxy(proxy_config(
+            "example", backends=static_backends(("prefill-0", "prefill", p), ("decode-0", "decode", d)),
+            kv_store={"folders": [str(storage)], "max_mib": 1024, "max_age_s": 3600, "min_idle_s": 3.0,
+                      "sweep_interval_s": 0.1}))
+        c.ready()
+        assert c.proxy is not None
+        proxy_url = c.proxy.url
+
+        async def ask(prompt: str) -> tuple[int, bytes]:
+            status, raw, _ = await post(proxy_url, "/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                                        "max_tokens": 2})
+            return status, raw
+
+        async def scenario() -> None:
+            await eventually(lambda: _ready(proxy_url), what="proxy ready")
+            assert (await ask("other " + words(40)))[0] == 200
+            _, before = _on_disk(storage)
+            assert (await ask(words(40)))[0] == 200
+            _, after = _on_disk(storage)
+            (folder,) = after - before
+            for layer in (storage / folder).iterdir():
+                layer.unlink()  # the writer died before its first layer's file
+            status, raw = await ask(words(40))
+            assert status != 200, raw  # what a real engine dies of
+            await eventually(lambda: not (storage / folder).exists(), timeout=30, what="the incomplete KV evicted")
+            status, raw = await ask(words(40))
+            assert status == 200, raw
+            assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            assert (storage / folder).is_dir() and any((storage / folder).iterdir())  # stored again, whole
 
         run(scenario())
 
