@@ -281,6 +281,30 @@ def check_memlock(settings: Settings, p: Plan, pins_memory: bool) -> Finding:
     return Finding("memlock", "ok", f"{detail}; the {p.connector} connector pins no memory")
 
 
+def kv_store_room(max_mib: float, free: int, used: int) -> Finding:
+    """Whether the file system can hold the KV store up to its bound: what it holds now plus what is free."""
+    room = (free + used) / 2**20
+    if room >= max_mib:
+        return Finding("kv-store", "ok", f"{used / 2**20:.0f} MiB, bounded at {max_mib:g} MiB; {room:.0f} MiB of room")
+    return Finding("kv-store", "warn", f"bounded at {max_mib:g} MiB, but only {room:.0f} MiB of room on its file "
+                   "system: the engines die when a KV write fails", "lower [connector.example] max_store_mib (or the "
+                   "connector's own bound), or free disk space")
+
+
+def check_kv_store(p: Plan) -> list[Finding]:
+    """The KV folders the proxy bounds (plan.proxy.kv_store) each fit their file system."""
+    store = p.proxy.kv_store
+    if store is None:
+        return []
+    findings = []
+    for folder in store.folders:
+        path = Path(folder)
+        existing = next(q for q in (path, *path.parents) if q.exists())
+        used = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+        findings.append(kv_store_room(store.max_mib, shutil.disk_usage(existing).free, used))
+    return findings
+
+
 def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout: float = 180.0) -> list[Finding]:
     """All doctor checks for this node and plan."""
     findings = node_checks(settings, inventory, p.connector, probe_timeout)
@@ -288,6 +312,7 @@ def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout:
     findings.append(check_memlock(settings, p, pins_memory=need is not None))
     findings.append(check_ports(settings, p))
     findings.extend(check_model(settings, p))
+    findings.extend(check_kv_store(p))
     findings.extend(check_tp(p))
     return findings
 

@@ -29,13 +29,13 @@ from appliance.connector import (
     names,
     resolve_name,
 )
-from appliance.connector.base import PLATFORMS
+from appliance.connector.base import PLATFORMS, OwnSettings
 from appliance.engine.command import context_length, engine_command, whole_prefills
 from appliance.engine.version import split_package
 from appliance.errors import PlanError
 from appliance.hosts import is_loopback, url_host
 from appliance.inventory.models import Gpu, Inventory
-from appliance.proxy.config import Backend, ProxyConfig
+from appliance.proxy.config import Backend, KvStoreConfig, ProxyConfig
 from appliance.roles import MODES, Mode, Role
 from appliance.settings import EMBEDDED_MODEL, EngineKind, Settings, deep_merge, proxy_config_data
 from appliance.statedir import StateDir
@@ -554,6 +554,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
         raise PlanError("a disaggregated plan needs at least one prefill and one decode instance")
     # every port is below 65536 now, so each backend's URL is valid
     proxy.backends = backends(instances)
+    proxy.kv_store = _kv_store(connector, settings.connector.own(connector_name), instances)
     return Plan(
         platform=platform,
         engine=settings.engine.kind,
@@ -596,6 +597,15 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
         fix = "set proxy.admin_token_file (a 0600 file), or keep admin_host on 127.0.0.1" if "admin" in problem else ""
         raise PlanError(f"proxy: {problem}", fix=fix) from None
+
+
+def _kv_store(connector: Connector, own: OwnSettings, instances: list[Instance]) -> KvStoreConfig | None:
+    """What the proxy keeps bounded of the KV the engines keep on disk (every instance's kv_folders), or None."""
+    limits = connector.kv_store_limits(own)
+    folders = sorted({f for i in instances for f in connector.kv_folders(i.kv_transfer_config or {})})
+    if limits is None or not folders:
+        return None
+    return KvStoreConfig(folders=folders, max_mib=limits.max_mib, max_age_s=limits.max_age_s)
 
 
 def decode_only_below(step_ms: float, prefill_us_per_token: float, itl_slo_ms: float) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from appliance.connector import get_connector
-from appliance.doctor import Finding, check_extra_config, check_rdma, summary_exit_code
+from appliance.doctor import Finding, check_extra_config, check_rdma, kv_store_room, summary_exit_code
 from appliance.inventory import load_inventory
 from appliance.node import Node
 from appliance.plan import plan
@@ -95,6 +95,17 @@ def test_extra_config_keys_that_are_read_or_not_known_are_no_warning() -> None:
     assert check_extra_config(nixl, ["kv_lease_duration", "enable_cross_layers_blocks"], "0.28.0") == [Finding(
         "extra_config", "ok", "vLLM 0.28.0's NixlConnector reads kv_lease_duration; "
         "whether vLLM 0.28.0 reads enable_cross_layers_blocks is not known")]
+
+
+def test_a_kv_store_bound_its_disk_cannot_hold_is_a_warning_with_a_fix(tmp_path: Path) -> None:
+    assert kv_store_room(1024, free=2 * 2**30, used=0).status == "ok"
+    assert kv_store_room(1024, free=512 * 2**20, used=600 * 2**20).status == "ok"  # what it holds counts as room
+    short = kv_store_room(1024, free=100 * 2**20, used=0)
+    assert short.status == "warn" and "max_store_mib" in short.fix, short
+    # the CPU node's row: the state directory's kv-store, at its default bound, on this box's disk
+    _, findings = doctor(tmp_path, sys.executable, "--engine", "sim")
+    rows = [f for f in findings if f["check"] == "kv-store"]
+    assert len(rows) == 1 and "bounded at 1024 MiB" in rows[0]["detail"], findings
 
 
 def test_busy_port_is_a_failure(tmp_path: Path) -> None:

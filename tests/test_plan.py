@@ -72,6 +72,23 @@ def test_cpu_node_uses_example_connector_and_no_gpus() -> None:
     assert p.model.generate
 
 
+def test_the_proxy_bounds_the_kv_folders_the_engines_use(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    p = plan(make({"state_dir": str(state)}), load_inventory("sim:cpu"))
+    assert p.proxy.kv_store is not None
+    assert (p.proxy.kv_store.folders, p.proxy.kv_store.max_mib, p.proxy.kv_store.max_age_s) == (
+        [str(state / "kv-store")], 1024, 3600)
+    # the folder the engines are told (an extra_config key wins over the table's), with the table's bounds
+    p = plan(make({"state_dir": str(state), "connector": {
+        "example": {"shared_storage_path": "/srv/kv", "max_store_mib": 64, "max_age_s": 60},
+        "extra_config": {"shared_storage_path": "/srv/other"}}}), load_inventory("sim:cpu"))
+    assert p.proxy.kv_store is not None
+    assert (p.proxy.kv_store.folders, p.proxy.kv_store.max_mib, p.proxy.kv_store.max_age_s) == (
+        ["/srv/other"], 64, 60)
+    # connectors that keep no KV on disk: nothing to bound
+    assert plan(make(REFERENCE), load_inventory("sim:mi300x-8")).proxy.kv_store is None
+
+
 def _block_size(argv: list[str]) -> str | None:
     return argv[argv.index("--block-size") + 1] if "--block-size" in argv else None
 

@@ -162,7 +162,8 @@ def test_each_connector_reads_its_own_table_and_the_old_flat_keys_still_work(tmp
     for path in (tables, flat):
         connector = load_settings(path).connector
         assert connector.own("moriio").model_dump() == {"backend": "xgmi"}
-        assert connector.own("example").model_dump() == {"shared_storage_path": "/srv/kv"}
+        assert connector.own("example").model_dump() == {"shared_storage_path": "/srv/kv", "max_store_mib": 1024,
+                                                         "max_age_s": 3600}
         assert connector.own("nixl").model_dump() == {"kv_buffer_device": None}
 
 
@@ -185,7 +186,8 @@ def test_a_bad_connector_table_is_one_line_naming_the_key(tmp_path: Path, text: 
 # The proxy's config fields no [proxy] key sets: the plan decides them, or only a hand-written proxy.json does.
 NOT_PROXY_KEYS = {"mode", "connector", "model", "block_size", "max_model_len", "backends", "registration.enabled",
                   "engine_api_key_file", "client_max_size", "max_tokens_limit", "health",
-                  "decode_only_window_ms"}  # the plan writes slo.itl_ms
+                  "decode_only_window_ms",  # the plan writes slo.itl_ms
+                  "kv_store"}  # the plan writes the connector's KV folders and its [connector.<name>] bounds
 
 
 def _field(model: Any, path: str) -> Any:

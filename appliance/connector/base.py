@@ -54,6 +54,14 @@ class HandoffFacts:
     source: str
 
 
+@dataclass(frozen=True)
+class KvStoreLimits:
+    """How far pdctl lets a connector's KV folders grow: beyond either bound the proxy evicts, oldest first."""
+
+    max_mib: float  # all the folders together
+    max_age_s: float  # since a prompt's KV was last written or read
+
+
 class OwnSettings(BaseModel):
     """A connector's own settings, the table [connector.<name>] of pdctl.toml: each connector that has some
     subclasses this (its settings_model); unknown keys are errors, so a typo never passes silently."""
@@ -300,6 +308,10 @@ class Connector(ABC):
         """Folders of this node where an engine with this kv-transfer-config keeps prompts' KV (pdctl makes them
         private to its user)."""
         return []
+
+    def kv_store_limits(self, settings: OwnSettings) -> KvStoreLimits | None:
+        """The bounds of this connector's kv_folders under its own settings, or None: pdctl evicts nothing."""
+        return None
 
     def check_mode(self, mode: Mode) -> None:
         """Raise ValueError when the connector has no such transfer mode (the one rule every validator uses)."""

@@ -18,6 +18,7 @@ from appliance.proxy import admin
 from appliance.proxy.body import INLINE_BYTES, BodyReader, BodyRules
 from appliance.proxy.config import ProxyConfig
 from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors
+from appliance.proxy.kvstore import KvStoreSweeper
 from appliance.proxy.legs import OUTCOME, ROUTE, STAGE, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE
 from appliance.proxy.state import ProxyState
@@ -81,6 +82,8 @@ class Proxy(ProxyState):
         self.listener: ProxyListener | None = None
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.AbstractServer] = []
+        store = config.kv_store
+        self.kv_sweeper = KvStoreSweeper(store, self.metrics.observe_kv_store) if store is not None else None
         self.api_port = config.port
         self.admin_port = config.admin.port
         limits = config.limits
@@ -131,6 +134,8 @@ class Proxy(ProxyState):
         self.health.start()
         if self.kv_events is not None:
             self.kv_events.start()
+        if self.kv_sweeper is not None:
+            self.kv_sweeper.start()
         log.info(
             "proxy on %s:%d (admin %s:%d), connector %s, mode %s, %d static backends",
             self.config.host, self.api_port, self.config.admin.host, self.admin_port,
@@ -202,6 +207,8 @@ class Proxy(ProxyState):
         if self._registration_bind is not None:
             self._registration_bind.cancel()
         await self.health.stop()
+        if self.kv_sweeper is not None:
+            await self.kv_sweeper.stop()
         await self.planned.close()
         if self.kv_events is not None:
             self.kv_events.close()

@@ -134,6 +134,19 @@ class PrefixAffinityConfig(_Model):
         "false: the estimate only"))
 
 
+class KvStoreConfig(_Model):
+    """The KV folders of a connector that keeps prompts' KV on disk (vLLM's ExampleConnector), which the proxy
+    keeps bounded: it evicts the least recently used prompts' KV beyond max_mib or max_age_s (kvstore.py)."""
+
+    folders: list[str] = Field(min_length=1)
+    max_mib: float = Field(gt=0, description="All the folders together")
+    max_age_s: float = Field(gt=0, description="KV not written or read for this long is evicted")
+    # an engine checks that a prompt's folder exists, then reads its files within the same step (vLLM dies when
+    # one is gone by then): KV written or read this recently is never evicted, even beyond max_mib
+    min_idle_s: float = Field(default=60.0, ge=0)
+    sweep_interval_s: float = Field(default=10.0, gt=0)
+
+
 class Backend(_Model):
     """One engine instance from the plan."""
 
@@ -178,6 +191,7 @@ class ProxyConfig(_Model):
     health: HealthConfig = Field(default_factory=HealthConfig)
     limits: Limits = Field(default_factory=Limits, description="What one client connection may cost the proxy")
     backends: list[Backend] = Field(default_factory=list)
+    kv_store: KvStoreConfig | None = None  # None: the connector keeps no KV on disk, or pdctl bounds none
     client_max_size: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_tokens_limit: int = Field(default=1_000_000, ge=1)
     # the served model's context (vLLM --max-model-len) when the plan sets it: bounds token-id prompts

@@ -6,13 +6,14 @@ import gc
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from appliance.proxy.histogram import FastHistogram
 from appliance.proxy.instances import BackendState, InstanceRegistry
+from appliance.proxy.kvstore import SweepResult
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -149,6 +150,14 @@ class ProxyMetrics:
             "timeout: no answer within timeouts.prefill_s; stopped: the proxy stopped first; over_cap: too many "
             "kept at once, aborted instead)", ["outcome"], registry=self.registry,
         )
+        self.kv_store_bytes = Gauge(
+            "pdctl_proxy_kv_store_bytes", "Bytes of prompts' KV in the KV store (kv_store.folders) after the last "
+            "sweep", registry=self.registry,
+        )
+        self.kv_store_evictions = Counter(
+            "pdctl_proxy_kv_store_evictions", "Prompts' KV folders the proxy evicted from the KV store",
+            registry=self.registry,
+        )
         self.routes = Counter(
             "pdctl_proxy_routes",
             "Requests routed, by the route taken (disaggregated, decode-only, colocated) and why (docs/routing.md)",
@@ -175,6 +184,11 @@ class ProxyMetrics:
         self.held.observe(waited_s)
         self.held_requests += 1
         self.max_hold_s = max(self.max_hold_s, waited_s)
+
+    def observe_kv_store(self, result: SweepResult) -> None:
+        """Record one sweep of the KV store."""
+        self.kv_store_bytes.set(result.bytes_after)
+        self.kv_store_evictions.inc(result.evicted)
 
     def request_totals(self) -> dict[str, Any]:
         """Client requests by HTTP status, failed legs and abandoned requests since the proxy started: the

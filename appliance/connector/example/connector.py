@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from appliance.connector.base import Connector, InstanceContext, Platform, RayServeBackend, SimOptions
+from appliance.connector.base import (
+    Connector,
+    InstanceContext,
+    KvStoreLimits,
+    OwnSettings,
+    Platform,
+    RayServeBackend,
+    SimOptions,
+)
 from appliance.connector.example.settings import ExampleSettings
 from appliance.connector.extras import ExtraConfigTable
 from appliance.roles import Mode
@@ -68,6 +76,10 @@ class ExampleConnector(Connector):
     def kv_folders(self, kv_transfer_config: Mapping[str, Any]) -> list[str]:
         path = (kv_transfer_config.get("kv_connector_extra_config") or {}).get("shared_storage_path")
         return [str(path)] if path else []
+
+    def kv_store_limits(self, settings: OwnSettings) -> KvStoreLimits | None:
+        assert isinstance(settings, ExampleSettings)
+        return KvStoreLimits(max_mib=settings.max_store_mib, max_age_s=settings.max_age_s)
 
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any]:
         extra = {**EXTRA_CONFIG.kept({"shared_storage_path": self._storage(ctx)}, ctx.vllm_version),

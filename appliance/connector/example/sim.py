@@ -11,10 +11,13 @@ from typing import Any
 
 from appliance.connector.sim import (
     ConnectorSim,
+    KVTransferError,
     SimSequence,
 )
 
 log = logging.getLogger("appliance.engine.sim")
+
+_KV_FILE = "sim_kv.json"  # one file per prompt, where vLLM writes one per layer
 
 
 def _align_to_block_size(num_tokens: int, block_size: int) -> int:
@@ -49,10 +52,18 @@ class ExampleSim(ConnectorSim):
 
     async def _load(self, seq: SimSequence) -> int:
         n = _align_to_block_size(len(seq.prompt) - 1, self.cfg.block_size)
-        if not os.path.isdir(self._folder(seq.prompt[:n])):
+        folder = self._folder(seq.prompt[:n])
+        if not os.path.isdir(folder):
             self.stats["kv_misses"] += 1
             return 0
         await self._transfer_delay(n)
+        # vLLM decides the hit on the folder alone and reads its files afterwards: one gone by then kills the
+        # real engine core (FileNotFoundError); the simulated engine fails the request
+        try:
+            with open(os.path.join(folder, _KV_FILE)) as fh:
+                json.load(fh)
+        except FileNotFoundError:
+            raise KVTransferError(f"KV folder {folder} lost its files after the hit") from None
         self.stats["kv_pulls"] += 1
         return n
 
@@ -60,11 +71,13 @@ class ExampleSim(ConnectorSim):
         if self.cfg.role not in ("prefill", "both") or seq.cached_tokens:
             return False
         n = _align_to_block_size(len(seq.prompt), self.cfg.block_size)
-        if n <= 0:
+        lookup = _align_to_block_size(len(seq.prompt) - 1, self.cfg.block_size)
+        # vLLM stores a prompt only when its lookup finds nothing: a stored prompt's files are never rewritten
+        if n <= 0 or os.path.isdir(self._folder(seq.prompt[:lookup])):
             return False
         folder = self._folder(seq.prompt[:n])
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "sim_kv.json"), "w") as fh:
+        with open(os.path.join(folder, _KV_FILE), "w") as fh:
             json.dump({"num_tokens": n, "block_size": self.cfg.block_size, "model": self.cfg.model}, fh)
         self.stats["kv_saves"] += 1
         return False
