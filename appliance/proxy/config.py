@@ -158,11 +158,8 @@ class Backend(_Model):
 
     @model_validator(mode="after")
     def _one_events_path(self) -> Backend:
-        if self.kv_events_socket is not None:
-            if self.kv_events_ports:
-                raise ValueError("a backend's KV events come from kv_events_socket or kv_events_ports, not both")
-            if not self.kv_events_socket.startswith("/"):
-                raise ValueError(f"kv_events_socket must be an absolute path, got {self.kv_events_socket!r}")
+        if self.kv_events_socket is not None and self.kv_events_ports:
+            raise ValueError("a backend's KV events come from kv_events_socket or kv_events_ports, not both")
         return self
 
     @field_validator("url")

@@ -366,6 +366,19 @@ def test_an_engines_ipc_socket_feeds_the_proxy_through_a_stale_file_its_restart_
         asyncio.run(scenario(folder))
 
 
+
+def test_a_proxy_config_naming_both_a_socket_and_ports_for_one_backends_events_is_refused(tmp_path: Path) -> None:
+    """A hand-written proxy.json cannot say both where one instance's events come from: one line, no traceback."""
+    from appliance.errors import ConfigError
+    from appliance.proxy.config import load_config
+
+    path = tmp_path / "proxy.json"
+    path.write_text(json.dumps({"connector": "none", "model": MODEL, "backends": [
+        {"name": "both-0", "role": "both", "url": "http://127.0.0.1:9", "kv_events_ports": [6901],
+         "kv_events_socket": str(tmp_path / "both-0.sock")}]}))
+    with pytest.raises(ConfigError, match="kv_events_socket or kv_events_ports, not both"):
+        load_config(path)
+
 # What another local user tries against an engine's events socket: standard library only (a ZMQ SUB's ipc connect
 # is this connect), run by the system Python as nobody. Prints each attempt's errno name, or "ok".
 NOBODY = """import errno, json, os, socket, sys
