@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -146,6 +147,17 @@ class BlockSink(Protocol):
         """A publisher is connected: the stream is alive."""
 
 
+def socket_file(endpoint: str) -> tuple[int, int] | None:
+    """Which socket file an ipc:// endpoint's path names now (device, inode); None: none there, or not ipc."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    try:
+        info = os.stat(endpoint.removeprefix("ipc://"))
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
 class _Stream:
     """One SUB socket (an instance's DP rank), its reader and its connection monitor: connected to the engine's
     ipc:// socket file, or bound on the tcp:// port the engine connects to."""
@@ -174,6 +186,7 @@ class _Stream:
             sock.close(linger=0)
             raise
         self.sock = sock
+        self.socket_file = socket_file(endpoint) if connects else None  # the engine's socket it connected to
         self.peers = 0
         self.tasks = [asyncio.create_task(self._read(sink, count)), asyncio.create_task(self._watch(sink, left))]
 
@@ -247,6 +260,18 @@ class KvEventsListener:
             if key not in wanted or wanted[key] != (stream.inst, stream.endpoint):
                 stream.close()
                 del self._streams[key]
+            elif stream.socket_file != (now := socket_file(stream.endpoint)) and now is not None:
+                if stream.socket_file is None:  # the engine bound it after the SUB connected: ZMQ connects to it
+                    stream.socket_file = now
+                    continue
+                # an engine bound the path again while the process of the one before (an orphaned engine core)
+                # still holds the SUB's connection to the replaced socket: follow the path, the new engine
+                log.info("KV events of %s rank %d: %s was bound again; connecting to the new socket",
+                         stream.inst.name, stream.rank, stream.endpoint)
+                stream.close()
+                del self._streams[key]
+                self._sink_for(stream.inst, stream.rank).disconnected()
+                self._left(stream.inst.name)
         for key, (inst, endpoint) in wanted.items():
             if key in self._streams:
                 continue

@@ -7,6 +7,7 @@ proxy connects to it, and an engine's restart is followed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -72,6 +73,14 @@ def _complete(url: str, prompt: list[int]) -> tuple[dict[str, Any], str | None]:
             return json.loads(resp.read()), resp.headers.get("x-pdctl-route")
     except urllib.error.HTTPError as exc:
         raise AssertionError(f"{url}: {exc.code} {exc.read()!r}") from None
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
 
 
 def _engine_ports(http_port: int) -> set[int]:
@@ -162,19 +171,30 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
                 spy.close()
             ctx.term()
 
-        # both-1's engine killed (its socket file is left behind) and started again by the service manager: the
-        # proxy drops its events, connects to the new engine's socket by itself and applies what that one reports.
-        port = int(backends["both-1"]["url"].rsplit(":", 1)[1])
-        psutil.Process(next(c.pid for c in psutil.net_connections(kind="tcp")
-                            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid)).kill()
-        wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_prefix_source", instance="both-1", source="estimate"),
-                   timeout=60, what="both-1's stream gone")
-        wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_prefix_source", instance="both-1", source="events"),
-                   timeout=900, what="the restarted engine's stream")
-        applied = _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1", result="applied")
-        _complete(backends["both-1"]["url"], _tokens(400, 2 * BLOCK))
-        wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1",
-                                  result="applied") > applied, timeout=60, what="the restarted engine's events")
+        # both-1's API server killed (its engine core process lives on, still holding the socket it bound and the
+        # proxy's connection) and started again by the service manager: its new engine binds the socket's path
+        # again, the proxy follows the path to it and applies what the new engine reports.
+        url = backends["both-1"]["url"]
+        port = int(url.rsplit(":", 1)[1])
+        server = psutil.Process(next(c.pid for c in psutil.net_connections(kind="tcp")
+                                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid))
+        orphans = server.children(recursive=True)
+        server.kill()
+        try:
+            wait_until(lambda: _healthy(url), timeout=900, what="both-1's engine started again")
+            metrics = _scrape(proxy)
+            applied, gaps = (_value(metrics, "pdctl_proxy_kv_events_total", instance="both-1", result=r)
+                             for r in ("applied", "gap"))
+            _complete(url, _tokens(400, 2 * BLOCK))
+            wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1",
+                                      result="applied") > applied, timeout=60, what="the new engine's events")
+            metrics = _scrape(proxy)
+            assert _value(metrics, "pdctl_proxy_kv_events_total", instance="both-1", result="gap") == gaps
+            assert _value(metrics, "pdctl_proxy_prefix_source", instance="both-1", source="events") == 1
+        finally:
+            for orphan in orphans:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    orphan.kill()
     finally:
         subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
                        env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)

@@ -316,7 +316,8 @@ def test_an_engines_ipc_socket_feeds_the_proxy_through_a_stale_file_its_restart_
     """DP 1: the engine binds an ipc:// socket file (vLLM's publisher binds an ipc endpoint), the proxy's SUB
     connects to it. A stale file left by an engine killed before does not stop the next one binding there; when the
     engine restarts (its file stays, as after a kill) the proxy forgets its events, connects to the new one by
-    itself and applies what it numbers from 0; a restarted proxy connects to the engines as they are."""
+    itself and applies what it numbers from 0, also while the process of the one before lives on (seen on real
+    vLLM: its engine core outlives a killed API server); a restarted proxy connects to the engines as they are."""
     async def scenario(folder: Path) -> None:
         paths = [folder / f"both-{k}.sock" for k in range(2)]
         stale = socket.socket(socket.AF_UNIX)
@@ -347,6 +348,16 @@ def test_an_engines_ipc_socket_feeds_the_proxy_through_a_stale_file_its_restart_
                     await pubs[1].send(_stored(PROMPT[:BLOCK], [b"new"]))
                     await eventually(lambda: policy.expected_cached_tokens(one, _facts(PROMPT)) == BLOCK,
                                      what="the new engine's block")
+                    # started again while the one before lives on (its engine core orphaned, the proxy still
+                    # connected to it): the path names the new engine's socket, and the proxy follows the path
+                    orphan, pubs[1] = pubs[1], Publisher(ctx, f"ipc://{paths[1]}")
+                    await pubs[1].subscribed()
+                    await eventually(lambda: policy.prefix_source(one) == "events", what="the newest engine's stream")
+                    await pubs[1].send(_stored(PROMPT[:2 * BLOCK], [b"n1", b"n2"]))
+                    await eventually(lambda: policy.expected_cached_tokens(one, _facts(PROMPT)) == 2 * BLOCK,
+                                     what="the newest engine's blocks")
+                    assert px.kv_events.disconnects == {"both-1": 2}
+                    orphan.close()
                 async with running_proxy(config) as px:  # the proxy restarts; the engines keep their sockets
                     for pub in pubs:
                         await pub.subscribed()
