@@ -423,7 +423,7 @@ def _as_nobody(path: Path, *more: str) -> dict[str, str]:
                     reason="needs root, setpriv and /usr/bin/python3 (runs a process as nobody)")
 def test_another_local_user_cannot_connect_to_plant_or_replace_an_engines_events_socket() -> None:
     """`pdctl up` gives a DP-1 vLLM engine an events socket in the state directory's kv-events folder, made 0700
-    and pdctl's user's. With the engine's socket bound there (as vLLM binds it) and open to all (whatever the
+    and pdctl's user's (one another user made first is refused). With the engine's socket bound there (as vLLM binds it) and open to all (whatever the
     engine's umask), and the folders above passable (an operator opened the state directory), a process of
     another user can neither connect to it (the events carry prompts' token ids), nor put a socket there first,
     nor remove the engine's; the control: the same folder opened to others lets it connect."""
@@ -433,8 +433,15 @@ def test_another_local_user_cannot_connect_to_plant_or_replace_an_engines_events
         config = write_config(top, top / "state", extra='routing = "prefix_affinity"\n')
         config.write_text(config.read_text().replace('kind = "sim"',
                                                      f'kind = "vllm"\npython = {json.dumps(sys.executable)}'))
-        pdctl(config, "up", "--render-only", check=True)
         state = top / "state"
+        planted = state / "kv-events"
+        planted.mkdir(parents=True, mode=0o777)
+        os.chown(planted, 65534, 65534)  # another user's folder where the sockets go: refused in one line
+        refused = pdctl(config, "up", "--render-only")
+        assert refused.returncode != 0 and f"{planted} belongs to uid 65534" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr and not (state / "plan.json").exists()
+        planted.rmdir()
+        pdctl(config, "up", "--render-only", check=True)
         state.chmod(0o711)
         backends = json.loads((state / "proxy.json").read_text())["backends"]
         sockets = [Path(b["kv_events_socket"]) for b in backends]
