@@ -33,7 +33,9 @@ class ProxyState:
         self.health = HealthChecker(self.registry, config.health,
                                     on_listener=lambda result: self.metrics.listener_checks.labels(result).inc(),
                                     on_probe=lambda name, result: self.metrics.health_probes.labels(name, result).inc())
-        rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at, config.decode_only_window_ms / 1000)
+        step = config.decode_step
+        rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at, config.decode_only_window_ms / 1000,
+                      step.room_per_leg() if step else 0.0)
         self.router = Router(self.registry, POLICIES[config.routing].from_config(config), lambda: self.mode,
                              self.connector, rules, config.block_size)
         self.planned = PlannedStops(self.registry, self.health)
