@@ -35,7 +35,7 @@ from appliance.engine.version import split_package
 from appliance.errors import PlanError
 from appliance.hosts import is_loopback, url_host
 from appliance.inventory.models import Gpu, Inventory
-from appliance.proxy.config import Backend, KvStoreConfig, ProxyConfig
+from appliance.proxy.config import Backend, DecodeStep, KvStoreConfig, ProxyConfig
 from appliance.roles import MODES, Mode, Role
 from appliance.settings import EMBEDDED_MODEL, EngineKind, Settings, deep_merge, proxy_config_data
 from appliance.statedir import StateDir
@@ -605,13 +605,17 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
     The admin API always has a token: proxy.admin_token_file, else the state directory's, which `pdctl up`
     generates; any local process could otherwise replace the backend set with its own address."""
     p = settings.proxy
-    threshold = p.decode_only_below
-    if threshold is None and p.conditional_routing and settings.engine.kind == "sim":
+    threshold, step = p.decode_only_below, p.decode_step
+    if p.conditional_routing and settings.engine.kind == "sim":
         sim = settings.engine.sim
-        threshold = decode_only_below(sim.decode_step_ms + sim.decode_step_ms_per_seq, sim.prefill_us_per_token,
-                                      settings.slo.itl_ms)
+        if threshold is None:
+            threshold = decode_only_below(sim.decode_step_ms + sim.decode_step_ms_per_seq, sim.prefill_us_per_token,
+                                          settings.slo.itl_ms)
+        if step is None and sim.prefill_us_per_token > 0:  # free prefill: the load takes nothing off the room
+            step = DecodeStep(ms_per_seq=sim.decode_step_ms_per_seq, prefill_us_per_token=sim.prefill_us_per_token)
     from_plan = {
         "decode_only_below": threshold, "decode_only_window_ms": settings.slo.itl_ms,
+        "decode_step": step.model_dump() if step else None,
         "mode": mode, "connector": connector, "model": served_name, "block_size": block_size,
         "max_model_len": settings.model.max_model_len,
         "registration": {"enabled": get_connector(connector).registers_with_proxy},

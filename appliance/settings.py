@@ -28,7 +28,7 @@ from pydantic import (
 from appliance.connector import Connector, check_name, get_connector, names
 from appliance.connector.base import OwnSettings
 from appliance.errors import ConfigError
-from appliance.proxy.config import Limits, PrefixAffinityConfig, ProxyConfig, Routing
+from appliance.proxy.config import DecodeStep, Limits, PrefixAffinityConfig, ProxyConfig, Routing
 from appliance.roles import Mode, Role
 
 if sys.version_info >= (3, 11):
@@ -263,6 +263,7 @@ PROXY_KEYS: dict[str, str] = {
     "first_token_timeout_s": "timeouts.first_token_s", "between_tokens_timeout_s": "timeouts.between_tokens_s",
     "limits": "limits", "prefix_affinity": "prefix_affinity",
     "decode_only_below": "decode_only_below", "prefill_saturated_at": "prefill_saturated_at",
+    "decode_step": "decode_step",
 }
 _UNPRIVILEGED = Ge(1024)  # the services run as an unprivileged user: no port below 1024 for what pdctl starts
 
@@ -294,6 +295,8 @@ class ProxySettings(Section):
     # unset: the planner's figure from the node's time model (docs/routing.md); 0: every prompt is handed over
     decode_only_below: int | None = _proxy_field("decode_only_below")
     prefill_saturated_at: int = _proxy_field("prefill_saturated_at")
+    # unset: the planner's from engine.sim on a sim node; a real node's figures from its profile (docs/routing.md)
+    decode_step: DecodeStep | None = _proxy_field("decode_step")
     conditional_routing: bool = Field(default=False, description=(
         "Let the proxy prefill short prompts on the decode instance (docs/routing.md); decode_only_below unset: "
         "the planner's figure for the node"))

@@ -3,8 +3,14 @@ on a mixed workload (short and long prompts), with one `pdctl bench --compare` r
 proxy, real sockets, engines that follow a time model: results/conditional/sim.toml, the advisor's H200 profile).
 
     python benchmarks/conditional_bench.py [--config results/conditional/sim.toml] [--inventory sim:h200-2]
-        [--rates 2,4,6,8,10,12] [-n 60] [--seed 0] [--input-len 2000] [--output-len 100]
+        [--rates 4,8,10,12,14] [-n 120] [--scale 3] [--seed 0] [--input-len 2000] [--output-len 100]
         [--colocated colocated-2-mbt256] [--out results/conditional]
+
+`--scale k` runs every engine time (the sim's prefill cost per token, step and per-sequence cost) and both SLO
+targets k times longer and every rate k times slower: the engines' ratios, the planner's decode_only_below
+and the load per step stay the same, while the host's own delays (scheduling, the proxy's and the client's
+event loops, a few ms each on a busy shared VM) weigh k times less against a step. `--rates` are the unscaled
+rates; the report names both. The scaled settings are written next to bench.json (`sim-scaled.toml`).
 
 Shapes: `disagg-read` (every prompt handed over), `disagg-read-conditional` (the same split, `[proxy]
 conditional_routing = true`: the planner's decode_only_below) and the tuned colocated shape. While it runs, the
@@ -31,7 +37,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import tomllib
+
+from appliance.settings import SimTimeModel, SloSettings
 
 SHAPES = "disagg-read,disagg-read-conditional"
 ENGINE_SERIES = ("sim_requests_running", "sim_requests_waiting", "sim_requests_waiting_for_kv", "sim_decode_steps",
@@ -103,9 +112,9 @@ def _gaps(req: dict[str, Any]) -> list[float]:
     return [(b - a) * 1000 for a, b in zip(t, t[1:], strict=False)]
 
 
-def _report(doc: dict[str, Any], samples: list[dict[str, Any]], itl_ms: float) -> None:
-    """Per shape and rate: the routes taken (TTFT p50 per route), the slow gaps requests met, the engines'
-    figures and the proxy's routes by reason."""
+def _report(doc: dict[str, Any], samples: list[dict[str, Any]], itl_ms: float, scale: float) -> None:
+    """Per shape and rate: attainment under each judgement, the routes taken (TTFT p50 per route), the slow gaps
+    requests met, the engines' figures and the proxy's routes by reason."""
     for shape in doc["shapes"]:
         for rate in shape["rates"]:
             by: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
@@ -120,7 +129,11 @@ def _report(doc: dict[str, Any], samples: list[dict[str, Any]], itl_ms: float) -
             gaps = [g for r in ok for g in _gaps(r)]
             slow = sum(g > itl_ms for g in gaps)
             twice = sum(sum(g > itl_ms for g in _gaps(r)) >= 2 for r in ok)
-            print(f"  {shape['name']} @ {rate['rate']:g} req/s: " + "; ".join(parts))
+            summary = rate["summary"]
+            judged = ", ".join(f"{j} {100 * a:.0f} %" for j, a in summary["attainment_by_judgement"].items())
+            print(f"  {shape['name']} @ {rate['rate']:.3g} req/s (unscaled {rate['rate'] * scale:.3g}; realized "
+                  f"{summary['arrival_rate'] * scale:.3g}): attainment {judged}; {summary['sent']} sent")
+            print("    routes: " + "; ".join(parts))
             if gaps:
                 print(f"    gaps over {itl_ms:g} ms: {slow} of {len(gaps)} ({100 * slow / len(gaps):.2f} %); requests "
                       f"with 2 or more of them: {twice} of {len(ok)}")
@@ -139,13 +152,25 @@ def _report(doc: dict[str, Any], samples: list[dict[str, Any]], itl_ms: float) -
                       f"{fig.get('sim_prompt_tokens_computed', 0.0):.0f}")
 
 
+def scaled(config: dict[str, Any], k: float) -> dict[str, Any]:
+    """The settings with every engine time and both SLO targets k times longer (their defaults where unset)."""
+    sim = {**config.get("engine", {}).get("sim", {})}
+    for key in ("prefill_us_per_token", "decode_step_ms", "decode_step_ms_per_seq"):
+        sim[key] = sim.get(key, SimTimeModel.model_fields[key].default) * k
+    slo = {**config.get("slo", {})}
+    for key in ("ttft_ms", "itl_ms"):
+        slo[key] = slo.get(key, SloSettings.model_fields[key].default) * k
+    return {**config, "engine": {**config.get("engine", {}), "sim": sim}, "slo": slo}
+
+
 def main() -> None:
     """Run the comparison, then print its goodput and what explains it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="results/conditional/sim.toml")
     parser.add_argument("--inventory", default="sim:h200-2")
-    parser.add_argument("--rates", default="2,4,6,8,10,12")
-    parser.add_argument("-n", type=int, default=60)
+    parser.add_argument("--rates", default="4,8,10,12,14", help="unscaled request rates (req/s)")
+    parser.add_argument("-n", type=int, default=120)
+    parser.add_argument("--scale", type=float, default=3.0, help="engine times and SLO targets x k, rates / k")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--input-len", type=int, default=2000)
     parser.add_argument("--output-len", type=int, default=100)
@@ -155,11 +180,17 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = tomllib.loads(Path(args.config).read_text())
+    config_path = Path(args.config)
+    if args.scale != 1:
+        config = scaled(config, args.scale)
+        config_path = out / "sim-scaled.toml"
+        config_path.write_text(tomli_w.dumps(config))
+    rates = ",".join(f"{float(r) / args.scale:.6g}" for r in args.rates.split(","))
     sampler = Sampler(Path(config["state_dir"]), out / "engines.jsonl")
     sampler.start()
-    command = [sys.executable, "-m", "appliance", "--config", args.config, "bench", "--compare", "--deploy",
+    command = [sys.executable, "-m", "appliance", "--config", str(config_path), "bench", "--compare", "--deploy",
                "processes", "--inventory", args.inventory, "--shapes", f"{SHAPES},{args.colocated}",
-               "--workload", "mixed-lengths", "--rates", args.rates, "-n", str(args.n), "--lifetimes", "0",
+               "--workload", "mixed-lengths", "--rates", rates, "-n", str(args.n), "--lifetimes", "0",
                "--stop-on", "none", "--seed", str(args.seed), "--input-len", str(args.input_len),
                "--output-len", str(args.output_len), "--no-plots", "--out", str(out)]
     print("$", " ".join(command[2:]), flush=True)
@@ -170,13 +201,13 @@ def main() -> None:
         sampler.join()
     doc = json.loads((out / "bench.json").read_text())
     samples = [json.loads(line) for line in (out / "engines.jsonl").read_text().splitlines()]
-    print("goodput, req/s (p99 / max / mean ITL judgement):")
+    print(f"goodput, req/s (p99 / max / mean ITL judgement), unscaled (the run's rates x {args.scale:g}):")
     for shape in doc["shapes"]:
         good = shape["goodput"]
-        print(f"  {shape['name']}: " + " / ".join("-" if good.get(j) is None else f"{good[j]:g}"
+        print(f"  {shape['name']}: " + " / ".join("-" if good.get(j) is None else f"{good[j] * args.scale:.3g}"
                                                   for j in ("p99", "max", "mean")))
     print("per rate: routes, slow gaps, the engines' own figures:")
-    _report(doc, samples, float(doc["slo"]["itl_ms"]))
+    _report(doc, samples, float(doc["slo"]["itl_ms"]), args.scale)
 
 
 if __name__ == "__main__":

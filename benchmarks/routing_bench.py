@@ -6,7 +6,8 @@ request, in process, with no I/O.
                                        [--prompts text-44,text-4000,ids-1000,ids-8000]
 
 Prints, for each policy of appliance.proxy.policies, each prompt, conditional routing off and on
-(policies/conditional.py: the prompt's length is read, the decision made), and each number of instances per role
+(policies/conditional.py: the prompt's length is read, the decision made, a short prompt's room computed from
+the decode's load: every instance runs one leg throughout), and each number of instances per role
 and DP size, the best of --repeat runs of --requests requests, in microseconds per request. A prompt is text-N (N
 characters of text) or ids-N (N token ids, as `pdctl bench` sends); the same prompt every time, so prefix_affinity
 finds all its blocks on one instance and none on the others (its most expensive case: the whole chain is compared
@@ -41,8 +42,8 @@ def body(prompt: str) -> dict[str, object]:
 
 
 # conditional routing as the planner sets it on results/conditional's node (decode_only_below 214, ITL target
-# 50 ms), and off
-RULES = {"off": Rules(0, 0, 0.05), "on": Rules(214, 0, 0.05)}
+# 50 ms, each running leg 0.17 ms / 100 us = 1.7 tokens off the room), and off
+RULES = {"off": Rules(0, 0, 0.05), "on": Rules(214, 0, 0.05, 1.7)}
 
 
 def _registry(instances: int, dp_size: int, events: bool = False) -> InstanceRegistry:
@@ -54,6 +55,9 @@ def _registry(instances: int, dp_size: int, events: bool = False) -> InstanceReg
             inst = BackendState(f"{role}-{k}", role, f"http://127.0.0.1:{port}", connect_timeout=1.0, dp_size=dp_size,
                                 kv_events_ports=range(30000 + port * 8, 30000 + port * 8 + dp_size) if events else ())
             inst.healthy = True
+            # one leg running on every instance, as on a node in use: a short prompt's room then reads the
+            # decode's load (an idle decode takes any short prompt without it)
+            inst.book()
             registry.instances[inst.name] = inst
             registry.by_role[role].append(inst)
     return registry

@@ -16,7 +16,7 @@ from appliance import settings as settings_module
 from appliance.errors import ConfigError
 from appliance.inventory import load_inventory
 from appliance.plan import plan
-from appliance.proxy.config import Limits, PrefixAffinityConfig, ProxyConfig
+from appliance.proxy.config import DecodeStep, Limits, PrefixAffinityConfig, ProxyConfig
 from appliance.settings import (
     DEFAULT_CONFIG_PATH,
     PROXY_KEYS,
@@ -222,7 +222,8 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
              "admin_port": 11002, "admin_token_file": "/srv/token", "connect_timeout_s": 1.5,
              "prefill_timeout_s": 60.0, "first_token_timeout_s": 70.0, "between_tokens_timeout_s": 8.0,
              "limits": {"max_connections": 99, "max_n": 4}, "decode_only_below": 300, "prefill_saturated_at": 6,
-             "prefix_affinity": {"load_bound": 2, "cache_tokens": 4096}}
+             "prefix_affinity": {"load_bound": 2, "cache_tokens": 4096},
+             "decode_step": {"ms_per_seq": 0.5, "prefill_us_per_token": 40.0}}
     assert set(proxy) == set(PROXY_KEYS)
     planned = plan(Settings.model_validate({"connector": {"name": "moriio"}, "proxy": proxy}),
                    load_inventory("sim:mi300x-8"))
@@ -230,24 +231,32 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
         value: Any = planned.proxy
         for part in path.split("."):
             value = getattr(value, part)
-        tables = {"limits": Limits, "prefix_affinity": PrefixAffinityConfig}
+        tables = {"limits": Limits, "prefix_affinity": PrefixAffinityConfig, "decode_step": DecodeStep}
         expected = tables[key](**proxy[key]) if key in tables else proxy[key]
         assert value == expected, key
     assert planned.proxy.registration.enabled and planned.proxy.mode == "read"
 
 
-@pytest.mark.parametrize(("proxy", "expected"), [
-    ({}, None),  # conditional routing off (the default): every prompt is handed over
+SIM_STEP = DecodeStep(ms_per_seq=0.05, prefill_us_per_token=20)  # engine.sim's defaults
+OWN_STEP = {"ms_per_seq": 0.5, "prefill_us_per_token": 40.0}
+
+
+@pytest.mark.parametrize(("proxy", "expected", "step"), [
+    ({}, None, None),  # conditional routing off (the default): every prompt is handed over
     # the sim's time model: (39.6 ms - 5.05 ms step) x 1000 / 20 us, 39.6 ms the longest step the 50 ms ITL
-    # target takes in 99 % of cases (lognormal spread 0.1: 50 x exp(-2.326 x 0.1))
-    ({"conditional_routing": True}, 1728),
-    ({"conditional_routing": True, "decode_only_below": 100}, 100),  # the user's value wins
-    ({"decode_only_below": 0}, 0),  # off: every prompt is handed over
+    # target takes in 99 % of cases (lognormal spread 0.1: 50 x exp(-2.326 x 0.1)); its per-sequence cost
+    # and prefill cost per token, which the proxy takes each running leg's part off that with
+    ({"conditional_routing": True}, 1728, SIM_STEP),
+    ({"conditional_routing": True, "decode_only_below": 100}, 100, SIM_STEP),  # the user's value wins
+    ({"conditional_routing": True, "decode_step": OWN_STEP}, 1728, DecodeStep(**OWN_STEP)),  # so does the step's
+    ({"decode_only_below": 0}, 0, None),  # off: every prompt is handed over
 ])
-def test_the_conditional_threshold_comes_from_the_node_unless_set(proxy: dict[str, Any], expected: int) -> None:
+def test_the_conditional_threshold_comes_from_the_node_unless_set(proxy: dict[str, Any], expected: int,
+                                                                  step: DecodeStep | None) -> None:
     settings = Settings.model_validate({"engine": {"kind": "sim"}, "connector": {"name": "nixl"}, "proxy": proxy})
     planned = plan(settings, load_inventory("sim:h200-8")).proxy
     assert planned.decode_only_below == expected
+    assert planned.decode_step == step
     # the window over which a decode prefills fewer than that itself: the ITL target
     assert planned.decode_only_window_ms == settings.slo.itl_ms == 50
     # a real-vLLM plan reads no model file: unset stays unset (the proxy hands every prompt over)

@@ -147,6 +147,18 @@ class KvStoreConfig(_Model):
     sweep_interval_s: float = Field(default=10.0, gt=0)
 
 
+class DecodeStep(_Model):
+    """A decode instance's step time model, the parts the conditional room reads (docs/routing.md): what each
+    running sequence adds to a step, and what each prompt token the decode prefills itself costs."""
+
+    ms_per_seq: float = Field(ge=0, description="A decode step's cost per running sequence (ms)")
+    prefill_us_per_token: float = Field(gt=0, description="Prefill compute per prompt token (us)")
+
+    def room_per_leg(self) -> float:
+        """Prompt tokens of a decode's room each leg running on it takes (the step time its sequence adds)."""
+        return self.ms_per_seq * 1000 / self.prefill_us_per_token
+
+
 class Backend(_Model):
     """One engine instance from the plan."""
 
@@ -222,6 +234,11 @@ class ProxyConfig(_Model):
         "A decode instance prefills fewer than decode_only_below prompt tokens itself in any window this long "
         "(the planner writes slo.itl_ms): a decode step carries what arrived during the step before it, so no "
         "step carries more; a short prompt over it takes the prefill hop (reason decode-busy)"))
+    # None in the settings: the planner's, from the node's time model (engine.sim), when it writes
+    # decode_only_below; None here: the room does not depend on the decode's load
+    decode_step: DecodeStep | None = Field(default=None, description=(
+        "The decode's step time model: each leg running on a decode takes ms_per_seq x 1000 / "
+        "prefill_us_per_token prompt tokens off the room decode_only_below gives an idle one"))
 
     @field_validator("connector")
     @classmethod

@@ -37,7 +37,9 @@ class ProxyState:
         self.health = HealthChecker(self.registry, config.health,
                                     on_listener=lambda result: self.metrics.listener_checks.labels(result).inc(),
                                     on_probe=lambda name, result: self.metrics.health_probes.labels(name, result).inc())
-        rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at, config.decode_only_window_ms / 1000)
+        step = config.decode_step
+        rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at, config.decode_only_window_ms / 1000,
+                      step.room_per_leg() if step else 0.0)
         policy = POLICIES[config.routing].from_config(config)
         # the engines' KV cache events, for prefix affinity's exact path (bound by app.Proxy.start)
         self.kv_events = KvEventsListener(lambda: list(self.registry.instances.values()), policy.event_blocks) \

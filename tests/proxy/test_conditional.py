@@ -156,6 +156,42 @@ def test_a_decode_prefills_at_most_one_thresholds_worth_of_short_prompts_per_win
         run(scenario())
 
 
+def test_a_loaded_decode_refuses_a_short_prompt_an_idle_one_accepts() -> None:
+    # Each running sequence lengthens a decode step, which leaves less of the ITL target for a prompt: with a
+    # step model of 1 ms per sequence and 100 us per prompt token, each leg on the decode takes 10 tokens off
+    # the room of 32. A window of 1 ms holds none of the streams' own prompts by the time the 20-token one
+    # comes: only the load decides. Slow decode steps keep the streams running.
+    with cluster() as c:
+        p, d = _start(c, decode_args=("--decode-step-ms", "50"), decode_only_below=32, decode_only_window_ms=1,
+                      decode_step={"ms_per_seq": 1, "prefill_us_per_token": 100})
+
+        async def decoding(n: int) -> bool:
+            s = await sim_state(d)
+            return bool(s["requests_running"] + s["requests_waiting"] + s["requests_waiting_for_kv"] == n)
+
+        def stream() -> asyncio.Future[tuple[str, int, str]]:
+            return asyncio.ensure_future(_through_proxy(c, 4, stream=True, max_tokens=100))  # ~5 s of steps
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            first = stream()
+            await wait_until(lambda: decoding(1), what="the first stream decoding")
+            assert await _ask(c, d, 20, max_tokens=2) == (DECODE_ONLY, 0)  # one leg: room 22
+            second = stream()
+            await wait_until(lambda: decoding(2), what="the second stream decoding")
+            route, cached = await _ask(c, d, 20, max_tokens=2)  # two legs: room 12
+            assert route == DISAGGREGATED and cached > 0
+            assert not first.done() and not second.done()  # the decode was running both all along
+            assert [(await f)[0] for f in (first, second)] == [DECODE_ONLY, DECODE_ONLY]
+            await wait_until(lambda: _decode_idle(c), what="the proxy's legs on the decode ended")
+            assert await _ask(c, d, 20, max_tokens=2) == (DECODE_ONLY, 0)  # idle: the whole room
+            assert await _routes(c) == {("decode-only", "short-prompt"): 4, ("disaggregated", "decode-busy"): 1}
+            assert (await sim_state(p))["stats"]["kv_sends"] == 1
+            await all_drained(p, d)
+
+        run(scenario())
+
+
 def test_threshold_zero_hands_every_prompt_over() -> None:
     with cluster() as c:
         p, d = _start(c, decode_only_below=0)

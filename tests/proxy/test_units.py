@@ -15,11 +15,11 @@ from appliance.connector.moriio.registration import (
     check_against_plan,
     normalize_registration,
 )
-from appliance.proxy.config import Backend, ProxyConfig, Routing
+from appliance.proxy.config import Backend, DecodeStep, ProxyConfig, Routing
 from appliance.proxy.health import FAILED, OK, SERVING, TIMEOUT, UNREACHABLE, judge
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import POLICIES, RequestFacts
-from appliance.proxy.policies.conditional import REASONS, PrefillWindow, RouteFacts, Rules, decide
+from appliance.proxy.policies.conditional import REASONS, PrefillWindow, RouteFacts, Rules, decide, room
 from appliance.proxy.policies.least_outstanding import LeastOutstanding
 from appliance.proxy.policies.round_robin import RoundRobin
 from appliance.proxy.routing import Router, Unroutable
@@ -327,6 +327,38 @@ RULES = Rules(decode_only_below=256, prefill_saturated_at=4, window_s=0.05)
 def test_conditional_decision(facts: RouteFacts, rules: Rules, expected: tuple[str, str]) -> None:
     assert decide(facts, rules) == expected
     assert expected[1] in REASONS
+
+
+# the sim's H200 profile (results/conditional/sim.toml): 0.17 ms per running sequence, 100 us per prompt token
+LOADED = Rules(decode_only_below=214, prefill_saturated_at=0, window_s=0.05,
+               room_per_leg=DecodeStep(ms_per_seq=0.17, prefill_us_per_token=100).room_per_leg())
+
+
+@pytest.mark.parametrize(("legs", "expected"), [
+    (0, 214), (1, 212), (8, 200), (9, 198), (32, 159), (125, 1), (126, -1), (200, -126),
+])
+def test_a_decodes_room_shrinks_by_what_its_running_legs_add_to_a_step(legs: int, expected: int) -> None:
+    assert room(LOADED, legs) == expected
+    assert room(RULES, legs) == 256  # no step model: the room does not depend on the load
+
+
+@pytest.mark.parametrize(("facts", "expected"), [
+    # a 200-token prompt fits a step while the decode runs 8 legs (200 < 214 - 14), not 9 (198)
+    (_facts(tokens=199, decode_legs=8), ("decode-only", "short-prompt")),
+    (_facts(tokens=200, decode_legs=8), ("disaggregated", "decode-busy")),
+    (_facts(tokens=198, decode_legs=9), ("disaggregated", "decode-busy")),
+    (_facts(tokens=150, recent=9, decode_legs=32), ("disaggregated", "decode-busy")),
+    (_facts(tokens=150, recent=8, decode_legs=32), ("decode-only", "short-prompt")),
+    # a mostly cached prompt alike
+    (_facts(tokens=1000, cached=801, decode_legs=8), ("decode-only", "cached-prefix")),
+    (_facts(tokens=1000, cached=800, decode_legs=8), ("disaggregated", "decode-busy")),
+    # a decode so loaded that no prompt fits, and an idle one, which takes the whole threshold
+    (_facts(tokens=1, decode_legs=200), ("disaggregated", "decode-busy")),
+    (_facts(tokens=213, decode_legs=0, recent=5000), ("decode-only", "short-prompt")),
+    (_facts(tokens=214, decode_legs=0), ("disaggregated", "policy")),
+])
+def test_the_room_for_a_short_prompt_depends_on_the_decodes_load(facts: RouteFacts, expected: tuple[str, str]) -> None:
+    assert decide(facts, LOADED) == expected
 
 
 def test_a_route_decided_decode_only_books_only_the_decode_and_says_so() -> None:

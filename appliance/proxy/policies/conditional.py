@@ -11,20 +11,23 @@ nothing over, hand over another prompt's KV or crash the engine):
   prefilling them on the decode costs its running streams less than a step's worth of ITL slack, and the
   request saves the hand-off. `cached-prefix` when the prompt itself is not short and the tokens the routing
   policy expects cached on the decode make the difference. Only while the decode was sent fewer than
-  `decode_only_below` such tokens in all over the last window (the ITL target, `window_s`), or runs no leg:
+  its room (`room`) such tokens in all over the last window (the ITL target, `window_s`), or runs no leg:
   a decode step carries the prompts that came during the step before it, which the target bounds, so no step
-  prefills more than one threshold's worth, however many short prompts arrive (two 200-token prompts in one
-  step are a 60 ms gap for every running stream, over a 50 ms target).
+  prefills more than one room's worth, however many short prompts arrive (two 200-token prompts in one step
+  are a 60 ms gap for every running stream, over a 50 ms target). The room is `decode_only_below` less what
+  the decode's running legs add to its step (`room_per_leg` each): a step of 32 running sequences leaves less
+  of the target for a prompt than a step of one.
 - `prefill-saturated`: the prefill instance runs `prefill_saturated_at` or more prefill legs (a new one would
   wait behind them past the TTFT target) and the decode runs fewer legs than that prefill does.
 - `decode-idle`: the decode runs no leg at all and the prefill is busy: the prompt starts at once on an
   engine whose compute nobody else is using, and no running stream is slowed by it.
-- otherwise the prefill hop: `decode-busy` for a prompt short enough that only the window kept it off the
-  decode, else `policy`.
+- otherwise the prefill hop: `decode-busy` for a prompt shorter than `decode_only_below` that the room
+  (the window, the decode's load) kept off the decode, else `policy`.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
@@ -36,13 +39,16 @@ REASONS = ("policy", "short-prompt", "cached-prefix", "decode-busy", "prefill-sa
 
 @dataclass(frozen=True, slots=True)
 class Rules:
-    """The proxy's conditional-routing settings (ProxyConfig's decode_only_below, prefill_saturated_at and
-    decode_only_window_ms): decode_only_below 0 turns conditional routing off, prefill_saturated_at 0 its
-    saturation rule."""
+    """The proxy's conditional-routing settings (ProxyConfig's decode_only_below, prefill_saturated_at,
+    decode_only_window_ms and decode_step): decode_only_below 0 turns conditional routing off,
+    prefill_saturated_at 0 its saturation rule, room_per_leg 0 (no step model) the load's part of the room."""
 
-    decode_only_below: int
+    decode_only_below: int  # the room of a decode running no other leg (its step: one sequence, the prompt's)
     prefill_saturated_at: int
-    window_s: float  # the ITL target: fewer than decode_only_below short-prompt tokens per decode in it
+    window_s: float  # the ITL target: fewer than the room's short-prompt tokens per decode in it
+    # prompt tokens of room each leg running on the decode takes: its sequence's part of a step (ms) over the
+    # prefill's cost per token, i.e. the step time it adds, spent in prompt tokens
+    room_per_leg: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,14 @@ def uncached(facts: RouteFacts) -> int | None:
     return None if tokens is None else tokens - min(facts.cached_tokens, tokens)
 
 
+def room(rules: Rules, decode_legs: int) -> int:
+    """The uncached prompt tokens a decode running `decode_legs` legs may prefill itself per window: what is left
+    of the step the 99 % rule allows (decode_only_below's, sized on a step of one sequence) once its running
+    sequences' part of the step is paid (below zero: none)."""
+    # rounded first: 0.17 ms x 1000 / 100 us is 1.7000000000000002 in floats, and 200 legs' 340 must not be 341
+    return rules.decode_only_below - math.ceil(round(rules.room_per_leg * decode_legs, 6))
+
+
 def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
     """(route, reason) for one request of a disaggregated node, by the rules in the module's docstring."""
     if facts.batch:
@@ -75,7 +89,7 @@ def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
     below, fresh = rules.decode_only_below, uncached(facts)
     busy = False
     if fresh is not None and fresh < below:
-        if facts.decode_legs == 0 or facts.recent_tokens + fresh < below:
+        if facts.decode_legs == 0 or facts.recent_tokens + fresh < room(rules, facts.decode_legs):
             short = facts.prompt_tokens is not None and facts.prompt_tokens < below
             return "decode-only", "short-prompt" if short else "cached-prefix"
         busy = True
