@@ -527,7 +527,7 @@ async def serve(cfg: SimConfig) -> None:
     await server.start()
     if cfg.engine_core_child:
         # Never waited for nor stopped: what outlives the engine is the process manager's to end.
-        subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])  # noqa: S603
+        subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
