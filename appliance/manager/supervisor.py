@@ -27,7 +27,7 @@ from typing import Any
 from appliance.errors import PdctlError
 from appliance.manager.base import ServiceManager, State, UnitStatus
 from appliance.plan import Plan
-from appliance.render.supervisor import CONF_NAME, render_supervisor, socket_path
+from appliance.render.supervisor import CONF_NAME, REAPER, render_supervisor, socket_path
 from appliance.render.templates import RenderOptions
 from appliance.statedir import StateDir, make_private_dir, write_atomic
 
@@ -194,6 +194,8 @@ class SupervisorManager(ServiceManager):
         now = self._process_configs()
         touched = {n for n in set(previous) | set(now) if previous.get(n) != now.get(n)}
         self._call("reloadConfig")
+        # A supervisord started by a pdctl without the reaper gets it now (a changed reaper waits for `pdctl down`).
+        self._call("addProcessGroup", REAPER, ok=(_ALREADY_ADDED,))
         if not self._group_present():
             return touched
         for unit in sorted(touched):

@@ -1,5 +1,6 @@
 """Plan -> supervisord.conf: one [program:] per instance (named like the systemd units) plus pd-proxy,
-all in [group:pd], controlled over the unix socket in <state_dir>/supervisor/.
+all in [group:pd], controlled over the unix socket in <state_dir>/supervisor/, and the pd-reaper event
+listener (appliance.manager.supervisor_reaper) that ends what a program left behind when it ended by itself.
 
 What supervisor cannot express is left to pdctl: it starts supervisord with RLIMIT_MEMLOCK raised (the
 programs inherit it) and gates `pdctl up`/`restart` on each engine's /health.
@@ -21,6 +22,7 @@ from appliance.statedir import StateDir
 CONF_NAME = "supervisord.conf"
 _ROLE_RANK = {"prefill": 0, "both": 0, "decode": 1}
 SOCKET_NAME = "supervisor.sock"
+REAPER = "pd-reaper"
 
 
 def socket_path(plan_state_dir: str) -> PurePosixPath:
@@ -71,9 +73,13 @@ def _program(name: str, argv: list[str], env: dict[str, str], workdir: str, logd
         workdir=_value(workdir, "state_dir"),
         priority=priority,
         stopwaitsecs=stopwaitsecs,
-        # supervisor %-expands log file names twice (the section value, then with process_num).
-        logfile=_value(_value(str(logdir / f"{name}.log"), "log file"), "log file"),
+        logfile=_log_value(logdir, name),
     )
+
+
+def _log_value(logdir: PurePosixPath, name: str) -> str:
+    """A log file value: supervisor %-expands log file names twice (the section value, then with process_num)."""
+    return _value(_value(str(logdir / f"{name}.log"), "log file"), "log file")
 
 
 def render_supervisor(plan: Plan, opts: RenderOptions | None = None) -> list[RenderedFile]:
@@ -102,5 +108,9 @@ def render_supervisor(plan: Plan, opts: RenderOptions | None = None) -> list[Ren
         minfds=opts.minfds,
         programs="".join(programs),
         program_names=",".join(names),
+        reaper=REAPER,
+        reaper_command=command_value([opts.python, "-m", "appliance.manager.supervisor_reaper"]),
+        reaper_log=_log_value(logdir, REAPER),
+        workdir=_value(plan.state_dir, "state_dir"),
     )
     return [RenderedFile(CONF_NAME, text, 0o600)]

@@ -8,6 +8,7 @@ import os
 import signal
 from pathlib import Path
 
+import psutil
 import pytest
 
 from appliance.manager.supervisor import can_raise_limits
@@ -155,3 +156,49 @@ def test_a_process_that_stops_by_itself_comes_back_and_status_says_why(deploymen
     pids = _pids(doc)
     assert pdctl(config, "down").returncode == 0
     assert not any(_alive(pid) for pid in pids.values())
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """Ended: no such process, or a zombie its new parent (init, in a container maybe never) has not reaped."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_an_engine_that_ends_by_itself_leaves_no_child_behind(tmp_path: Path) -> None:
+    """vLLM's EngineCore is a child in the API server's process group that outlives it when the API server dies
+    (on a GPU node it keeps the memory the restarted engine needs). Whatever way the engine ended, supervisord
+    restarts it and nothing of its previous process group is left."""
+    config = write_config(tmp_path, tmp_path / "state", extra='[engine.sim]\nextra_args = ["--engine-core-child"]\n')
+    try:
+        assert pdctl(config, "up").returncode == 0
+        doc = status(config)
+        urls = {i["name"]: i["url"] for i in doc["instances"]}
+        # the reaper itself killed first: supervisord restarts it, and the restarted one does the work below
+        supervisord = psutil.Process(_pids(doc)["proxy"]).parent()
+        (reaper,) = [p for p in supervisord.children() if "appliance.manager.supervisor_reaper" in p.cmdline()]
+        reaper.kill()
+
+        def crash(name: str, pid: int) -> None:
+            crash_on_next_token(urls[name])
+            try_complete(doc["proxy"]["url"])
+
+        ends = [("decode-0", lambda n, pid: os.kill(pid, signal.SIGKILL), "SIGKILL"),
+                ("prefill-0", lambda n, pid: os.kill(pid, signal.SIGTERM), "exit status 0"),
+                ("prefill-0", crash, "exit status 1")]
+        for name, end, why in ends:
+            old = _pids(status(config))[name]
+            children = psutil.Process(old).children()
+            assert children, f"{name}'s simulated engine core child"
+            end(name, old)
+            wait_until(lambda c=children: all(_gone(p) for p in c),
+                       what=f"{name}'s engine core child to end after the engine ended with {why}")
+            again = wait_until(lambda n=name, o=old: (d := status(config))["state"] == "healthy" and _pids(d)[n] != o
+                               and d, what=f"{name} healthy again after {why}")
+            unit = {i["name"]: i for i in again["instances"]}[name]
+            assert why in (unit["last_exit"] or ""), unit
+            assert psutil.Process(unit["pid"]).children(), "the new engine has its own engine core"
+        assert complete(doc["proxy"]["url"])["choices"][0]["text"]
+    finally:
+        pdctl(config, "down")

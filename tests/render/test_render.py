@@ -18,7 +18,7 @@ from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
 from appliance.plan import Plan, plan
 from appliance.render import RenderOptions, render_supervisor, render_systemd
-from appliance.render.supervisor import environment_value, socket_path
+from appliance.render.supervisor import REAPER, environment_value, socket_path
 from appliance.render.systemd import exec_word
 from appliance.settings import load_settings
 
@@ -144,6 +144,13 @@ def test_supervisord_reads_back_every_argument_and_variable(tmp_path: Path) -> N
         assert cfg.stdout_logfile == f"{state}/supervisor/logs/pd-{inst.name}.log"
     assert shlex.split(programs["pd-proxy"].command)[-1] == f"{state}/proxy.json"
     assert str(socket_path(state)) in conf.text
+    # the reaper ends what a program left behind: on every end that names a pid, restarted if it dies
+    pool = read_back(conf.text, tmp_path, REAPER)
+    reaper = pool.process_configs[0]
+    assert shlex.split(reaper.command) == [OPTS.python, "-m", "appliance.manager.supervisor_reaper"]
+    assert {e.__name__ for e in pool.pool_events} == {"ProcessStateExitedEvent", "ProcessStateStoppedEvent"}
+    assert reaper.autorestart and reaper.priority < min(c.priority for c in programs.values())
+    assert reaper.stderr_logfile == f"{state}/supervisor/logs/{REAPER}.log" and not reaper.redirect_stderr
 
 
 def test_supervisor_rejects_values_it_cannot_carry() -> None:
@@ -153,14 +160,14 @@ def test_supervisor_rejects_values_it_cannot_carry() -> None:
         environment_value({"X": "'quoted'"})
 
 
-def read_back(text: str, tmp_path: Path) -> Any:
-    """The one program group supervisord itself parses from a rendered conf."""
+def read_back(text: str, tmp_path: Path, name: str = "pd") -> Any:
+    """The process group `name` as supervisord itself parses it from a rendered conf."""
     path = tmp_path / "supervisord.conf"
     path.write_text(text)
     options = ServerOptions()
     options.configfile = str(path)
     options.process_config(do_usage=False)
-    (group,) = options.process_group_configs
+    (group,) = [g for g in options.process_group_configs if g.name == name]
     return group
 
 

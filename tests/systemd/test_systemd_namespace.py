@@ -29,11 +29,11 @@ AWKWARD = ["/models/my model", "it's", 'say "hi"', "100%", "$HOME", "${X}", "bac
 
 
 @pytest.fixture
-def booted(tmp_path: Path):
+def booted(tmp_path: Path, request: pytest.FixtureRequest):
     units = tmp_path / "units"
     units.mkdir()
     state = tmp_path / "state dir %$"
-    config = write_config(tmp_path, state, manager="systemd")
+    config = write_config(tmp_path, state, manager="systemd", extra=getattr(request, "param", ""))
     settings = load_settings(config)
     p = make_plan(settings, load_inventory("sim:cpu"))
     node = Node(settings)
@@ -157,6 +157,24 @@ def test_a_unit_that_stops_by_itself_comes_back_and_status_says_why(booted) -> N
     ns.run("systemctl", "stop", "pd-decode-0.service")
     assert ns.show("pd-decode-0.service", "ActiveState") == "inactive"
     assert ns.show("pd-decode-0.service", "SubState") == "dead"
+
+
+@pytest.mark.parametrize("booted", ['[engine.sim]\nextra_args = ["--engine-core-child"]\n'], indirect=True)
+def test_an_engine_killed_leaves_no_child_behind(booted) -> None:
+    """KillMode=control-group: when an engine's main process dies, systemd kills the rest of its cgroup (the
+    simulated engine's child left behind, like vLLM's EngineCore) before the restart."""
+    ns, config, _ = booted
+    unit = "pd-decode-0.service"
+    wait_until(lambda: ns.show(unit, "ActiveState") == "active" and ns.show(unit, "MainPID") != "0",
+               timeout=120, what=f"{unit} active")
+    pid = ns.show(unit, "MainPID")
+    (child,) = wait_until(lambda: ns.run("pgrep", "-P", pid, check=False).stdout.split(), what="the engine's child")
+    ns.run("kill", "-KILL", pid)
+    wait_until(lambda: ns.show(unit, "MainPID") not in ("0", pid) and ns.show(unit, "ActiveState") == "active",
+               timeout=90, what=f"{unit} to come back after kill -9")
+    assert ns.run("kill", "-0", child, check=False).returncode != 0, "the old engine's child is still running"
+    wait_until(lambda: ns.run("pgrep", "-P", ns.show(unit, "MainPID"), check=False).stdout.split(),
+               what="the new engine's child")
 
 
 def test_pdctl_restart_proxy_under_load_cuts_nothing(booted) -> None:

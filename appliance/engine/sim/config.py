@@ -77,6 +77,11 @@ class SimConfig(SimTimeModel):
     # vLLM binds its HTTP port only once loaded.
     load_s: float = Field(default=0.0, ge=0,
                           description="Seconds spent 'loading the model' before listening (like vLLM).")
+    # vLLM's API server runs its EngineCore (and workers) as children in its process group; when the API server
+    # dies by itself they keep running. This child is left behind however the engine ends, the worst case.
+    engine_core_child: bool = Field(default=False, description=(
+        "Start a child process in the engine's process group, like vLLM's EngineCore, and leave it running "
+        "however the engine ends."))
 
     faults: FaultConfig = Field(default_factory=FaultConfig)
 

@@ -9,6 +9,8 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -523,6 +525,9 @@ async def serve(cfg: SimConfig) -> None:
     """Run one simulated engine until SIGINT/SIGTERM."""
     server = SimServer(cfg)
     await server.start()
+    if cfg.engine_core_child:
+        # Never waited for nor stopped: what outlives the engine is the process manager's to end.
+        subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
