@@ -26,6 +26,16 @@ READY_TIMEOUT_S = 420.0
 REQUEST_TIMEOUT_S = 120.0
 
 
+def example_kv_config(role: str, storage: Path) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config for ExampleConnector; role is kv_producer (prefill) or kv_consumer (decode)
+    (benchmarks/kv_store_cpu.py starts its engines by hand with it)."""
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+
+
 def vllm_argv(
     python: str,
     model_dir: Path,
