@@ -744,12 +744,20 @@ def finite_attainment(p: Profile, cand: Candidate, rate: float, input_len: int, 
 def conditional_threshold(p: Profile, decode_tp: int, itl_slo_ms: float) -> tuple[int, str]:
     """The proxy's decode_only_below for a decode instance at TP `decode_tp` (plan.decode_only_below), and why."""
     eff = _eff(decode_tp, p.decode_tp_factor)
-    step = (p.decode_step_ms + p.expert_step_ms) / eff + p.decode_step_ms_per_seq
+    step = p.decode_step_ms / eff + p.expert_step_ms / decode_tp + p.decode_step_ms_per_seq
     per_token = p.prefill_us_per_token / _eff(decode_tp, p.prefill_tp_factor)
     tokens = decode_only_below(step, per_token, itl_slo_ms)
     return tokens, (f"a prompt below it, prefilled in one decode step ({step:.1f} ms + {per_token:.1f} us per token at "
                     f"TP{decode_tp}), keeps that step under the ITL target ({itl_slo_ms:g} ms) in "
                     f"{1 - SLOW_STEP_SHARE:.0%} of such steps; the proxy sends a decode fewer such tokens per target")
+
+
+def decode_step_figures(p: Profile, decode_tp: int, input_len: int, output_len: int) -> tuple[float, float]:
+    """The proxy's `decode_step` for a decode instance at TP `decode_tp` (docs/routing.md): what each running
+    sequence of `input_len` + `output_len` / 2 tokens adds to its step (ms), and its prefill cost per prompt token
+    (us); the conditional room shrinks by the first over the second for every leg the decode runs."""
+    eng = _engine(p, Candidate("disaggregated", prefill=Shape(1, 1), decode=Shape(1, decode_tp)), input_len, output_len)
+    return eng.per_seq, p.prefill_us_per_token / _eff(decode_tp, p.prefill_tp_factor)
 
 
 def _meets(s: State, judgement: str, ttft_slo_ms: float, target: float) -> bool:

@@ -29,6 +29,7 @@ from appliance.suggest import (
     Shape,
     bench_profile,
     conditional_threshold,
+    decode_step_figures,
     default_profile,
     descriptors,
     handoff,
@@ -130,12 +131,15 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
     slo = settings.slo
     split = next((p.candidate.decode for p in ranked if p.candidate.decode is not None), None)
     threshold, why = conditional_threshold(prof, split.tp if split else 1, slo.itl_ms)
+    ms_per_seq, us_per_token = decode_step_figures(prof, split.tp if split else 1, input_len, output_len)
+    decode_step = {"ms_per_seq": round(ms_per_seq, 4), "prefill_us_per_token": round(us_per_token, 3)}
     if as_json:
         profile = {k: v for k, v in asdict(prof).items() if k != "kv_tokens_per_gpu"}
         click.echo(json.dumps({"profile": profile, "workload": {"input_len": input_len, "output_len": output_len,
                                "rate": rate, "requests": requests, "ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms,
                                "itl_judgement": slo.itl_judgement}, "suggestions": [_row(p) for p in ranked],
-                               "decode_only_below": {"tokens": threshold, "why": why}}, indent=2))
+                               "decode_only_below": {"tokens": threshold, "why": why},
+                               "decode_step": decode_step}, indent=2))
         return
     console = rich_console()
     run = (f"a run of {requests} requests per rate, every one judged (goodput: the highest rate at which "
@@ -177,6 +181,9 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
     set_by = "" if settings.proxy.decode_only_below is None else f" (set to {settings.proxy.decode_only_below})"
     console.print(f"conditional routing: decode_only_below = {threshold} prompt tokens{set_by}: {why}; "
                   "\\[proxy] decode_only_below sets it, 0 hands every prompt over (docs/routing.md)")
+    console.print(f"  and decode_step = {{ms_per_seq = {decode_step['ms_per_seq']:g}, prefill_us_per_token = "
+                  f"{decode_step['prefill_us_per_token']:g}}}: each leg the decode runs takes "
+                  f"{ms_per_seq * 1000 / us_per_token:.1f} prompt tokens off that room")
 
 
 # ---- --check: predictions against a measured sweep ---------------------------------------------------------

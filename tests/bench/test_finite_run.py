@@ -132,3 +132,15 @@ def test_plan_suggest_says_which_run_it_models(tmp_path: Path) -> None:
     assert any(r["goodput"]["p99"] > by_shape[r["shape"]] for r in finite["suggestions"])
     bad = subprocess.run([*base, "--requests", "0"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--requests" in bad.stderr
+
+
+def test_plan_suggest_prints_the_decode_step_the_planner_writes_on_a_sim_node() -> None:
+    # On a sim node the planner writes decode_step from engine.sim (with conditional routing on); suggest prints
+    # the same figures, which on a real-vLLM node are the ones to set [proxy] decode_step to.
+    cmd = [sys.executable, "-m", "appliance", "--config", "/dev/null", "--inventory", "sim:h200-2", "plan", "--suggest",
+           "--input-len", "2000", "--output-len", "1000", "--rate", "2", "--json"]
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT,
+                                    env={"PATH": "/usr/bin:/bin"}).stdout)
+    sim = Settings().engine.sim
+    assert out["decode_step"] == {"ms_per_seq": round(sim.decode_step_ms_per_seq, 4),
+                                  "prefill_us_per_token": round(sim.prefill_us_per_token, 3)}
