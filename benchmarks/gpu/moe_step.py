@@ -6,7 +6,7 @@ running (results/gpu-h200x1/s5), and moe_routing.py showed both route near-unifo
 64-token step). This measures each part directly instead of reading it off a benchmark's ITL.
 
     python3 benchmarks/gpu/moe_step.py MODEL_DIR [--quantization fp8] [--batch 64] [--contexts 128,2500]
-        [--steps 128] [--out FILE.json]
+        [--steps 128] [--batches 16,32] [--out FILE.json]
 
 Each point: the wall time of generate(max_tokens=1) (the prefill) and of generate(max_tokens=1+steps) on the
 same prompts; the step is their difference / steps (prefix caching off, so both prefill alike).
@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--contexts", default="128,2500")
+    ap.add_argument("--batches", default="", help="more batch sizes at the first context, e.g. 16,32")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -45,7 +46,9 @@ def main() -> int:
         return time.perf_counter() - start
 
     points = []
-    for batch, context in [(1, 128)] + [(args.batch, int(c)) for c in args.contexts.split(",")]:
+    first = int(args.contexts.split(",")[0])
+    extra = [(int(b), first) for b in args.batches.split(",") if b]
+    for batch, context in [(1, 128), *extra] + [(args.batch, int(c)) for c in args.contexts.split(",")]:
         prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(1000, vocab - 1000) for _ in range(context)])
                    for _ in range(batch)]
         timed(prompts, 2)  # warm
