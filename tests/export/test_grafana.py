@@ -43,7 +43,7 @@ GROUPED = {"pdctl_proxy_routes_total": {"route", "reason"},
 # vLLM counts these, the simulated engine does not: checked against vLLM's source instead.
 REAL_VLLM_ONLY = {"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
                   "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
-                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                  "vllm:prompt_tokens_by_source_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
                   "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
                   "vllm:nixl_num_notifications_after_expiry_total"}
 
