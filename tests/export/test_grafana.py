@@ -190,7 +190,7 @@ def test_export_mistakes_are_one_line(tmp_path: Path) -> None:
     assert (tmp_path / "pdctl.toml").is_file()  # the failed write left the file it could not pass through
 
 
-# ---- the proxy's /metrics, and the families it exports ----------------------------------------------
+# ---- every family the proxy and its engines export has a panel --------------------------------------
 
 def _metrics_text(url: str) -> str:
     """The text of URL/metrics."""
