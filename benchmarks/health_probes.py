@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import by_label, metric_samples  # noqa: E402
 from tests.reliability.node import Node, colocated_node  # noqa: E402
 from tests.support.httpclient import post, sse_events  # noqa: E402
 
@@ -65,16 +65,6 @@ def _wait(check: Any, limit_s: float = 120.0) -> float:
             raise SystemExit(f"gave up after {limit_s}s")
         time.sleep(0.01)
     return time.monotonic() - started
-
-
-def _probe_counts(node: Node) -> Counter[str]:
-    text = _get(node.proxy_url + "/metrics").decode()
-    counts: Counter[str] = Counter()
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "pdctl_proxy_health_probes_total":
-                counts[s.labels["result"]] += int(s.value)
-    return counts
 
 
 async def _client(session: aiohttp.ClientSession, node: Node, answers: Counter[str]) -> None:
@@ -128,7 +118,8 @@ def busy(work: Path, health: dict[str, float], clients: int, busy_s: float) -> N
             return traffic.answers
 
         answers = asyncio.run(run())
-        probes = _probe_counts(node)
+        probes = {result: int(n) for result, n in
+                  by_label(metric_samples(node.proxy_url), "pdctl_proxy_health_probes_total", "result").items()}
     failed = sum(n for k, n in answers.items() if k != "200")
     print(f"busy:  /health {delay:g}s late, {clients} streaming clients, {busy_s:g}s: {sum(answers.values())} "
           f"requests, {failed} failed {dict(answers)}; probes {dict(probes) or '(not counted by this proxy)'}")

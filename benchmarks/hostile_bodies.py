@@ -36,14 +36,12 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from appliance.ports import free_ports
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from appliance.ports import free_ports  # noqa: E402
+from benchmarks.harness import pct, stop_all  # noqa: E402
 
 MODEL = "bench-model"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 @dataclass
@@ -193,10 +191,7 @@ async def main_async(args: argparse.Namespace) -> None:
             report("quiet", await run_phase(base, proxy, args, None))
             report("hostile", await run_phase(base, proxy, args, raw))
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.wait(timeout=30)
+            stop_all(procs)
 
 
 def main() -> None:

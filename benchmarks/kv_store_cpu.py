@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from appliance.ports import free_ports  # noqa: E402
+from benchmarks.harness import metric_samples, start_proxy, stop_all, tiny_model, totals, vllm_python  # noqa: E402
 from tests.engine.vllm_helpers import (  # noqa: E402
     example_kv_config,
     post_json,
@@ -36,7 +34,6 @@ from tests.engine.vllm_helpers import (  # noqa: E402
     vllm_argv,
     vllm_env,
     wait_ready,
-    write_tiny_model_with,
 )
 
 MODEL = "tiny-qwen3"
@@ -56,46 +53,21 @@ def store_size(storage: Path) -> tuple[int, int]:
     return size, folders
 
 
-def start_proxy(name: str, engines: dict[str, str], kv_store: dict[str, Any] | None,
-                work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """`python -m appliance.proxy` in front of the prefill and the decode; returns it and its URL."""
+def proxy_config(engines: dict[str, str], kv_store: dict[str, Any] | None) -> dict[str, Any]:
+    """The proxy in front of the prefill and the decode, bounding the store with `kv_store` (None: nothing)."""
     port, admin = free_ports(2)
     config: dict[str, Any] = {
         "connector": "example", "model": MODEL, "block_size": 128, "port": port, "admin": {"port": admin},
         "backends": [{"name": f"{role}-0", "role": role, "url": url} for role, url in engines.items()]}
     if kv_store is not None:
         config["kv_store"] = kv_store
-    path = work / f"proxy-{name}.json"
-    path.write_text(json.dumps(config))
-    log = open(work / f"proxy-{name}.log", "wb")  # noqa: SIM115 - the process writes it until it stops
-    proc = subprocess.Popen([sys.executable, "-m", "appliance.proxy", "--config", str(path)], cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit(f"the proxy {name} did not become ready; see {work}/proxy-{name}.log")
-
-
-def evictions(url: str) -> float:
-    """The proxy's pdctl_proxy_kv_store_evictions_total (0 when it bounds nothing)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("pdctl_proxy_kv_store_evictions_total "):
-                return float(line.split()[1])
-    return 0.0
+    return config
 
 
 def run_phase(name: str, kv_store: dict[str, Any] | None, engines: dict[str, str], storage: Path,
               rng: random.Random, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """One proxy, --prompts distinct prompts through it one after another, the store sampled as they go."""
-    proc, url = start_proxy(name, engines, kv_store, work)
+    proc, url = start_proxy(f"proxy-{name}", proxy_config(engines, kv_store), work)
     samples, failed, hits = [], 0, 0
     started = time.monotonic()
     try:
@@ -119,10 +91,9 @@ def run_phase(name: str, kv_store: dict[str, Any] | None, engines: dict[str, str
             samples.append({"requests": args.prompts, "s": round(time.monotonic() - started, 1),
                             "mib": size / 2**20, "folders": folders, "settled": True})
             print(f"{name:<10}{'idle':>6}{samples[-1]['s']:>8}{size / 2**20:>10.1f}{folders:>9}", flush=True)
-        evicted = evictions(url)
+        evicted = totals(metric_samples(url)).get("pdctl_proxy_kv_store_evictions_total", 0.0)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_all([proc])
     return {"phase": name, "kv_store": kv_store, "requests": args.prompts, "failed": failed, "decode_hits": hits,
             "evicted": evicted, "samples": samples}
 
@@ -137,18 +108,14 @@ def main() -> None:
     parser.add_argument("--min-idle", type=float, default=5.0, help="the bounded phase's min_idle_s")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "cpu-kv-store")
     args = parser.parse_args()
-    python = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
-    if not python:
-        raise SystemExit("set PDCTL_TEST_VLLM_PYTHON to the python of a vLLM CPU environment")
+    python = vllm_python()
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(7)
     with tempfile.TemporaryDirectory(prefix="pdctl-kvstore-") as tmp:
         work = Path(tmp)
         storage = work / "kv-store"
         storage.mkdir()
-        model = write_tiny_model_with(python, work / "model")
-        # the tiny tokenizer has fewer ids than its config's vocab_size: draw prompts from the ones it has
-        args.vocabulary = len(json.loads((model / "tokenizer.json").read_text())["model"]["vocab"])
+        model, args.vocabulary = tiny_model(python, work)
         ports = free_ports(2)
         servers = {role: start_vllm(f"{role}-0", vllm_argv(python, model, port, MODEL,
                                                           example_kv_config(kv_role, storage)),

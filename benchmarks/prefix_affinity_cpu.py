@@ -34,98 +34,59 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from appliance.engine.command import kv_events_config  # noqa: E402
 from appliance.ports import free_ports  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    by_label,
+    metric_samples,
+    start_proxy,
+    stop_all,
+    tiny_model,
+    totals,
+    vllm_python,
+)
 from tests.engine.vllm_helpers import (  # noqa: E402
     start_vllm,
     stop_vllm,
     vllm_argv,
     vllm_env,
     wait_ready,
-    write_tiny_model_with,
 )
 
 MODEL = "tiny-qwen3"
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of a /metrics page, summed over labels, by sample name."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
-
-
-def events_by_result(metrics: str) -> dict[str, float]:
-    """The proxy's KV event messages by result (applied, gap, garbled, ...), both engines together."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics):
-        for sample in family.samples:
-            if sample.name == "pdctl_proxy_kv_events_total":
-                out[sample.labels["result"]] = out.get(sample.labels["result"], 0.0) + sample.value
-    return out
-
-
 def block_size(url: str) -> int:
     """The engine's KV block size, from vLLM's vllm:cache_config_info labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:cache_config_info":
-            return int(family.samples[0].labels["block_size"])
+    for sample in metric_samples(url):
+        if sample.name == "vllm:cache_config_info":
+            return int(sample.labels["block_size"])
     raise SystemExit("the engine's /metrics has no vllm:cache_config_info: cannot tell its block size")
 
 
-def start_proxy(policy: str, engines: list[str], events: list[int], block: int,
-                work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """`python -m appliance.proxy` in front of `engines` with routing `policy` (":events": with the engines' KV
-    events ports, `events`); returns it and its URL."""
+def proxy_config(policy: str, engines: list[str], events: list[int], block: int) -> dict[str, Any]:
+    """The proxy in front of `engines` with routing `policy` (":events": with the engines' KV events ports,
+    `events`)."""
     port, admin = free_ports(2)
     routing, _, source = policy.partition(":")
-    config = {"connector": "none", "model": MODEL, "routing": routing, "block_size": block, "port": port,
-              "admin": {"port": admin},
-              "backends": [{"name": f"both-{k}", "role": "both", "url": url,
-                            "kv_events_ports": [events[k]] if source == "events" else []}
-                           for k, url in enumerate(engines)]}
-    path = work / f"proxy-{policy}.json"
-    path.write_text(json.dumps(config))
-    log = open(work / f"proxy-{policy}.log", "wb")  # noqa: SIM115 - the process writes it until it stops
-    proc = subprocess.Popen([sys.executable, "-m", "appliance.proxy", "--config", str(path)], cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit(f"the proxy for {policy} did not become ready; see {work}/proxy-{policy}.log")
+    return {"connector": "none", "model": MODEL, "routing": routing, "block_size": block, "port": port,
+            "admin": {"port": admin},
+            "backends": [{"name": f"both-{k}", "role": "both", "url": url,
+                          "kv_events_ports": [events[k]] if source == "events" else []}
+                         for k, url in enumerate(engines)]}
 
 
 def wait_for_events(url: str, engines: int) -> None:
     """Until every engine's event publisher has connected to the proxy (pdctl_proxy_prefix_source says events)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-            text = resp.read().decode()
-        live = [s for family in text_string_to_metric_families(text) for s in family.samples
-                if s.name == "pdctl_proxy_prefix_source" and s.labels["source"] == "events" and s.value == 1]
-        if len(live) == engines:
+        if by_label(metric_samples(url), "pdctl_proxy_prefix_source", "source").get("events", 0) == engines:
             return
         time.sleep(0.5)
     raise SystemExit("the engines' KV events did not reach the proxy within 60 s")
@@ -134,13 +95,13 @@ def wait_for_events(url: str, engines: int) -> None:
 def run_policy(policy: str, seed: int, engines: list[str], events: list[int], block: int, args: argparse.Namespace,
                work: Path) -> dict[str, Any]:
     """One policy's run: a proxy, the multi-turn workload through it, the counters' differences."""
-    proc, url = start_proxy(policy, engines, events, block, work)
+    proc, url = start_proxy(f"proxy-{policy}", proxy_config(policy, engines, events, block), work)
     if policy.endswith(":events"):
         wait_for_events(url, len(engines))
     settings = work / "pdctl.toml"  # the bench's SLO defaults, never the host's /etc/pdctl
     settings.write_text("")
     try:
-        before = [scrape(e) for e in engines]
+        before = [totals(metric_samples(e)) for e in engines]
         out = work / f"bench-{policy.replace(':', '-')}"
         requests = args.conversations * args.turns
         subprocess.run(
@@ -151,13 +112,10 @@ def run_policy(policy: str, seed: int, engines: list[str], events: list[int], bl
              "--model", MODEL, "--token-range", f"100:{args.vocabulary}", "--no-plots", "--out", str(out)],
             cwd=REPO, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, PDCTL_CONFIG=str(settings)),
         )
-        after = [scrape(e) for e in engines]
-        proxy = scrape(url)
-        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-            url_text = resp.read().decode()
+        after = [totals(metric_samples(e)) for e in engines]
+        proxy = metric_samples(url)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_all([proc])
     result = json.loads((out / "bench.json").read_text())
     done = [r for r in result["shapes"][0]["rates"][0]["requests"] if r["success"]]
 
@@ -178,9 +136,10 @@ def run_policy(policy: str, seed: int, engines: list[str], events: list[int], bl
         "prefix_cache_queries": queries, "prefix_cache_hits": hits,
         "hit_rate": sum(hits) / sum(queries) if sum(queries) else None,
         "ttft_ms_median_first_turns": ttft(first=True), "ttft_ms_median_later_turns": ttft(first=False),
-        "proxy_lookup_tokens": proxy.get("pdctl_proxy_prefix_lookup_tokens_total", 0.0),
-        "proxy_hit_tokens": proxy.get("pdctl_proxy_prefix_hit_tokens_total", 0.0),
-        "kv_event_messages": events_by_result(url_text),
+        "proxy_lookup_tokens": totals(proxy).get("pdctl_proxy_prefix_lookup_tokens_total", 0.0),
+        "proxy_hit_tokens": totals(proxy).get("pdctl_proxy_prefix_hit_tokens_total", 0.0),
+        # KV event messages by result (applied, gap, garbled, ...), both engines together
+        "kv_event_messages": by_label(proxy, "pdctl_proxy_kv_events_total", "result"),
         # an instance out of rotation for a while sends its conversations elsewhere: say when it happened
         "ejections": [line.split(" failed", 1)[0].rsplit(" ", 2)[-2] for line in
                       (work / f"proxy-{policy}.log").read_text(errors="replace").splitlines()
@@ -200,15 +159,11 @@ def main() -> None:
     parser.add_argument("--kv-cache", default="64M", help="each engine's --kv-cache-memory-bytes")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "cpu-prefix-affinity")
     args = parser.parse_args()
-    python = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
-    if not python:
-        raise SystemExit("set PDCTL_TEST_VLLM_PYTHON to the python of a vLLM CPU environment")
+    python = vllm_python()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pdctl-affinity-") as tmp:
         work = Path(tmp)
-        model = write_tiny_model_with(python, work / "model")
-        # the tiny tokenizer has fewer ids than its config's vocab_size: draw prompts from the ones it has
-        args.vocabulary = len(json.loads((model / "tokenizer.json").read_text())["model"]["vocab"])
+        model, args.vocabulary = tiny_model(python, work)
         ports, events = free_ports(2), free_ports(2)
         servers = [start_vllm(f"both-{k}", [*vllm_argv(python, model, port, MODEL, kv_cache_bytes=args.kv_cache),
                                             "--kv-events-config", json.dumps(kv_events_config(events[k]))],

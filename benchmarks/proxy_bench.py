@@ -41,16 +41,14 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from appliance.ports import free_ports
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from appliance.ports import free_ports  # noqa: E402
+from benchmarks.harness import pct, stop_all  # noqa: E402
+
 MODEL = "bench-model"
 SECTIONS = ("latency", "cpu", "throughput", "disconnect", "memory")
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def load() -> str:
@@ -400,10 +398,7 @@ async def main_async(args: argparse.Namespace) -> None:
             if "memory" in args.sections:
                 await section_memory(args, proxy, via)
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.wait(timeout=30)
+            stop_all(procs)
 
 
 def main() -> None:

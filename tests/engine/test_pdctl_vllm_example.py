@@ -7,12 +7,16 @@ a second deployment beside it); vLLM's two legs sent by hand straight to the eng
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.export.grafana import shipped_dashboard
 from tests.engine.pdctl_vllm import (
     PROMPT,
     VLLM_PYTHON,
@@ -166,3 +170,42 @@ def test_decode_without_prefill_computes_everything_itself(node: VllmNode) -> No
     cached = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     assert answer["usage"]["prompt_tokens"] > 128
     assert cached == 0
+
+
+def _engine_samples(url: str) -> dict[str, list[Any]]:
+    """The samples of an engine's /metrics, by sample name."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    found: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append(sample)
+    return found
+
+
+def test_the_dashboards_engine_panels_have_figures_on_real_vllm(node: VllmNode) -> None:
+    """Every vllm:* series the Grafana dashboard reads (NIXL's aside: this node runs the ExampleConnector) is on
+    both real engines' /metrics, and a request through the proxy moves the hand-off's figures on the decode:
+    the panels show the node, not empty graphs (tests/export/test_grafana.py checks the names against the
+    simulator and vLLM's source only)."""
+    node.ready_for_a_test()
+    board = shipped_dashboard()
+    read = {name for panel in board["panels"] for target in panel.get("targets", [])
+            for name in re.findall(r"vllm:\w+", target["expr"])}
+    assert "vllm:prompt_tokens_by_source_total" in read
+    engines = _engines(node)
+    before = _engine_samples(engines["decode-0"])
+    ask(node.url, PROMPT + " Once more, for the dashboard.")  # a prompt no earlier test sent: the prefill's KV
+    after = {name: _engine_samples(url) for name, url in engines.items()}
+    for name, found in after.items():
+        assert {n for n in read if not n.startswith("vllm:nixl_")} - set(found) == set(), name
+
+    def decode_delta(metric: str, **labels: str) -> float:
+        def total(found: dict[str, list[Any]]) -> float:
+            return sum(s.value for s in found.get(metric, []) if labels.items() <= s.labels.items())
+        return total(after["decode-0"]) - total(before)
+
+    # "KV from the connector" and "Tokens per second", by the labels their panels group by
+    assert decode_delta("vllm:external_prefix_cache_hits_total") > 0
+    assert decode_delta("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
+    assert decode_delta("vllm:generation_tokens_total") > 0
