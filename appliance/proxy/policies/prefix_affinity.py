@@ -342,11 +342,11 @@ class PrefixAffinity(Policy):
     def _live_ranks(self, inst: BackendState) -> list[EventBlocks] | None:
         """The event indexes of every DP rank of `inst` while each has a publisher connected; else None."""
         ranks = self._events.get(inst)
-        ports = len(inst.kv_events_ports)
-        if not ranks or not ports:
+        streams = len(inst.kv_events_endpoints)
+        if not ranks or not streams:
             return None
         live = []
-        for rank in range(ports):
+        for rank in range(streams):
             blocks = ranks.get(rank)
             if blocks is None or not blocks.live:
                 return None
@@ -427,7 +427,7 @@ class PrefixAffinity(Policy):
         index = self._index(best)
         for chain in prompt.chains:
             index.add(chain)
-        if best.kv_events_ports and prompt.token_ids:
+        if best.kv_events_endpoints and prompt.token_ids:
             # its events report the blocks its engine computes for this prompt once it has; until then they count
             # as held (those it holds already are the events' to vouch for, evictions included)
             ranks = self._events.get(best) or {}
