@@ -158,6 +158,14 @@ def socket_file(endpoint: str) -> tuple[int, int] | None:
     return info.st_dev, info.st_ino
 
 
+def bound_again(connected_to: tuple[int, int] | None, now: tuple[int, int] | None) -> bool:
+    """Whether a SUB connected to the socket file `connected_to` (None: connected to none) holds a connection to a
+    file its path no longer names (`now`): an engine bound the path again while the process of the one before (an
+    orphaned engine core) lives on and keeps the connection. A SUB connected to nothing is not: ZMQ connects it to
+    whatever file is bound there, a stale one left by a killed engine or not."""
+    return connected_to is not None and now is not None and now != connected_to
+
+
 class _Stream:
     """One SUB socket (an instance's DP rank), its reader and its connection monitor: connected to the engine's
     ipc:// socket file, or bound on the tcp:// port the engine connects to."""
@@ -186,7 +194,8 @@ class _Stream:
             sock.close(linger=0)
             raise
         self.sock = sock
-        self.socket_file = socket_file(endpoint) if connects else None  # the engine's socket it connected to
+        self.connects = connects
+        self.connected_to: tuple[int, int] | None = None  # the engine's socket file its connection is to
         self.peers = 0
         self.tasks = [asyncio.create_task(self._read(sink, count)), asyncio.create_task(self._watch(sink, left))]
 
@@ -214,10 +223,13 @@ class _Stream:
             event = parse_monitor_message(await self.monitor.recv_multipart())["event"]
             if event == self.joined:
                 self.peers += 1
+                if self.connects:  # the file bound at the path now is the one ZMQ just connected to
+                    self.connected_to = socket_file(self.endpoint)
                 sink.connected()
             elif event == zmq.EVENT_DISCONNECTED:
                 self.peers = max(0, self.peers - 1)
                 if not self.peers:
+                    self.connected_to = None
                     sink.disconnected()
                     left(self.inst.name)
 
@@ -260,12 +272,9 @@ class KvEventsListener:
             if key not in wanted or wanted[key] != (stream.inst, stream.endpoint):
                 stream.close()
                 del self._streams[key]
-            elif stream.socket_file != (now := socket_file(stream.endpoint)) and now is not None:
-                if stream.socket_file is None:  # the engine bound it after the SUB connected: ZMQ connects to it
-                    stream.socket_file = now
-                    continue
-                # an engine bound the path again while the process of the one before (an orphaned engine core)
-                # still holds the SUB's connection to the replaced socket: follow the path, the new engine
+            elif bound_again(stream.connected_to, socket_file(stream.endpoint)):
+                # the SUB's connection is to a replaced socket whose engine process lives on: follow the path to
+                # the new engine (ZMQ would stay with the old one, which publishes nothing any more)
                 log.info("KV events of %s rank %d: %s was bound again; connecting to the new socket",
                          stream.inst.name, stream.rank, stream.endpoint)
                 stream.close()

@@ -378,6 +378,86 @@ def test_an_engines_ipc_socket_feeds_the_proxy_through_a_stale_file_its_restart_
 
 
 
+def test_an_engine_bound_over_a_stale_file_keeps_what_it_reported_when_the_listener_looks_again() -> None:
+    """The proxy starts while a killed engine's file lies at an events path (its SUB waits there) and the next
+    engine binds over it, is connected to and reports blocks at once. The listener's look at the path (each
+    second: it follows an engine bound again while the one before lives on) must not take that for such a rebind.
+    Before: it did, closed the stream and dropped the engine's blocks, counted nowhere as lost (the engine's next
+    batch, numbered 1, began the new stream as if in sequence), and the instance routed as if they were gone."""
+    async def scenario(folder: Path) -> None:
+        paths = [folder / f"both-{k}.sock" for k in range(2)]
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(str(paths[1]))  # never listened on, never removed: what a killed engine leaves
+        stale.close()
+        # a second name keeps the stale file's inode in use, so the engine's new file gets another number, as on a
+        # tmpfs always (it never reuses one); ext4 may hand the freed number straight back
+        os.link(paths[1], folder / "stale")
+        ctx = zmq.asyncio.Context()
+        pubs = [Publisher(ctx, f"ipc://{paths[0]}")]
+        async with engines("both", "both") as pair:
+            config = proxy_config("none", [backend(f"both-{k}", "both", pair[k], kv_events_socket=str(paths[k]))
+                                           for k in range(2)],
+                                  routing="prefix_affinity", block_size=16)
+            try:
+                async with running_proxy(config) as px:
+                    pubs.append(Publisher(ctx, f"ipc://{paths[1]}"))  # the engine binds over the stale file
+                    for pub in pubs:
+                        await pub.subscribed()
+                    await eventually(lambda: set(_sources(px).values()) == {"events"}, what="both streams live")
+                    policy, one = px.router.policy, px.registry.instances["both-1"]
+                    await pubs[1].send(_stored(PROMPT[:3 * BLOCK], [b"a", b"b", b"c"]))
+                    await eventually(lambda: policy.expected_cached_tokens(one, _facts(PROMPT)) == 3 * BLOCK,
+                                     what="both-1's blocks")
+                    px.kv_events.reconcile()  # the listener's look at the paths, as its loop does each second
+                    assert policy.expected_cached_tokens(one, _facts(PROMPT)) == 3 * BLOCK
+                    assert px.kv_events.disconnects == {} and policy.prefix_source(one) == "events"
+                    await pubs[1].send(_stored([9] * BLOCK, [b"d"], parent=b"c"))
+                    await eventually(lambda: px.kv_events.counts.get(("both-1", "applied")) == 2, what="in sequence")
+                    assert [await _route(px, PROMPT + [k]) for k in range(2)] == ["both-1"] * 2
+                    assert {result for _, result in px.kv_events.counts} == {"applied"}
+            finally:
+                for pub in pubs:
+                    pub.close()
+                ctx.term()
+
+    with tempfile.TemporaryDirectory(prefix="kvipc-") as top:  # short: a unix socket's path holds 107 bytes
+        folder = Path(top) / "kv-events"
+        folder.mkdir(mode=0o700)
+        asyncio.run(scenario(folder))
+
+
+def test_batches_an_engine_published_before_the_proxy_subscribed_count_as_a_gap() -> None:
+    """A PUB drops what it sends before a subscriber's subscription reaches it (ZMQ's slow joiner), so an engine's
+    batches from before the proxy's SUB subscribed (a proxy restarted, or connecting as the engine publishes) never
+    arrive. The first batch that does is numbered past 0: the proxy counts a gap, never a stream applied whole while
+    its index misses what the lost batches stored. Before: counted "applied". A first batch numbered 0 is whole."""
+    async def scenario() -> None:
+        ports = free_ports(2)
+        ctx = zmq.asyncio.Context()
+        async with engines("both", "both") as pair:
+            config = proxy_config("none", [backend(f"both-{k}", "both", pair[k], kv_events_ports=[ports[k]])
+                                           for k in range(2)],
+                                  routing="prefix_affinity", block_size=16)
+            pubs = [Publisher(ctx, f"tcp://127.0.0.1:{port}") for port in ports]
+            try:
+                await pubs[1].send(_stored(PROMPT[:BLOCK], [b"lost"]))  # nobody subscribed: dropped
+                async with running_proxy(config) as px:
+                    for pub in pubs:
+                        await pub.subscribed()
+                    await eventually(lambda: set(_sources(px).values()) == {"events"}, what="both streams live")
+                    await pubs[0].send(_stored(PROMPT[:BLOCK], [b"whole"]))
+                    await pubs[1].send(_stored(PROMPT[:BLOCK], [b"after"]))
+                    await eventually(lambda: px.kv_events.counts.get(("both-1", "gap")) == 1, what="the gap counted")
+                    assert px.kv_events.counts.get(("both-1", "applied")) is None
+                    await eventually(lambda: px.kv_events.counts.get(("both-0", "applied")) == 1, what="both-0's")
+                    assert px.kv_events.counts.get(("both-0", "gap")) is None
+            finally:
+                for pub in pubs:
+                    pub.close()
+                ctx.term()
+    asyncio.run(scenario())
+
+
 def test_a_proxy_config_naming_both_a_socket_and_ports_for_one_backends_events_is_refused(tmp_path: Path) -> None:
     """A hand-written proxy.json cannot say both where one instance's events come from: one line, no traceback."""
     from appliance.errors import ConfigError

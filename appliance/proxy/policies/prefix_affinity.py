@@ -215,12 +215,16 @@ class EventBlocks:
         self.start_over()
 
     def apply(self, seq: int, events: list[Event]) -> str:
-        """Apply one batch of events; "gap" when batches were lost (the index starts over from this one), else
+        """Apply one batch of events; "gap" when batches were lost, before this one too where it is not the first
+        of its stream (the index starts over from this one), else
         "applied", or the reason some of its events are of no use here ("block-size": blocks of another size than the
         stream's first; "unparented": blocks whose prefix the index does not know; "unmatchable": blocks of inputs
         other than token ids)."""
         result = "applied"
-        if self.seq is not None and seq != self.seq + 1:
+        # a stream's first batch numbered past 0 is a gap as well: its engine published before this stream's
+        # subscription reached it (a PUB drops what it sends until then) or before this proxy started, so what the
+        # index holds is not all its engine reported
+        if seq != (0 if self.seq is None else self.seq + 1):
             self.reset()
             result = "gap"
         self.seq = seq
