@@ -113,11 +113,18 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
         assert {r["name"]: r["prefix_source"] for r in status["proxy"]["registered"]} == {
             "both-0": "events", "both-1": "events"}
 
+        # `pdctl up` returns once every engine answers /health and each role has an instance in the proxy's rotation;
+        # the proxy admits the others at its next probe, up to probe_interval_s later. Seen: every request below
+        # routed while one instance was not yet admitted (CI: both went to both-0 while both-1 held their prefix)
+        wait_until(lambda: all(_value(_scrape(proxy), "pdctl_proxy_instance_healthy", instance=n) == 1
+                               for n in backends), timeout=60, what="both instances in the proxy's rotation")
+
         # Another client of both-1 (straight to the engine) caches a prompt the proxy never saw.
         shared = _tokens(0, 3 * BLOCK + 40)
+        applied = _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1", result="applied")
         _complete(backends["both-1"]["url"], shared)
-        wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1", result="applied"),
-                   timeout=60, what="both-1's events")
+        wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1",
+                                  result="applied") > applied, timeout=60, what="both-1's events of the prompt")
         engines_before = {name: _scrape(b["url"]) for name, b in backends.items()}
         proxy_before = _scrape(proxy)
 
