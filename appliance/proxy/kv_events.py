@@ -158,6 +158,16 @@ def socket_file(endpoint: str) -> tuple[int, int] | None:
     return info.st_dev, info.st_ino
 
 
+def summary(events: Sequence[Event]) -> str:
+    """A batch's events in a few words, for the debug log: each kind's count and the blocks they name."""
+    kinds: dict[str, list[int]] = {}
+    for event in events:
+        seen = kinds.setdefault(type(event).__name__, [0, 0])
+        seen[0] += 1
+        seen[1] += 0 if isinstance(event, Cleared) else len(event.hashes)
+    return ", ".join(f"{n} {kind} ({blocks} blocks)" for kind, (n, blocks) in kinds.items()) or "no events"
+
+
 def bound_again(connected_to: tuple[int, int] | None, now: tuple[int, int] | None) -> bool:
     """Whether a SUB connected to the socket file `connected_to` (None: connected to none) holds a connection to a
     file its path no longer names (`now`): an engine bound the path again while the process of the one before (an
@@ -216,6 +226,8 @@ class _Stream:
                 log.exception("KV events of %s rank %d: a message could not be applied", name, self.rank)
                 sink.start_over()
                 result = "error"
+            if log.isEnabledFor(logging.DEBUG):  # --log-level debug: what each batch said and what became of it
+                log.debug("KV events of %s rank %d: batch %d (%s): %s", name, self.rank, seq, summary(events), result)
             count(name, result)
 
     async def _watch(self, sink: BlockSink, left: Callable[[str], None]) -> None:
@@ -229,6 +241,8 @@ class _Stream:
             elif event == zmq.EVENT_DISCONNECTED:
                 self.peers = max(0, self.peers - 1)
                 if not self.peers:
+                    log.info("KV events of %s rank %d: its publisher left; its index is dropped", self.inst.name,
+                             self.rank)
                     self.connected_to = None
                     sink.disconnected()
                     left(self.inst.name)

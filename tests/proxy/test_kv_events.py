@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import socket
@@ -426,11 +427,14 @@ def test_an_engine_bound_over_a_stale_file_keeps_what_it_reported_when_the_liste
         asyncio.run(scenario(folder))
 
 
-def test_batches_an_engine_published_before_the_proxy_subscribed_count_as_a_gap() -> None:
+def test_batches_an_engine_published_before_the_proxy_subscribed_count_as_a_gap(caplog: pytest.LogCaptureFixture) -> None:
     """A PUB drops what it sends before a subscriber's subscription reaches it (ZMQ's slow joiner), so an engine's
     batches from before the proxy's SUB subscribed (a proxy restarted, or connecting as the engine publishes) never
     arrive. The first batch that does is numbered past 0: the proxy counts a gap, never a stream applied whole while
-    its index misses what the lost batches stored. Before: counted "applied". A first batch numbered 0 is whole."""
+    its index misses what the lost batches stored. Before: counted "applied". A first batch numbered 0 is whole.
+    At debug level the proxy logs each batch: its number, its events and what became of it."""
+    caplog.set_level(logging.DEBUG, logger="appliance.proxy")
+
     async def scenario() -> None:
         ports = free_ports(2)
         ctx = zmq.asyncio.Context()
@@ -451,6 +455,9 @@ def test_batches_an_engine_published_before_the_proxy_subscribed_count_as_a_gap(
                     assert px.kv_events.counts.get(("both-1", "applied")) is None
                     await eventually(lambda: px.kv_events.counts.get(("both-0", "applied")) == 1, what="both-0's")
                     assert px.kv_events.counts.get(("both-0", "gap")) is None
+                    logged = caplog.messages
+                    assert "KV events of both-1 rank 0: batch 1 (1 Stored (1 blocks)): gap" in logged, logged
+                    assert "KV events of both-0 rank 0: batch 0 (1 Stored (1 blocks)): applied" in logged, logged
             finally:
                 for pub in pubs:
                     pub.close()
