@@ -135,10 +135,11 @@ class BlockSink(Protocol):
     """Where one instance rank's events go (the prefix-affinity policy's index of that rank)."""
 
     def apply(self, seq: int, events: list[Event]) -> str:
-        """Apply one batch; the result counted ("applied", "gap" when the sequence broke and it started over)."""
+        """Apply one batch; the result counted ("applied", "gap" when the sequence broke, or did not begin at 0,
+        and it started over)."""
 
     def start_over(self) -> None:
-        """Forget what the stream said; its next batch starts a new sequence."""
+        """Forget what the stream said; its next batch is the first of a new sequence."""
 
     def disconnected(self) -> None:
         """No publisher is connected any more: what it said no longer holds (its engine may have restarted)."""

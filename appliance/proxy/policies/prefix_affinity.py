@@ -201,7 +201,7 @@ class EventBlocks:
         self.block_size = None
 
     def start_over(self) -> None:
-        """Forget everything, and the sequence: the next batch starts a new one."""
+        """Forget everything, and the sequence: the next batch is the first of a new one (a gap unless numbered 0)."""
         self.seq = None
         self.reset()
 
