@@ -332,13 +332,17 @@ class Node:
 
     def _stage(self, plan: Plan, tx: Transaction) -> bool:
         """Stage plan.json (secrets redacted), secrets.json (0600) and proxy.json in the state directory (0700)
-        and make the KV store; True when proxy.json changed."""
+        and make the KV store and the KV events sockets' folder (0700); True when proxy.json changed."""
         make_private_dir(self.state.root)
         connector = get_connector(plan.connector)
         for inst in plan.instances:
             for folder in connector.kv_folders(inst.kv_transfer_config or {}):
                 # the KV store holds prompts' KV: private to pdctl's user wherever the settings put it
                 make_private_dir(folder)
+            if inst.kv_events_socket is not None:
+                # its engine binds the socket there: only pdctl's user may connect to it (prompts' token ids) or
+                # put a socket there before it
+                make_private_dir(Path(inst.kv_events_socket).parent)
         # the token before the proxy's config that names it: a proxy (re)started meanwhile finds it
         new_token = self.ensure_admin_token(plan, tx)
         changed = tx.write(self.state.proxy_config, plan.proxy.model_dump_json(indent=2) + "\n") or new_token

@@ -50,6 +50,8 @@ SLOW_GAP_SPREAD = 0.1
 # of them pass the target (docs/bench.md), so a decode step carrying a short prompt may be over it this often.
 SLOW_STEP_SHARE = 0.01
 KV_EVENTS = "kv_events"  # the purpose of an instance's ports the proxy binds for its engine's KV cache events
+# the longest path a unix socket's address holds (sun_path's 108 bytes, less the NUL): libzmq refuses a longer one
+UNIX_SOCKET_PATH_MAX = 107
 
 
 class Frozen(BaseModel):
@@ -74,6 +76,9 @@ class Instance(Frozen):
     http_port: int
     url: str
     ports: dict[str, list[int]] = Field(description="Every port some rank binds, by purpose")
+    kv_events_socket: str | None = Field(default=None, description=(
+        "The ipc socket file its engine binds for its KV cache events (DP 1; the proxy connects); None: none, or "
+        "tcp ports in `ports`"))
     kv_transfer_config: dict[str, Any] | None
     proxy_kv: dict[str, str | int] = Field(description="What the proxy needs for the connector protocol")
     argv: list[str]
@@ -422,15 +427,27 @@ def _instance(settings: Settings, inventory: Inventory, connector: Connector, ct
         ports[purpose] = list(span)
     if ctx.dp > 1:
         ports["dp_rpc"] = [rs.dp_rpc_port + ctx.index]
-    if kv_events(settings, ctx.role):
-        # vLLM's publisher of DP rank r connects to the endpoint's port + r
-        ports[KV_EVENTS] = [rs.kv_events_port + ctx.index * ctx.dp + rank for rank in range(ctx.dp)]
-    kv_config = connector.kv_transfer_config(ctx)
-    argv, env = engine_command(settings, ctx, model, connector, kv_config, gpus, ports)
-    gpu_numa = {g.index: g.numa_node for g in inventory.gpus}
-    numa = sorted({n for g in gpus if (n := gpu_numa.get(g)) is not None})
     name = f"{ctx.role}-{ctx.index}"
     warnings: list[str] = []
+    socket, events = None, None
+    if kv_events(settings, ctx.role):
+        socket = kv_events_socket(settings, name, ctx.dp)
+        if socket is not None:
+            events = f"ipc://{socket}"
+        else:
+            # vLLM's publisher of DP rank r connects to the endpoint's port + r
+            ports[KV_EVENTS] = [rs.kv_events_port + ctx.index * ctx.dp + rank for rank in range(ctx.dp)]
+            events = f"tcp://127.0.0.1:{ports[KV_EVENTS][0]}"
+            if ctx.dp == 1:
+                warnings.append(
+                    f"{name}: its KV events socket {StateDir.at(settings.state_dir).kv_events_socket(name)} would be "
+                    f"longer than a unix socket's {UNIX_SOCKET_PATH_MAX} bytes, so its engine publishes to "
+                    f"127.0.0.1:{ports[KV_EVENTS][0]}, which a local process could bind while the proxy restarts "
+                    "and read prompts' token ids; set state_dir to a shorter path")
+    kv_config = connector.kv_transfer_config(ctx)
+    argv, env = engine_command(settings, ctx, model, connector, kv_config, gpus, ports, events)
+    gpu_numa = {g.index: g.numa_node for g in inventory.gpus}
+    numa = sorted({n for g in gpus if (n := gpu_numa.get(g)) is not None})
     if len(numa) > 1:
         warnings.append(f"{name}: GPUs {gpus} span NUMA nodes {numa}; expect slower host transfers")
     if len(gpus) > 1 and not _fast_island(inventory, gpus):
@@ -449,6 +466,7 @@ def _instance(settings: Settings, inventory: Inventory, connector: Connector, ct
         http_port=ctx.http_port,
         url=f"http://{url_host(rs.host)}:{ctx.http_port}",
         ports=ports,
+        kv_events_socket=socket,
         kv_transfer_config=kv_config,
         proxy_kv=connector.proxy_kv(ctx),
         argv=argv,
@@ -463,6 +481,15 @@ def kv_events(settings: Settings, role: Role) -> bool:
     p = settings.proxy
     return (p.routing == "prefix_affinity" and p.prefix_affinity.kv_events and settings.engine.kind == "vllm"
             and settings.role(role).enable_prefix_caching is not False)
+
+
+def kv_events_socket(settings: Settings, instance: str, dp: int) -> str | None:
+    """The ipc socket file the engine of `instance` binds for its KV cache events, in the state directory's private
+    kv-events folder (0700: no other user can connect to it, nor put a socket there first), the proxy connecting to
+    it. None where vLLM 0.32 cannot use one: DP > 1 (it offsets only a tcp endpoint per rank, and raises for an
+    ipc one) or a path too long for a unix socket; those engines connect to ports the proxy binds on 127.0.0.1."""
+    path = str(StateDir.at(settings.state_dir).kv_events_socket(instance))
+    return path if dp == 1 and len(path.encode()) <= UNIX_SOCKET_PATH_MAX else None
 
 
 def _check_rank_ports(connector: Connector, ctx: InstanceContext, settings: Settings) -> None:
@@ -627,7 +654,8 @@ def decode_only_below(step_ms: float, prefill_us_per_token: float, itl_slo_ms: f
 def backends(instances: list[Instance]) -> list[Backend]:
     """The proxy's static backends: every instance of the plan."""
     return [Backend(name=i.name, role=i.role, url=i.url, dp_size=i.dp, tp_size=i.tp, kv=i.proxy_kv,
-                    kv_events_ports=i.ports.get(KV_EVENTS, [])) for i in instances]
+                    kv_events_ports=i.ports.get(KV_EVENTS, []), kv_events_socket=i.kv_events_socket)
+            for i in instances]
 
 
 def _schema_1_to_2(data: dict[str, Any]) -> dict[str, Any]:

@@ -200,7 +200,8 @@ class RoleSettings(Section):
     notify_port: Port = Field(default=6105, ge=1024, le=65535, description="MORI-IO notify base")
     dp_rpc_port: Port = Field(default=29550, ge=1024, le=65535, description="vLLM --data-parallel-rpc-port (DP > 1)")
     kv_events_port: Port = Field(default=6901, ge=1024, le=65535, description=(
-        "KV cache events (prefix_affinity routing): the proxy binds it on 127.0.0.1, one port per DP rank"))
+        "KV cache events (prefix_affinity routing) of instances with DP > 1: the proxy binds it on 127.0.0.1, one "
+        "port per DP rank (DP 1: a socket file in <state_dir>/kv-events)"))
 
     @field_validator("gpus")
     @classmethod

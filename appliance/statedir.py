@@ -20,6 +20,7 @@ failure to write (read-only, full, not ours, a symbolic link) is one StateWriteE
     supervisor/          supervisord.conf, its socket, pid file, its own log and the programs' logs/
     models/tiny-qwen3    the embedded tiny model, written before vLLM starts
     kv-store/            the shared-storage connector's KV files (unless connector.shared_storage_path)
+    kv-events/           0700: the ipc:// sockets DP-1 vLLM engines publish their KV cache events on (<instance>.sock)
     bench/               `pdctl bench --compare`'s per-shape settings files and `plan --suggest`'s profile
 """
 
@@ -111,6 +112,15 @@ class StateDir:
     def kv_store(self) -> PurePosixPath:
         """The shared-storage connector's default KV folder."""
         return self.root / "kv-store"
+
+    @property
+    def kv_events(self) -> PurePosixPath:
+        """The private folder of the engines' KV cache events sockets (they carry prompts' token ids)."""
+        return self.root / "kv-events"
+
+    def kv_events_socket(self, instance: str) -> PurePosixPath:
+        """The ipc:// socket the engine of `instance` binds for its KV cache events, the proxy connecting to it."""
+        return self.kv_events / f"{instance}.sock"
 
     @property
     def bench(self) -> PurePosixPath:

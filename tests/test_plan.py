@@ -183,6 +183,35 @@ def test_prefix_affinity_on_vllm_has_each_dp_rank_publish_its_kv_events_to_the_p
         assert all(b.kv_events_ports == [] for b in q.proxy.backends), off
 
 
+def test_a_dp_1_engine_publishes_its_kv_events_on_a_socket_in_a_private_folder() -> None:
+    """DP 1: vLLM binds an ipc:// endpoint, so the planner gives it a socket file in the state directory's kv-events
+    folder (which `pdctl up` makes 0700: tests/cli/test_state_writes.py) and no port; the proxy's backend names
+    the socket (it connects). DP 2 in the same plan keeps a tcp port per rank (vLLM 0.32 cannot offset an ipc
+    endpoint per rank). A state directory too long for a unix socket's path falls back to tcp, with a warning."""
+    on = {"connector": {"name": "nixl"}, "state_dir": "/srv/pd",
+          "prefill": {"instances": 2, "gpus": [0, 1, 2, 3]}, "decode": {"gpus": [4, 5, 6, 7], "dp": 2},
+          "proxy": {"routing": "prefix_affinity"}}
+    p = plan(make(on), load_inventory("sim:h200-8"))
+    events = {i.name: json.loads(i.argv[i.argv.index("--kv-events-config") + 1])["endpoint"] for i in p.instances}
+    assert events == {"prefill-0": "ipc:///srv/pd/kv-events/prefill-0.sock",
+                      "prefill-1": "ipc:///srv/pd/kv-events/prefill-1.sock", "decode-0": "tcp://127.0.0.1:7901"}
+    assert {i.name: (i.kv_events_socket, i.ports.get("kv_events")) for i in p.instances} == {
+        "prefill-0": ("/srv/pd/kv-events/prefill-0.sock", None), "prefill-1": ("/srv/pd/kv-events/prefill-1.sock", None),
+        "decode-0": (None, [7901, 7902])}
+    assert {b.name: b.kv_events_endpoints for b in p.proxy.backends} == {
+        "prefill-0": ["ipc:///srv/pd/kv-events/prefill-0.sock"], "prefill-1": ["ipc:///srv/pd/kv-events/prefill-1.sock"],
+        "decode-0": ["tcp://127.0.0.1:7901", "tcp://127.0.0.1:7902"]}
+    assert not any("KV events" in w for w in p.warnings)
+    deep = "/srv/" + "d" * 80  # + /kv-events/prefill-0.sock: 111 bytes
+    q = plan(make(deep_merge(on, {"state_dir": deep})), load_inventory("sim:h200-8"))
+    assert [(i.kv_events_socket, i.ports.get("kv_events")) for i in q.instances] == [
+        (None, [6901]), (None, [6902]), (None, [7901, 7902])]
+    assert [w for w in q.warnings if "KV events" in w] == [
+        f"prefill-{k}: its KV events socket {deep}/kv-events/prefill-{k}.sock would be longer than a unix socket's "
+        f"107 bytes, so its engine publishes to 127.0.0.1:{6901 + k}, which a local process could bind while the "
+        "proxy restarts and read prompts' token ids; set state_dir to a shorter path" for k in range(2)]
+
+
 def test_schema_1_plan_still_loads() -> None:
     """A plan.json written before the proxy's config became Plan.proxy (a deployed node's state) still loads."""
     old = json.loads((Path(__file__).parent / "data" / "plan-schema1.json").read_text())
@@ -306,10 +335,13 @@ def test_no_two_ranks_share_a_port(p_inst: int, p_tp: int, p_dp: int, d_inst: in
             assert len(hs) == len(nt) == ranks
         if inst.dp > 1:
             assert "--data-parallel-rpc-port" in inst.argv
-        if routing == "prefix_affinity":  # one KV events port per DP rank, consecutive from the argv's
-            events = inst.ports["kv_events"]
+        if routing == "prefix_affinity":  # DP 1: its ipc socket; else one port per DP rank, from the argv's
             endpoint = json.loads(inst.argv[inst.argv.index("--kv-events-config") + 1])["endpoint"]
-            assert events == list(range(events[0], events[0] + inst.dp)) and endpoint.endswith(f":{events[0]}")
+            if inst.dp == 1:
+                assert "kv_events" not in inst.ports and endpoint == f"ipc://{inst.kv_events_socket}"
+            else:
+                events = inst.ports["kv_events"]
+                assert events == list(range(events[0], events[0] + inst.dp)) and endpoint.endswith(f":{events[0]}")
     used = [g for i in p.instances for g in i.gpus]
     assert len(used) == len(set(used))
 

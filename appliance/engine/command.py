@@ -78,18 +78,20 @@ def context_length(settings: Settings, model: ModelPlan) -> int | None:
     return settings.model.max_model_len or (2048 if model.generate else None)
 
 
-def kv_events_config(port: int) -> dict[str, Any]:
-    """vLLM's --kv-events-config publishing to the proxy's SUB socket on 127.0.0.1:`port` (DP rank r: port + r).
+def kv_events_config(endpoint: str) -> dict[str, Any]:
+    """vLLM's --kv-events-config publishing at `endpoint`: an ipc:// socket file it binds in a private folder (DP 1),
+    or the proxy's SUB socket on tcp://127.0.0.1:P it connects to (DP rank r: port P + r).
 
-    A tcp endpoint with a host is one vLLM's publisher connects to (a wildcard or ipc:// one it binds): the proxy
-    binds, so no other local process can subscribe to the events, which carry prompts' token ids. No replay
-    endpoint: vLLM binds that one, and anyone could ask it for every recent batch."""
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": ""}
+    vLLM's publisher binds a wildcard or ipc:// endpoint and connects to a tcp one with a host: either way no other
+    local user can subscribe to the events, which carry prompts' token ids. No replay endpoint: vLLM binds that
+    one, and anyone could ask it for every recent batch."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": ""}
 
 
 def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_config: dict[str, Any] | None,
-              ports: dict[str, list[int]]) -> list[str]:
-    """vLLM's OpenAI server arguments for one instance (parallelism, Wide-EP knobs, batching, connector)."""
+              ports: dict[str, list[int]], kv_events: str | None = None) -> list[str]:
+    """vLLM's OpenAI server arguments for one instance (parallelism, Wide-EP knobs, batching, connector, the
+    endpoint `kv_events` it publishes its KV cache events at)."""
     rs = settings.role(ctx.role)
     python = settings.engine.python or sys.executable
     argv = [*server_command(python, model.path, settings.engine.vllm_package),
@@ -129,8 +131,8 @@ def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_con
         argv.extend(["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))])
     if not any(a == "--block-size" or a.startswith("--block-size=") for a in rs.extra_args):
         _flag(argv, "--block-size", ctx.block_size)
-    if "kv_events" in ports:
-        argv.extend(["--kv-events-config", json.dumps(kv_events_config(ports["kv_events"][0]), separators=(",", ":"))])
+    if kv_events is not None:
+        argv.extend(["--kv-events-config", json.dumps(kv_events_config(kv_events), separators=(",", ":"))])
     argv.extend(rs.extra_args)
     return argv
 
@@ -172,8 +174,9 @@ def cpu_env(host: str) -> dict[str, str]:
 
 def engine_command(settings: Settings, ctx: InstanceContext, model: ModelPlan, connector: Connector,
                    kv_config: dict[str, Any] | None, gpus: list[int],
-                   ports: dict[str, list[int]]) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) of one instance: GPU pinning, platform and connector environment, then the user's."""
+                   ports: dict[str, list[int]], kv_events: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of one instance: GPU pinning, platform and connector environment, then the user's; a vLLM
+    engine publishes its KV cache events at the endpoint `kv_events`."""
     env: dict[str, str] = {}
     if ctx.platform != "cpu":
         visible = ",".join(str(g) for g in gpus)
@@ -195,7 +198,7 @@ def engine_command(settings: Settings, ctx: InstanceContext, model: ModelPlan, c
         argv = sim_argv(settings, ctx, model, connector, f"{ctx.role}-{ctx.index}")
     else:
         env.update(connector.env(ctx))
-        argv = vllm_argv(settings, ctx, model, kv_config, ports)
+        argv = vllm_argv(settings, ctx, model, kv_config, ports, kv_events)
     env.update(settings.engine.env)
     env.update(settings.role(ctx.role).env)
     return argv, env

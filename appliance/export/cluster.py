@@ -26,7 +26,8 @@ Target = Literal["ray-serve", "llm-d"]
 ClusterRole = Literal["prefill", "decode"]
 
 # vLLM flags that describe where one process listens on this node; a cluster engine decides them itself.
-# kv_events_config: the engine publishes to pdctl's proxy on 127.0.0.1 of its own node (prefix affinity)
+# kv_events_config: the engine publishes to pdctl's proxy on its own node (a socket in the state directory, or
+# 127.0.0.1: prefix affinity)
 NODE_LOCAL_FLAGS = frozenset({"model", "served_model_name", "host", "port", "data_parallel_rpc_port",
                               "kv_events_config"})
 

@@ -168,9 +168,24 @@ class Backend(_Model):
     dp_size: int = Field(default=1, ge=1)
     tp_size: int = Field(default=1, ge=1)
     kv: dict[str, str | int] = Field(default_factory=dict)
-    # where the instance's DP ranks publish their KV cache events: the proxy binds a SUB socket on 127.0.0.1 at
-    # each (docs/routing.md); empty: none, the prefix estimate serves it
+    # where the instance's engine publishes its KV cache events (docs/routing.md): the ipc socket file its engine
+    # binds (DP 1: the proxy connects), else each DP rank's port, where the proxy binds a SUB socket on 127.0.0.1;
+    # neither: none, the prefix estimate serves it
     kv_events_ports: list[Annotated[int, Field(ge=1, le=65535)]] = Field(default_factory=list)
+    kv_events_socket: str | None = Field(default=None, min_length=1)
+
+    @property
+    def kv_events_endpoints(self) -> list[str]:
+        """One ZMQ endpoint per DP rank where the proxy reads the engine's KV cache events (kv_events.py)."""
+        if self.kv_events_socket is not None:
+            return [f"ipc://{self.kv_events_socket}"]
+        return [f"tcp://127.0.0.1:{port}" for port in self.kv_events_ports]
+
+    @model_validator(mode="after")
+    def _one_events_path(self) -> Backend:
+        if self.kv_events_socket is not None and self.kv_events_ports:
+            raise ValueError("a backend's KV events come from kv_events_socket or kv_events_ports, not both")
+        return self
 
     @field_validator("url")
     @classmethod

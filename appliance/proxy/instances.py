@@ -26,7 +26,7 @@ class BackendState:
         dp_size: int = 1,
         tp_size: int = 1,
         kv: dict[str, Any] | None = None,
-        kv_events_ports: Iterable[int] = (),
+        kv_events_endpoints: Iterable[str] = (),
     ) -> None:
         self.name = name
         self.role = role
@@ -34,7 +34,7 @@ class BackendState:
         self.dp_size = dp_size
         self.tp_size = tp_size
         self.kv: dict[str, Any] = dict(kv or {})
-        self.kv_events_ports = tuple(kv_events_ports)  # where its DP ranks publish KV cache events (kv_events.py)
+        self.kv_events_endpoints = tuple(kv_events_endpoints)  # where each DP rank's KV cache events are read
         parts = urlsplit(self.url)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
@@ -206,7 +206,7 @@ class InstanceRegistry:
                 current.set_dp_size(backend.dp_size)
                 current.tp_size = backend.tp_size
                 current.kv.update(backend.kv)
-                current.kv_events_ports = tuple(backend.kv_events_ports)
+                current.kv_events_endpoints = tuple(backend.kv_events_endpoints)
                 if "transfer_mode" in backend.kv:
                     current.transfer_mode = str(backend.kv["transfer_mode"])
                 continue
@@ -220,7 +220,7 @@ class InstanceRegistry:
                 dp_size=backend.dp_size,
                 tp_size=backend.tp_size,
                 kv=backend.kv,
-                kv_events_ports=backend.kv_events_ports,
+                kv_events_endpoints=backend.kv_events_endpoints,
             )
             self.instances[inst.name] = inst
             if self.on_added is not None:

@@ -1,13 +1,16 @@
 """vLLM's KV cache events, received: which blocks each engine's DP rank stores and evicts, for prefix affinity's
 exact path (policies/prefix_affinity.py; docs/routing.md, "Which source a deployment uses").
 
-Each rank's publisher (vllm/distributed/kv_events.py, ZmqEventPublisher) connects a ZMQ PUB to the port the plan
-gave it, where this listener binds a SUB on 127.0.0.1 (the proxy binds, so no other local process can subscribe:
-the events carry prompts' token ids). A message is three frames: the topic, an 8-byte big-endian sequence number
+The events carry prompts' token ids, so no other local user may subscribe to them. An engine of DP 1 binds its
+publisher (vllm/distributed/kv_events.py, ZmqEventPublisher) on an ipc:// socket file in a 0700 folder of the state
+directory, and this listener's SUB connects to it (ZMQ connects again by itself when the engine restarts). With
+DP > 1 (vLLM 0.32 cannot give each rank its own ipc endpoint) each rank's publisher connects a ZMQ PUB to the port the
+plan gave it, where this listener binds a SUB on 127.0.0.1 (the proxy binds, so no other local process can
+subscribe while it holds the port). A message is three frames: the topic, an 8-byte big-endian sequence number
 (from 0 at the engine's start) and a msgpack KVEventBatch: [ts, [event, ...], dp_rank], each event a map tagged
 by "type" (BlockStored, BlockRemoved, AllBlocksCleared).
 
-Anything else that arrives (any local process may connect to the port and send) is dropped and counted, never
+Anything else that arrives (any local process may connect to a tcp port and send) is dropped and counted, never
 raised: parse() is pure and says why a message is bad, the listener is the thin shell around the sockets.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,8 +37,8 @@ log = logging.getLogger("appliance.proxy")
 # The largest message read: a batch of one scheduler step's events (a 64k-token prompt's BlockStored is ~300 KB of
 # token ids); ZMQ drops a larger one before it is buffered whole, so a hostile sender cannot make the proxy hold it.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-# How often the listener follows the instance set (a rebalance changes it) and retries a port it could not bind
-# (the proxy it takes over from may still hold it).
+# How often the listener follows the instance set (a rebalance changes it) and retries an endpoint it could not
+# bind (the proxy it takes over from may still hold the port).
 RECONCILE_S = 1.0
 UNBOUND_WARN_S = 10.0
 
@@ -131,10 +135,11 @@ class BlockSink(Protocol):
     """Where one instance rank's events go (the prefix-affinity policy's index of that rank)."""
 
     def apply(self, seq: int, events: list[Event]) -> str:
-        """Apply one batch; the result counted ("applied", "gap" when the sequence broke and it started over)."""
+        """Apply one batch; the result counted ("applied", "gap" when the sequence broke, or did not begin at 0,
+        and it started over)."""
 
     def start_over(self) -> None:
-        """Forget what the stream said; its next batch starts a new sequence."""
+        """Forget what the stream said; its next batch is the first of a new sequence."""
 
     def disconnected(self) -> None:
         """No publisher is connected any more: what it said no longer holds (its engine may have restarted)."""
@@ -143,23 +148,65 @@ class BlockSink(Protocol):
         """A publisher is connected: the stream is alive."""
 
 
-class _Stream:
-    """One bound SUB socket (an instance's DP rank), its reader and its connection monitor."""
+def socket_file(endpoint: str) -> tuple[int, int] | None:
+    """Which socket file an ipc:// endpoint's path names now (device, inode); None: none there, or not ipc."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    try:
+        info = os.stat(endpoint.removeprefix("ipc://"))
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
-    def __init__(self, ctx: zmq.asyncio.Context, inst: BackendState, rank: int, port: int, sink: BlockSink,
+
+def summary(events: Sequence[Event]) -> str:
+    """A batch's events in a few words, for the debug log: each kind's count and the blocks they name."""
+    kinds: dict[str, list[int]] = {}
+    for event in events:
+        seen = kinds.setdefault(type(event).__name__, [0, 0])
+        seen[0] += 1
+        seen[1] += 0 if isinstance(event, Cleared) else len(event.hashes)
+    return ", ".join(f"{n} {kind} ({blocks} blocks)" for kind, (n, blocks) in kinds.items()) or "no events"
+
+
+def bound_again(connected_to: tuple[int, int] | None, now: tuple[int, int] | None) -> bool:
+    """Whether a SUB connected to the socket file `connected_to` (None: connected to none) holds a connection to a
+    file its path no longer names (`now`): an engine bound the path again while the process of the one before (an
+    orphaned engine core) lives on and keeps the connection. A SUB connected to nothing is not: ZMQ connects it to
+    whatever file is bound there, a stale one left by a killed engine or not."""
+    return connected_to is not None and now is not None and now != connected_to
+
+
+class _Stream:
+    """One SUB socket (an instance's DP rank), its reader and its connection monitor: connected to the engine's
+    ipc:// socket file, or bound on the tcp:// port the engine connects to."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, inst: BackendState, rank: int, endpoint: str, sink: BlockSink,
                  count: Callable[[str, str], None], left: Callable[[str], None]) -> None:
-        self.inst, self.rank, self.port = inst, rank, port
+        self.inst, self.rank, self.endpoint = inst, rank, endpoint
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # the engine binds an ipc endpoint (a file only its user reaches); ZMQ connects again when it is back
+        connects = endpoint.startswith("ipc://")
+        self.joined = zmq.EVENT_CONNECTED if connects else zmq.EVENT_ACCEPTED
+        # watched before it connects: a bound engine is connected at once, and that first connection counts
+        self.monitor = sock.get_monitor_socket(self.joined | zmq.EVENT_DISCONNECTED)
         try:
-            sock.bind(f"tcp://127.0.0.1:{port}")
+            if connects:
+                sock.connect(endpoint)
+            else:
+                sock.bind(endpoint)
         except zmq.ZMQError:
-            sock.close()
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            self.monitor.close(linger=0)
+            sock.close(linger=0)
             raise
         self.sock = sock
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.connects = connects
+        self.connected_to: tuple[int, int] | None = None  # the engine's socket file its connection is to
         self.peers = 0
         self.tasks = [asyncio.create_task(self._read(sink, count)), asyncio.create_task(self._watch(sink, left))]
 
@@ -180,17 +227,24 @@ class _Stream:
                 log.exception("KV events of %s rank %d: a message could not be applied", name, self.rank)
                 sink.start_over()
                 result = "error"
+            if log.isEnabledFor(logging.DEBUG):  # --log-level debug: what each batch said and what became of it
+                log.debug("KV events of %s rank %d: batch %d (%s): %s", name, self.rank, seq, summary(events), result)
             count(name, result)
 
     async def _watch(self, sink: BlockSink, left: Callable[[str], None]) -> None:
         while True:
             event = parse_monitor_message(await self.monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_ACCEPTED:
+            if event == self.joined:
                 self.peers += 1
+                if self.connects:  # the file bound at the path now is the one ZMQ just connected to
+                    self.connected_to = socket_file(self.endpoint)
                 sink.connected()
             elif event == zmq.EVENT_DISCONNECTED:
                 self.peers = max(0, self.peers - 1)
                 if not self.peers:
+                    log.info("KV events of %s rank %d: its publisher left; its index is dropped", self.inst.name,
+                             self.rank)
+                    self.connected_to = None
                     sink.disconnected()
                     left(self.inst.name)
 
@@ -204,8 +258,8 @@ class _Stream:
 
 
 class KvEventsListener:
-    """A SUB socket on 127.0.0.1 for each KV events port of each instance, following the instance set; each
-    rank's events go to the sink `sink_for(inst, rank)` gives. Counts every message by instance and result."""
+    """A SUB socket for each KV events endpoint of each instance (one per DP rank), following the instance set;
+    each rank's events go to the sink `sink_for(inst, rank)` gives. Counts every message by instance and result."""
 
     def __init__(self, instances: Callable[[], Iterable[BackendState]],
                  sink_for: Callable[[BackendState, int], BlockSink]) -> None:
@@ -213,7 +267,7 @@ class KvEventsListener:
         self._sink_for = sink_for
         self._ctx = zmq.asyncio.Context()
         self._streams: dict[tuple[str, int], _Stream] = {}
-        self._unbound: dict[int, float | None] = {}  # port -> since when it fails to bind (None: warned)
+        self._unbound: dict[str, float | None] = {}  # endpoint -> since when it fails to bind (None: warned)
         self.counts: dict[tuple[str, str], int] = {}  # (instance, result) -> messages
         self.disconnects: dict[str, int] = {}  # instance -> times a rank's last publisher left
         self._task: asyncio.Task[None] | None = None
@@ -226,28 +280,37 @@ class KvEventsListener:
         self.disconnects[instance] = self.disconnects.get(instance, 0) + 1
 
     def reconcile(self) -> None:
-        """Bind the ports of instances that have none bound yet, close those of instances gone or replaced."""
-        wanted = {(inst.name, rank): (inst, port) for inst in self._instances()
-                  for rank, port in enumerate(inst.kv_events_ports)}
+        """Open the endpoints of instances that have none open yet, close those of instances gone or replaced."""
+        wanted = {(inst.name, rank): (inst, endpoint) for inst in self._instances()
+                  for rank, endpoint in enumerate(inst.kv_events_endpoints)}
         for key, stream in list(self._streams.items()):
-            if key not in wanted or wanted[key] != (stream.inst, stream.port):
+            if key not in wanted or wanted[key] != (stream.inst, stream.endpoint):
                 stream.close()
                 del self._streams[key]
-        for key, (inst, port) in wanted.items():
+            elif bound_again(stream.connected_to, socket_file(stream.endpoint)):
+                # the SUB's connection is to a replaced socket whose engine process lives on: follow the path to
+                # the new engine (ZMQ would stay with the old one, which publishes nothing any more)
+                log.info("KV events of %s rank %d: %s was bound again; connecting to the new socket",
+                         stream.inst.name, stream.rank, stream.endpoint)
+                stream.close()
+                del self._streams[key]
+                self._sink_for(stream.inst, stream.rank).disconnected()
+                self._left(stream.inst.name)
+        for key, (inst, endpoint) in wanted.items():
             if key in self._streams:
                 continue
             try:
-                self._streams[key] = _Stream(self._ctx, inst, key[1], port, self._sink_for(inst, key[1]), self._count,
-                                             self._left)
+                self._streams[key] = _Stream(self._ctx, inst, key[1], endpoint, self._sink_for(inst, key[1]),
+                                             self._count, self._left)
             except zmq.ZMQError as exc:
-                # the proxy this one takes over from releases it in a moment; longer, something else holds it
-                since = self._unbound.setdefault(port, time.monotonic())
+                # the proxy this one takes over from releases a port in a moment; longer, something else holds it
+                since = self._unbound.setdefault(endpoint, time.monotonic())
                 if since is not None and time.monotonic() - since > UNBOUND_WARN_S:
-                    log.warning("KV events of %s rank %d: cannot bind 127.0.0.1:%d (%s): whatever holds it gets "
-                                "the engine's events; its prefix matches stay estimated", inst.name, key[1], port, exc)
-                    self._unbound[port] = None  # said once
+                    log.warning("KV events of %s rank %d: cannot open %s (%s): whatever holds it gets the engine's "
+                                "events; its prefix matches stay estimated", inst.name, key[1], endpoint, exc)
+                    self._unbound[endpoint] = None  # said once
                 continue
-            self._unbound.pop(port, None)
+            self._unbound.pop(endpoint, None)
 
     async def _run(self) -> None:
         while True:
@@ -255,7 +318,7 @@ class KvEventsListener:
             await asyncio.sleep(RECONCILE_S)
 
     def start(self) -> None:
-        """Bind now and follow the instance set from here on (on the running loop)."""
+        """Open the endpoints now and follow the instance set from here on (on the running loop)."""
         self.reconcile()
         self._task = asyncio.create_task(self._run())
 

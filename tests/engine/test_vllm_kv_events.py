@@ -2,12 +2,15 @@
 instances and routing = "prefix_affinity" has each engine publish its KV cache events to the proxy. One deployment,
 several checks: the proxy's index says what vLLM's own counters say was cached, it routes a prompt to the engine
 that cached its prefix for another client (which the estimate cannot know), and no other local process can
-subscribe to the events (they carry prompts' token ids)."""
+subscribe to the events (they carry prompts' token ids): each engine binds an ipc socket in a 0700 folder, the
+proxy connects to it, and an engine's restart is followed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import urllib.error
@@ -72,6 +75,14 @@ def _complete(url: str, prompt: list[int]) -> tuple[dict[str, Any], str | None]:
         raise AssertionError(f"{url}: {exc.code} {exc.read()!r}") from None
 
 
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 def _engine_ports(http_port: int) -> set[int]:
     """Every TCP port a process of the engine serving `http_port` listens on (the server and its children)."""
     owner = next(c.pid for c in psutil.net_connections(kind="tcp")
@@ -87,7 +98,13 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
         assert up.returncode == 0, up.stdout + up.stderr
         proxy_cfg = json.loads((tmp_path / "state" / "proxy.json").read_text())
         backends = {b["name"]: b for b in proxy_cfg["backends"]}
-        assert set(backends) == {"both-0", "both-1"} and all(len(b["kv_events_ports"]) == 1 for b in backends.values())
+        # DP 1: each engine binds an ipc socket in the state directory's private kv-events folder, the proxy connects
+        events = tmp_path / "state" / "kv-events"
+        assert set(backends) == {"both-0", "both-1"}
+        assert {n: (b["kv_events_socket"], b["kv_events_ports"]) for n, b in backends.items()} == {
+            n: (str(events / f"{n}.sock"), []) for n in backends}
+        assert stat.S_IMODE(events.stat().st_mode) == 0o700 and events.stat().st_uid == os.geteuid()
+        assert all(stat.S_ISSOCK((events / f"{n}.sock").stat().st_mode) for n in backends)
         proxy = f"http://127.0.0.1:{proxy_cfg['port']}"
         wait_until(lambda: {ls[-1][1] for (n, ls), v in _scrape(proxy).items()
                             if n == "pdctl_proxy_prefix_source" and v == 1} == {"events"},
@@ -96,11 +113,18 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
         assert {r["name"]: r["prefix_source"] for r in status["proxy"]["registered"]} == {
             "both-0": "events", "both-1": "events"}
 
+        # `pdctl up` returns once every engine answers /health and each role has an instance in the proxy's rotation;
+        # the proxy admits the others at its next probe, up to probe_interval_s later. Seen: every request below
+        # routed while one instance was not yet admitted (CI: both went to both-0 while both-1 held their prefix)
+        wait_until(lambda: all(_value(_scrape(proxy), "pdctl_proxy_instance_healthy", instance=n) == 1
+                               for n in backends), timeout=60, what="both instances in the proxy's rotation")
+
         # Another client of both-1 (straight to the engine) caches a prompt the proxy never saw.
         shared = _tokens(0, 3 * BLOCK + 40)
+        applied = _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1", result="applied")
         _complete(backends["both-1"]["url"], shared)
-        wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1", result="applied"),
-                   timeout=60, what="both-1's events")
+        wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1",
+                                  result="applied") > applied, timeout=60, what="both-1's events of the prompt")
         engines_before = {name: _scrape(b["url"]) for name, b in backends.items()}
         proxy_before = _scrape(proxy)
 
@@ -128,11 +152,10 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
             assert expected == vllm_hits, (name, expected, vllm_hits)
         assert _value(proxy_after, "pdctl_proxy_kv_events_total", result="garbled") == 0
 
-        # No local process can subscribe to the events: the engines listen on no port that publishes them (their
-        # publishers connect to the proxy), and a SUB on every port they do listen on receives nothing while the
-        # proxy receives a new batch.
+        # No other local user can subscribe to the events: they go over the socket files in the 0700 folder (tests/
+        # proxy/test_kv_events.py tries it as nobody), the engines publish on no TCP port, and a SUB on every port
+        # they listen on receives nothing while the proxy receives a new batch.
         ports = set().union(*(_engine_ports(int(b["url"].rsplit(":", 1)[1])) for b in backends.values()))
-        assert not ports & {p for b in backends.values() for p in b["kv_events_ports"]}
         ctx = zmq.Context()
         spies = []
         for port in ports:
@@ -154,6 +177,31 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
             for spy in spies:
                 spy.close()
             ctx.term()
+
+        # both-1's API server killed (its engine core process lives on, still holding the socket it bound and the
+        # proxy's connection) and started again by the service manager: its new engine binds the socket's path
+        # again, the proxy follows the path to it and applies what the new engine reports.
+        url = backends["both-1"]["url"]
+        port = int(url.rsplit(":", 1)[1])
+        server = psutil.Process(next(c.pid for c in psutil.net_connections(kind="tcp")
+                                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid))
+        orphans = server.children(recursive=True)
+        server.kill()
+        try:
+            wait_until(lambda: _healthy(url), timeout=900, what="both-1's engine started again")
+            metrics = _scrape(proxy)
+            applied, gaps = (_value(metrics, "pdctl_proxy_kv_events_total", instance="both-1", result=r)
+                             for r in ("applied", "gap"))
+            _complete(url, _tokens(400, 2 * BLOCK))
+            wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1",
+                                      result="applied") > applied, timeout=60, what="the new engine's events")
+            metrics = _scrape(proxy)
+            assert _value(metrics, "pdctl_proxy_kv_events_total", instance="both-1", result="gap") == gaps
+            assert _value(metrics, "pdctl_proxy_prefix_source", instance="both-1", source="events") == 1
+        finally:
+            for orphan in orphans:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    orphan.kill()
     finally:
         subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "down"], cwd=ROOT,
                        env=dict(os.environ, PDCTL_INVENTORY="sim:cpu"), capture_output=True, timeout=300)

@@ -7,13 +7,24 @@ and counted while the proxy keeps routing."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import msgpack
+import pytest
 import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,6 +35,7 @@ from appliance.proxy.app import Proxy
 from appliance.proxy.kv_events import MAX_MESSAGE_BYTES
 from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local
+from tests.support.pdctl import pdctl, write_config
 from tests.support.waiting import eventually
 
 BLOCK = 128  # the engines' block size here (vLLM's CPU default); the proxy's plan says 16: the events tell it
@@ -41,20 +53,27 @@ def _batch(*events: dict[str, Any]) -> bytes:
 
 
 class Publisher:
-    """What vLLM's ZmqEventPublisher does with a tcp://127.0.0.1:P endpoint: a PUB that connects, and numbers
-    its batches from 0. An XPUB here (a PUB that also reads the subscriptions it gets), so that the test knows
-    when the proxy's SUB has subscribed: a PUB drops what it sends before that, vLLM's too."""
+    """What vLLM's ZmqEventPublisher does with its endpoint: a PUB that connects to a tcp://127.0.0.1:P one and
+    binds an ipc:// one, and numbers its batches from 0. An XPUB here (a PUB that also reads the subscriptions it
+    gets), so that the test knows when the proxy's SUB has subscribed: a PUB drops what it sends before that,
+    vLLM's too."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, port: int) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
         self.sock = ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        if endpoint.startswith("ipc://"):
+            self.sock.bind(endpoint)
+        else:
+            self.sock.connect(endpoint)
         self.seq = 0
 
     async def subscribed(self) -> None:
-        """Wait for the proxy's subscription to everything (b"\x01" and the empty topic)."""
-        assert await asyncio.wait_for(self.sock.recv(), 30) == b"\x01"
+        """Wait for the proxy's subscription to everything (b"\x01" and the empty topic), past the unsubscription
+        (b"\x00") of a proxy that left."""
+        while (message := await asyncio.wait_for(self.sock.recv(), 30)) == b"\x00":
+            pass
+        assert message == b"\x01"
 
     async def send(self, *events: dict[str, Any], seq: int | None = None) -> None:
         """One batch, with the next sequence number unless `seq` says."""
@@ -101,7 +120,7 @@ async def _node(**settings: Any) -> AsyncIterator[tuple[Proxy, list[Publisher]]]
                                        for k in range(2)],
                               routing="prefix_affinity", block_size=16, prefix_affinity=settings)
         async with running_proxy(config) as px:
-            pubs = [Publisher(ctx, port) for port in ports]
+            pubs = [Publisher(ctx, f"tcp://127.0.0.1:{port}") for port in ports]
             try:
                 for pub in pubs:
                     await pub.subscribed()
@@ -292,3 +311,241 @@ def test_a_flood_is_bounded_by_a_small_cache() -> None:
             where = px.registry.instances[await _route(px, long)]
             assert px.router.policy.expected_cached_tokens(where, _facts(long)) == 4 * BLOCK
     asyncio.run(scenario())
+
+
+def test_an_engines_ipc_socket_feeds_the_proxy_through_a_stale_file_its_restart_and_the_proxys() -> None:
+    """DP 1: the engine binds an ipc:// socket file (vLLM's publisher binds an ipc endpoint), the proxy's SUB
+    connects to it. A stale file left by an engine killed before does not stop the next one binding there; when the
+    engine restarts (its file stays, as after a kill) the proxy forgets its events, connects to the new one by
+    itself and applies what it numbers from 0, also while the process of the one before lives on (seen on real
+    vLLM: its engine core outlives a killed API server); a restarted proxy connects to the engines as they are."""
+    async def scenario(folder: Path) -> None:
+        paths = [folder / f"both-{k}.sock" for k in range(2)]
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(str(paths[1]))  # never listened on, never removed: what a killed engine leaves
+        stale.close()
+        ctx = zmq.asyncio.Context()
+        pubs = [Publisher(ctx, f"ipc://{path}") for path in paths]
+        async with engines("both", "both") as pair:
+            config = proxy_config("none", [backend(f"both-{k}", "both", pair[k], kv_events_socket=str(paths[k]))
+                                           for k in range(2)],
+                                  routing="prefix_affinity", block_size=16)
+            try:
+                async with running_proxy(config) as px:
+                    for pub in pubs:
+                        await pub.subscribed()
+                    await eventually(lambda: set(_sources(px).values()) == {"events"}, what="both streams live")
+                    policy, one = px.router.policy, px.registry.instances["both-1"]
+                    await pubs[1].send(_stored(PROMPT[:3 * BLOCK], [b"a", b"b", b"c"]))
+                    await eventually(lambda: policy.expected_cached_tokens(one, _facts(PROMPT)) == 3 * BLOCK,
+                                     what="both-1's blocks")
+                    assert [await _route(px, PROMPT + [k]) for k in range(3)] == ["both-1"] * 3
+                    pubs[1].close()  # the engine restarts
+                    await eventually(lambda: policy.prefix_source(one) == "estimate", what="its stream gone")
+                    assert paths[1].exists() and px.kv_events.disconnects == {"both-1": 1}
+                    pubs[1] = Publisher(ctx, f"ipc://{paths[1]}")
+                    await pubs[1].subscribed()
+                    await eventually(lambda: policy.prefix_source(one) == "events", what="the new engine's stream")
+                    await pubs[1].send(_stored(PROMPT[:BLOCK], [b"new"]))
+                    await eventually(lambda: policy.expected_cached_tokens(one, _facts(PROMPT)) == BLOCK,
+                                     what="the new engine's block")
+                    # started again while the one before lives on (its engine core orphaned, the proxy still
+                    # connected to it): the path names the new engine's socket, and the proxy follows the path
+                    orphan, pubs[1] = pubs[1], Publisher(ctx, f"ipc://{paths[1]}")
+                    await pubs[1].subscribed()
+                    await eventually(lambda: policy.prefix_source(one) == "events", what="the newest engine's stream")
+                    await pubs[1].send(_stored(PROMPT[:2 * BLOCK], [b"n1", b"n2"]))
+                    await eventually(lambda: policy.expected_cached_tokens(one, _facts(PROMPT)) == 2 * BLOCK,
+                                     what="the newest engine's blocks")
+                    assert px.kv_events.disconnects == {"both-1": 2}
+                    orphan.close()
+                async with running_proxy(config) as px:  # the proxy restarts; the engines keep their sockets
+                    for pub in pubs:
+                        await pub.subscribed()
+                    await eventually(lambda: set(_sources(px).values()) == {"events"}, what="both streams again")
+                    await pubs[0].send(_stored(PROMPT[:2 * BLOCK], [b"x", b"y"]), seq=0)
+                    await eventually(lambda: px.kv_events.counts.get(("both-0", "applied")) == 1, what="applied")
+                    assert await _route(px, PROMPT) == "both-0"
+                    assert not any(result == "garbled" for _, result in px.kv_events.counts)
+            finally:
+                for pub in pubs:
+                    pub.close()
+                ctx.term()
+
+    with tempfile.TemporaryDirectory(prefix="kvipc-") as top:  # short: a unix socket's path holds 107 bytes
+        folder = Path(top) / "kv-events"
+        folder.mkdir(mode=0o700)
+        asyncio.run(scenario(folder))
+
+
+
+def test_an_engine_bound_over_a_stale_file_keeps_what_it_reported_when_the_listener_looks_again() -> None:
+    """The proxy starts while a killed engine's file lies at an events path (its SUB waits there) and the next
+    engine binds over it, is connected to and reports blocks at once. The listener's look at the path (each
+    second: it follows an engine bound again while the one before lives on) must not take that for such a rebind.
+    Before: it did, closed the stream and dropped the engine's blocks, counted nowhere as lost (the engine's next
+    batch, numbered 1, began the new stream as if in sequence), and the instance routed as if they were gone."""
+    async def scenario(folder: Path) -> None:
+        paths = [folder / f"both-{k}.sock" for k in range(2)]
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(str(paths[1]))  # never listened on, never removed: what a killed engine leaves
+        stale.close()
+        # a second name keeps the stale file's inode in use, so the engine's new file gets another number, as on a
+        # tmpfs always (it never reuses one); ext4 may hand the freed number straight back
+        os.link(paths[1], folder / "stale")
+        ctx = zmq.asyncio.Context()
+        pubs = [Publisher(ctx, f"ipc://{paths[0]}")]
+        async with engines("both", "both") as pair:
+            config = proxy_config("none", [backend(f"both-{k}", "both", pair[k], kv_events_socket=str(paths[k]))
+                                           for k in range(2)],
+                                  routing="prefix_affinity", block_size=16)
+            try:
+                async with running_proxy(config) as px:
+                    pubs.append(Publisher(ctx, f"ipc://{paths[1]}"))  # the engine binds over the stale file
+                    for pub in pubs:
+                        await pub.subscribed()
+                    await eventually(lambda: set(_sources(px).values()) == {"events"}, what="both streams live")
+                    policy, one = px.router.policy, px.registry.instances["both-1"]
+                    await pubs[1].send(_stored(PROMPT[:3 * BLOCK], [b"a", b"b", b"c"]))
+                    await eventually(lambda: policy.expected_cached_tokens(one, _facts(PROMPT)) == 3 * BLOCK,
+                                     what="both-1's blocks")
+                    px.kv_events.reconcile()  # the listener's look at the paths, as its loop does each second
+                    assert policy.expected_cached_tokens(one, _facts(PROMPT)) == 3 * BLOCK
+                    assert px.kv_events.disconnects == {} and policy.prefix_source(one) == "events"
+                    await pubs[1].send(_stored([9] * BLOCK, [b"d"], parent=b"c"))
+                    await eventually(lambda: px.kv_events.counts.get(("both-1", "applied")) == 2, what="in sequence")
+                    assert [await _route(px, PROMPT + [k]) for k in range(2)] == ["both-1"] * 2
+                    assert {result for _, result in px.kv_events.counts} == {"applied"}
+            finally:
+                for pub in pubs:
+                    pub.close()
+                ctx.term()
+
+    with tempfile.TemporaryDirectory(prefix="kvipc-") as top:  # short: a unix socket's path holds 107 bytes
+        folder = Path(top) / "kv-events"
+        folder.mkdir(mode=0o700)
+        asyncio.run(scenario(folder))
+
+
+def test_batches_an_engine_published_before_the_proxy_subscribed_count_as_a_gap(caplog: pytest.LogCaptureFixture) -> None:
+    """A PUB drops what it sends before a subscriber's subscription reaches it (ZMQ's slow joiner), so an engine's
+    batches from before the proxy's SUB subscribed (a proxy restarted, or connecting as the engine publishes) never
+    arrive. The first batch that does is numbered past 0: the proxy counts a gap, never a stream applied whole while
+    its index misses what the lost batches stored. Before: counted "applied". A first batch numbered 0 is whole.
+    At debug level the proxy logs each batch: its number, its events and what became of it."""
+    caplog.set_level(logging.DEBUG, logger="appliance.proxy")
+
+    async def scenario() -> None:
+        ports = free_ports(2)
+        ctx = zmq.asyncio.Context()
+        async with engines("both", "both") as pair:
+            config = proxy_config("none", [backend(f"both-{k}", "both", pair[k], kv_events_ports=[ports[k]])
+                                           for k in range(2)],
+                                  routing="prefix_affinity", block_size=16)
+            pubs = [Publisher(ctx, f"tcp://127.0.0.1:{port}") for port in ports]
+            try:
+                await pubs[1].send(_stored(PROMPT[:BLOCK], [b"lost"]))  # nobody subscribed: dropped
+                async with running_proxy(config) as px:
+                    for pub in pubs:
+                        await pub.subscribed()
+                    await eventually(lambda: set(_sources(px).values()) == {"events"}, what="both streams live")
+                    await pubs[0].send(_stored(PROMPT[:BLOCK], [b"whole"]))
+                    await pubs[1].send(_stored(PROMPT[:BLOCK], [b"after"]))
+                    await eventually(lambda: px.kv_events.counts.get(("both-1", "gap")) == 1, what="the gap counted")
+                    assert px.kv_events.counts.get(("both-1", "applied")) is None
+                    await eventually(lambda: px.kv_events.counts.get(("both-0", "applied")) == 1, what="both-0's")
+                    assert px.kv_events.counts.get(("both-0", "gap")) is None
+                    logged = caplog.messages
+                    assert "KV events of both-1 rank 0: batch 1 (1 Stored (1 blocks)): gap" in logged, logged
+                    assert "KV events of both-0 rank 0: batch 0 (1 Stored (1 blocks)): applied" in logged, logged
+            finally:
+                for pub in pubs:
+                    pub.close()
+                ctx.term()
+    asyncio.run(scenario())
+
+
+def test_a_proxy_config_naming_both_a_socket_and_ports_for_one_backends_events_is_refused(tmp_path: Path) -> None:
+    """A hand-written proxy.json cannot say both where one instance's events come from: one line, no traceback."""
+    from appliance.errors import ConfigError
+    from appliance.proxy.config import load_config
+
+    path = tmp_path / "proxy.json"
+    path.write_text(json.dumps({"connector": "none", "model": MODEL, "backends": [
+        {"name": "both-0", "role": "both", "url": "http://127.0.0.1:9", "kv_events_ports": [6901],
+         "kv_events_socket": str(tmp_path / "both-0.sock")}]}))
+    with pytest.raises(ConfigError, match="kv_events_socket or kv_events_ports, not both"):
+        load_config(path)
+
+# What another local user tries against an engine's events socket: standard library only (a ZMQ SUB's ipc connect
+# is this connect), run by the system Python as nobody. Prints each attempt's errno name, or "ok".
+NOBODY = """import errno, json, os, socket, sys
+path = sys.argv[1]
+out = {}
+def attempt(name, act):
+    try:
+        act()
+        out[name] = "ok"
+    except OSError as exc:
+        out[name] = errno.errorcode[exc.errno]
+def connect():
+    socket.socket(socket.AF_UNIX).connect(path)
+def plant():
+    socket.socket(socket.AF_UNIX).bind(os.path.join(os.path.dirname(path), "decoy.sock"))
+attempt("connect", connect)
+attempt("plant", plant)
+if sys.argv[2:] == ["replace"]:
+    attempt("replace", lambda: os.unlink(path))
+print(json.dumps(out))
+"""
+
+
+def _as_nobody(path: Path, *more: str) -> dict[str, str]:
+    done = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3",
+                           "-c", NOBODY, str(path), *more], capture_output=True, text=True, timeout=60, check=True)
+    return dict(json.loads(done.stdout))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root, setpriv and /usr/bin/python3 (runs a process as nobody)")
+def test_another_local_user_cannot_connect_to_plant_or_replace_an_engines_events_socket() -> None:
+    """`pdctl up` gives a DP-1 vLLM engine an events socket in the state directory's kv-events folder, made 0700
+    and pdctl's user's (one another user made first is refused). With the engine's socket bound there (as vLLM binds it) and open to all (whatever the
+    engine's umask), and the folders above passable (an operator opened the state directory), a process of
+    another user can neither connect to it (the events carry prompts' token ids), nor put a socket there first,
+    nor remove the engine's; the control: the same folder opened to others lets it connect."""
+    with tempfile.TemporaryDirectory(prefix="kvipc-") as name:
+        top = Path(name)
+        top.chmod(0o711)
+        config = write_config(top, top / "state", extra='routing = "prefix_affinity"\n')
+        config.write_text(config.read_text().replace('kind = "sim"',
+                                                     f'kind = "vllm"\npython = {json.dumps(sys.executable)}'))
+        state = top / "state"
+        planted = state / "kv-events"
+        planted.mkdir(parents=True, mode=0o777)
+        os.chown(planted, 65534, 65534)  # another user's folder where the sockets go: refused in one line
+        refused = pdctl(config, "up", "--render-only")
+        assert refused.returncode != 0 and f"{planted} belongs to uid 65534" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr and not (state / "plan.json").exists()
+        planted.rmdir()
+        pdctl(config, "up", "--render-only", check=True)
+        state.chmod(0o711)
+        backends = json.loads((state / "proxy.json").read_text())["backends"]
+        sockets = [Path(b["kv_events_socket"]) for b in backends]
+        assert [p.name for p in sockets] == ["prefill-0.sock", "decode-0.sock"]
+        folder = state / "kv-events"
+        assert {p.parent for p in sockets} == {folder}
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.geteuid()
+        ctx = zmq.Context()
+        engine = ctx.socket(zmq.PUB)
+        engine.setsockopt(zmq.LINGER, 0)
+        try:
+            engine.bind(f"ipc://{sockets[0]}")
+            sockets[0].chmod(0o777)
+            assert _as_nobody(sockets[0], "replace") == {"connect": "EACCES", "plant": "EACCES", "replace": "EACCES"}
+            assert sockets[0].exists() and not (folder / "decoy.sock").exists()
+            folder.chmod(0o755)
+            assert _as_nobody(sockets[0]) == {"connect": "ok", "plant": "EACCES"}
+        finally:
+            engine.close()
+            ctx.term()

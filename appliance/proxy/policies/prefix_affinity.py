@@ -201,7 +201,7 @@ class EventBlocks:
         self.block_size = None
 
     def start_over(self) -> None:
-        """Forget everything, and the sequence: the next batch starts a new one."""
+        """Forget everything, and the sequence: the next batch is the first of a new one (a gap unless numbered 0)."""
         self.seq = None
         self.reset()
 
@@ -215,12 +215,16 @@ class EventBlocks:
         self.start_over()
 
     def apply(self, seq: int, events: list[Event]) -> str:
-        """Apply one batch of events; "gap" when batches were lost (the index starts over from this one), else
+        """Apply one batch of events; "gap" when batches were lost, before this one too where it is not the first
+        of its stream (the index starts over from this one), else
         "applied", or the reason some of its events are of no use here ("block-size": blocks of another size than the
         stream's first; "unparented": blocks whose prefix the index does not know; "unmatchable": blocks of inputs
         other than token ids)."""
         result = "applied"
-        if self.seq is not None and seq != self.seq + 1:
+        # a stream's first batch numbered past 0 is a gap as well: its engine published before this stream's
+        # subscription reached it (a PUB drops what it sends until then) or before this proxy started, so what the
+        # index holds is not all its engine reported
+        if seq != (0 if self.seq is None else self.seq + 1):
             self.reset()
             result = "gap"
         self.seq = seq
@@ -342,11 +346,11 @@ class PrefixAffinity(Policy):
     def _live_ranks(self, inst: BackendState) -> list[EventBlocks] | None:
         """The event indexes of every DP rank of `inst` while each has a publisher connected; else None."""
         ranks = self._events.get(inst)
-        ports = len(inst.kv_events_ports)
-        if not ranks or not ports:
+        streams = len(inst.kv_events_endpoints)
+        if not ranks or not streams:
             return None
         live = []
-        for rank in range(ports):
+        for rank in range(streams):
             blocks = ranks.get(rank)
             if blocks is None or not blocks.live:
                 return None
@@ -427,7 +431,7 @@ class PrefixAffinity(Policy):
         index = self._index(best)
         for chain in prompt.chains:
             index.add(chain)
-        if best.kv_events_ports and prompt.token_ids:
+        if best.kv_events_endpoints and prompt.token_ids:
             # its events report the blocks its engine computes for this prompt once it has; until then they count
             # as held (those it holds already are the events' to vouch for, evictions included)
             ranks = self._events.get(best) or {}
