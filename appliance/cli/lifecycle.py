@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -100,12 +101,21 @@ class Snapshot:
     at: float = field(default_factory=time.time)
 
     def ready(self, plan: Plan) -> bool:
-        """Every instance running (past the manager's start window) and healthy, the proxy running and
-        reporting every role it needs."""
+        """Every instance running (past the manager's start window) and healthy, the proxy running, reporting
+        every role it needs and routing to as many instances of each role as the plan has: an engine that
+        answers /health but that the proxy has not admitted yet (its probe interval, its warm-up) takes no
+        traffic, so a node said healthy with it would send every early request to the others."""
         return (all(self.health.get(i.name) and self.units[instance_unit(i)].state == "running"
                     for i in plan.instances)
                 and self.units[PROXY_UNIT].state == "running"
-                and bool(self.proxy and self.proxy.get("ready")))
+                and bool(self.proxy and self.proxy.get("ready"))
+                and not self.unrouted(plan))
+
+    def unrouted(self, plan: Plan) -> dict[str, int]:
+        """Per role, how many of the plan's instances the proxy does not route to yet (healthy, not draining)."""
+        counts = (self.proxy or {}).get("healthy") or {}
+        planned = Counter(i.role for i in plan.instances)
+        return {role: n - counts.get(role, 0) for role, n in planned.items() if counts.get(role, 0) < n}
 
     def failed(self) -> list[str]:
         """Units the service manager gave up on."""
@@ -163,6 +173,9 @@ def proxy_health(plan: Plan, snap: Snapshot) -> str:
     if snap.proxy is None:
         return "waiting"
     if snap.proxy.get("ready"):
+        unrouted = snap.unrouted(plan)
+        if unrouted:  # admitted at its next probe (after its warm-up, where the proxy warms engines)
+            return "ready, admitting " + " and ".join(f"{n} {role}" for role, n in unrouted.items())
         return "ready"
     healthy = snap.proxy.get("healthy") or {}
     missing = [role for role in dict.fromkeys(i.role for i in plan.instances) if not healthy.get(role)]

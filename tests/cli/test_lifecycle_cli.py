@@ -22,7 +22,7 @@ from appliance.manager import UnitStatus
 from appliance.node import Node
 from appliance.plan import plan as make_plan
 from appliance.ports import free_port as _free_port
-from appliance.render.names import PROXY_UNIT
+from appliance.render.names import PROXY_UNIT, instance_unit
 from appliance.settings import load_settings
 from tests.support.pdctl import pdctl, status, write_config
 from tests.support.waiting import wait_until
@@ -196,3 +196,24 @@ def test_up_says_what_a_listening_proxy_waits_for(tmp_path: Path) -> None:
     assert health({"ready": False, "healthy": {"prefill": 1, "decode": 0}}) == \
         "listening, waiting for decode"
     assert health({"ready": True, "healthy": {"prefill": 1, "decode": 1}}) == "ready"
+
+
+def test_a_node_is_not_ready_until_the_proxy_routes_to_every_instance(tmp_path: Path) -> None:
+    # Engines answer /health before the proxy admits them (its next probe, after a warm-up): a node said healthy
+    # then sends every early request to the instances admitted first (the real-vLLM KV events test routed
+    # both of its requests to both-0 that way, while both-1 held the prefix).
+    config = _config(tmp_path, _free_port())
+    config.write_text(config.read_text().replace('kind = "sim"\n', 'kind = "sim"\n[connector]\nname = "none"\n')
+                      + "[colocated]\ninstances = 2\n")
+    plan = make_plan(load_settings(config), load_inventory("sim:cpu"))
+    assert [i.role for i in plan.instances] == ["both", "both"]
+    units = {instance_unit(i): UnitStatus(name=instance_unit(i), state="running") for i in plan.instances}
+    units[PROXY_UNIT] = UnitStatus(name=PROXY_UNIT, state="running")
+    engines = {i.name: True for i in plan.instances}
+
+    def snap(healthy: int) -> Snapshot:
+        return Snapshot(units, engines, {"ready": healthy > 0, "healthy": {"both": healthy}})
+
+    assert not snap(1).ready(plan) and snap(1).unrouted(plan) == {"both": 1}
+    assert proxy_health(plan, snap(1)) == "ready, admitting 1 both"
+    assert snap(2).ready(plan) and proxy_health(plan, snap(2)) == "ready"
