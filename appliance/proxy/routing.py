@@ -101,8 +101,8 @@ class Router:
         route.alone(reason)
         window = self._window(route.decode)
         if window is not None:
-            fresh = None if tokens is None else tokens * engine_requests(request.path, request.body)
-            window.add(time.monotonic(), self.rules.decode_only_below if fresh is None else fresh)
+            counted = RouteFacts(tokens, 0, False, False, 0, 0, engine_requests=engine_requests(request.path, request.body))
+            window.add(time.monotonic(), window_tokens(counted, self.rules))
 
     def routable(self, inst: BackendState) -> bool:
         """Healthy, not draining or in a planned stop, and running the proxy's transfer mode (where known)."""
