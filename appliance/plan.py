@@ -44,11 +44,18 @@ SCHEMA_VERSION: Literal[2] = 2
 # A slow step's length varies around the modelled one (chunks of two prompts in one step, contexts, the GPU's
 # own variation): in results/gpu-h200x1/s4 (Qwen3-8B, 3000/300, 1 x H200) the chunk steps' gaps had p90 / p50
 # of 1.10-1.23 at budget 2048 (3, 4.5 and 7 req/s: lognormal sigma 0.07-0.15, median 43-50 ms where the model
-# gives 47.6) and 1.13-1.23 at budget 512 (sigma 0.10-0.16): 0.1.
+# gives 47.6) and 1.13-1.23 at budget 512 (sigma 0.10-0.16): 0.1. A real engine's conditional room is sized on it.
 SLOW_GAP_SPREAD = 0.1
 # The share of a running stream's gaps that may be slow: numpy's p99 of a 100-token answer's 99 gaps lets one
 # of them pass the target (docs/bench.md), so a decode step carrying a short prompt may be over it this often.
 SLOW_STEP_SHARE = 0.01
+# A simulated engine's step takes exactly its modelled time; what its clients see later is the host's lateness
+# (the engine's, the proxy's and the client's event loops), milliseconds added whatever the step's length. In
+# results/conditional's always-disaggregated runs (run2-load6 at 1 x time, run3-x3 and run4-x3 at 3 x: 16 rates)
+# the p99 of a gap less its modelled step (18 ms + 0.17 ms per running stream, x 1 or x 3) was 7-20 ms at 11
+# rates, median over the 16 rates 15 ms; the other 5 (27-312 ms) were host stalls that no margin covers
+# (benchmarks/step_lateness.py prints the figures).
+SIM_HOST_LATENESS_MS = 15.0
 KV_EVENTS = "kv_events"  # the purpose of an instance's ports the proxy binds for its engine's KV cache events
 # the longest path a unix socket's address holds (sun_path's 108 bytes, less the NUL): libzmq refuses a longer one
 UNIX_SOCKET_PATH_MAX = 107
@@ -610,7 +617,7 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         sim = settings.engine.sim
         if threshold is None:
             threshold = decode_only_below(sim.decode_step_ms + sim.decode_step_ms_per_seq, sim.prefill_us_per_token,
-                                          settings.slo.itl_ms)
+                                          settings.slo.itl_ms, step_spread(settings))
         if step is None and sim.prefill_us_per_token > 0:  # free prefill: the load takes nothing off the room
             step = DecodeStep(ms_per_seq=sim.decode_step_ms_per_seq, prefill_us_per_token=sim.prefill_us_per_token)
     from_plan = {
@@ -639,13 +646,38 @@ def _kv_store(connector: Connector, own: OwnSettings, instances: list[Instance])
     return KvStoreConfig(folders=folders, max_mib=limits.max_mib, max_age_s=limits.max_age_s)
 
 
-def decode_only_below(step_ms: float, prefill_us_per_token: float, itl_slo_ms: float) -> int:
+def step_spread(settings: Settings) -> float:
+    """How much the node's decode steps vary around their modelled length (lognormal sigma), which sizes the
+    conditional room: [proxy] decode_step_spread, else a real engine's SLOW_GAP_SPREAD, or on a simulated node
+    (whose steps do not vary) the spread that makes the host's lateness the whole margin at the ITL target."""
+    if settings.proxy.decode_step_spread is not None:
+        return settings.proxy.decode_step_spread
+    if settings.engine.kind == "sim":
+        return lateness_spread(SIM_HOST_LATENESS_MS, settings.slo.itl_ms)
+    return SLOW_GAP_SPREAD
+
+
+def lateness_spread(late_ms: float, itl_slo_ms: float) -> float:
+    """The spread (lognormal sigma) that leaves a margin of `late_ms` at the ITL target: a step of itl - late ms
+    stays under the target in all but SLOW_STEP_SHARE of such steps (inf: no step fits)."""
+    if late_ms >= itl_slo_ms:
+        return math.inf
+    return math.log(itl_slo_ms / (itl_slo_ms - late_ms)) / NormalDist().inv_cdf(1 - SLOW_STEP_SHARE)
+
+
+def step_margin(spread: float) -> float:
+    """The share of the ITL target a decode step may take so that, its lengths spread by `spread`, it stays
+    under the target in all but SLOW_STEP_SHARE of such steps."""
+    return math.exp(-NormalDist().inv_cdf(1 - SLOW_STEP_SHARE) * spread)
+
+
+def decode_only_below(step_ms: float, prefill_us_per_token: float, itl_slo_ms: float, spread: float) -> int:
     """The prompt length below which a decode instance prefills a prompt itself (conditional disaggregation): the
     longest prompt whose compute, in one decode step of `step_ms`, keeps that step under the ITL target in all
-    but SLOW_STEP_SHARE of such steps (their lengths spread by SLOW_GAP_SPREAD). The proxy sends a decode fewer
-    than this many such tokens per ITL target, so no step carries two; then even a stream whose every step
+    but SLOW_STEP_SHARE of such steps (their lengths spread by `spread`, step_spread). The proxy sends a decode
+    fewer than this many such tokens per ITL target, so no step carries two; then even a stream whose every step
     carried one would see about the 1 % of slow gaps its p99 tolerates, and the request saves the hand-off."""
-    longest = itl_slo_ms * math.exp(-NormalDist().inv_cdf(1 - SLOW_STEP_SHARE) * SLOW_GAP_SPREAD)
+    longest = itl_slo_ms * step_margin(spread)
     if prefill_us_per_token <= 0:
         return 0 if step_ms > longest else 1_000_000  # free prefill: every prompt, unless no step fits
     return max(0, math.floor((longest - step_ms) * 1000 / prefill_us_per_token))

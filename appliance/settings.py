@@ -300,6 +300,11 @@ class ProxySettings(Section):
     conditional_routing: bool = Field(default=False, description=(
         "Let the proxy prefill short prompts on the decode instance (docs/routing.md); decode_only_below unset: "
         "the planner's figure for the node"))
+    # pdctl's, not the proxy's: it sizes the decode_only_below the planner writes (docs/routing.md)
+    decode_step_spread: float | None = Field(default=None, ge=0, le=1, description=(
+        "How much the decode's steps vary around their modelled length (lognormal sigma): the wider, the less "
+        "of the ITL target a short prompt may take; unset: the node's (0.1 for real engines, the host's lateness "
+        "for simulated ones)"))
     restart_drain_s: float = Field(default=30.0, ge=0, le=3600, description=(
         "A planned restart (pdctl restart, systemctl restart) waits this long for the instance's running requests"))
     restart_hold_s: float = Field(default=120.0, ge=0, description=(

@@ -741,12 +741,13 @@ def finite_attainment(p: Profile, cand: Candidate, rate: float, input_len: int, 
     return {j: v / seeds for j, v in total.items()}
 
 
-def conditional_threshold(p: Profile, decode_tp: int, itl_slo_ms: float) -> tuple[int, str]:
-    """The proxy's decode_only_below for a decode instance at TP `decode_tp` (plan.decode_only_below), and why."""
+def conditional_threshold(p: Profile, decode_tp: int, itl_slo_ms: float, spread: float) -> tuple[int, str]:
+    """The proxy's decode_only_below for a decode instance at TP `decode_tp` whose steps vary by `spread`
+    (plan.decode_only_below, plan.step_spread), and why."""
     eff = _eff(decode_tp, p.decode_tp_factor)
     step = p.decode_step_ms / eff + p.expert_step_ms / decode_tp + p.decode_step_ms_per_seq
     per_token = p.prefill_us_per_token / _eff(decode_tp, p.prefill_tp_factor)
-    tokens = decode_only_below(step, per_token, itl_slo_ms)
+    tokens = decode_only_below(step, per_token, itl_slo_ms, spread)
     return tokens, (f"a prompt below it, prefilled in one decode step ({step:.1f} ms + {per_token:.1f} us per token at "
                     f"TP{decode_tp}), keeps that step under the ITL target ({itl_slo_ms:g} ms) in "
                     f"{1 - SLOW_STEP_SHARE:.0%} of such steps; the proxy sends a decode fewer such tokens per target")

@@ -14,7 +14,17 @@ from appliance.engine.command import server_args
 from appliance.errors import PlanError
 from appliance.inventory import load_inventory
 from appliance.inventory.models import Gpu, Inventory
-from appliance.plan import Plan, all_ports, busy_ports, plan
+from appliance.plan import (
+    SLOW_GAP_SPREAD,
+    Plan,
+    all_ports,
+    busy_ports,
+    decode_only_below,
+    lateness_spread,
+    plan,
+    step_margin,
+    step_spread,
+)
 from appliance.settings import Settings, deep_merge, load_settings
 
 
@@ -408,3 +418,39 @@ def test_proxy_limits_and_registration_bounds_come_from_the_settings(monkeypatch
     assert (proxy.registration.max_per_s, proxy.registration.peer_hosts) == (50, {"127.0.0.1": ["127.0.0.2"]})
     with pytest.raises(ValueError, match="max_json_depth"):
         Settings.model_validate({"proxy": {"limits": {"max_json_depth": 1}}})
+
+
+# ---- conditional routing: the step spread the planner sizes decode_only_below on -------------------------
+
+@pytest.mark.parametrize(("step_ms", "us_per_token", "itl_ms", "spread", "expected"), [
+    # results/conditional's H200 profile: a step may take 79 % of the target (sigma 0.1): (39.6 - 18.17) / 0.1
+    (18.17, 100, 50, 0.1, 214),
+    # the same node simulated, 3 x its times (run*-x3): the host's 15 ms at 150 ms, (135 - 54.51) / 0.3
+    (54.51, 300, 150, lateness_spread(15, 150), 268),
+    # ... and at 1 x, where those 15 ms weigh 3 x more: (35 - 18.17) / 0.1
+    (18.17, 100, 50, lateness_spread(15, 50), 168),
+    (18.17, 100, 50, 0.0, 318),  # no spread: the whole target
+    (18.17, 100, 50, lateness_spread(50, 50), 0),  # lateness eats the target: no prompt fits, conditional off
+    (60.0, 100, 50, 0.1, 0),  # a step alone over the margin: none either
+])
+def test_decode_only_below_leaves_the_steps_spread_of_the_target(step_ms: float, us_per_token: float, itl_ms: float,
+                                                                 spread: float, expected: int) -> None:
+    assert decode_only_below(step_ms, us_per_token, itl_ms, spread) == expected
+
+
+@given(late=st.floats(0, 200), itl=st.floats(1, 1000))
+def test_the_lateness_spread_leaves_exactly_that_lateness_at_the_target(late: float, itl: float) -> None:
+    spread = lateness_spread(late, itl)
+    assert itl * step_margin(spread) == pytest.approx(max(0.0, itl - late), abs=1e-6)
+    assert step_margin(spread) <= 1
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({}, SLOW_GAP_SPREAD),  # real engines: the H200 runs' 0.1
+    ({"engine": {"kind": "sim"}}, lateness_spread(15, 50)),  # the host's lateness at the default 50 ms target
+    ({"engine": {"kind": "sim"}, "slo": {"itl_ms": 150}}, lateness_spread(15, 150)),
+    ({"engine": {"kind": "sim"}, "proxy": {"decode_step_spread": 0.02}}, 0.02),  # the user's, sim or not
+    ({"proxy": {"decode_step_spread": 0}}, 0.0),
+])
+def test_the_step_spread_is_the_nodes_unless_set(overrides: dict[str, Any], expected: float) -> None:
+    assert step_spread(Settings.model_validate(overrides)) == expected

@@ -207,8 +207,10 @@ def test_every_proxy_key_is_defined_by_the_proxys_own_config_field() -> None:
         assert ours.get_default(call_default_factory=True) == theirs.get_default(call_default_factory=True), key
         assert ours.description == theirs.description, key
         assert ours.metadata[:len(theirs.metadata)] == theirs.metadata, key
-    # pdctl's own: the restart hooks', and whether the planner writes the conditional-routing threshold
-    assert set(ProxySettings.model_fields) - set(PROXY_KEYS) == {"restart_drain_s", "restart_hold_s", "conditional_routing"}
+    # pdctl's own: the restart hooks', whether the planner writes the conditional-routing threshold and the
+    # step spread it sizes it on
+    assert set(ProxySettings.model_fields) - set(PROXY_KEYS) == {"restart_drain_s", "restart_hold_s", "conditional_routing",
+                                                                "decode_step_spread"}
     leaves = {f"{name}.{sub}" if name in ("registration", "admin", "timeouts") else name
               for name, field in ProxyConfig.model_fields.items()
               for sub in (field.annotation.model_fields if name in ("registration", "admin", "timeouts") else [""])}
@@ -243,12 +245,15 @@ OWN_STEP = {"ms_per_seq": 0.5, "prefill_us_per_token": 40.0}
 
 @pytest.mark.parametrize(("proxy", "expected", "step"), [
     ({}, None, None),  # conditional routing off (the default): every prompt is handed over
-    # the sim's time model: (39.6 ms - 5.05 ms step) x 1000 / 20 us, 39.6 ms the longest step the 50 ms ITL
-    # target takes in 99 % of cases (lognormal spread 0.1: 50 x exp(-2.326 x 0.1)); its per-sequence cost
-    # and prefill cost per token, which the proxy takes each running leg's part off that with
-    ({"conditional_routing": True}, 1728, SIM_STEP),
+    # the sim's time model: (35 ms - 5.05 ms step) x 1000 / 20 us, 35 ms the longest step the 50 ms ITL target
+    # takes in 99 % of cases on a simulated node (whose steps spread only by the host's 15 ms lateness); its
+    # per-sequence cost and prefill cost per token, which the proxy takes each running leg's part off that with
+    ({"conditional_routing": True}, 1497, SIM_STEP),
     ({"conditional_routing": True, "decode_only_below": 100}, 100, SIM_STEP),  # the user's value wins
-    ({"conditional_routing": True, "decode_step": OWN_STEP}, 1728, DecodeStep(**OWN_STEP)),  # so does the step's
+    ({"conditional_routing": True, "decode_step": OWN_STEP}, 1497, DecodeStep(**OWN_STEP)),  # so does the step's
+    # and the spread's: 0.1 (real engines', the H200 runs'): 39.6 ms, 50 x exp(-2.326 x 0.1); 0: the target
+    ({"conditional_routing": True, "decode_step_spread": 0.1}, 1728, SIM_STEP),
+    ({"conditional_routing": True, "decode_step_spread": 0}, 2247, SIM_STEP),
     ({"decode_only_below": 0}, 0, None),  # off: every prompt is handed over
 ])
 def test_the_conditional_threshold_comes_from_the_node_unless_set(proxy: dict[str, Any], expected: int,

@@ -9,6 +9,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from appliance.cli.conditional import render_conditional
 from appliance.cli.options import (
     console,
     layout_option,
@@ -99,11 +100,12 @@ def plan(ctx: click.Context, /, as_json: bool, suggest: bool, input_len: int, ou
         return
     settings, _ = obtain(ctx)
     overrides, layout_note = node_overrides(Node(settings), options)
-    _, _, p = obtain_plan(ctx, overrides)
+    planned_settings, _, p = obtain_plan(ctx, overrides)
     if as_json:
         click.echo(redacted(p)[0].model_dump_json(indent=2))  # secrets stay out of a printed plan
     else:
         out = console()
         render_plan(p, out)
+        render_conditional(p, planned_settings, out)
         if layout_note:
             out.print(layout_note, markup=False, highlight=False)

@@ -12,6 +12,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from appliance.cli.conditional import describe_room, describe_spread
 from appliance.cli.options import console as rich_console
 from appliance.cli.options import obtain
 from appliance.connector import disaggregated_name
@@ -19,6 +20,8 @@ from appliance.errors import PdctlError
 from appliance.inventory.models import Inventory
 from appliance.model_config import Heads, ModelShape, read_heads, read_model_shape, with_engine_quantization
 from appliance.node import Node
+from appliance.plan import step_spread
+from appliance.proxy.config import DecodeStep
 from appliance.roles import Role
 from appliance.settings import EMBEDDED_MODEL, Settings
 from appliance.suggest import (
@@ -130,16 +133,19 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
     ranked = suggest(settings, inventory, prof, input_len, output_len, rate, heads, requests)
     slo = settings.slo
     split = next((p.candidate.decode for p in ranked if p.candidate.decode is not None), None)
-    threshold, why = conditional_threshold(prof, split.tp if split else 1, slo.itl_ms)
+    spread = step_spread(settings)
+    threshold, why = conditional_threshold(prof, split.tp if split else 1, slo.itl_ms, spread)
     ms_per_seq, us_per_token = decode_step_figures(prof, split.tp if split else 1, input_len, output_len)
     decode_step = {"ms_per_seq": round(ms_per_seq, 4), "prefill_us_per_token": round(us_per_token, 3)}
+    room_text = describe_room(threshold, DecodeStep(ms_per_seq=ms_per_seq, prefill_us_per_token=us_per_token)
+                              if us_per_token > 0 else None, slo.itl_ms)
     if as_json:
         profile = {k: v for k, v in asdict(prof).items() if k != "kv_tokens_per_gpu"}
         click.echo(json.dumps({"profile": profile, "workload": {"input_len": input_len, "output_len": output_len,
                                "rate": rate, "requests": requests, "ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms,
                                "itl_judgement": slo.itl_judgement}, "suggestions": [_row(p) for p in ranked],
-                               "decode_only_below": {"tokens": threshold, "why": why},
-                               "decode_step": decode_step}, indent=2))
+                               "decode_only_below": {"tokens": threshold, "why": why, "room": room_text},
+                               "decode_step": decode_step, "decode_step_spread": spread}, indent=2))
         return
     console = rich_console()
     run = (f"a run of {requests} requests per rate, every one judged (goodput: the highest rate at which "
@@ -183,7 +189,8 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
                   "\\[proxy] decode_only_below sets it, 0 hands every prompt over (docs/routing.md)")
     console.print(f"  and decode_step = {{ms_per_seq = {decode_step['ms_per_seq']:g}, prefill_us_per_token = "
                   f"{decode_step['prefill_us_per_token']:g}}}: each leg the decode runs takes "
-                  f"{ms_per_seq * 1000 / us_per_token:.1f} prompt tokens off that room")
+                  f"{ms_per_seq * 1000 / us_per_token:.1f} prompt tokens off that room; {room_text}")
+    console.print(f"  from the {describe_spread(settings)}; \\[proxy] decode_step_spread sets it")
 
 
 # ---- --check: predictions against a measured sweep ---------------------------------------------------------

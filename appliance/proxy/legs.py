@@ -528,16 +528,18 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
     headers: list[tuple[str, str]] = []
     if proxy.engine_key is not None:
         headers.append(("Authorization", f"Bearer {proxy.engine_key}"))
+    facts = RequestFacts(path, body)
     try:
-        route = proxy.router.route(RequestFacts(path, body))
+        route = proxy.router.route(facts)
     except Unroutable as exc:
         raise LegFailure(503, f"no healthy {exc} instance is available; try again shortly") from None
     with route:
         block = proxy.router.block_size
-        if route.prefill is not None and block is not None and known_length(path, body) is None \
-                and not await can_hand_over(proxy, route.decode, path, body, headers, block):
+        if route.prefill is not None and block is not None and known_length(path, body) is None:
             # the router settles what the body tells; a text prompt over its bound is counted by the decode
-            route.alone("handoff-impossible")
+            possible, tokens = await can_hand_over(proxy, route.decode, path, body, headers, block)
+            if not possible:
+                proxy.router.alone(route, "handoff-impossible", facts, tokens)
         proxy.metrics.routes.labels(route.name, route.reason).inc()
         request[ROUTE] = route.header()
         if route.name == "colocated":
@@ -595,17 +597,18 @@ async def count_tokens(proxy: ProxyState, inst: BackendState, path: str, body: d
 
 
 async def can_hand_over(proxy: ProxyState, inst: BackendState, path: str, body: dict[str, Any],
-                        headers: list[tuple[str, str]], block_size: int) -> bool:
-    """Whether the connector can hand this request's prompt over; asks `inst` to count it only when the
-    body does not settle it. Unknown counts as no: serving without a hand-off works for every length."""
+                        headers: list[tuple[str, str]], block_size: int) -> tuple[bool, int | None]:
+    """Whether the connector can hand this request's prompt over, and its tokens as far as known (the count,
+    or its bound; None: unknown); asks `inst` to count it only when the body does not settle it. Unknown
+    counts as no: serving without a hand-off works for every length."""
     connector = proxy.connector
     count = known_length(path, body)
     if count is None:
         most = most_tokens(path, body)
         if most is not None and not any(connector.handoff_possible(n, block_size) for n in range(most + 1)):
-            return False
+            return False, most
         count = await count_tokens(proxy, inst, path, body, headers)
-    return count is not None and connector.handoff_possible(count, block_size)
+    return count is not None and connector.handoff_possible(count, block_size), count
 
 
 def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, decode_body: dict[str, Any],

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from appliance.connector import Connector
 from appliance.proxy.instances import BackendState, Booking, InstanceRegistry
 from appliance.proxy.policies import Policy, RequestFacts
-from appliance.proxy.policies.conditional import PrefillWindow, RouteFacts, RouteName, Rules, decide, uncached
+from appliance.proxy.policies.conditional import (
+    PrefillWindow,
+    RouteFacts,
+    RouteName,
+    Rules,
+    decide,
+    window_tokens,
+)
 from appliance.proxy.prompts import engine_requests, known_length, most_tokens
 
 
@@ -81,6 +88,22 @@ class Router:
         # per decode instance, the prompts it was sent to prefill itself lately (the decode-busy rule)
         self._windows: weakref.WeakKeyDictionary[BackendState, PrefillWindow] = weakref.WeakKeyDictionary()
 
+    def _window(self, decode: BackendState) -> PrefillWindow | None:
+        """The prompts `decode` was sent to prefill itself lately; None while conditional routing is off (no rule
+        reads it)."""
+        if not self.rules.decode_only_below:
+            return None
+        return self._windows.get(decode) or self._windows.setdefault(decode, PrefillWindow())
+
+    def alone(self, route: Route, reason: str, request: RequestFacts, tokens: int | None) -> None:
+        """Serve `route` on its decode instance alone after all (`request`'s prompt of `tokens` tokens, None: not
+        known, found too short to hand over), counted in that decode's window like every prompt it prefills."""
+        route.alone(reason)
+        window = self._window(route.decode)
+        if window is not None:
+            counted = RouteFacts(tokens, 0, False, False, 0, 0, engine_requests=engine_requests(request.path, request.body))
+            window.add(time.monotonic(), window_tokens(counted, self.rules))
+
     def routable(self, inst: BackendState) -> bool:
         """Healthy, not draining or in a planned stop, and running the proxy's transfer mode (where known)."""
         if not inst.healthy or inst.draining or inst.stopping:
@@ -112,15 +135,16 @@ class Router:
                 possible = connector.handoff_possible(tokens, block)
             elif bound is not None:
                 possible = any(connector.handoff_possible(n, block) for n in range(bound + 1))
-        one_each = self.connector.one_request_per_handoff
+        requests = engine_requests(path, body)
         return RouteFacts(
             prompt_tokens=bound,
             cached_tokens=self.policy.expected_cached_tokens(decode, request) if bound is not None else 0,
-            batch=one_each and engine_requests(path, body) > 1,
+            batch=self.connector.one_request_per_handoff and requests > 1,
             handoff_possible=possible,
             prefill_legs=prefill.in_flight,
             decode_legs=decode.in_flight,
             recent_tokens=recent_tokens,
+            engine_requests=requests,
         )
 
     def route(self, request: RequestFacts) -> Route:
@@ -135,17 +159,13 @@ class Router:
         decode = self.pick("decode", request)
         if prefill is None or decode is None:
             raise Unroutable(tuple(r for r, i in (("prefill", prefill), ("decode", decode)) if i is None))
-        window, now = None, 0.0
-        if self.rules.decode_only_below:  # else no rule reads the window
-            window = self._windows.get(decode) or self._windows.setdefault(decode, PrefillWindow())
-            now = time.monotonic()
+        window, now = self._window(decode), time.monotonic()
         facts = self.facts(request, prefill, decode, window.recent(now, self.rules.window_s) if window else 0)
         name, reason = decide(facts, self.rules)
         if name == "decode-only":
             if window is not None:
-                # every prompt the decode prefills counts, whatever the rule that sent it there (a chat prompt's
-                # length is unknown: not counted)
-                window.add(now, uncached(facts) or 0)
+                # every prompt the decode prefills counts, whatever the rule that sent it there
+                window.add(now, window_tokens(facts, self.rules))
             return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason)
         # Both instances count the request until it ends: the decode leg starts only after the prefill leg in
         # READ mode, and a drain of the decode instance in between must wait for it rather than let it be

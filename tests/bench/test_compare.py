@@ -90,7 +90,7 @@ def test_a_conditional_shape_is_the_same_split_with_the_planners_threshold() -> 
     plain, conditional = (shape_plan(settings, inventory, found[n])[1] for n in ("disagg-read", "disagg-read-conditional"))
     assert [i.gpus for i in conditional.instances] == [i.gpus for i in plain.instances] == [[0], [1]]
     assert plain.proxy.decode_only_below is None  # every prompt handed over
-    assert conditional.proxy.decode_only_below == 1728  # the sim's time model (tests/test_settings.py)
+    assert conditional.proxy.decode_only_below == 1497  # the sim's time model (tests/test_settings.py)
     assert "conditional routing" in found["disagg-read-conditional"].description
 
 

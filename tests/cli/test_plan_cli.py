@@ -191,3 +191,29 @@ def test_explicit_variables_win_over_the_recorded_layout(tmp_path: Path) -> None
         in line, line
     flagged, line = decode("--decode", "2xTP2")
     assert flagged == [(2, 1), (2, 1)] and "for --decode 2xTP2" in line, line
+
+
+def test_the_plan_says_what_room_conditional_routing_leaves_and_why() -> None:
+    # results/conditional's 3 x node (150 ms ITL target; a step of 54 ms + 0.51 ms per sequence, 300 us per
+    # prompt token): simulated engines, sized on the host's 15 ms lateness; then on real engines' spread
+    sim = {"PDCTL_CONFIG": str(REPO / "results" / "conditional" / "run4-x3" / "sim-scaled.toml"),
+           "PDCTL_INVENTORY": "sim:h200-2"}
+    on = {**sim, "PDCTL_PROXY__CONDITIONAL_ROUTING": "true"}
+    r = pdctl("plan", env=on)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("conditional routing:"))
+    assert line == ("conditional routing: decode_only_below 268, from its decode step spread 0.0453, simulated "
+                    "engines: the host's 15 ms lateness at the ITL target: a step carrying a prompt may take 90% of "
+                    "the 150 ms ITL target; room 268 prompt tokens per 150 ms less 1.7 per running leg: 266 at 1, "
+                    "254 at 8, 240 at 16, 213 at 32 legs; none from 158 legs")
+    r = pdctl("plan", env={**on, "PDCTL_PROXY__DECODE_STEP_SPREAD": "0.1"})
+    assert "conditional routing: decode_only_below 214, from its decode step spread 0.1, [proxy] " \
+           "decode_step_spread: a step carrying a prompt may take 79% of the 150 ms ITL target; room 214 prompt " \
+           "tokens per 150 ms less 1.7 per running leg: 212 at 1, 200 at 8, 186 at 16, 159 at 32 legs; none from " \
+           "126 legs" in r.stdout
+    assert "conditional routing" not in pdctl("plan", env=sim).stdout  # off: nothing to say
+    suggested = json.loads(pdctl("plan", "--suggest", "--json", env=sim).stdout)
+    assert suggested["decode_only_below"]["tokens"] == 268 and "none from 158 legs" in suggested["decode_only_below"]["room"]
+    bad = pdctl("plan", env={**on, "PDCTL_PROXY__DECODE_STEP_SPREAD": "2"})
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "decode_step_spread" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -273,3 +273,105 @@ def test_a_colocated_node_says_so_on_every_answer_errors_included() -> None:
             assert await _routes(c) == {("colocated", "colocated"): 3}
 
         run(scenario())
+
+
+# ---- prompts the decode prefills whatever the room: they fill its window ---------------------------------
+
+async def _prefilling(p: Sim, n: int) -> bool:
+    s = await sim_state(p)
+    return bool(s["requests_running"] + s["requests_waiting"] == n)
+
+
+async def _decoding(d: Sim, n: int) -> bool:
+    s = await sim_state(d)
+    return bool(s["requests_running"] + s["requests_waiting"] + s["requests_waiting_for_kv"] == n)
+
+
+def test_a_chat_prompt_a_decode_prefills_keeps_short_prompts_off_its_next_step() -> None:
+    # The proxy cannot know a chat prompt's length: sent to an idle decode, it counts as a whole room, so a
+    # short prompt that comes while the decode prefills it takes the prefill hop rather than the same step.
+    # A slow prefill (40 tokens: 1 s) keeps the prefill busy, slow decode steps the chat stream running.
+    with cluster() as c:
+        p, d = _start(c, ("--prefill-us-per-token", "25000"), ("--decode-step-ms", "50"), decode_only_below=32,
+                      decode_only_window_ms=60_000)
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            assert c.proxy is not None
+            long = asyncio.ensure_future(_through_proxy(c, 40))
+            await wait_until(lambda: _prefilling(p, 1), what="the long prompt on the prefill")
+            chat = asyncio.ensure_future(post(c.proxy.url, "/v1/chat/completions", {
+                "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 100,
+                "ignore_eos": True}))  # ~5 s of steps
+            await wait_until(lambda: _decoding(d, 1), what="the chat request decoding")
+            route, cached = await _ask(c, d, 4, max_tokens=2)
+            assert route == DISAGGREGATED and cached > 0
+            assert not chat.done()  # the decode was running the chat stream all along
+            status, raw, headers = await chat
+            assert status == 200 and headers["x-pdctl-route"] == DECODE_ONLY, raw
+            route, cached, _ = await long
+            assert route == DISAGGREGATED and cached > 0
+            assert await _routes(c) == {("disaggregated", "policy"): 1, ("decode-only", "decode-idle"): 1,
+                                        ("disaggregated", "decode-busy"): 1}
+            await all_drained(p, d)
+
+        run(scenario())
+
+
+def test_a_saturated_prefill_sends_no_work_to_a_decode_whose_room_is_spent() -> None:
+    # Each leg on the decode takes 4 tokens off its room of 8 (0.4 ms per sequence, 100 us per prompt token):
+    # with one stream running and the 4 tokens of its own prompt in the window (a minute), the decode has no
+    # room left, so a prompt the saturated prefill cannot start soon still waits for it rather than lengthen
+    # that stream's steps. A slow prefill (40 tokens: 1 s), slow decode steps (a 250-token answer: 5 s).
+    with cluster() as c:
+        p, d = _start(c, ("--prefill-us-per-token", "25000"), ("--decode-step-ms", "20"), decode_only_below=8,
+                      prefill_saturated_at=2, decode_only_window_ms=60_000,
+                      decode_step={"ms_per_seq": 0.4, "prefill_us_per_token": 100})
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            busy = asyncio.ensure_future(_through_proxy(c, 4, max_tokens=250))  # short, to an idle decode
+            await wait_until(lambda: _decoding(d, 1), what="the short prompt decoding")
+            queued = [asyncio.ensure_future(_through_proxy(c, 40)) for _ in range(2)]
+            await wait_until(lambda: _prefilling(p, 2), what="two prompts on the prefill")
+            # two prefill legs (saturated at 2) against one decode leg, but the decode's room is spent
+            route, cached, _ = await _through_proxy(c, 40)
+            assert route == DISAGGREGATED and cached > 0
+            assert not busy.done()  # the decode was running the stream all along
+            assert (await busy)[0] == DECODE_ONLY
+            for task in queued:
+                route, cached, _ = await task
+                assert route == DISAGGREGATED and cached > 0
+            assert await _routes(c) == {("decode-only", "short-prompt"): 1, ("disaggregated", "policy"): 3}
+            await all_drained(p, d)
+
+        run(scenario())
+
+
+def test_a_prompt_found_too_short_to_hand_over_fills_the_decodes_window(tmp_path: Any) -> None:
+    # ExampleConnector (block 16) hands no prompt of 16k + 1 tokens over. A text prompt of 33 tokens (its
+    # 168 bytes bound it far above the threshold) takes the prefill route until the decode counts it: it is
+    # then served by the decode alone, and its 33 tokens fill the decode's window, so the next short prompt
+    # takes the prefill hop while the decode runs that stream. Slow decode steps keep the stream running.
+    with cluster() as c:
+        storage = str(tmp_path / "kv")
+        p = c.sim("prefill-0", "prefill", "example", "--shared-storage", storage)
+        d = c.sim("decode-0", "decode", "example", "--shared-storage", storage, "--decode-step-ms", "50")
+        c.ready()
+        c.start_proxy(proxy_config("example", backends=static_backends(("prefill-0", "prefill", p),
+                                                                       ("decode-0", "decode", d)),
+                                   block_size=16, decode_only_below=32, decode_only_window_ms=60_000))
+        c.ready()
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            alone = asyncio.ensure_future(_through_proxy(c, words(33), stream=True, max_tokens=100))  # ~5 s
+            await wait_until(lambda: _decoding(d, 1), what="the 33-token prompt decoding")
+            route, cached, _ = await _through_proxy(c, 20, max_tokens=2)  # 33 + 20 is not below 32
+            assert route == DISAGGREGATED and cached > 0
+            assert not alone.done()
+            assert (await alone)[0] == DECODE_ONLY
+            assert await _routes(c) == {("decode-only", "handoff-impossible"): 1, ("disaggregated", "decode-busy"): 1}
+            await all_drained(p, d)
+
+        run(scenario())

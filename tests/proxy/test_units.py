@@ -19,7 +19,16 @@ from appliance.proxy.config import Backend, DecodeStep, ProxyConfig, Routing
 from appliance.proxy.health import FAILED, OK, SERVING, TIMEOUT, UNREACHABLE, judge
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import POLICIES, RequestFacts
-from appliance.proxy.policies.conditional import REASONS, PrefillWindow, RouteFacts, Rules, decide, room
+from appliance.proxy.policies.conditional import (
+    REASONS,
+    PrefillWindow,
+    RouteFacts,
+    Rules,
+    decide,
+    legs_without_room,
+    room,
+    window_tokens,
+)
 from appliance.proxy.policies.least_outstanding import LeastOutstanding
 from appliance.proxy.policies.round_robin import RoundRobin
 from appliance.proxy.routing import Router, Unroutable
@@ -310,13 +319,23 @@ RULES = Rules(decode_only_below=256, prefill_saturated_at=4, window_s=0.05)
     (_facts(tokens=1000, cached=800, recent=56), RULES, ("disaggregated", "decode-busy")),
     # a decode running no leg has no stream to slow: the window does not apply
     (_facts(tokens=200, recent=5000, decode_legs=0), RULES, ("decode-only", "short-prompt")),
-    # a busy short prompt still meets the saturation rule; a long one is never decode-busy
+    # a busy short prompt still meets the saturation rule while the decode has room left in its window; a long
+    # one is never decode-busy
     (_facts(tokens=200, recent=255, prefill_legs=4, decode_legs=3), RULES, ("decode-only", "prefill-saturated")),
+    (_facts(tokens=200, recent=256, prefill_legs=4, decode_legs=3), RULES, ("disaggregated", "decode-busy")),
     (_facts(tokens=256, recent=0), RULES, ("disaggregated", "policy")),
     # unknown length (a chat request): only the load rules apply
     (_facts(tokens=None, cached=0), RULES, ("disaggregated", "policy")),
-    # a saturated prefill sends work to a decode that has fewer requests than the prefill has legs
+    # a saturated prefill sends work to a decode that has fewer requests than the prefill has legs, and room
+    # left in its window: the prompt takes the decode's next step alone
     (_facts(prefill_legs=4, decode_legs=3), RULES, ("decode-only", "prefill-saturated")),
+    (_facts(prefill_legs=4, decode_legs=3, recent=255), RULES, ("decode-only", "prefill-saturated")),
+    (_facts(prefill_legs=4, decode_legs=3, recent=256), RULES, ("disaggregated", "policy")),  # its window is full
+    (_facts(tokens=None, prefill_legs=4, decode_legs=3, recent=256), RULES, ("disaggregated", "policy")),
+    (_facts(prefill_legs=4, decode_legs=0, recent=5000), RULES, ("decode-only", "prefill-saturated")),  # idle
+    # several engine requests prefill the prompt once each: 4 x 100 tokens are not short
+    (RouteFacts(100, 0, False, True, 0, 1, engine_requests=4), RULES, ("disaggregated", "policy")),
+    (RouteFacts(100, 0, False, True, 0, 1, engine_requests=2), RULES, ("decode-only", "short-prompt")),
     (_facts(prefill_legs=4, decode_legs=4), RULES, ("disaggregated", "policy")),
     (_facts(prefill_legs=3, decode_legs=1), RULES, ("disaggregated", "policy")),
     (_facts(prefill_legs=9, decode_legs=0), Rules(256, 0, 0.05), ("decode-only", "decode-idle")),
@@ -340,6 +359,41 @@ LOADED = Rules(decode_only_below=214, prefill_saturated_at=0, window_s=0.05,
 def test_a_decodes_room_shrinks_by_what_its_running_legs_add_to_a_step(legs: int, expected: int) -> None:
     assert room(LOADED, legs) == expected
     assert room(RULES, legs) == 256  # no step model: the room does not depend on the load
+
+
+def test_legs_without_room_is_where_the_room_runs_out() -> None:
+    for below in range(0, 300, 7):
+        for per_leg in (0.01, 0.5, 1.7, 1.7000000000000002, 3.0, 10.0, 214.0, 1000.0):
+            rules = Rules(below, 0, 0.05, per_leg)
+            gone = legs_without_room(rules)
+            assert gone is not None and room(rules, gone) <= 0, (below, per_leg)
+            assert gone == 0 or room(rules, gone - 1) > 0, (below, per_leg)
+    assert legs_without_room(RULES) is None  # no step model: the load never takes the room
+
+
+# results/conditional/run4-x3's conditional decode ran 8.0, 15.2, 19.2, 22.2 and 23.6 streams on average at
+# 4, 8, 10, 12 and 14 req/s: the room for its 200-token prompts at 3 x the H200 profile (0.51 ms per stream,
+# 300 us per prompt token, 150 ms target), sized on real engines' spread (214: none from 9 legs) and on the
+# simulated node's own (the host's 15 ms lateness: 268)
+H200_X3_PER_LEG = DecodeStep(ms_per_seq=0.51, prefill_us_per_token=300).room_per_leg()
+
+
+@pytest.mark.parametrize(("legs", "real_spread", "sim_spread"), [
+    (8, 200, 254), (15, 188, 242), (19, 181, 235), (22, 176, 230), (24, 173, 227), (39, 147, 201), (40, 146, 200),
+])
+def test_the_room_a_sim_node_leaves_at_run4s_loads(legs: int, real_spread: int, sim_spread: int) -> None:
+    assert room(Rules(214, 0, 0.15, H200_X3_PER_LEG), legs) == real_spread
+    assert room(Rules(268, 0, 0.15, H200_X3_PER_LEG), legs) == sim_spread
+
+
+@pytest.mark.parametrize(("facts", "expected"), [
+    (_facts(tokens=200, cached=50), 150),  # what the decode prefills
+    (_facts(tokens=None), 256),  # unknown (a chat request, a batch of text prompts): a whole room
+    (RouteFacts(100, 20, True, True, 0, 1, engine_requests=3), 240),  # n = 3: the prompt three times
+    (_facts(tokens=10, cached=10), 0),
+])
+def test_a_prompt_sent_to_a_decode_alone_fills_its_window_by_what_it_prefills(facts: RouteFacts, expected: int) -> None:
+    assert window_tokens(facts, RULES) == expected
 
 
 @pytest.mark.parametrize(("facts", "expected"), [
@@ -410,6 +464,39 @@ def test_the_prefill_window_sums_what_was_sent_within_it_and_forgets_the_rest() 
     assert window.recent(10.04, 0.05) == 214
     assert window.recent(10.05, 0.05) == 14  # the first is a whole window old
     assert window.recent(10.08, 0.05) == 0
+
+
+@pytest.mark.parametrize(("connector", "body", "counted"), [
+    ("nixl", {"prompt": [[1, 2], [3, 4]]}, "a batch of prompts: a whole room"),
+    ("nixl", {"prompt": list(range(5)), "n": 2}, "n = 2: 10 tokens"),
+    ("nixl", {"prompt": ["a", "b"]}, "a batch of text prompts: a whole room"),
+])
+def test_a_forced_decode_only_route_fills_the_decodes_window(connector: str, body: dict[str, Any],
+                                                              counted: str) -> None:
+    # a batch has no other route than the decode (NIXL hands over one request per prompt), but the decode
+    # prefills it all in its next step: a short prompt must not join it there
+    registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
+    decode = registry.instances["decode-0"]
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector(connector), Rules(16, 0, 60.0))
+    with router.route(RequestFacts("/v1/completions", {"model": "m", **body})) as forced, decode.lease(None):
+        assert (forced.name, forced.reason) == ("decode-only", "batch"), counted
+        with router.route(RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3, 4, 5, 6]})) as short:
+            assert (short.name, short.reason) == ("disaggregated", "decode-busy"), counted
+
+
+def test_a_prompt_found_too_short_to_hand_over_fills_the_decodes_window() -> None:
+    registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
+    decode = registry.instances["decode-0"]
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), Rules(16, 0, 60.0))
+    text = RequestFacts("/v1/completions", {"model": "m", "prompt": "a text prompt the decode counted"})
+    with router.route(text) as first, decode.lease(None):
+        assert (first.name, first.reason) == ("disaggregated", "policy")
+        router.alone(first, "handoff-impossible", text, 10)  # the decode counted 10 tokens: none handed over
+        assert (first.name, first.reason, first.prefill) == ("decode-only", "handoff-impossible", None)
+        with router.route(RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3, 4, 5, 6]})) as short:
+            assert (short.name, short.reason) == ("disaggregated", "decode-busy")  # 10 + 6 is not below 16
+        with router.route(RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3, 4, 5]})) as shorter:
+            assert (shorter.name, shorter.reason) == ("decode-only", "short-prompt")  # 10 + 5 is
 
 
 def test_a_decode_already_prefilling_a_short_prompt_sends_the_next_one_through_the_prefill() -> None:

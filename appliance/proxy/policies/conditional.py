@@ -18,11 +18,18 @@ nothing over, hand over another prompt's KV or crash the engine):
   the decode's running legs add to its step (`room_per_leg` each): a step of 32 running sequences leaves less
   of the target for a prompt than a step of one.
 - `prefill-saturated`: the prefill instance runs `prefill_saturated_at` or more prefill legs (a new one would
-  wait behind them past the TTFT target) and the decode runs fewer legs than that prefill does.
+  wait behind them past the TTFT target), the decode runs fewer legs than that prefill does, and it has room
+  left in its window (runs no leg, or was sent less than its room lately): such a prompt is larger than the
+  room (else it was short), so it takes the decode's next step alone, and the window it fills keeps any
+  other prompt off that step.
 - `decode-idle`: the decode runs no leg at all and the prefill is busy: the prompt starts at once on an
   engine whose compute nobody else is using, and no running stream is slowed by it.
 - otherwise the prefill hop: `decode-busy` for a prompt shorter than `decode_only_below` that the room
   (the window, the decode's load) kept off the decode, else `policy`.
+
+Every prompt a decode is sent to prefill itself counts in its window, whatever the rule (`window_tokens`): the
+forced ones (`batch`, `handoff-impossible`) have no other route but still fill the step, and one whose length
+the proxy cannot know (a chat request) counts as a whole room.
 """
 
 from __future__ import annotations
@@ -62,12 +69,20 @@ class RouteFacts:
     prefill_legs: int  # prefill legs running on the prefill instance
     decode_legs: int  # decode legs running on the decode instance (requests it is decoding or prefilling)
     recent_tokens: int = 0  # uncached prompt tokens the decode was sent to prefill itself within the window
+    engine_requests: int = 1  # n x the prompts of a batch: the decode prefills the prompt once for each
 
 
 def uncached(facts: RouteFacts) -> int | None:
     """The prompt tokens the decode would compute if it prefilled this request itself (None: unknown)."""
     tokens = facts.prompt_tokens
-    return None if tokens is None else tokens - min(facts.cached_tokens, tokens)
+    return None if tokens is None else (tokens - min(facts.cached_tokens, tokens)) * facts.engine_requests
+
+
+def window_tokens(facts: RouteFacts, rules: Rules) -> int:
+    """What a request sent to a decode alone counts in that decode's window: the tokens it prefills, or a whole
+    room (decode_only_below) when the proxy cannot know them, so that no short prompt joins its step."""
+    fresh = uncached(facts)
+    return rules.decode_only_below if fresh is None else fresh
 
 
 def room(rules: Rules, decode_legs: int) -> int:
@@ -76,6 +91,17 @@ def room(rules: Rules, decode_legs: int) -> int:
     sequences' part of the step is paid (below zero: none)."""
     # rounded first: 0.17 ms x 1000 / 100 us is 1.7000000000000002 in floats, and 200 legs' 340 must not be 341
     return rules.decode_only_below - math.ceil(round(rules.room_per_leg * decode_legs, 6))
+
+
+def legs_without_room(rules: Rules) -> int | None:
+    """The fewest running legs that leave a decode no room at all (None: its room does not shrink with load)."""
+    if rules.room_per_leg <= 0:
+        return None
+    # room(legs) <= 0 from ceil(per_leg x legs) >= below, i.e. per_leg x legs > below - 1; floats may miss by one
+    legs = max(0, math.floor((rules.decode_only_below - 1) / rules.room_per_leg) + 1)
+    if legs > 0 and room(rules, legs - 1) <= 0:
+        return legs - 1
+    return legs if room(rules, legs) <= 0 else legs + 1
 
 
 def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
@@ -94,7 +120,8 @@ def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
             return "decode-only", "short-prompt" if short else "cached-prefix"
         busy = True
     saturated = rules.prefill_saturated_at
-    if saturated and facts.prefill_legs >= saturated and facts.decode_legs < facts.prefill_legs:
+    if saturated and facts.prefill_legs >= saturated and facts.decode_legs < facts.prefill_legs \
+            and (facts.decode_legs == 0 or facts.recent_tokens < room(rules, facts.decode_legs)):
         return "decode-only", "prefill-saturated"
     if facts.decode_legs == 0 and facts.prefill_legs > 0:
         return "decode-only", "decode-idle"
