@@ -40,6 +40,13 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # How often the listener follows the instance set (a rebalance changes it) and retries an endpoint it could not
 # bind (the proxy it takes over from may still hold the port).
 RECONCILE_S = 1.0
+# What one stream reads per second at most, in messages and bytes: a vLLM rank publishes one batch per scheduler
+# step that stored or evicted blocks (hundreds a second at most, each up to a few hundred KB). Past either, the
+# reader waits out the second and ZMQ drops what queues beyond its high-water mark (in its own thread, not the
+# proxy's event loop): a local process that floods a tcp events port costs the proxy a bounded share of its loop,
+# and the rank's next batch after the drop is a gap (its index starts over), never a wrong index.
+MAX_BATCHES_PER_S = 2000
+MAX_BYTES_PER_S = 64 * 1024 * 1024
 UNBOUND_WARN_S = 10.0
 
 
@@ -212,8 +219,18 @@ class _Stream:
 
     async def _read(self, sink: BlockSink, count: Callable[[str, str], None]) -> None:
         name = self.inst.name
+        loop = asyncio.get_running_loop()
+        window, batches, size = loop.time(), 0, 0
         while True:
             frames = await self.sock.recv_multipart()
+            now = loop.time()
+            if now - window >= 1.0:
+                window, batches, size = now, 0, 0
+            batches, size = batches + 1, size + sum(len(f) for f in frames)
+            if batches > MAX_BATCHES_PER_S or size > MAX_BYTES_PER_S:
+                count(name, "over-rate")
+                await asyncio.sleep(window + 1.0 - now)  # the rest of this second; ZMQ drops what comes meanwhile
+                continue
             try:
                 seq, events = parse(frames)
             except BadMessage as exc:

@@ -48,7 +48,8 @@ class _LiveCollector(Collector):
         events = CounterMetricFamily("pdctl_proxy_kv_events",
                                      "KV cache event messages received from the instance's engine, by result "
                                      "(applied; gap: some were lost, its index started over; garbled; block-size, "
-                                     "unparented, unmatchable: of no use to prefix matching)",
+                                     "unparented, unmatchable: of no use to prefix matching; over-rate: dropped, the stream sent "
+                                     "more than kv_events.MAX_BATCHES_PER_S / MAX_BYTES_PER_S in a second)",
                                      labels=["instance", "result"])
         for (name, result), n in list(m.kv_events().items()):
             events.add_metric([name, result], n)

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from appliance.ports import free_ports
 from appliance.proxy import admin
 from appliance.proxy.app import Proxy
-from appliance.proxy.kv_events import MAX_MESSAGE_BYTES
+from appliance.proxy.kv_events import MAX_BATCHES_PER_S, MAX_MESSAGE_BYTES
 from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local
 from tests.support.pdctl import pdctl, write_config
@@ -549,3 +549,30 @@ def test_another_local_user_cannot_connect_to_plant_or_replace_an_engines_events
         finally:
             engine.close()
             ctx.term()
+
+
+def test_a_flood_on_an_events_port_costs_the_proxy_a_bounded_rate_and_it_keeps_routing() -> None:
+    """Any local process may connect to a tcp events port (DP > 1) and send as fast as it can: the listener reads
+    at most MAX_BATCHES_PER_S messages a second from that stream (ZMQ drops the rest in its own thread), requests
+    are served throughout, and another engine's stream is applied meanwhile."""
+    async def scenario() -> None:
+        async with _node() as (px, pubs):
+            start = time.monotonic()
+            junk = [b"", (7).to_bytes(8, "big"), b"\xc1"]  # msgpack's never-used byte: garbled
+            other = list(range(9000, 9000 + 2 * BLOCK))
+            two = px.registry.instances["both-1"]
+            for k in range(40):
+                for _ in range(5000):
+                    await pubs[0].raw(junk)
+                if k % 10 == 0:
+                    assert await _route(px, list(range(5000 + k, 5000 + k + BLOCK))) in ("both-0", "both-1")
+                if k == 20:
+                    await pubs[1].send(_stored(other[:BLOCK], [b"during"]))
+            await eventually(lambda: px.router.policy.expected_cached_tokens(two, _facts(other)) == BLOCK,
+                             what="the other engine's batch, sent during the flood", timeout=60)
+            elapsed = time.monotonic() - start
+            read = px.kv_events.counts.get(("both-0", "garbled"), 0)
+            assert px.kv_events.counts.get(("both-0", "over-rate"), 0) > 0, (read, elapsed)
+            # every second of the flood, at most the cap were parsed (+1 window for the one in progress)
+            assert read <= MAX_BATCHES_PER_S * (elapsed + 2), (read, elapsed)
+    asyncio.run(scenario())
