@@ -60,11 +60,14 @@ def judge(answer: str, healthy: bool, served: bool, silent: int, threshold: int)
     return answer, answer == OK
 
 
-def stand_in(instances: Iterable[BackendState]) -> BackendState | None:
-    """The least bad of a role's instances when none of them is in rotation: of those that served once and are
-    out for silence alone (SILENCE), the one that sent a byte last; None when there is none (the role then
-    refuses requests: what took its instances out was a refusal, an error status or a foreign listener)."""
-    silent = [i for i in instances if i.ever_healthy and not i.healthy and i.ejected_for in SILENCE]
+def stand_in(instances: Iterable[BackendState], now: float, max_silence_s: float) -> BackendState | None:
+    """The least bad of a role's instances when none of them is in rotation: of those that served once, are out
+    for silence alone (SILENCE) and sent a byte within `max_silence_s` of `now` (monotonic; longer is a hung or
+    restarting engine, not a starved one), the one that sent a byte last; None when there is none (the role then
+    refuses requests, as it does when what took its instances out was a refusal, an error status or a foreign
+    listener)."""
+    silent = [i for i in instances if i.ever_healthy and not i.healthy and i.ejected_for in SILENCE
+              and now - i.pool.last_rx <= max_silence_s]
     return max(silent, key=lambda i: i.pool.last_rx, default=None)
 
 
@@ -87,6 +90,11 @@ class HealthChecker:
         self._probing: set[str] = set()
         self._started: dict[str, int] = {}  # per instance name: the last probe started, and answered
         self._answered: dict[str, int] = {}
+
+    def stand_in(self, instances: Iterable[BackendState]) -> BackendState | None:
+        """The instance of these (one role's, in service) that takes the role's requests while none of them is in
+        rotation (module stand_in, under panic_max_silence_s), or None."""
+        return stand_in(instances, time.monotonic(), self.config.panic_max_silence_s)
 
     def start(self) -> None:
         """Start the probe loop."""

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from appliance.connector import Connector
-from appliance.proxy.health import stand_in
 from appliance.proxy.instances import BackendState, Booking, InstanceRegistry
 from appliance.proxy.policies import Policy, RequestFacts
 from appliance.proxy.policies.conditional import PrefillWindow, RouteFacts, RouteName, Rules, decide, uncached
@@ -70,9 +69,12 @@ class Router:
 
     def __init__(self, registry: InstanceRegistry, policy: Policy, mode: Callable[[], str], connector: Connector,
                  rules: Rules, block_size: int | None = None,
+                 stand_in: Callable[[Iterable[BackendState]], BackendState | None] = lambda instances: None,
                  on_stand_in: Callable[[BackendState], None] | None = None) -> None:
         self.registry = registry
-        self.on_stand_in = on_stand_in  # a request routed to an instance out of rotation (stand_in), each time
+        # of a role's in-service instances, none in rotation: the one its requests go to (health.HealthChecker's)
+        self._stand_in = stand_in
+        self.on_stand_in = on_stand_in  # a request routed to an instance out of rotation, each time
         self.policy = policy
         self.mode = mode
         self.connector = connector
@@ -97,7 +99,7 @@ class Router:
 
     def stand_in(self, role: str) -> BackendState | None:
         """The instance of `role` that takes its requests while none is routable (health.stand_in), or None."""
-        return stand_in(i for i in self.registry.by_role[role] if self.in_service(i))
+        return self._stand_in(i for i in self.registry.by_role[role] if self.in_service(i))
 
     def pick(self, role: str, request: RequestFacts) -> BackendState | None:
         """The policy's instance of `role` for `request`; its stand-in when none is routable; or None."""

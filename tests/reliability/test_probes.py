@@ -228,12 +228,15 @@ def _panic_routes(node: Node, role: str, instance: str) -> float:
                if s.name == "pdctl_proxy_panic_routes_total" and s.labels == {"role": role, "instance": instance})
 
 
+PANIC_S = 10.0  # how long after its last byte an instance out for silence alone may stand in for its role
+
+
 def _two_engines(tmp_path: Path) -> Node:
     node = Node(tmp_path)
     for name in ("both-0", "both-1"):
         node.engine(name, "both", "none", *ENGINE)
     node.proxy("none", [{"name": n, "role": "both", "url": u} for n, u in node.engines.items()],
-               health=PROBES, timeouts=TIMEOUTS, routing="round_robin")
+               health={**PROBES, "panic_max_silence_s": PANIC_S}, timeouts=TIMEOUTS, routing="round_robin")
     return node
 
 
@@ -242,7 +245,8 @@ def test_a_hung_or_killed_engine_is_still_ejected(tmp_path: Path, fault: str) ->
     """An engine hung while serving (SIGSTOP: it sends nothing more, its probes time out) or killed (connection
     refused) is ejected although bytes came from it until the fault; requests then all go to the other engine.
     Once both are down: killed, a request gets a clear 503 at once; hung (silence alone, as a starved engine
-    shows), it goes to the one heard from last and gets a clear 504 when its first token does not come."""
+    shows), it goes to the one heard from last and gets a clear 504 when its first token does not come, until
+    that one has been silent for panic_max_silence_s: then a 503 at once."""
     node = _two_engines(tmp_path)
     procs = {p.name: p for p in node.procs}
     stopped: list[int] = []
@@ -287,7 +291,14 @@ def test_a_hung_or_killed_engine_is_still_ejected(tmp_path: Path, fault: str) ->
         else:
             assert status == 504 and "both-0 sent no token" in json.loads(raw)["error"]["message"], (status, raw[:300])
         assert _panic_routes(node, "both", "both-0") == (fault == "hang")
-        assert _admin_state(node)["panic"] == ({"both": "both-0"} if fault == "hang" else {})
+        if fault == "hang":
+            deadline = time.monotonic() + 2 * PANIC_S
+            while _admin_state(node)["panic"]:  # until both-0 has been silent for PANIC_S
+                assert time.monotonic() < deadline, _admin_state(node)
+                time.sleep(0.1)
+            status, raw, _ = asyncio.run(post(node.proxy_url, "/v1/completions", STREAM, timeout=5))
+            assert status == 503 and "no healthy" in json.loads(raw)["error"]["message"], (status, raw[:300])
+        assert _admin_state(node)["panic"] == {}
         out = procs["proxy"].output()
         assert "Traceback" not in out, out[-3000:]
     finally:
