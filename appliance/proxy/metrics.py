@@ -85,7 +85,7 @@ class _LiveCollector(Collector):
                 in_flight.add_metric(labels, inst.in_flight)
                 healthy.add_metric(labels, 1 if inst.healthy else 0)
                 draining.add_metric(labels, 1 if inst.draining else 0)
-                if inst.ejected_for is not None and not inst.healthy:
+                if inst.ejected_for is not None:
                     ejected.add_metric([*labels, inst.ejected_for], 1)
                 if (where := m.source_of(inst)) is not None:
                     source.add_metric([*labels, where], 1)

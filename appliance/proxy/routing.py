@@ -70,7 +70,7 @@ class Router:
     def __init__(self, registry: InstanceRegistry, policy: Policy, mode: Callable[[], str], connector: Connector,
                  rules: Rules, block_size: int | None = None,
                  stand_in: Callable[[Iterable[BackendState]], BackendState | None] = lambda instances: None,
-                 on_stand_in: Callable[[BackendState], None] | None = None) -> None:
+                 on_stand_in: Callable[[BackendState], None] = lambda inst: None) -> None:
         self.registry = registry
         # of a role's in-service instances, none in rotation: the one its requests go to (health.HealthChecker's)
         self._stand_in = stand_in
@@ -171,7 +171,6 @@ class Router:
         return Route(decode, decode.pick_rank(), prefill, prefill.pick_rank(), bookings, name, reason)
 
     def _count_stand_ins(self, *chosen: BackendState) -> None:
-        if self.on_stand_in is not None:
-            for inst in chosen:
-                if not inst.healthy:
-                    self.on_stand_in(inst)
+        for inst in chosen:
+            if not inst.healthy:
+                self.on_stand_in(inst)
