@@ -62,8 +62,8 @@ def judge(answer: str, healthy: bool, served: bool, silent: int, threshold: int)
 
 def stand_in(instances: Iterable[BackendState], now: float, max_silence_s: float) -> BackendState | None:
     """The least bad of a role's instances when none of them is in rotation: of those that served once, are out
-    for silence alone (SILENCE) and sent a byte within `max_silence_s` of `now` (monotonic; longer is a hung or
-    restarting engine, not a starved one), the one that sent a byte last; None when there is none (the role then
+    for silence alone (SILENCE) and sent a byte within `max_silence_s` of `now` (monotonic; longer is a hung engine,
+    not a starved one), the one that sent a byte last; None when there is none (the role then
     refuses requests, as it does when what took its instances out was a refusal, an error status or a foreign
     listener)."""
     silent = [i for i in instances if i.ever_healthy and not i.healthy and i.ejected_for in SILENCE
@@ -251,6 +251,8 @@ class HealthChecker:
             inst.ejected_for = LEG_ERRORS if inst.leg_erred else LEG_TIMEOUTS
             log.warning("%s (%s) failed %d requests in a row (%s): ejected until its probe passes",
                         inst.name, inst.url, inst.failures, inst.ejected_for)
+        elif not inst.healthy and not timed_out:
+            inst.ejected_for = LEG_ERRORS  # out for silence, now refused or reset: it stands in for its role no more
 
     @staticmethod
     def leg_ok(inst: BackendState) -> None:

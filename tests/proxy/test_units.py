@@ -469,6 +469,12 @@ def test_failed_legs_eject_for_timeouts_only_when_every_one_timed_out(timed_out:
         assert inst.healthy and inst.ejected_for is None
         health.leg_failed(inst, each)
     assert not inst.healthy and inst.ejected_for == why
+    # out for silence and standing in for its role, a leg that is refused or reset ends that
+    _out(inst, TIMEOUT, 100.0)
+    health.leg_failed(inst, True)
+    assert stand_in([inst], 101.0, 30.0) is inst
+    health.leg_failed(inst, False)
+    assert inst.ejected_for == LEG_ERRORS and stand_in([inst], 101.0, 30.0) is None
 
 
 def test_the_prefill_window_sums_what_was_sent_within_it_and_forgets_the_rest() -> None:
