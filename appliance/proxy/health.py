@@ -166,6 +166,8 @@ class HealthChecker:
             log.warning("%s (%s) failed its health probe (%s): ejected", inst.name, inst.url, why)
         inst.healthy = ok
         inst.ejected_for = None if ok else result
+        if not ok and result != TIMEOUT:
+            inst.downs += 1
         if ok:
             inst.failures = 0
             inst.leg_erred = False

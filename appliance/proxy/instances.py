@@ -61,6 +61,9 @@ class BackendState:
         # leg_errors); None while healthy or before its first probe
         self.ejected_for: str | None = None
         self.failed_probes = 0  # health probes that failed, ever (a planned stop learns from it that it went down)
+        # of those, the ones that found it down (refused, reset, an error status, a foreign listener): its engine
+        # may have restarted and its cache with it; silence says nothing of that (a starved engine keeps its cache)
+        self.downs = 0
         # the mode the engine runs (a connector that fixes it at start), from the plan (kv "transfer_mode") or, for
         # a plan that does not say, its registration (which can only keep it out of routing); None: unknown
         self.transfer_mode: str | None = str(self.kv["transfer_mode"]) if "transfer_mode" in self.kv else None
