@@ -1,6 +1,8 @@
 """Health probes against real processes (simulated engines, the proxy): an engine that serves while its /health
-answers slowly stays in rotation; a hung (SIGSTOP) or killed engine is still ejected, and requests then go to
-the other engine or get a clear 503. docs/threat-model.md (the ejection rule) names these tests."""
+answers slowly stays in rotation; one starved of CPU for a while (SIGSTOP, then SIGCONT) costs its clients a delay,
+not a 503, even once its silence took it out (the last of its role stands in for it); a hung or killed engine is
+still ejected, and requests then go to the other engine, or get a clear 504 (hung) or 503 (killed, or hung past
+panic_max_silence_s). docs/threat-model.md (the ejection rule) and docs/operations.md name these tests."""
 
 from __future__ import annotations
 
