@@ -13,7 +13,6 @@ router sends requests to the one heard from last rather than refuse them all (st
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -87,6 +86,7 @@ class HealthChecker:
         self._listener_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, refusals since
         self._slow_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, slow probes since
         self._task: asyncio.Task[None] | None = None
+        self._probes: set[asyncio.Task[bool]] = set()  # the loop's probes running
         self._probing: set[str] = set()
         self._started: dict[str, int] = {}  # per instance name: the last probe started, and answered
         self._answered: dict[str, int] = {}
@@ -101,11 +101,11 @@ class HealthChecker:
         self._task = asyncio.create_task(self._loop(), name="health-probes")
 
     async def stop(self) -> None:
-        """Stop the probe loop."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Stop the probe loop and the probes it started."""
+        tasks = [t for t in (self._task, *self._probes) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def probe_soon(self, inst: BackendState) -> None:
         """Probe one (new) instance now rather than at the next tick."""
@@ -116,11 +116,20 @@ class HealthChecker:
         asyncio.ensure_future(self.probe(inst))
 
     async def _loop(self) -> None:
+        # each instance at its own pace (probe skips one whose last probe still waits): a round that waited for
+        # its slowest probe kept every other instance unprobed for up to probe_timeout_s, one coming back too
         while True:
-            instances = list(self.registry.instances.values())
-            if instances:
-                await asyncio.gather(*(self.probe(i) for i in instances), return_exceptions=True)
+            for inst in list(self.registry.instances.values()):
+                if inst.name not in self._probing:
+                    task = asyncio.ensure_future(self.probe(inst))
+                    self._probes.add(task)
+                    task.add_done_callback(self._probe_done)
             await asyncio.sleep(self.config.probe_interval_s)
+
+    def _probe_done(self, task: asyncio.Task[bool]) -> None:
+        self._probes.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("a health probe failed: %r", exc)
 
     async def probe(self, inst: BackendState, fresh: bool = False) -> bool:
         """GET /health on the instance and update it (judge: healthy iff 200, or no answer in time while it

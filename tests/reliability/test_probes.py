@@ -309,6 +309,34 @@ def test_a_hung_or_killed_engine_is_still_ejected(tmp_path: Path, fault: str) ->
         node.stop()
 
 
+def test_a_hung_engine_does_not_hold_back_the_probes_of_the_others(tmp_path: Path) -> None:
+    """Probes went out in rounds, each waiting for its slowest: while one engine's probe waited out its timeout,
+    no other instance was probed, so one coming back (or going down) was seen a probe timeout late, and in the
+    meantime a hung instance could stand in for a role whose good one was up again. Each instance is probed at
+    its own pace: here both-1 is probed again and again while both-0's one probe waits (timeout 10 s)."""
+    node = Node(tmp_path)
+    try:
+        for name in ("both-0", "both-1"):
+            node.engine(name, "both", "none", *ENGINE)
+        node.proxy("none", [{"name": n, "role": "both", "url": u} for n, u in node.engines.items()],
+                   health={**PROBES, "probe_timeout_s": 10.0}, timeouts=TIMEOUTS)
+        _wait_health(node, "both-0", True)
+        _wait_health(node, "both-1", True)
+        hung = next(p for p in node.procs if p.name == "both-0")
+        os.kill(hung.popen.pid, signal.SIGSTOP)
+        try:
+            before = _probes(node, "both-1", "ok")
+            deadline = time.monotonic() + 8.0  # within both-0's first probe after the stop
+            while _probes(node, "both-1", "ok") < before + 3:
+                assert time.monotonic() < deadline, f"both-1 probed {_probes(node, 'both-1', 'ok') - before} times"
+                time.sleep(0.05)
+            assert _probes(node, "both-0", "timeout") == 0  # both-0's probe was still waiting all along
+        finally:
+            os.kill(hung.popen.pid, signal.SIGCONT)
+    finally:
+        node.stop()
+
+
 # a local process on a dead engine's port that streams like vLLM and leaves /health unanswered (run as nobody)
 SLOW_SQUATTER = r"""
 import http.server, sys, time
