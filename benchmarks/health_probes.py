@@ -2,13 +2,17 @@
 `python -m appliance.proxy`, loopback sockets; tests.reliability.node).
 
     python benchmarks/health_probes.py [--interval 2] [--timeout 2] [--repeat 5] [--busy-s 20] [--clients 4]
+                                       [--starve-s 3 5 8 15] [--every-s 0.1] [--only busy|eject|starved]
 
-Prints two things, under the proxy's probe settings (default: the proxy's defaults, 2 s and 2 s):
+Prints three things, under the proxy's probe settings (default: the proxy's defaults, 2 s and 2 s):
   busy:   one engine whose /health answers after 1.5 x the probe timeout while `--clients` clients stream
           completions from it back to back for `--busy-s`: requests answered, failed (503 while it was ejected),
           and the probes that timed out, by result
   eject:  two engines, round robin; one is hung (SIGSTOP) or killed (SIGKILL), idle or while it streams: seconds
           from the fault until the proxy takes it out of rotation, p50 and max over `--repeat` faults
+  starved: the node's only engine gets no CPU (SIGSTOP, then SIGCONT) for each of `--starve-s` while a streamed
+          completion arrives every `--every-s`: what the requests that arrived meanwhile got, the longest
+          one, and how the proxy judged the engine (probes by result, requests routed to it while it was out)
 """
 
 from __future__ import annotations
@@ -170,6 +174,54 @@ def eject(work: Path, health: dict[str, float], clients: int, repeat: int) -> No
         node.stop()
 
 
+def _panic_routes(node: Node) -> int:
+    text = _get(node.proxy_url + "/metrics").decode()
+    return sum(int(s.value) for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "pdctl_proxy_panic_routes_total")
+
+
+async def _timed(session: aiohttp.ClientSession, node: Node) -> tuple[str, float]:
+    started = time.monotonic()
+    try:
+        status, raw, _ = await post(node.proxy_url, "/v1/completions", STREAM, timeout=120, session=session)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return type(exc).__name__, time.monotonic() - started
+    complete = status == 200 and sse_events(raw)[-1:] == ["[DONE]"]
+    return "200" if complete else str(status), time.monotonic() - started
+
+
+def starved(work: Path, health: dict[str, float], pauses: list[float], every_s: float) -> None:
+    """The only engine starved for each of `pauses` seconds under arriving requests: what those requests got."""
+    with colocated_node(work, *ENGINE, health=health, timeouts=TIMEOUTS) as node:
+        engine = next(p for p in node.procs if p.name == "both-0")
+        _wait(lambda: _healthy(node, "both-0"))
+
+        async def one(pause: float) -> tuple[list[tuple[str, float]], float]:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                sent: list[asyncio.Future[tuple[str, float]]] = []
+                os.kill(engine.popen.pid, signal.SIGSTOP)
+                stopped = time.monotonic()
+                try:
+                    while time.monotonic() - stopped < pause:
+                        sent.append(asyncio.ensure_future(_timed(session, node)))
+                        await asyncio.sleep(every_s)
+                finally:
+                    os.kill(engine.popen.pid, signal.SIGCONT)
+                back = await asyncio.to_thread(_wait, lambda: _healthy(node, "both-0"))
+                return list(await asyncio.gather(*sent)), back
+
+        for pause in pauses:
+            before, panic_before = _probe_counts(node), _panic_routes(node)
+            answers, back = asyncio.run(one(pause))
+            probes = _probe_counts(node) - before
+            codes = Counter(code for code, _ in answers)
+            failed = sum(n for k, n in codes.items() if k != "200")
+            print(f"starved: {pause:4.1f}s, a request every {every_s:g}s: {len(answers)} requests, {failed} failed "
+                  f"{dict(codes)}, longest {max(t for _, t in answers):.2f}s; in rotation again {back:.2f}s after "
+                  f"SIGCONT; probes {dict(probes)}, routed to it while out: {_panic_routes(node) - panic_before}")
+            time.sleep(2 * health["probe_interval_s"])
+
+
 def main() -> None:
     """Parse the arguments and print both figures."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -178,14 +230,21 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="faults of each kind")
     parser.add_argument("--busy-s", type=float, default=20.0, help="seconds of streaming against the busy engine")
     parser.add_argument("--clients", type=int, default=4, help="streaming clients")
+    parser.add_argument("--starve-s", type=float, nargs="+", default=[3.0, 5.0, 8.0, 15.0],
+                        help="how long the only engine gets no CPU, once each")
+    parser.add_argument("--every-s", type=float, default=0.1, help="seconds between requests while it is starved")
+    parser.add_argument("--only", choices=("busy", "eject", "starved"), help="print one of the three")
     args = parser.parse_args()
     health = {"probe_interval_s": args.interval, "probe_timeout_s": args.timeout}
     print(f"probes every {args.interval:g}s, timeout {args.timeout:g}s")
+    parts = {"busy": lambda work: busy(work, health, args.clients, args.busy_s),
+             "eject": lambda work: eject(work, health, args.clients, args.repeat),
+             "starved": lambda work: starved(work, health, args.starve_s, args.every_s)}
     with tempfile.TemporaryDirectory(prefix="pdctl-probes-") as tmp:
-        for part in ("busy", "eject"):
-            (Path(tmp) / part).mkdir()
-        busy(Path(tmp) / "busy", health, args.clients, args.busy_s)
-        eject(Path(tmp) / "eject", health, args.clients, args.repeat)
+        for name, part in parts.items():
+            if args.only in (None, name):
+                (Path(tmp) / name).mkdir()
+                part(Path(tmp) / name)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,11 @@ engines themselves report them.
                     appliance/connector/nixl/stats.py)
     proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts, automatic_restarts, last_exit,
                     reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
-                    healthy, draining, in_flight, prefix_source: events|estimate under prefix_affinity
-                    routing (docs/routing.md), else null), requests {total, by_status{code: n},
+                    healthy, ejected_for (why health holds it out: timeout|failed|unreachable|listener|
+                    leg_timeouts|leg_errors, else null), draining, in_flight, prefix_source: events|estimate under
+                    prefix_affinity routing (docs/routing.md), else null), panic {role: instance} (a role with no
+                    instance in rotation whose requests go to one out for silence alone: docs/operations.md),
+                    requests {total, by_status{code: n},
                     leg_failures, client_aborts, held (requests that waited for a role with no instance:
                     a restart, rebalance or mode switch), max_hold_s} | null,
                     port_conflict (why it cannot answer: which of its ports, on which address, another process
@@ -150,7 +153,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         })
     pst = snap.units[PROXY_UNIT]
     admin = snap.proxy
-    keys = ("name", "role", "url", "healthy", "draining", "in_flight", "prefix_source")
+    keys = ("name", "role", "url", "healthy", "ejected_for", "draining", "in_flight", "prefix_source")
     proxy = {
         "unit": PROXY_UNIT,
         "url": plan.proxy.url,
@@ -166,6 +169,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         "ready": bool(admin and admin.get("ready")),
         "mode": admin.get("mode") if admin else None,
         "registered": [{k: i.get(k) for k in keys} for i in (admin or {}).get("instances", [])],
+        "panic": admin.get("panic", {}) if admin else {},
         "requests": request_counters(plan, admin) if admin is not None else None,
         "port_conflict": snap.port_conflict,
         "refused": snap.proxy_refused,
@@ -255,6 +259,13 @@ def _duration(seconds: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _out(backend: dict[str, Any], panic: dict[str, str]) -> str:
+    """How the human status line shows a backend out of rotation: why, and whether it takes its role's requests."""
+    why = f": {backend['ejected_for']}" if backend.get("ejected_for") else ""
+    standing_in = panic.get(backend["role"]) == backend["name"]
+    return f", unhealthy{why}{', takes the requests: none of its role is in rotation' if standing_in else ''}"
+
+
 def render_status(doc: dict[str, Any], console: Console) -> None:
     """The status document as tables for people."""
     from rich.markup import escape  # rich only for people: `status --json` never loads it
@@ -283,7 +294,7 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
             console.print(f"{unit['name']} last stopped by itself ({escape(unit['last_exit'])}){restarting}; "
                           f"{unit['automatic_restarts']} automatic restart(s)")
     if p["reachable"]:
-        reg = ", ".join(f"{r['name']}({r['role']}{'' if r['healthy'] else ', unhealthy'}"
+        reg = ", ".join(f"{r['name']}({r['role']}{'' if r['healthy'] else _out(r, p['panic'])}"
                         f"{', prefix ' + r['prefix_source'] if r.get('prefix_source') else ''})" for r in p["registered"])
         req = p["requests"] or {}
         codes = " ".join(f"{k}:{v}" for k, v in sorted(req.get("by_status", {}).items()))

@@ -47,6 +47,7 @@ def state(proxy: ProxyState) -> dict[str, Any]:
         },
         "requests": proxy.metrics.request_totals(),
         "planned_stops": sorted(proxy.planned.active),
+        "panic": proxy.panic(),
         "instances": [{**inst.state(), "prefix_source": proxy.router.policy.prefix_source(inst)}
                       for inst in proxy.registry.instances.values()],
     }

@@ -261,8 +261,18 @@ class Proxy(ProxyState):
 
     async def _health(self, request: web.Request) -> web.Response:
         ok, counts = self.ready()
-        body = {"status": "ok" if ok else "not ready", "mode": self.mode, "connector": self.config.connector,
-                "healthy": counts}
+        body: dict[str, Any] = {"status": "ok" if ok else "not ready", "mode": self.mode,
+                                "connector": self.config.connector, "healthy": counts}
+        if not ok:
+            # A role with no instance in rotation may still be served by its stand-in (panic routing: out for
+            # silence alone): the node serves, so a load balancer in front must keep sending to it; it says so.
+            needed = ("prefill", "decode") if self.connector.disaggregated else ("both",)
+            missing = [r for r in needed if not counts.get(r)]
+            stand_ins = {r: self.router.stand_in(r) for r in missing}
+            if all(stand_ins.values()):
+                body["status"] = "degraded"
+                body["stand_in"] = {r: inst.name for r, inst in stand_ins.items() if inst is not None}
+                return web.json_response(body, status=200)
         return web.json_response(body, status=200 if ok else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:

@@ -77,6 +77,12 @@ class HealthConfig(_Model):
     probe_interval_s: float = Field(default=2.0, gt=0)
     fail_threshold: int = Field(default=3, ge=1)
     probe_timeout_s: float = Field(default=2.0, gt=0)
+    # Probes in a row with no answer within probe_timeout_s and nothing from the instance meanwhile that take it
+    # out of rotation: one is a load spike on a starved host as often as a hung engine (health.py)
+    timeout_threshold: int = Field(default=2, ge=1)
+    # When no instance of a role is in rotation, one out for silence alone still takes the role's requests while
+    # it sent a byte within this long (a starved engine's pause); beyond it is taken as hung (health.stand_in)
+    panic_max_silence_s: float = Field(default=30.0, ge=0)
     # Who must own an instance's listening socket (appliance.proxy.listeners): checked before an instance is
     # (re)admitted and again on the first probe after this interval while it stays healthy
     listener_check_interval_s: float = Field(default=10.0, gt=0)

@@ -1,20 +1,22 @@
 """Instance health: active /health probes (with a check of who owns the listener) and passive failure counting
 from the legs; an instance that fails either is out of rotation until a probe passes.
 
-A probe that gets no answer within probe_timeout_s ejects the instance only when nothing came from it on any
-connection (its legs' streams and answers) while the probe waited: an engine that sends tokens is serving, its
-/health is slow because its API server is busy; a hung one (stopped, deadlocked) sends nothing. A refused or
-reset connection, a broken answer and any answer but 200 eject at once (docs/threat-model.md: the ejection rule).
+Evidence is weighed as Envoy's outlier detection does (docs/operations.md, "Which instances are in rotation"). A
+refused or reset connection, a broken answer and any answer but 200 eject at once. Silence is weaker evidence:
+a probe with no answer within probe_timeout_s does not count when anything came from the instance on any
+connection while it waited (its legs' streams and answers: the engine is serving, its API server is busy), and
+ejects only at timeout_threshold such probes in a row (a starved engine, e.g. on a loaded host, answers late;
+a hung one stays silent). And when every instance of a role is out and what took each out was silence alone, the
+router sends requests to the one heard from last rather than refuse them all (stand_in: Envoy's panic threshold).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import psutil
 
@@ -32,17 +34,40 @@ FAILED = "failed"  # answered, not 200 (vLLM: 503 while it loads, 500 once its e
 UNREACHABLE = "unreachable"  # connection refused or reset, or a broken answer
 TIMEOUT = "timeout"  # no answer within probe_timeout_s, and nothing from the instance on any connection meanwhile
 SERVING = "timeout_while_serving"  # no answer within probe_timeout_s, but bytes came from it meanwhile
+LISTENER = "listener"  # answered, but its listening socket is not the engines' user's (listeners.verdict)
+# Why the legs took an instance out (fail_threshold in a row): every one of them timed out, or one was refused,
+# reset or broken
+LEG_TIMEOUTS = "leg_timeouts"
+LEG_ERRORS = "leg_errors"
+# Silence: what a starved engine shows as well as a hung one. An instance out for this alone may still take a
+# role's requests when none of the role is in rotation (stand_in); one that refused, erred or whose listener is
+# someone else's never does.
+SILENCE = frozenset({TIMEOUT, LEG_TIMEOUTS})
 
 
-def judge(answer: str, healthy: bool, served: bool) -> tuple[str, bool]:
+def judge(answer: str, healthy: bool, served: bool, silent: int, threshold: int) -> tuple[str, bool]:
     """A probe's result and whether the instance is healthy after it, from its answer (OK, FAILED, UNREACHABLE
-    or TIMEOUT), whether it was healthy before, and whether bytes came from it while the probe waited.
+    or TIMEOUT), whether it was healthy before, whether bytes came from it while the probe waited, and its
+    timed-out probes in a row with nothing from it, this one included (`silent`), against timeout_threshold.
 
     Bytes are evidence of life, not of health: they keep an instance in rotation through a slow probe, and never
     put one back (that takes a probe answered 200, and the listener check)."""
     if answer == TIMEOUT and served:
         return SERVING, healthy
+    if answer == TIMEOUT:
+        return TIMEOUT, healthy and silent < threshold
     return answer, answer == OK
+
+
+def stand_in(instances: Iterable[BackendState], now: float, max_silence_s: float) -> BackendState | None:
+    """The least bad of a role's instances when none of them is in rotation: of those that served once, are out
+    for silence alone (SILENCE) and sent a byte within `max_silence_s` of `now` (monotonic; longer is a hung engine,
+    not a starved one), the one that sent a byte last; None when there is none (the role then
+    refuses requests, as it does when what took its instances out was a refusal, an error status or a foreign
+    listener)."""
+    silent = [i for i in instances if i.ever_healthy and not i.healthy and i.ejected_for in SILENCE
+              and now - i.pool.last_rx <= max_silence_s]
+    return max(silent, key=lambda i: i.pool.last_rx, default=None)
 
 
 class HealthChecker:
@@ -61,20 +86,26 @@ class HealthChecker:
         self._listener_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, refusals since
         self._slow_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, slow probes since
         self._task: asyncio.Task[None] | None = None
+        self._probes: set[asyncio.Task[bool]] = set()  # the loop's probes running
         self._probing: set[str] = set()
         self._started: dict[str, int] = {}  # per instance name: the last probe started, and answered
         self._answered: dict[str, int] = {}
+
+    def stand_in(self, instances: Iterable[BackendState]) -> BackendState | None:
+        """The instance of these (one role's, in service) that takes the role's requests while none of them is in
+        rotation (module stand_in, under panic_max_silence_s), or None."""
+        return stand_in(instances, time.monotonic(), self.config.panic_max_silence_s)
 
     def start(self) -> None:
         """Start the probe loop."""
         self._task = asyncio.create_task(self._loop(), name="health-probes")
 
     async def stop(self) -> None:
-        """Stop the probe loop."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Stop the probe loop and the probes it started."""
+        tasks = [t for t in (self._task, *self._probes) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def probe_soon(self, inst: BackendState) -> None:
         """Probe one (new) instance now rather than at the next tick."""
@@ -85,15 +116,24 @@ class HealthChecker:
         asyncio.ensure_future(self.probe(inst))
 
     async def _loop(self) -> None:
+        # each instance at its own pace (probe skips one whose last probe still waits): a round that waited for
+        # its slowest probe kept every other instance unprobed for up to probe_timeout_s, one coming back too
         while True:
-            instances = list(self.registry.instances.values())
-            if instances:
-                await asyncio.gather(*(self.probe(i) for i in instances), return_exceptions=True)
+            for inst in list(self.registry.instances.values()):
+                if inst.name not in self._probing:
+                    task = asyncio.ensure_future(self.probe(inst))
+                    self._probes.add(task)
+                    task.add_done_callback(self._probe_done)
             await asyncio.sleep(self.config.probe_interval_s)
+
+    def _probe_done(self, task: asyncio.Task[bool]) -> None:
+        self._probes.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("a health probe failed: %r", exc)
 
     async def probe(self, inst: BackendState, fresh: bool = False) -> bool:
         """GET /health on the instance and update it (judge: healthy iff 200, or no answer in time while it
-        served); whether it is healthy now.
+        served or for fewer than timeout_threshold probes in a row); whether it is healthy now.
 
         A probe already running for it answers for this one too, unless `fresh`: then the answer is always
         from a probe started now (one that began before the instance came back would say it is down).
@@ -110,38 +150,51 @@ class HealthChecker:
         if seq < self._answered.get(inst.name, 0):
             return inst.healthy  # a probe started after this one has answered already: its word stands
         self._answered[inst.name] = seq
-        result, ok = judge(answer, inst.healthy, inst.pool.last_rx >= started)
+        served = inst.pool.last_rx >= started
+        inst.silent_probes = inst.silent_probes + 1 if answer == TIMEOUT and not served else 0
+        result, ok = judge(answer, inst.healthy, served, inst.silent_probes, self.config.timeout_threshold)
         if self.on_probe is not None:
             self.on_probe(inst.name, result)
-        if result == SERVING and not ok:
-            return False  # out of rotation, its legs still running: out until a probe passes
-        if ok and self._listener_due(inst):
-            # after a slow probe too: a local process on a dead engine's port could otherwise stream on its legs,
-            # leave /health unanswered and never have its listener checked
-            ok = self._listener_ok(inst)
-            if not ok:
-                result = "listener"
-        if result == SERVING and ok:
-            self._log_slow(inst)
+        # after every slow probe too: a local process on a dead engine's port could otherwise stream on its legs,
+        # or sit silent, leave /health unanswered and keep the instance in rotation (or standing in for its role)
+        # without its listener ever being checked
+        if (answer == TIMEOUT or (ok and self._listener_due(inst))) and not self._listener_ok(inst):
+            result, ok = LISTENER, False
+        if result == TIMEOUT or (not ok and result != SERVING):
+            inst.failed_probes += 1  # silence too, before it ejects: a planned stop learns from it that it went down
+        if ok and result in (SERVING, TIMEOUT):
+            self._log_slow(inst, result)
             return True
+        if result == SERVING:
+            return False  # out already: bytes do not put it back, nor change why it is out
         if ok and not inst.healthy:
             log.info("%s (%s) is healthy", inst.name, inst.url)
         elif not ok and inst.healthy:
-            log.warning("%s (%s) failed its health probe (%s): ejected", inst.name, inst.url, result)
+            why = f"no answer within {self.config.probe_timeout_s:g}s and nothing from it, {inst.silent_probes} " \
+                  "times in a row" if result == TIMEOUT else result
+            log.warning("%s (%s) failed its health probe (%s): ejected", inst.name, inst.url, why)
         inst.healthy = ok
+        inst.ejected_for = None if ok else result
+        if not ok and result != TIMEOUT:
+            inst.downs += 1
         if ok:
             inst.failures = 0
+            inst.leg_erred = False
             inst.ever_healthy = True
-        else:
-            inst.failed_probes += 1
         return ok
 
-    def _log_slow(self, inst: BackendState) -> None:
+    def _log_slow(self, inst: BackendState, result: str) -> None:
         now = time.monotonic()
         last, since = self._slow_logged.get(inst.name, (0.0, 0))
         if now - last >= LOG_EVERY_S:
-            log.warning("%s (%s) did not answer /health within %gs but is sending data: busy, not hung; kept in "
-                        "rotation (%d more since)", inst.name, inst.url, self.config.probe_timeout_s, since)
+            if result == SERVING:
+                log.warning("%s (%s) did not answer /health within %gs but is sending data: busy, not hung; kept "
+                            "in rotation (%d more since)", inst.name, inst.url, self.config.probe_timeout_s, since)
+            else:
+                log.warning("%s (%s) did not answer /health within %gs and sent nothing meanwhile (%d of %d probes in "
+                            "a row that eject it): starved or hung; kept in rotation (%d more since)", inst.name,
+                            inst.url, self.config.probe_timeout_s, inst.silent_probes, self.config.timeout_threshold,
+                            since)
             self._slow_logged[inst.name] = (now, 0)
         else:
             self._slow_logged[inst.name] = (last, since + 1)
@@ -199,15 +252,21 @@ class HealthChecker:
         inst.pool.release(conn)
         return OK if head.status == 200 else FAILED
 
-    def leg_failed(self, inst: BackendState) -> None:
-        """Passive check: count a failed leg; eject after fail_threshold in a row."""
+    def leg_failed(self, inst: BackendState, timed_out: bool) -> None:
+        """Passive check: count a failed leg (`timed_out`: no answer in time, rather than refused, reset or
+        broken); eject after fail_threshold in a row."""
         inst.failures += 1
+        inst.leg_erred = inst.leg_erred or not timed_out
         if inst.healthy and inst.failures >= self.config.fail_threshold:
             inst.healthy = False
-            log.warning("%s (%s) failed %d requests in a row: ejected until its probe passes",
-                        inst.name, inst.url, inst.failures)
+            inst.ejected_for = LEG_ERRORS if inst.leg_erred else LEG_TIMEOUTS
+            log.warning("%s (%s) failed %d requests in a row (%s): ejected until its probe passes",
+                        inst.name, inst.url, inst.failures, inst.ejected_for)
+        elif not inst.healthy and not timed_out:
+            inst.ejected_for = LEG_ERRORS  # out for silence, now refused or reset: it stands in for its role no more
 
     @staticmethod
     def leg_ok(inst: BackendState) -> None:
         """Passive check: a successful leg resets the failure count."""
         inst.failures = 0
+        inst.leg_erred = False

@@ -54,8 +54,16 @@ class BackendState:
         self.routed = 0
         self.dp_in_flight = [0] * dp_size
         self.dp_next = 0
-        self.failures = 0
+        self.failures = 0  # legs failed in a row (health.leg_failed)
+        self.leg_erred = False  # one of them was refused, reset or broken rather than timed out
+        self.silent_probes = 0  # probes in a row that got no answer in time while nothing came from it
+        # why health took it out of rotation (health.py: timeout, failed, unreachable, listener, leg_timeouts,
+        # leg_errors); None while healthy or before its first probe
+        self.ejected_for: str | None = None
         self.failed_probes = 0  # health probes that failed, ever (a planned stop learns from it that it went down)
+        # of those, the ones that found it down (refused, reset, an error status, a foreign listener): its engine
+        # may have restarted and its cache with it; silence says nothing of that (a starved engine keeps its cache)
+        self.downs = 0
         # the mode the engine runs (a connector that fixes it at start), from the plan (kv "transfer_mode") or, for
         # a plan that does not say, its registration (which can only keep it out of routing); None: unknown
         self.transfer_mode: str | None = str(self.kv["transfer_mode"]) if "transfer_mode" in self.kv else None
@@ -101,6 +109,7 @@ class BackendState:
             "role": self.role,
             "url": self.url,
             "healthy": self.healthy,
+            "ejected_for": self.ejected_for,
             "draining": self.draining,
             "stopping": self.stopping,
             "in_flight": self.in_flight,

@@ -177,7 +177,7 @@ async def run_prefill(
             await asyncio.wait((leg,))  # its clean-up (abort the engine leg, release the counts) runs first
     if not done:
         proxy.metrics.leg_failures.labels("prefill", "timeout").inc()
-        proxy.health.leg_failed(inst)
+        proxy.health.leg_failed(inst, timed_out=True)
         raise LegFailure(504, f"prefill on {inst.name} did not finish within {limit:g}s")
     return leg.result()
 
@@ -205,7 +205,7 @@ async def _keep(proxy: ProxyState, booking: Booking, leg: asyncio.Future[Any], u
         if not done:
             outcome = "timeout"
             proxy.metrics.leg_failures.labels("prefill", "timeout").inc()
-            proxy.health.leg_failed(inst)
+            proxy.health.leg_failed(inst, timed_out=True)
         elif leg.cancelled() or leg.exception() is not None:
             outcome = "failed"  # counted by the leg itself
         else:
@@ -266,7 +266,7 @@ async def _prefill(
             return (kv if isinstance(kv, dict) else None), data
         except UpstreamError as exc:
             proxy.metrics.leg_failures.labels("prefill", exc.reason).inc()
-            proxy.health.leg_failed(inst)
+            proxy.health.leg_failed(inst, exc.timed_out)
             raise upstream_failure("prefill", inst, exc) from None
         except asyncio.CancelledError:
             if conn is not None:
@@ -300,11 +300,12 @@ def _sse_error(status: int, message: str) -> bytes:
     return b"%x\r\n%b\r\n" % (len(event), event)
 
 
-def _leg_failed(proxy: ProxyState, inst: BackendState, reason: str, eject: bool = True) -> None:
-    """Count a failed decode leg by reason and (unless the engine answered for itself) toward ejection."""
+def _leg_failed(proxy: ProxyState, inst: BackendState, reason: str, eject: bool = True, timed_out: bool = False) -> None:
+    """Count a failed decode leg by reason and (unless the engine answered for itself) toward ejection;
+    `timed_out`: it got no answer in time, rather than refused, reset or broken."""
     proxy.metrics.leg_failures.labels("decode", reason).inc()
     if eject:
-        proxy.health.leg_failed(inst)
+        proxy.health.leg_failed(inst, timed_out)
 
 
 async def run_decode(
@@ -331,7 +332,7 @@ async def run_decode(
             try:
                 conn = await inst.pool.send("POST", path, headers, payload, collect=not stream)
             except UpstreamError as exc:
-                _leg_failed(proxy, inst, exc.reason)
+                _leg_failed(proxy, inst, exc.reason, timed_out=exc.timed_out)
                 raise upstream_failure("decode", inst, exc) from None
             whole = await _first_answer(proxy, inst, conn, stream, supervisor)
             if whole is not None:
@@ -376,10 +377,10 @@ async def _first_answer(
         await _race(conn.first_fut, supervisor, timeouts.first_token_s)
         return None
     except asyncio.TimeoutError:
-        _leg_failed(proxy, inst, "timeout")
+        _leg_failed(proxy, inst, "timeout", timed_out=True)
         raise LegFailure(504, f"decode on {inst.name} sent no token within {timeouts.first_token_s:g}s") from None
     except UpstreamError as exc:
-        _leg_failed(proxy, inst, exc.reason)
+        _leg_failed(proxy, inst, exc.reason, timed_out=exc.timed_out)
         raise upstream_failure("decode", inst, exc) from None
 
 
@@ -454,7 +455,7 @@ async def _end_stream_with_error(
     cut inside a chunk can take neither: its connection is closed, and the client sees an incomplete body."""
     if isinstance(error, UpstreamError):
         # the engine's connection ended mid-stream (e.g. the instance stopped): an error event, not a cut
-        _leg_failed(proxy, inst, error.reason)
+        _leg_failed(proxy, inst, error.reason, timed_out=error.timed_out)
         error = upstream_failure("decode", inst, error)
     status = error.status if isinstance(error, HandoffError) else 502
     message = error.message if isinstance(error, LegFailure) else f"decode leg on {inst.name} failed: {error}"

@@ -62,6 +62,11 @@ class _LiveCollector(Collector):
             "pdctl_proxy_instance_healthy", "1 when the instance is routable by health", labels=["instance", "role"]
         )
         draining = GaugeMetricFamily("pdctl_proxy_instance_draining", "1 while draining", labels=["instance", "role"])
+        ejected = GaugeMetricFamily(
+            "pdctl_proxy_instance_ejected", "1 while health holds the instance out of rotation, by why (timeout, "
+            "failed, unreachable, listener, leg_timeouts, leg_errors; docs/operations.md)",
+            labels=["instance", "role", "reason"],
+        )
         longest = GaugeMetricFamily("pdctl_proxy_hold_max_seconds",
                                     "The longest any request waited in the proxy for a role with no routable instance")
         longest.add_metric([], m.max_hold_s)
@@ -81,12 +86,15 @@ class _LiveCollector(Collector):
                 in_flight.add_metric(labels, inst.in_flight)
                 healthy.add_metric(labels, 1 if inst.healthy else 0)
                 draining.add_metric(labels, 1 if inst.draining else 0)
+                if inst.ejected_for is not None:
+                    ejected.add_metric([*labels, inst.ejected_for], 1)
                 if (where := m.source_of(inst)) is not None:
                     source.add_metric([*labels, where], 1)
         yield source
         yield in_flight
         yield healthy
         yield draining
+        yield ejected
 
 
 class ProxyMetrics:
@@ -158,6 +166,12 @@ class ProxyMetrics:
         self.kv_store_evictions = Counter(
             "pdctl_proxy_kv_store_evictions", "Prompts' KV folders the proxy evicted from the KV store",
             registry=self.registry,
+        )
+        self.panic_routes = Counter(
+            "pdctl_proxy_panic_routes",
+            "Requests routed to an instance out of rotation because none of its role was in rotation and what took "
+            "it out was silence alone (probe or leg timeouts; Envoy's panic threshold, docs/operations.md)",
+            ["role", "instance"], registry=self.registry,
         )
         self.routes = Counter(
             "pdctl_proxy_routes",

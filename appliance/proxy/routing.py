@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from appliance.connector import Connector
@@ -75,8 +75,13 @@ class Router:
     """Routes requests over the routable instances of each role with the policy the `routing` setting names."""
 
     def __init__(self, registry: InstanceRegistry, policy: Policy, mode: Callable[[], str], connector: Connector,
-                 rules: Rules, block_size: int | None = None) -> None:
+                 rules: Rules, block_size: int | None = None,
+                 stand_in: Callable[[Iterable[BackendState]], BackendState | None] = lambda instances: None,
+                 on_stand_in: Callable[[BackendState], None] = lambda inst: None) -> None:
         self.registry = registry
+        # of a role's in-service instances, none in rotation: the one its requests go to (health.HealthChecker's)
+        self._stand_in = stand_in
+        self.on_stand_in = on_stand_in  # a request routed to an instance out of rotation, each time
         self.policy = policy
         self.mode = mode
         self.connector = connector
@@ -106,15 +111,24 @@ class Router:
 
     def routable(self, inst: BackendState) -> bool:
         """Healthy, not draining or in a planned stop, and running the proxy's transfer mode (where known)."""
-        if not inst.healthy or inst.draining or inst.stopping:
+        return inst.healthy and self.in_service(inst)
+
+    def in_service(self, inst: BackendState) -> bool:
+        """Not draining or in a planned stop, and running the proxy's transfer mode (where known): whatever its
+        health says."""
+        if inst.draining or inst.stopping:
             return False
         return not (self.checks_mode and inst.transfer_mode is not None and inst.transfer_mode != self.mode())
 
+    def stand_in(self, role: str) -> BackendState | None:
+        """The instance of `role` that takes its requests while none is routable (health.stand_in), or None."""
+        return self._stand_in(i for i in self.registry.by_role[role] if self.in_service(i))
+
     def pick(self, role: str, request: RequestFacts) -> BackendState | None:
-        """The policy's instance of `role` for `request`, or None when none is routable."""
+        """The policy's instance of `role` for `request`; its stand-in when none is routable; or None."""
         candidates = [i for i in self.registry.by_role[role] if self.routable(i)]
         if not candidates:
-            return None
+            return self.stand_in(role)
         return self.policy.pick(role, candidates, request)
 
     def facts(self, request: RequestFacts, prefill: BackendState, decode: BackendState,
@@ -149,11 +163,12 @@ class Router:
 
     def route(self, request: RequestFacts) -> Route:
         """The route for `request`, booked on its instances at once (no await in between: a drain that starts
-        afterwards waits for it); raises Unroutable when a role it needs has no routable instance."""
+        afterwards waits for it); raises Unroutable when a role it needs has no routable instance and no stand-in."""
         if not self.disaggregated:
             inst = self.pick("both", request)
             if inst is None:
                 raise Unroutable(())
+            self._count_stand_ins(inst)
             return Route(inst, inst.pick_rank(), None, None, (inst.book(),), "colocated", "colocated")
         prefill = self.pick("prefill", request)
         decode = self.pick("decode", request)
@@ -166,9 +181,16 @@ class Router:
             if window is not None:
                 # every prompt the decode prefills counts, whatever the rule that sent it there
                 window.add(now, window_tokens(facts, self.rules))
+            self._count_stand_ins(decode)
             return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason)
         # Both instances count the request until it ends: the decode leg starts only after the prefill leg in
         # READ mode, and a drain of the decode instance in between must wait for it rather than let it be
         # stopped under the request (a 502 "cannot connect").
         bookings = (prefill.book(), decode.book())
+        self._count_stand_ins(prefill, decode)
         return Route(decode, decode.pick_rank(), prefill, prefill.pick_rank(), bookings, name, reason)
+
+    def _count_stand_ins(self, *chosen: BackendState) -> None:
+        for inst in chosen:
+            if not inst.healthy:
+                self.on_stand_in(inst)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from appliance.connector import get_connector
 from appliance.proxy.config import ProxyConfig, read_secret
-from appliance.proxy.health import HealthChecker
-from appliance.proxy.instances import InstanceRegistry
+from appliance.proxy.health import LOG_EVERY_S, HealthChecker
+from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.kv_events import KvEventsListener
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.planned import PlannedStops
@@ -16,6 +17,8 @@ from appliance.proxy.policies import POLICIES
 from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.routing import Router
+
+log = logging.getLogger("appliance.proxy.state")
 
 
 class ProxyState:
@@ -44,8 +47,10 @@ class ProxyState:
         # the engines' KV cache events, for prefix affinity's exact path (bound by app.Proxy.start)
         self.kv_events = KvEventsListener(lambda: list(self.registry.instances.values()), policy.event_blocks) \
             if isinstance(policy, PrefixAffinity) and config.prefix_affinity.kv_events else None
-        self.router = Router(self.registry, policy, lambda: self.mode, self.connector, rules, config.block_size)
+        self.router = Router(self.registry, policy, lambda: self.mode, self.connector, rules, config.block_size,
+                             stand_in=self.health.stand_in, on_stand_in=self._stood_in)
         self.planned = PlannedStops(self.registry, self.health)
+        self._panic_logged: dict[str, float] = {}  # per role: when a request last went to a stand-in was logged
         self.started_at = time.time()
         # While pdctl re-carves the node a role can briefly have no routable instance: requests then wait
         # (bounded) for one instead of failing. Set through the admin API (/admin/hold), off by default.
@@ -58,6 +63,21 @@ class ProxyState:
         self.kept: set[asyncio.Task[None]] = set()
         self.keep_cap = min(config.limits.max_kept_prefills, config.limits.max_connections)
         self.registry.set_static(config.backends)
+
+    def _stood_in(self, inst: BackendState) -> None:
+        self.metrics.panic_routes.labels(inst.role, inst.name).inc()
+        now = time.monotonic()
+        if now - self._panic_logged.get(inst.role, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._panic_logged[inst.role] = now
+            log.warning("no %s instance is in rotation: routing to %s, out for %s (silence alone), the least bad; "
+                        "see pdctl_proxy_panic_routes_total", inst.role, inst.name, inst.ejected_for)
+
+    def panic(self) -> dict[str, str]:
+        """Per role with no instance in rotation, the instance its requests go to instead (Router.stand_in)."""
+        router = self.router
+        stand_ins = {role: router.stand_in(role) for role, insts in self.registry.by_role.items()
+                     if not any(router.routable(i) for i in insts)}
+        return {role: inst.name for role, inst in stand_ins.items() if inst is not None}
 
     # readiness
     def ready(self) -> tuple[bool, dict[str, int]]:

@@ -194,6 +194,29 @@ def test_an_instance_that_went_down_or_was_replaced_is_forgotten(how: str) -> No
     asyncio.run(scenario())
 
 
+def test_an_instance_whose_probes_only_timed_out_is_not_forgotten() -> None:
+    """A starved engine answers its probes late (silence: it may even be ejected for it) but has not restarted: its
+    cache is as it was, and the conversation's next turn still hits the 6 blocks of the 96 tokens sent before."""
+    async def scenario() -> None:
+        async with engines("both", "both") as pair, running_proxy(
+            _affinity([backend("both-0", "both", pair[0]), backend("both-1", "both", pair[1])])
+        ) as px:
+            await eventually(lambda: px.ready()[1]["both"] == 2, what="both healthy")
+            prompt = list(range(1, 33))
+            first, (holder, gained) = await _next_turn(px.api_port, prompt), await _next_turn(px.api_port, prompt)
+            assert first == (holder, 0) and gained == 4 * BLOCK
+            inst, engine = px.registry.get(holder), pair[int(holder[-1])]
+            assert inst is not None
+            silent, engine.health_delay_s = inst.silent_probes, 2 * px.config.health.probe_timeout_s
+            await eventually(lambda: inst.silent_probes > silent, what="a probe that timed out", timeout=30)
+            engine.health_delay_s = 0.0
+            await eventually(lambda: px.ready()[1]["both"] == 2 and inst.silent_probes == 0, what="answered again",
+                             timeout=30)
+            assert await _next_turn(px.api_port, prompt) == (holder, 6 * BLOCK)
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("body", [
     {"prompt": [1] * 20 + [[2]] * 20},  # a list among the token ids: not hashable
     {"prompt": [[1] * 20, [1] * 17 + [{"a": 1}] * 20]},  # a batch whose second prompt holds objects

@@ -15,8 +15,20 @@ from appliance.connector.moriio.registration import (
     check_against_plan,
     normalize_registration,
 )
-from appliance.proxy.config import Backend, DecodeStep, ProxyConfig, Routing
-from appliance.proxy.health import FAILED, OK, SERVING, TIMEOUT, UNREACHABLE, judge
+from appliance.proxy.config import Backend, DecodeStep, HealthConfig, ProxyConfig, Routing
+from appliance.proxy.health import (
+    FAILED,
+    LEG_ERRORS,
+    LEG_TIMEOUTS,
+    LISTENER,
+    OK,
+    SERVING,
+    TIMEOUT,
+    UNREACHABLE,
+    HealthChecker,
+    judge,
+    stand_in,
+)
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import POLICIES, RequestFacts
 from appliance.proxy.policies.conditional import (
@@ -435,24 +447,88 @@ def test_a_route_decided_decode_only_books_only_the_decode_and_says_so() -> None
     assert (prefill.routed, decode.routed) == (0, 0)
 
 
-# (answer, bytes came while it waited) -> (result, healthy after) for an instance in rotation, and out of it
+# (answer, bytes came while it waited, silent probes in a row with this one) -> (result, healthy after) for an
+# instance in rotation, and out of it; timeout_threshold 2
 PROBE_VERDICTS = [
-    (OK, False, (OK, True), (OK, True)),
-    (OK, True, (OK, True), (OK, True)),
-    (FAILED, False, (FAILED, False), (FAILED, False)),
-    (FAILED, True, (FAILED, False), (FAILED, False)),  # vLLM's 500 once its engine died: out, whatever streamed
-    (UNREACHABLE, False, (UNREACHABLE, False), (UNREACHABLE, False)),
-    (UNREACHABLE, True, (UNREACHABLE, False), (UNREACHABLE, False)),  # refused or reset: out at once
-    (TIMEOUT, False, (TIMEOUT, False), (TIMEOUT, False)),  # hung: silent everywhere
-    (TIMEOUT, True, (SERVING, True), (SERVING, False)),  # busy: stays in, and bytes never put one back
+    (OK, False, 0, (OK, True), (OK, True)),
+    (OK, True, 0, (OK, True), (OK, True)),
+    (FAILED, False, 0, (FAILED, False), (FAILED, False)),
+    (FAILED, True, 0, (FAILED, False), (FAILED, False)),  # vLLM's 500 once its engine died: out, whatever streamed
+    (UNREACHABLE, False, 0, (UNREACHABLE, False), (UNREACHABLE, False)),
+    (UNREACHABLE, True, 0, (UNREACHABLE, False), (UNREACHABLE, False)),  # refused or reset: out at once
+    (TIMEOUT, False, 1, (TIMEOUT, True), (TIMEOUT, False)),  # silent once: starved as often as hung, stays in
+    (TIMEOUT, False, 2, (TIMEOUT, False), (TIMEOUT, False)),  # silent twice in a row: out
+    (TIMEOUT, True, 0, (SERVING, True), (SERVING, False)),  # busy: stays in, and bytes never put one back
 ]
 
 
-@pytest.mark.parametrize(("answer", "served", "in_rotation", "out_of_rotation"), PROBE_VERDICTS)
-def test_a_probe_ejects_on_its_answer_and_on_a_timeout_only_when_nothing_came(
-        answer: str, served: bool, in_rotation: tuple[str, bool], out_of_rotation: tuple[str, bool]) -> None:
-    assert judge(answer, True, served) == in_rotation
-    assert judge(answer, False, served) == out_of_rotation
+@pytest.mark.parametrize(("answer", "served", "silent", "in_rotation", "out_of_rotation"), PROBE_VERDICTS)
+def test_a_probe_ejects_on_its_answer_and_on_silence_only_at_the_threshold(
+        answer: str, served: bool, silent: int, in_rotation: tuple[str, bool], out_of_rotation: tuple[str, bool]) -> None:
+    assert judge(answer, True, served, silent, 2) == in_rotation
+    assert judge(answer, False, served, silent, 2) == out_of_rotation
+
+
+def _out(inst: BackendState, why: str, last_rx: float) -> BackendState:
+    inst.healthy, inst.ever_healthy, inst.ejected_for, inst.pool.last_rx = False, True, why, last_rx
+    return inst
+
+
+def test_the_stand_in_is_the_instance_heard_from_last_of_those_out_for_silence_alone() -> None:
+    registry = _registry(("decode-0", "decode"), ("decode-1", "decode"), ("decode-2", "decode"))
+    d0, d1, d2 = (registry.instances[f"decode-{i}"] for i in range(3))
+    _out(d0, TIMEOUT, 100.0)
+    _out(d1, LEG_TIMEOUTS, 105.0)
+    _out(d2, TIMEOUT, 90.0)
+    assert stand_in([d0, d1, d2], 110.0, 30.0) is d1
+    # a refusal, an error status, a foreign listener or failed legs say more than silence: never a stand-in
+    for why in (UNREACHABLE, FAILED, LISTENER, LEG_ERRORS):
+        assert stand_in([_out(d1, why, 105.0)], 110.0, 30.0) is None, why
+    assert stand_in([d0, d1, d2], 110.0, 30.0) is d0
+    # silent for longer than max_silence_s: hung or restarting, not starved
+    assert stand_in([d0, d2], 130.1, 30.0) is None
+    assert stand_in([d0, d2], 125.0, 30.0) is d0
+    d0.ever_healthy = False  # never served (an engine still starting): not one
+    assert stand_in([d0, d2], 110.0, 30.0) is d2
+    d2.healthy = True  # in rotation: the router picks it by its policy, not as a stand-in
+    assert stand_in([d2], 110.0, 30.0) is None
+
+
+def test_a_role_with_none_in_rotation_goes_to_its_stand_in_and_says_so() -> None:
+    registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"))
+    d0, d1 = registry.instances["decode-0"], registry.instances["decode-1"]
+    stood_in: list[str] = []
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), OFF,
+                    stand_in=lambda instances: stand_in(instances, 110.0, 30.0), on_stand_in=lambda i: stood_in.append(i.name))
+    _out(d0, TIMEOUT, 100.0)
+    with router.route(FACTS) as route:
+        assert route.decode is d1 and stood_in == []  # one still in rotation: it takes them all
+    _out(d1, TIMEOUT, 101.0)
+    with router.route(FACTS) as route:
+        assert route.decode is d1 and stood_in == ["decode-1"]
+    d1.draining = True  # drained or in a planned stop: out of service, never a stand-in
+    with router.route(FACTS) as route:
+        assert route.decode is d0 and stood_in == ["decode-1", "decode-0"]
+    d0.ejected_for = UNREACHABLE
+    with pytest.raises(Unroutable, match="^decode$"):
+        router.route(FACTS)
+
+
+@pytest.mark.parametrize(("timed_out", "why"), [((True, True, True), LEG_TIMEOUTS), ((True, False, True), LEG_ERRORS)])
+def test_failed_legs_eject_for_timeouts_only_when_every_one_timed_out(timed_out: tuple[bool, ...], why: str) -> None:
+    registry = _registry(("decode-0", "decode"))
+    inst = registry.instances["decode-0"]
+    health = HealthChecker(registry, HealthConfig(fail_threshold=3))
+    for each in timed_out:
+        assert inst.healthy and inst.ejected_for is None
+        health.leg_failed(inst, each)
+    assert not inst.healthy and inst.ejected_for == why
+    # out for silence and standing in for its role, a leg that is refused or reset ends that
+    _out(inst, TIMEOUT, 100.0)
+    health.leg_failed(inst, True)
+    assert stand_in([inst], 101.0, 30.0) is inst
+    health.leg_failed(inst, False)
+    assert inst.ejected_for == LEG_ERRORS and stand_in([inst], 101.0, 30.0) is None
 
 
 def test_the_prefill_window_sums_what_was_sent_within_it_and_forgets_the_rest() -> None:

@@ -37,6 +37,7 @@ class FakeEngine:
     prefill_gate: asyncio.Event | None = None  # set: the prefills waiting on it answer (a prefill still computing)
     crash_after_tokens: int | None = None
     health_status: int = 200
+    health_delay_s: float = 0.0  # /health answers this late (a starved API server)
     status_before_stream: int = 200
     requests: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -74,6 +75,8 @@ class FakeEngine:
             self._runner = None
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return web.Response(status=self.health_status)
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -151,12 +151,12 @@ def _is_token_ids(value: Any) -> bool:
 class BlockIndex:
     """The prompt blocks one instance is expected to hold: an LRU of chained block hashes, at most `capacity`."""
 
-    __slots__ = ("blocks", "capacity", "failed_probes")
+    __slots__ = ("blocks", "capacity", "downs")
 
-    def __init__(self, capacity: int, failed_probes: int) -> None:
+    def __init__(self, capacity: int, downs: int) -> None:
         self.blocks: OrderedDict[int, None] = OrderedDict()
         self.capacity = capacity
-        self.failed_probes = failed_probes  # the instance's count when this index began: a change means it went down
+        self.downs = downs  # the instance's probes that found it down when this index began: a change means it went down
 
     def matched(self, chain: list[int]) -> int:
         """How many leading blocks of `chain` are held."""
@@ -383,8 +383,8 @@ class PrefixAffinity(Policy):
 
     def _index(self, inst: BackendState) -> BlockIndex:
         index = self._indexes.get(inst)
-        if index is None or index.failed_probes != inst.failed_probes:
-            index = self._indexes[inst] = BlockIndex(self.capacity, inst.failed_probes)
+        if index is None or index.downs != inst.downs:
+            index = self._indexes[inst] = BlockIndex(self.capacity, inst.downs)
         return index
 
     def _cached(self, inst: BackendState, request: RequestFacts) -> int:
