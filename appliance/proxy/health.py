@@ -5,6 +5,9 @@ A probe that gets no answer within probe_timeout_s ejects the instance only when
 connection (its legs' streams and answers) while the probe waited: an engine that sends tokens is serving, its
 /health is slow because its API server is busy; a hung one (stopped, deadlocked) sends nothing. A refused or
 reset connection, a broken answer and any answer but 200 eject at once (docs/threat-model.md: the ejection rule).
+
+An instance whose probe passes is warmed up (appliance.proxy.warmup) before it is (re)admitted, unless it was since
+it last failed a probe or was reported restarted: a fresh engine's one-time work is not a client's to wait for.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import psutil
 
@@ -50,11 +53,14 @@ class HealthChecker:
 
     def __init__(self, registry: InstanceRegistry, config: HealthConfig,
                  on_listener: Callable[[str], None] | None = None,
-                 on_probe: Callable[[str, str], None] | None = None) -> None:
+                 on_probe: Callable[[str, str], None] | None = None,
+                 warm: Callable[[BackendState], Awaitable[bool]] | None = None) -> None:
         self.registry = registry
         self.config = config
         self.on_listener = on_listener
         self.on_probe = on_probe  # (instance name, result) of every probe that answers for itself
+        self.warm = warm  # warms an instance up; whether it may be admitted after (None: no warm-up)
+        self._warming: dict[str, asyncio.Task[None]] = {}  # per instance name: its warm-up under way
         self.engine_uid = os.geteuid() if config.engine_uid is None else config.engine_uid
         self._local = frozenset(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs)
         self._listener_checked: dict[str, float] = {}  # per instance: when its listener's owner was last seen right
@@ -70,11 +76,19 @@ class HealthChecker:
         self._task = asyncio.create_task(self._loop(), name="health-probes")
 
     async def stop(self) -> None:
-        """Stop the probe loop."""
-        if self._task is not None:
-            self._task.cancel()
+        """Stop the probe loop and the warm-ups under way."""
+        tasks = [t for t in (self._task, *self._warming.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+
+    def restarted(self, inst: BackendState) -> None:
+        """The instance's engine was started again (its unit or `pdctl restart` says so): out of rotation until it
+        has passed a probe and been warmed up, even where no probe saw it down."""
+        inst.healthy = False
+        inst.warm = False
 
     def probe_soon(self, inst: BackendState) -> None:
         """Probe one (new) instance now rather than at the next tick."""
@@ -124,6 +138,11 @@ class HealthChecker:
         if result == SERVING and ok:
             self._log_slow(inst)
             return True
+        if ok and not inst.healthy and not inst.warm and self.warm is not None:
+            self._warm_up(inst)  # admitted by a probe of its own once warm
+            return False
+        if not ok:
+            inst.warm = False  # down, or not itself: it may come back as a new process
         if ok and not inst.healthy:
             log.info("%s (%s) is healthy", inst.name, inst.url)
         elif not ok and inst.healthy:
@@ -135,6 +154,20 @@ class HealthChecker:
         else:
             inst.failed_probes += 1
         return ok
+
+    def _warm_up(self, inst: BackendState) -> None:
+        """Warm the instance up (once at a time), then probe it again to admit it."""
+        if inst.name not in self._warming:
+            self._warming[inst.name] = asyncio.ensure_future(self._warm_then_probe(inst))
+
+    async def _warm_then_probe(self, inst: BackendState) -> None:
+        assert self.warm is not None
+        try:
+            inst.warm = await self.warm(inst)
+        finally:
+            del self._warming[inst.name]
+        if inst.warm and not inst.removed:
+            await self.probe(inst, fresh=True)
 
     def _log_slow(self, inst: BackendState) -> None:
         now = time.monotonic()

@@ -6,9 +6,10 @@ import asyncio
 import time
 
 from appliance.connector import get_connector
+from appliance.proxy import warmup
 from appliance.proxy.config import ProxyConfig, read_secret
 from appliance.proxy.health import HealthChecker
-from appliance.proxy.instances import InstanceRegistry
+from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.kv_events import KvEventsListener
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.planned import PlannedStops
@@ -36,7 +37,8 @@ class ProxyState:
         self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
         self.health = HealthChecker(self.registry, config.health,
                                     on_listener=lambda result: self.metrics.listener_checks.labels(result).inc(),
-                                    on_probe=lambda name, result: self.metrics.health_probes.labels(name, result).inc())
+                                    on_probe=lambda name, result: self.metrics.health_probes.labels(name, result).inc(),
+                                    warm=self._warm_up if config.health.warmup_timeout_s > 0 else None)
         step = config.decode_step
         rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at, config.decode_only_window_ms / 1000,
                       step.room_per_leg() if step else 0.0)
@@ -58,6 +60,14 @@ class ProxyState:
         self.kept: set[asyncio.Task[None]] = set()
         self.keep_cap = min(config.limits.max_kept_prefills, config.limits.max_connections)
         self.registry.set_static(config.backends)
+
+    async def _warm_up(self, inst: BackendState) -> bool:
+        """Warm `inst` up (appliance.proxy.warmup), counted and logged; whether it may be admitted now."""
+        result, took = await warmup.warm_up(inst, self.config.model, self.engine_key,
+                                            self.config.health.warmup_timeout_s)
+        self.metrics.warmups.labels(inst.name, result).inc()
+        self.metrics.warmup_seconds.labels(inst.name).set(took)
+        return warmup.admits(result)
 
     # readiness
     def ready(self) -> tuple[bool, dict[str, int]]:
