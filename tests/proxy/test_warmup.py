@@ -75,7 +75,8 @@ def _example_node(c: Cluster, storage: Path) -> tuple[Sim, Sim]:
     d = c.sim("decode-0", "decode", "example", "--shared-storage", str(storage), "--first-logprobs-s", str(COMPILE_S))
     c.ready()
     c.start_proxy(proxy_config("example", backends=static_backends(("prefill-0", "prefill", p),
-                                                                   ("decode-0", "decode", d))))
+                                                                   ("decode-0", "decode", d)),
+                               health={"warmup_timeout_s": 60}))
     c.ready()
     return p, d
 
