@@ -103,6 +103,7 @@ class BackendState:
             "role": self.role,
             "url": self.url,
             "healthy": self.healthy,
+            "warm": self.warm,
             "draining": self.draining,
             "stopping": self.stopping,
             "in_flight": self.in_flight,
