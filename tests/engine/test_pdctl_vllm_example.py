@@ -62,10 +62,13 @@ def colocated(homes: Path) -> Iterator[VllmNode]:
 # vLLM 0.32 compiles its logprob ranking (torch inductor) on the first request asking for logprobs or prompt
 # logprobs, and the ExampleConnector's decode-only route asks for prompt logprobs: before the proxy warmed the
 # engines up, the README's first request took 4.46 s through `pdctl up`'s node on this box (16.4 s on a busier
-# one; the compile alone 1.9-2.3 s on one engine), the next ones 0.07-0.18 s. The compile runs in the request's
-# first step, so it is in the time to its first streamed token, which is free of the rest of the answer (32 tokens
-# took 2-5 s with two nodes on the loaded 2-core box): a third of the old figure, several times a first token.
-FIRST_TOKEN_BOUND_S = 1.5
+# one), the next ones 0.07-0.18 s. The compile runs in the request's first step, so it is in the time to the first
+# streamed token, which is free of the rest of the answer (32 tokens took 2-5 s with two nodes on the loaded box).
+# That first token, warm-up off ([proxy] warmup_timeout_s = 0): 1.69 s, then 0.02 and 0.01 s; warmed: 0.03, 0.06,
+# 0.01 s. The bound is 0.5 s (under a third of the old 1.69 s, 8x the warm figure) or, on a box so loaded that a
+# warm first token is slower, 5x the slower of the next two requests' (the old one was 85x).
+FIRST_TOKEN_FLOOR_S = 0.5
+FIRST_TOKEN_RATIO = 5
 
 
 def _warmups(url: str) -> dict[str, float]:
@@ -103,7 +106,7 @@ def test_the_first_request_after_up_is_served_promptly(node: VllmNode, colocated
     body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}
     took = [_first_token_s(node.url, body) for _ in range(3)]
     print(f"vLLM CPU, first token of the README's request right after `pdctl up`: {', '.join(f'{t:.2f}' for t in took)} s")
-    assert took[0] < FIRST_TOKEN_BOUND_S, took
+    assert took[0] < max(FIRST_TOKEN_FLOOR_S, FIRST_TOKEN_RATIO * max(took[1:])), took
 
 
 def test_disaggregated_vllm_on_cpu_matches_colocated(node: VllmNode, colocated: VllmNode) -> None:
