@@ -7,12 +7,14 @@ that wait is the judge; a client's time is checked against a bound the old behav
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from appliance.proxy import warmup
 from appliance.proxy.admin_client import AdminClient
 from tests.proxy.cluster import (
     MODEL,
@@ -25,6 +27,8 @@ from tests.proxy.cluster import (
     sim_state,
     static_backends,
 )
+from tests.support.fake_engines import backend, engines, running_proxy
+from tests.support.fake_engines import proxy_config as fake_proxy_config
 from tests.support.httpclient import post
 from tests.support.waiting import eventually
 
@@ -135,3 +139,39 @@ async def _not_routable(c: Cluster) -> bool:
 
 async def _warmed(c: Cluster, instance: str, times: int) -> bool:
     return await _warmups(c, instance) >= times
+
+
+def test_a_warmup_admits_the_instance_unless_its_engine_went_away() -> None:
+    assert warmup.worst([warmup.OK, warmup.OK]) == warmup.OK
+    assert warmup.worst([warmup.OK, warmup.REFUSED, warmup.TIMEOUT]) == warmup.TIMEOUT
+    assert warmup.worst([warmup.TIMEOUT, warmup.UNREACHABLE, warmup.OK]) == warmup.UNREACHABLE
+    assert [warmup.admits(r) for r in (warmup.OK, warmup.REFUSED, warmup.TIMEOUT, warmup.UNREACHABLE)] == \
+        [True, True, True, False]
+    request = json.loads(warmup.body("m"))
+    # what sets off vLLM's compile, greedy and short; prompt logprobs also skip the KV connector's lookup
+    assert request["logprobs"] == 1 and request["prompt_logprobs"] == 0 and request["max_tokens"] == 2
+    assert request["temperature"] == 0 and request["model"] == "m"
+
+
+def test_an_engine_that_refuses_or_stalls_its_warmup_is_admitted_after_it() -> None:
+    """A warm-up never keeps a serving engine out: one answered 503 is admitted at once, one that does not answer
+    within warmup_timeout_s then (both counted by result); the warm-up request carries pdctl's own id."""
+
+    async def scenario() -> None:
+        async with engines("both", status_before_stream=503) as (refusing,), \
+                engines("both", token_delay_s=30) as (stalling,), running_proxy(
+                fake_proxy_config("none", [backend("both-0", "both", refusing), backend("both-1", "both", stalling)],
+                                  health={"warmup_timeout_s": 1.0}), wait_ready=False) as px:
+            await eventually(lambda: all(i.healthy for i in px.registry.instances.values()), timeout=30,
+                             what="both instances admitted")
+            assert _count(px, "both-0", warmup.REFUSED) == 1 and _count(px, "both-1", warmup.TIMEOUT) == 1
+            for engine in (refusing, stalling):
+                assert engine.requests[0]["id"].startswith("pdctl-warmup-"), engine.requests[0]
+
+    asyncio.run(scenario())
+
+
+def _count(px: Any, instance: str, result: str) -> float:
+    value = px.metrics.registry.get_sample_value("pdctl_proxy_engine_warmups_total",
+                                                 {"instance": instance, "result": result})
+    return float(value or 0)
