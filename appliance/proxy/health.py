@@ -85,8 +85,8 @@ class HealthChecker:
                 await task
 
     def restarted(self, inst: BackendState) -> None:
-        """The instance's engine was started again (its unit or `pdctl restart` says so): out of rotation until it
-        has passed a probe and been warmed up, even where no probe saw it down."""
+        """The instance's engine was started again (its unit or `pdctl restart` says so) where no probe saw it down:
+        out of rotation until it has passed a probe and been warmed up."""
         inst.healthy = False
         inst.warm = False
 

@@ -122,12 +122,25 @@ def test_an_engine_back_from_a_crash_or_a_reported_restart_is_warmed_before_it_i
         took = await _timed_request(c, 2)
         assert took < PROMPT_BOUND_S, f"the first client request after the restart took {took:.2f}s\n{c.logs()}"
 
-        # the same process reported started (as if restarted between two probes): warmed up again, then routed
+        # a planned stop, and the same process reported started (as if restarted between two probes): warmed up
+        # again, then routed; held requests wait for it
         assert c.proxy is not None
-        answer = await asyncio.to_thread(AdminClient(c.proxy.admin_url).started, "decode-0")
-        assert answer["instance"] == "decode-0"
-        await eventually(lambda: _warmed(c, "decode-0", 3), timeout=60, what="a third warm-up of decode-0")
-        await eventually(lambda: _routable(c), timeout=60, what="decode-0 back in rotation")
+        admin = AdminClient(c.proxy.admin_url)
+        await asyncio.to_thread(admin.stopping, "decode-0", 60, 0, 120)
+        answer = await asyncio.to_thread(admin.started, "decode-0")
+        assert answer["instance"] == "decode-0" and answer["healthy"] is False  # warming up
+        took = await _timed_request(c, 3)  # held while it warms up, then served
+        assert await _warmups(c, "decode-0") == 3
+        # a restart the probes saw (above) is not warmed twice when its unit reports it too
+        await asyncio.to_thread(admin.stopping, "decode-0", 60, 0, 120)
+        back.kill()
+        await eventually(lambda: _probed_down(c), timeout=60, what="the probes see decode-0 down")
+        again = c.sim("decode-0", "decode", "example", "--shared-storage", str(tmp_path),
+                      "--first-logprobs-s", str(COMPILE_S), "--port", str(port))
+        again.wait_ready()
+        await asyncio.to_thread(admin.started, "decode-0")
+        await eventually(lambda: _routable(c), timeout=120, what="decode-0 back after its second restart")
+        assert await _warmups(c, "decode-0") == 4, took
 
     with cluster() as c:
         run(scenario(c))
@@ -175,3 +188,9 @@ def _count(px: Any, instance: str, result: str) -> float:
     value = px.metrics.registry.get_sample_value("pdctl_proxy_engine_warmups_total",
                                                  {"instance": instance, "result": result})
     return float(value or 0)
+
+
+async def _probed_down(c: Cluster) -> bool:
+    assert c.proxy is not None
+    state = await asyncio.to_thread(AdminClient(c.proxy.admin_url).state)
+    return not next(i for i in state["instances"] if i["name"] == "decode-0")["healthy"]
