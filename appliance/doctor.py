@@ -9,6 +9,8 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -25,6 +27,9 @@ from appliance.plan import Plan, all_ports
 from appliance.settings import Settings
 
 Status = Literal["ok", "warn", "fail"]
+Say = Callable[[str], None]  # where a check says what it is doing while it takes long (a line each)
+
+PROGRESS_EVERY_S = 5.0  # while vLLM imports (about 30 s on a busy 2-core box): a line this often
 
 # Run in the engine's Python: report vLLM's version and whether the connector's library loads.
 # Every exception counts: mori raises OSError without ROCm, amdsmi KeyError, a broken wheel anything.
@@ -62,19 +67,32 @@ def engine_python(settings: Settings) -> str:
     return settings.engine.python or sys.executable
 
 
-def probe_engine(python: str, connector: str, timeout: float = 180.0) -> dict[str, str]:
-    """Import vLLM and the connector library in the engine's Python; never raises."""
+def probe_engine(python: str, connector: str, timeout: float = 180.0, say: Say | None = None) -> dict[str, str]:
+    """Import vLLM and the connector library in the engine's Python, saying every PROGRESS_EVERY_S that it still
+    does; never raises."""
     library = get_connector(connector).library
     if not (Path(python).exists() or shutil.which(python)):
         return {"vllm_error": f"{python} does not exist"}
-    try:
-        r = subprocess.run([python, "-c", _PROBE, library.probe if library else ""], capture_output=True,
-                           text=True, timeout=timeout, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
-    except subprocess.TimeoutExpired:
-        return {"vllm_error": f"importing vLLM took longer than {timeout:.0f} s"}
-    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    started = time.monotonic()
+    with subprocess.Popen([python, "-c", _PROBE, library.probe if library else ""], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                          env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}) as proc:
+        while True:
+            try:
+                # a retry after TimeoutExpired loses no output (subprocess's documentation)
+                out, err = proc.communicate(timeout=min(PROGRESS_EVERY_S, max(started + timeout - time.monotonic(), 0)))
+                break
+            except subprocess.TimeoutExpired:
+                waited = time.monotonic() - started
+                if waited >= timeout:
+                    proc.kill()
+                    proc.communicate()
+                    return {"vllm_error": f"importing vLLM took longer than {timeout:.0f} s"}
+                if say is not None:
+                    say(f"  still importing vLLM ({waited:.0f} s)")
+    lines = [line for line in out.splitlines() if line.startswith("{")]
     if not lines:
-        return {"vllm_error": (r.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+        return {"vllm_error": (err.strip().splitlines() or ["no output"])[-1][:300]}
     result: dict[str, str] = json.loads(lines[-1])
     return result
 
@@ -197,11 +215,11 @@ def _gpus_row(inventory: Inventory) -> Finding:
 
 
 def refused_findings(settings: Settings, inventory: Inventory, error: PdctlError,
-                     probe_timeout: float = 180.0) -> list[Finding]:
+                     probe_timeout: float = 180.0, say: Say | None = None) -> list[Finding]:
     """When no plan can be made for the node and none is deployed: every check that needs no plan (GPUs,
     vLLM and the settings' connector library, RDMA), and the planner's refusal as the last row."""
     named = settings.connector.name if settings.connector.name != "auto" else None
-    return [*node_checks(settings, inventory, named, probe_timeout),
+    return [*node_checks(settings, inventory, named, probe_timeout, say),
             Finding("plan", "fail", error.message, error.fix or "")]
 
 
@@ -305,9 +323,10 @@ def check_kv_store(p: Plan) -> list[Finding]:
     return findings
 
 
-def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout: float = 180.0) -> list[Finding]:
-    """All doctor checks for this node and plan."""
-    findings = node_checks(settings, inventory, p.connector, probe_timeout)
+def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout: float = 180.0,
+               say: Say | None = None) -> list[Finding]:
+    """All doctor checks for this node and plan (`say`: progress while one takes long)."""
+    findings = node_checks(settings, inventory, p.connector, probe_timeout, say)
     need = get_connector(p.connector).rdma(settings.connector.own(p.connector))
     findings.append(check_memlock(settings, p, pins_memory=need is not None))
     findings.append(check_ports(settings, p))
@@ -318,9 +337,9 @@ def run_checks(settings: Settings, inventory: Inventory, p: Plan, probe_timeout:
 
 
 def node_checks(settings: Settings, inventory: Inventory, connector_name: str | None,
-                probe_timeout: float = 180.0) -> list[Finding]:
+                probe_timeout: float = 180.0, say: Say | None = None) -> list[Finding]:
     """The checks that need no plan: GPUs, the engine's vLLM and (where a connector is known) its library and
-    RDMA."""
+    RDMA (`say`: progress while vLLM imports)."""
     findings: list[Finding] = []
     connector = get_connector(connector_name) if connector_name else None
     with_connector = f" with the {connector_name} connector" if connector_name else ""
@@ -337,7 +356,9 @@ def node_checks(settings: Settings, inventory: Inventory, connector_name: str | 
         findings.append(Finding("engine", "ok", "simulated engine (no vLLM needed)"))
     else:
         python = engine_python(settings)
-        result = probe_engine(python, connector_name or "none", probe_timeout)
+        if say is not None:
+            say(f"importing vLLM in {python} (about 30 s on a busy 2-core box)")
+        result = probe_engine(python, connector_name or "none", probe_timeout, say)
         if "vllm" in result:
             cmd = server_command("python", "MODEL", settings.engine.vllm_package)
             server = f"python -m {cmd[2]}" + (" serve" if cmd[3] == "serve" else "")

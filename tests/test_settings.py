@@ -185,7 +185,9 @@ def test_a_bad_connector_table_is_one_line_naming_the_key(tmp_path: Path, text: 
 
 # The proxy's config fields no [proxy] key sets: the plan decides them, or only a hand-written proxy.json does.
 NOT_PROXY_KEYS = {"mode", "connector", "model", "block_size", "max_model_len", "backends", "registration.enabled",
-                  "engine_api_key_file", "client_max_size", "max_tokens_limit", "health",
+                  "engine_api_key_file", "client_max_size", "max_tokens_limit", "health.probe_interval_s",
+                  "health.fail_threshold", "health.probe_timeout_s", "health.listener_check_interval_s",
+                  "health.engine_uid", "health.timeout_threshold", "health.panic_max_silence_s",
                   "decode_only_window_ms",  # the plan writes slo.itl_ms
                   "kv_store"}  # the plan writes the connector's KV folders and its [connector.<name>] bounds
 
@@ -211,9 +213,10 @@ def test_every_proxy_key_is_defined_by_the_proxys_own_config_field() -> None:
     # step spread it sizes it on
     assert set(ProxySettings.model_fields) - set(PROXY_KEYS) == {"restart_drain_s", "restart_hold_s", "conditional_routing",
                                                                 "decode_step_spread"}
-    leaves = {f"{name}.{sub}" if name in ("registration", "admin", "timeouts") else name
+    tables = ("registration", "admin", "timeouts", "health")
+    leaves = {f"{name}.{sub}" if name in tables else name
               for name, field in ProxyConfig.model_fields.items()
-              for sub in (field.annotation.model_fields if name in ("registration", "admin", "timeouts") else [""])}
+              for sub in (field.annotation.model_fields if name in tables else [""])}
     assert leaves == set(PROXY_KEYS.values()) | NOT_PROXY_KEYS
 
 
@@ -225,7 +228,7 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
              "prefill_timeout_s": 60.0, "first_token_timeout_s": 70.0, "between_tokens_timeout_s": 8.0,
              "limits": {"max_connections": 99, "max_n": 4}, "decode_only_below": 300, "prefill_saturated_at": 6,
              "prefix_affinity": {"load_bound": 2, "cache_tokens": 4096},
-             "decode_step": {"ms_per_seq": 0.5, "prefill_us_per_token": 40.0}}
+             "decode_step": {"ms_per_seq": 0.5, "prefill_us_per_token": 40.0}, "warmup_timeout_s": 30.0}
     assert set(proxy) == set(PROXY_KEYS)
     planned = plan(Settings.model_validate({"connector": {"name": "moriio"}, "proxy": proxy}),
                    load_inventory("sim:mi300x-8"))

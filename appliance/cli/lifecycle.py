@@ -169,7 +169,8 @@ def progress_table(plan: Plan, snap: Snapshot, elapsed: float) -> Table:
 
 def proxy_health(plan: Plan, snap: Snapshot) -> str:
     """The proxy in `pdctl up`'s progress: "ready", what a proxy that answers still waits for (it logs "ready
-    on HOST:PORT" once it listens, long before a vLLM engine has loaded), or "waiting" while it does not answer."""
+    on HOST:PORT" once it listens, long before a vLLM engine has loaded; a role whose engines answer /health is
+    being warmed up), or "waiting" while it does not answer."""
     if snap.proxy is None:
         return "waiting"
     if snap.proxy.get("ready"):
@@ -179,7 +180,12 @@ def proxy_health(plan: Plan, snap: Snapshot) -> str:
         return "ready"
     healthy = snap.proxy.get("healthy") or {}
     missing = [role for role in dict.fromkeys(i.role for i in plan.instances) if not healthy.get(role)]
-    return f"listening, waiting for {' and '.join(missing)}" if missing else "listening"
+    answering = {i.role for i in plan.instances if snap.health.get(i.name)}
+    warming = [role for role in missing if role in answering]
+    waiting = [role for role in missing if role not in answering]
+    parts = ([f"warming up {' and '.join(warming)}"] if warming else []) + \
+        ([f"waiting for {' and '.join(waiting)}"] if waiting else [])
+    return ", ".join(["listening", *parts])
 
 
 def progress_lines(plan: Plan, snap: Snapshot, elapsed: float, seen: dict[str, str]) -> list[str]:

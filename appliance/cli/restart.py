@@ -69,15 +69,30 @@ class PlannedRestart:
         except ProxyAdminError as exc:
             self.say(f"{inst.name}: the proxy was not told it is back ({exc.message})")
 
+    def routed_again(self, inst: Instance, deadline: float) -> None:
+        """Wait until the proxy routes to `inst` again (it warms a restarted engine up first), or the deadline: the
+        next instance of its role is stopped only then."""
+        while time.monotonic() < deadline:
+            try:
+                mine = [i for i in self.admin.state()["instances"] if i["name"] == inst.name]
+            except ProxyAdminError:
+                return  # no proxy, or it does not answer: nobody routes to it to wait for
+            if not mine or (mine[0]["healthy"] and not mine[0]["stopping"]):
+                self.say(f"{inst.name}: back in rotation")
+                return
+            time.sleep(0.3)
+
     def restart_one(self, inst: Instance) -> bool:
-        """Drain, restart, wait until healthy, re-admit; False when it did not come back in time."""
+        """Drain, restart, wait until healthy, re-admit (and routed again); False when it did not come back in
+        time."""
         unit = instance_unit(inst)
         before = self.mgr.status()[unit]
         self.stopping(inst)
+        back = False
+        deadline = time.monotonic() + self.health_timeout_s
         try:
             self.mgr.restart([unit])
             self.say(f"{inst.name}: restarting")
-            deadline = time.monotonic() + self.health_timeout_s
             while time.monotonic() < deadline:
                 st = self.mgr.status()[unit]
                 if st.state == "failed":
@@ -87,12 +102,15 @@ class PlannedRestart:
                 fresh = st.pid is not None and (st.pid != before.pid or st.started_at != before.started_at)
                 if fresh and st.state == "running" and http_answer(inst.url + "/health") == 200:
                     self.say(f"{inst.name}: healthy")
-                    return True
+                    back = True
+                    break
                 time.sleep(0.3)
-            return False
         finally:
             # also when it failed: requests then stop waiting for it at once instead of at the hold's end
             self.started(inst)
+        if back:
+            self.routed_again(inst, deadline)
+        return back
 
 
 def hand_over_proxy(plan: Plan, mgr: ServiceManager, timeout_s: float, say: Callable[[str], None]) -> None:

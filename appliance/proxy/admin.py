@@ -203,6 +203,10 @@ async def post_started(request: web.Request) -> web.Response:
     inst = proxy.registry.get(name)
     if inst is None:
         return _error(404, f"no instance named {name!r}")
+    if proxy.planned.unseen_restart(name):
+        # a new engine process that no probe saw come (the old one went between two probes): warmed up before it
+        # is routable; one the probes saw go is warmed up on its way back anyway
+        proxy.health.restarted(inst)
     healthy = await proxy.health.probe(inst, fresh=True)
     if healthy:
         was_stopping = proxy.planned.end(name, "reported started")

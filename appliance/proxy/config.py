@@ -87,6 +87,11 @@ class HealthConfig(_Model):
     # (re)admitted and again on the first probe after this interval while it stays healthy
     listener_check_interval_s: float = Field(default=10.0, gt=0)
     engine_uid: int | None = Field(default=None, ge=0)  # the engines' user; None: the proxy's own
+    # Before an instance is (re)admitted the proxy sends it a tiny request of its own, so that vLLM's one-time
+    # work on a first request (compiling its logprob ranking: seconds) is not a client's (appliance.proxy.warmup)
+    warmup_timeout_s: float = Field(default=120.0, ge=0, description=(
+        "How long the warm-up of an instance about to be (re)admitted may take; then it is admitted anyway (0: no "
+        "warm-up)"))
 
 
 class Limits(_Model):

@@ -8,6 +8,10 @@ connection while it waited (its legs' streams and answers: the engine is serving
 ejects only at timeout_threshold such probes in a row (a starved engine, e.g. on a loaded host, answers late;
 a hung one stays silent). And when every instance of a role is out and what took each out was silence alone, the
 router sends requests to the one heard from last rather than refuse them all (stand_in: Envoy's panic threshold).
+
+An instance whose probe passes is warmed up (appliance.proxy.warmup) before it is (re)admitted, unless it has been
+since a probe last found it down (silence alone does not count: a starved engine is the same process) or it was
+reported restarted: a fresh engine's one-time work is not a client's to wait for.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import psutil
 
@@ -75,11 +79,14 @@ class HealthChecker:
 
     def __init__(self, registry: InstanceRegistry, config: HealthConfig,
                  on_listener: Callable[[str], None] | None = None,
-                 on_probe: Callable[[str, str], None] | None = None) -> None:
+                 on_probe: Callable[[str, str], None] | None = None,
+                 warm: Callable[[BackendState], Awaitable[bool]] | None = None) -> None:
         self.registry = registry
         self.config = config
         self.on_listener = on_listener
         self.on_probe = on_probe  # (instance name, result) of every probe that answers for itself
+        self.warm = warm  # warms an instance up; whether it may be admitted after (None: no warm-up)
+        self._warming: dict[str, asyncio.Task[None]] = {}  # per instance name: its warm-up under way
         self.engine_uid = os.geteuid() if config.engine_uid is None else config.engine_uid
         self._local = frozenset(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs)
         self._listener_checked: dict[str, float] = {}  # per instance: when its listener's owner was last seen right
@@ -101,11 +108,17 @@ class HealthChecker:
         self._task = asyncio.create_task(self._loop(), name="health-probes")
 
     async def stop(self) -> None:
-        """Stop the probe loop and the probes it started."""
-        tasks = [t for t in (self._task, *self._probes) if t is not None]
+        """Stop the probe loop, the probes it started and the warm-ups under way."""
+        tasks = [t for t in (self._task, *self._probes, *self._warming.values()) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def restarted(self, inst: BackendState) -> None:
+        """The instance's engine was started again (its unit or `pdctl restart` says so) where no probe saw it down:
+        out of rotation until it has passed a probe and been warmed up."""
+        inst.healthy = False
+        inst.warm = False
 
     def probe_soon(self, inst: BackendState) -> None:
         """Probe one (new) instance now rather than at the next tick."""
@@ -167,6 +180,11 @@ class HealthChecker:
             return True
         if result == SERVING:
             return False  # out already: bytes do not put it back, nor change why it is out
+        if ok and not inst.healthy and not inst.warm and self.warm is not None:
+            self._warm_up(inst)  # admitted by a probe of its own once warm
+            return False
+        if not ok and result != TIMEOUT:
+            inst.warm = False  # down, or not itself: it may come back as a new process (silence alone: the same one)
         if ok and not inst.healthy:
             log.info("%s (%s) is healthy", inst.name, inst.url)
         elif not ok and inst.healthy:
@@ -182,6 +200,20 @@ class HealthChecker:
             inst.leg_erred = False
             inst.ever_healthy = True
         return ok
+
+    def _warm_up(self, inst: BackendState) -> None:
+        """Warm the instance up (once at a time), then probe it again to admit it."""
+        if inst.name not in self._warming:
+            self._warming[inst.name] = asyncio.ensure_future(self._warm_then_probe(inst))
+
+    async def _warm_then_probe(self, inst: BackendState) -> None:
+        assert self.warm is not None
+        try:
+            inst.warm = await self.warm(inst)
+        finally:
+            del self._warming[inst.name]
+        if inst.warm and not inst.removed:
+            await self.probe(inst, fresh=True)
 
     def _log_slow(self, inst: BackendState, result: str) -> None:
         now = time.monotonic()

@@ -41,6 +41,8 @@ class BackendState:
         self.address = (canonical_host(self.host), self.port)  # what a registration for it must claim
         self.pool = UpstreamPool(self.host, self.port, connect_timeout)
         self.healthy = False
+        # its engine has had its warm-up (appliance.proxy.warmup) since it last failed a probe or was restarted
+        self.warm = False
         self.ever_healthy = False  # passed a probe once: kept when registrations crowd the registry
         self.added_mono = time.monotonic()
         self.draining = False
@@ -110,6 +112,7 @@ class BackendState:
             "url": self.url,
             "healthy": self.healthy,
             "ejected_for": self.ejected_for,
+            "warm": self.warm,
             "draining": self.draining,
             "stopping": self.stopping,
             "in_flight": self.in_flight,

@@ -135,6 +135,16 @@ class ProxyMetrics:
             "answer, but data came on its legs meanwhile: kept in rotation)", ["instance", "result"],
             registry=self.registry,
         )
+        self.warmups = Counter(
+            "pdctl_proxy_engine_warmups",
+            "Warm-ups of an instance before its (re)admission, by instance and result: ok, refused (answered, not "
+            "200), timeout (health.warmup_timeout_s), unreachable (it went away: not admitted)", ["instance", "result"],
+            registry=self.registry,
+        )
+        self.warmup_seconds = Gauge(
+            "pdctl_proxy_engine_warmup_seconds", "How long the instance's last warm-up took", ["instance"],
+            registry=self.registry,
+        )
         self.client_aborts = Counter(
             "pdctl_proxy_client_aborts",
             "Requests the client abandoned (legs aborted), by when: body (while sending it), answer (before the "

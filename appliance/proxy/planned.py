@@ -81,6 +81,11 @@ class PlannedStops:
         stop.seen_down = True
         return True
 
+    def unseen_restart(self, name: str) -> bool:
+        """Whether `name` is in a planned stop in which no probe has seen it down."""
+        stop = self.active.get(name)
+        return stop is not None and not stop.seen_down and stop.inst.failed_probes == stop.failed_probes
+
     def hold_wait(self) -> float:
         """The longest a new request may wait for a role now (0 when no planned stop is in force)."""
         if not self.active:

@@ -7,6 +7,7 @@ import logging
 import time
 
 from appliance.connector import get_connector
+from appliance.proxy import warmup
 from appliance.proxy.config import ProxyConfig, read_secret
 from appliance.proxy.health import LOG_EVERY_S, HealthChecker
 from appliance.proxy.instances import BackendState, InstanceRegistry
@@ -39,7 +40,8 @@ class ProxyState:
         self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
         self.health = HealthChecker(self.registry, config.health,
                                     on_listener=lambda result: self.metrics.listener_checks.labels(result).inc(),
-                                    on_probe=lambda name, result: self.metrics.health_probes.labels(name, result).inc())
+                                    on_probe=lambda name, result: self.metrics.health_probes.labels(name, result).inc(),
+                                    warm=self._warm_up if config.health.warmup_timeout_s > 0 else None)
         step = config.decode_step
         rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at, config.decode_only_window_ms / 1000,
                       step.room_per_leg() if step else 0.0)
@@ -78,6 +80,14 @@ class ProxyState:
         stand_ins = {role: router.stand_in(role) for role, insts in self.registry.by_role.items()
                      if not any(router.routable(i) for i in insts)}
         return {role: inst.name for role, inst in stand_ins.items() if inst is not None}
+
+    async def _warm_up(self, inst: BackendState) -> bool:
+        """Warm `inst` up (appliance.proxy.warmup), counted and logged; whether it may be admitted now."""
+        result, took = await warmup.warm_up(inst, self.config.model, self.engine_key,
+                                            self.config.health.warmup_timeout_s)
+        self.metrics.warmups.labels(inst.name, result).inc()
+        self.metrics.warmup_seconds.labels(inst.name).set(took)
+        return warmup.admits(result)
 
     # readiness
     def ready(self) -> tuple[bool, dict[str, int]]:

@@ -187,14 +187,17 @@ def test_up_says_what_a_listening_proxy_waits_for(tmp_path: Path) -> None:
     plan = make_plan(load_settings(_config(tmp_path, _free_port())), load_inventory("sim:cpu"))
     units = {PROXY_UNIT: UnitStatus(name=PROXY_UNIT, state="running")}
 
-    def health(proxy: dict[str, object] | None) -> str:
-        return proxy_health(plan, Snapshot(units, {}, proxy))
+    def health(proxy: dict[str, object] | None, answering: dict[str, bool] | None = None) -> str:
+        return proxy_health(plan, Snapshot(units, answering or {}, proxy))
 
     assert health(None) == "waiting"  # not answering yet
     assert health({"ready": False, "healthy": {"prefill": 0, "decode": 0, "both": 0}}) == \
         "listening, waiting for prefill and decode"
     assert health({"ready": False, "healthy": {"prefill": 1, "decode": 0}}) == \
         "listening, waiting for decode"
+    # the engine answers /health, the proxy does not route to it yet: it is warming it up
+    assert health({"ready": False, "healthy": {"prefill": 0, "decode": 0}}, {"prefill-0": True}) == \
+        "listening, warming up prefill, waiting for decode"
     assert health({"ready": True, "healthy": {"prefill": 1, "decode": 1}}) == "ready"
 
 

@@ -62,11 +62,14 @@ class ProxyProc(Proc):
 
 def proxy_config(connector: str, mode: str = "read", backends: list[dict[str, Any]] | None = None,
                  registration_port: int | None = None, **overrides: Any) -> dict[str, Any]:
-    """A ProxyConfig (as data) on free ports, with probes and timeouts that allow for separate processes."""
+    """A ProxyConfig (as data) on free ports, with probes and timeouts that allow for separate processes; no
+    warm-up unless `overrides` ask for one (a fault set at an engine's start, a hung prefill or a crash after N
+    tokens, is the client's to meet: the warm-up's own tests are tests/proxy/test_warmup.py)."""
     config = proxyconfig.proxy_config(
         connector, MODEL, proxyconfig.SEPARATE_PROCESSES, backends, mode=mode,
         registration={"enabled": registration_port is not None, "port": registration_port or 0},
         timeouts={"connect_s": 5, "prefill_s": 30, "first_token_s": 30, "between_tokens_s": 30},
+        health={"warmup_timeout_s": 0},
     )
     return deep_merge(config, overrides)
 

@@ -94,7 +94,9 @@ def colocated_node(workdir: Path, *engine_args: str, **proxy_overrides: Any) -> 
     node = Node(workdir)
     try:
         url = node.engine("both-0", "both", "none", *engine_args)
-        node.proxy("none", [{"name": "both-0", "role": "both", "url": url}], **proxy_overrides)
+        proc = node.proxy("none", [{"name": "both-0", "role": "both", "url": url}], **proxy_overrides)
+        # ready: its engine admitted (probed and warmed up), as `pdctl up` waits for it
+        node.wait_http(proc, node.proxy_url + "/health")
         yield node
     finally:
         node.stop()

@@ -56,11 +56,13 @@ async def _ready(proxy: Proxy) -> None:
 def test_write_mode_hung_prefill_is_a_gateway_error_not_500() -> None:
     async def scenario() -> tuple[int, Any]:
         async with write_pair(kv_wait_timeout_s=0.5) as (prefill, decode):
-            prefill.cfg.faults.hang_prefill = True
             proxy = Proxy(_config(prefill, decode, prefill_s=5.0, first_token_s=5.0))
             await proxy.start()
             try:
                 await _ready(proxy)
+                # hung once admitted: a prefill hung from its start never passes its warm-up in time (then, after
+                # health.warmup_timeout_s, it is admitted and its requests fail the same way)
+                prefill.cfg.faults.hang_prefill = True
                 async with aiohttp.ClientSession() as session, session.post(
                     f"http://127.0.0.1:{proxy.api_port}/v1/completions",
                     json={"model": "sim-model", "prompt": "hello " * 20, "max_tokens": 4},

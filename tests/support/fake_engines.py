@@ -156,9 +156,11 @@ class FakeEngine:
 
 
 def proxy_config(connector: str, backends: list[dict[str, Any]], **overrides: Any) -> ProxyConfig:
-    """A ProxyConfig on free ports with fast probes; MORI-IO's registration listener on where it is the connector."""
+    """A ProxyConfig on free ports with fast probes; MORI-IO's registration listener on where it is the connector.
+    No warm-up unless `overrides` ask for one: these tests count each request an engine got (the warm-up's own:
+    tests/proxy/test_warmup.py)."""
     raw = proxyconfig.proxy_config(connector, MODEL, proxyconfig.IN_PROCESS, backends,
-                                   registration={"enabled": connector == "moriio"})
+                                   registration={"enabled": connector == "moriio"}, health={"warmup_timeout_s": 0})
     return ProxyConfig.model_validate(deep_merge(raw, overrides))
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.inventory import load_inventory
 from appliance.node import Node
@@ -108,6 +110,7 @@ def test_systemctl_restart_pd_decode_under_load_fails_nothing(booted) -> None:
     ns, config, p = booted
     env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
     wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
+    warmed = _warmups(p.proxy.url, "decode-0")
     load = Load(p.proxy.url).start()
     try:
         for _ in range(2):
@@ -115,6 +118,8 @@ def test_systemctl_restart_pd_decode_under_load_fails_nothing(booted) -> None:
             assert ns.show("pd-decode-0.service", "ActiveState") == "active"
     finally:
         load.stop()
+    # each new decode process was warmed up by the proxy before it took the held requests
+    assert _warmups(p.proxy.url, "decode-0") == warmed + 2
     doc = status(config, env)
     figures = restart_figures(doc, load)
     print(f"systemd, systemctl restart pd-decode x2: {figures}")
@@ -125,6 +130,14 @@ def test_systemctl_restart_pd_decode_under_load_fails_nothing(booted) -> None:
     assert {i["name"]: i["restarts"] for i in doc["instances"]} == {"prefill-0": 0, "decode-0": 2}
     stops = ns.run("journalctl", "-u", "pd-decode-0.service", "-o", "cat", "--no-pager").stdout
     assert stops.count("pdctl proxy-notify stopping decode-0") == 2, stops[-2000:]
+
+
+def _warmups(proxy_url: str, instance: str) -> float:
+    """The proxy's pdctl_proxy_engine_warmups_total{instance, result="ok"}."""
+    with urllib.request.urlopen(proxy_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "pdctl_proxy_engine_warmups_total" and s.labels == {"instance": instance, "result": "ok"})
 
 
 def test_a_unit_that_stops_by_itself_comes_back_and_status_says_why(booted) -> None:

@@ -77,6 +77,10 @@ class SimConfig(SimTimeModel):
     # vLLM binds its HTTP port only once loaded.
     load_s: float = Field(default=0.0, ge=0,
                           description="Seconds spent 'loading the model' before listening (like vLLM).")
+    # vLLM 0.32 compiles its logprob ranking (torch inductor) the first time a request asks for logprobs or prompt
+    # logprobs: 2-16 s on a busy 2-core box, paid by that request and any that asks for them meanwhile.
+    first_logprobs_s: float = Field(default=0.0, ge=0, description=(
+        "The first request asking for logprobs or prompt logprobs waits this long (vLLM compiles on first use)."))
     # vLLM's API server runs its EngineCore (and workers) as children in its process group; when the API server
     # dies by itself they keep running. This child is left behind however the engine ends, the worst case.
     engine_core_child: bool = Field(default=False, description=(

@@ -205,6 +205,8 @@ class SimServer:
         self.prompt_tokens_total = 0
         self._tokens_since_fault = 0
         self._metrics_asked = asyncio.Event()  # the health_waits_for_metrics fault's gate
+        self._compiled: asyncio.Task[None] | None = None  # first_logprobs_s: the one-time "compile"
+        self.compiled_for: str | None = None  # the X-Request-Id of the request that set it off
         self._runner: web.AppRunner | None = None
         self.ready = False
         self.registry = make_registry(self)
@@ -310,6 +312,7 @@ class SimServer:
             "http_port": self.port,
             "instance_name": self.cfg.instance_name,
             "stats": dict(self.connector.stats),
+            "compiled_for": self.compiled_for,
         }
         return web.json_response(state)
 
@@ -391,6 +394,9 @@ class SimServer:
             if faults.prefill_delay_s:
                 await asyncio.sleep(faults.prefill_delay_s)
 
+        if self.cfg.first_logprobs_s and (body.get("logprobs") not in (None, False)
+                                          or body.get("prompt_logprobs") is not None):
+            await self._compile_once(request.headers.get("X-Request-Id") or response_id)
         self.requests_total += 1
         self.prompt_tokens_total += len(seq.prompt)
         self.engine.add(seq)
@@ -404,6 +410,15 @@ class SimServer:
                 self.connector.on_abort(seq)
             elif seq.error is not None:
                 self.failed_total += 1
+
+    async def _compile_once(self, request_id: str) -> None:
+        """first_logprobs_s: the first request that needs logprobs sets off the one-time wait; it and any other
+        that needs them meanwhile wait for its end (vLLM compiles once per process, in the engine's one loop)."""
+        if self._compiled is None:
+            self.compiled_for = request_id
+            log.info("compiling the logprob ranking for %s (%gs, once)", request_id, self.cfg.first_logprobs_s)
+            self._compiled = asyncio.ensure_future(asyncio.sleep(self.cfg.first_logprobs_s))
+        await asyncio.shield(self._compiled)
 
     def _usage(self, seq: Sequence) -> dict[str, Any]:
         return {

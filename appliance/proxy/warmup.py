@@ -1,0 +1,93 @@
+"""Warming an engine before the proxy routes clients to it.
+
+vLLM does some work once per process, on the first request that needs it, not at start: 0.32 compiles its logprob
+ranking (vllm/v1/sample/ops/logprobs.py, `@torch.compile`, torch inductor, also with --enforce-eager) the first time
+a request asks for logprobs or prompt logprobs. On the CPU default every short prompt does (the ExampleConnector's
+decode-only route asks for prompt logprobs), so a node's first client request took 2-16 s on a busy 2-core box,
+the next ones 0.1 s. Before the proxy (re)admits an instance (at start, and after any restart or ejection) it sends
+the instance a tiny request of its own that needs the same work, one per DP rank, bounded by warmup_timeout_s; the
+answer goes nowhere. A warm-up that fails for any reason but the engine going away still admits the instance: the
+warm-up may make an engine's first client request faster, never keep a serving engine out of rotation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from appliance.proxy.instances import BackendState
+from appliance.proxy.upstream import UpstreamError
+
+log = logging.getLogger("appliance.proxy.warmup")
+
+# what a warm-up found: its pdctl_proxy_engine_warmups_total result
+OK = "ok"  # every request answered 200
+REFUSED = "refused"  # answered, not 200 (an engine that cannot serve logprobs, a model name it does not know)
+TIMEOUT = "timeout"  # not answered within warmup_timeout_s
+UNREACHABLE = "unreachable"  # the connection was refused or reset: the engine went away
+_WORST_FIRST = (UNREACHABLE, TIMEOUT, REFUSED, OK)
+
+PROMPT = "pdctl warm-up: is this engine ready to serve?"  # several tokens in any tokenizer
+REQUEST_ID = "pdctl-warmup"  # X-Request-Id prefix: an engine's log tells the warm-up from a client's request
+
+
+def body(model: str) -> bytes:
+    """The warm-up request: greedy, two tokens, with logprobs and prompt logprobs (what sets off vLLM's compile).
+
+    Prompt logprobs also make vLLM skip its KV connector's lookup, so the warm-up never reads a hand-off."""
+    request = {"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "logprobs": 1,
+               "prompt_logprobs": 0}
+    return json.dumps(request, separators=(",", ":")).encode()
+
+
+def worst(results: list[str]) -> str:
+    """One result for a warm-up of several requests (one per DP rank): the worst of theirs."""
+    return min(results, key=_WORST_FIRST.index)
+
+
+def admits(result: str) -> bool:
+    """Whether the instance may be admitted after a warm-up with this result: unless the engine went away."""
+    return result != UNREACHABLE
+
+
+async def _one(inst: BackendState, payload: bytes, headers: list[tuple[str, str]], deadline: float) -> str:
+    """One warm-up request on `inst`: OK, REFUSED, TIMEOUT or UNREACHABLE."""
+    try:
+        conn, head = await inst.pool.open("POST", "/v1/completions", headers, payload, collect=True,
+                                          head_timeout=max(deadline - time.monotonic(), 0.001))
+    except UpstreamError as exc:
+        return TIMEOUT if exc.timed_out else UNREACHABLE
+    assert conn.done_fut is not None
+    try:
+        await asyncio.wait_for(asyncio.shield(conn.done_fut), max(deadline - time.monotonic(), 0.001))
+    except asyncio.TimeoutError:
+        conn.abort()
+        return TIMEOUT
+    except UpstreamError as exc:
+        conn.abort()
+        return TIMEOUT if exc.timed_out else UNREACHABLE
+    except BaseException:
+        conn.abort()
+        raise
+    inst.pool.release(conn)
+    return OK if head.status == 200 else REFUSED
+
+
+async def warm_up(inst: BackendState, model: str, engine_key: str | None, timeout_s: float) -> tuple[str, float]:
+    """Send `inst` its warm-up, one request per DP rank at once (vLLM spreads concurrent requests over its ranks);
+    the worst result of them and the seconds it took (logged)."""
+    auth = [("Authorization", f"Bearer {engine_key}")] if engine_key is not None else []
+    payload = body(model)
+    deadline = time.monotonic() + timeout_s
+    results: list[str] = await asyncio.gather(*(
+        _one(inst, payload, [("X-Request-Id", f"{REQUEST_ID}-{inst.name}-{rank}-{time.time_ns()}"), *auth], deadline)
+        for rank in range(inst.dp_size)))
+    result, took = worst(results), time.monotonic() - deadline + timeout_s
+    if result == OK:
+        log.info("%s (%s) warmed up in %.2fs", inst.name, inst.url, took)
+    else:
+        log.warning("%s (%s) warm-up: %s after %.2fs%s", inst.name, inst.url, result, took,
+                    "" if admits(result) else "; not admitted")
+    return result, took
