@@ -1,6 +1,7 @@
-"""How long the everyday commands take: `pdctl --help` and `pdctl status` against a running deployment.
+"""How long the everyday commands take: `pdctl --help` and `pdctl status` against a running deployment, and
+`pdctl up` and `pdctl down` of a simulated node.
 
-    python benchmarks/cli_latency.py [--runs 20] [--config FILE] [--against TREE]
+    python benchmarks/cli_latency.py [--runs 20] [--lifecycle-runs 5] [--config FILE] [--against TREE]
 
 Without `--config` it brings up a deployment of simulated engines under supervisord (settings, state and
 ports of its own in a tmp folder, never /etc/pdctl), runs each command `--runs` times as an operator's loop
@@ -12,6 +13,8 @@ same deployment, its runs interleaved with this tree's so that both see the same
 `pdctl status --json (in process)` is what one status costs once Python and pdctl are loaded: the command run
 again in a process that already ran it (its asking of the manager, the engines and the proxy, and the document):
 on a loaded machine the fresh processes' wall time is mostly the run queue's, which hides a change there.
+Without `--config` it also brings up and takes down a node of its own `--lifecycle-runs` times (each tree's in
+turn): an operator waits for both, and most tests of the suite pay both.
 """
 
 from __future__ import annotations
@@ -104,10 +107,32 @@ def measure(config: Path, runs: int, env: dict[str, str],
     return out
 
 
+def lifecycle(runs: int, env: dict[str, str], trees: dict[str, Path], tmp: Path) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds of `pdctl up` and then `pdctl down` of a fresh simulated node, `runs` times per tree,
+    the trees taking turns."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    steps = {"pdctl up (simulated node)": ["--inventory", "sim:cpu", "up"], "pdctl down (simulated node)": ["down"]}
+    for run in range(runs):
+        for label, tree in trees.items():
+            home = tmp / f"lifecycle-{label}-{run}"
+            home.mkdir()
+            config = write_config(home, home / "state")
+            for name, args in steps.items():
+                start, cpu = time.perf_counter(), _children_cpu()
+                done = _pdctl(config, args, env, tree)
+                out.setdefault(f"{name} [{label}]" if len(trees) > 1 else name, []).append(
+                    (time.perf_counter() - start, _children_cpu() - cpu))
+                if done.returncode != 0:
+                    _pdctl(config, ["down"], env, tree)
+                    raise SystemExit(f"{name} ({tree}) exited {done.returncode}: {done.stderr.strip()}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Bring up a simulated node (unless --config), time the commands, print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--lifecycle-runs", type=int, default=5, help="up and down of a node of its own (0: none)")
     parser.add_argument("--config", type=Path, help="measure the node this settings file deploys")
     parser.add_argument("--against", type=Path, help="another pdctl source tree to time on the same deployment")
     args = parser.parse_args(argv)
@@ -129,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if args.config is None:
                 _pdctl(config, ["down"], env)
+        if args.config is None:
+            figures |= lifecycle(args.lifecycle_runs, env, trees, Path(tmp))
     width = max(len(name) for name in figures)
     print(f"{'command':<{width}} {'median':>7} {'min':>7} {'max':>7} {'CPU':>7}  (seconds, {args.runs} runs, "
+          f"up/down {args.lifecycle_runs if args.config is None else 0}, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})")
     for name, runs in figures.items():
         wall = [w for w, _ in runs]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -10,14 +11,18 @@ from appliance.bench.results import BenchResult, RateResult, routes
 from appliance.errors import PdctlError
 
 
+def require_matplotlib() -> None:
+    """A PdctlError with the fix when matplotlib is not installed; found without importing it (seconds on a busy
+    node), so `pdctl bench` can say so before it measures without making every other mistake wait for it."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PdctlError("plots need matplotlib", fix="pip install 'pdctl[bench]' or pass --no-plots")
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot on the headless Agg backend; a PdctlError with the fix when matplotlib is missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise PdctlError(
-            "plots need matplotlib", fix="pip install 'pdctl[bench]' or pass --no-plots"
-        ) from None
+    require_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg")  # files only: never needs a display
     import matplotlib.pyplot as plt
 

@@ -209,9 +209,9 @@ def bench(ctx: click.Context, /, **opts: Any) -> None:
         _replay([Path(p) for p in opts["from_json"]], opts)
         return
     if opts["plots"]:
-        from appliance.bench.plots import pyplot
+        from appliance.bench.plots import require_matplotlib
 
-        pyplot()  # no matplotlib: say so before measuring, not after
+        require_matplotlib()  # no matplotlib: say so before measuring, not after
     if opts["url"] and opts["compare"]:
         raise PdctlError("--url and --compare both given", fix="--compare deploys its own shapes; drop --url")
     if opts["token_range"] is not None:

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, get_args
 
 import click
@@ -99,6 +99,8 @@ class Snapshot:
     # the proxy answers but refuses pdctl's admin token (a rotated token, a user who cannot read it): the line
     proxy_refused: str | None = None
     at: float = field(default_factory=time.time)
+    # units that keep exiting as they start (exiting_at_start; set by wait_ready, which knows the first look)
+    exiting: list[str] = field(default_factory=list)
 
     def ready(self, plan: Plan) -> bool:
         """Every instance running (past the manager's start window) and healthy, the proxy running, reporting
@@ -118,8 +120,19 @@ class Snapshot:
         return {role: n - counts.get(role, 0) for role, n in planned.items() if counts.get(role, 0) < n}
 
     def failed(self) -> list[str]:
-        """Units the service manager gave up on."""
-        return [name for name, st in self.units.items() if st.state == "failed"]
+        """Units the service manager gave up on, and those that keep exiting as they start."""
+        gave_up = [name for name, st in self.units.items() if st.state == "failed"]
+        return gave_up + [name for name in self.exiting if name not in gave_up]
+
+
+def exiting_at_start(plan: Plan, first: Snapshot, now: Snapshot) -> list[str]:
+    """Units not healthy at `now` that exited twice or more since `first`: each start fails (a bad flag, a
+    missing file) and the manager starts them again (supervisord for startretries, systemd for ever), so waiting
+    for their health would last until the timeout. Twice, as for a rebalance's start (appliance/rebalance)."""
+    healthy = {instance_unit(i): bool(now.health.get(i.name)) for i in plan.instances}
+    healthy[PROXY_UNIT] = bool(now.proxy and now.proxy.get("ready"))
+    return [name for name, st in now.units.items() if name in healthy and not healthy[name]
+            and st.restarts - (first.units[name].restarts if name in first.units else 0) >= 2]
 
 
 def snapshot(plan: Plan, manager: ServiceManager) -> Snapshot:
@@ -208,7 +221,7 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
     runs out; the last snapshot. Progress: a live table (`live`, a terminal) or a line per change (`lines`, a
     pipe: flushed at once, so a log shows it as it goes)."""
     start = time.monotonic()
-    snap = snapshot(plan, manager)
+    snap = first = snapshot(plan, manager)
     from rich.live import Live  # only `up` draws a live view
 
     view = Live(progress_table(plan, snap, 0), console=console, transient=True, auto_refresh=False) if live else None
@@ -232,7 +245,8 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
             time.sleep(0.5)
             if stopped():
                 break
-            snap = snapshot(plan, manager)
+            now = snapshot(plan, manager)
+            snap = replace(now, exiting=exiting_at_start(plan, first, now))
             report()
     finally:
         if view:
@@ -241,15 +255,22 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
 
 
 def report_failure(plan: Plan, manager: ServiceManager, snap: Snapshot, console: Console, timeout_s: float) -> None:
-    """Say which units are not healthy and show their last log lines (on stderr)."""
+    """Say which units are not healthy and show their last log lines (on stderr); when some keep exiting as they
+    start, the other engines not healthy yet too (the same mistake often stops them all)."""
     from rich.markup import escape
 
-    bad = snap.failed() or [
-        instance_unit(i) for i in plan.instances if not snap.health.get(i.name)
-    ] or [PROXY_UNIT]
-    why = "failed" if snap.failed() else f"not healthy after {timeout_s:g}s"
+    unhealthy = [instance_unit(i) for i in plan.instances if not snap.health.get(i.name)]
+    bad = snap.failed() or unhealthy or [PROXY_UNIT]
+    if snap.exiting:
+        bad += [unit for unit in unhealthy if unit not in bad]
     for unit in bad:
         st = snap.units.get(unit)
+        if unit in snap.exiting:
+            why = "keeps exiting as it starts"
+        elif snap.failed():
+            why = "failed" if st and st.state == "failed" else "not healthy yet"
+        else:
+            why = f"not healthy after {timeout_s:g}s"
         console.print(f"[red]{unit}[/red] {why} ({escape(st.detail if st else '?')}); last log lines:")
         console.print(escape(manager.logs([unit], 20).rstrip() or "(no log lines)"), highlight=False)
 

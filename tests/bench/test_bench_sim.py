@@ -193,6 +193,19 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+
+def test_a_bad_argument_is_answered_without_loading_matplotlib(tmp_path: Path) -> None:
+    """Plots are checked for before measuring, but finding matplotlib must not import it (2 s of a busy node's
+    CPU, which every mistake in the arguments waited for)."""
+    code = ("import sys\nfrom appliance.cli.main import main\n"
+            "try:\n    main(['bench', '--rates', '5:1:1', '--out', 'o'])\n"
+            "except SystemExit as exc:\n    print('EXIT', exc.code)\nprint('MODULES', *sorted(sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=env_in(tmp_path))
+    assert "EXIT 2" in done.stdout and "--rates" in done.stderr, done.stdout[:200] + done.stderr
+    modules = set(done.stdout.partition("MODULES ")[2].split())
+    assert sorted(m for m in modules if m.split(".")[0] == "matplotlib") == []
+
 def test_steady_sweep_stops_at_the_ceiling_and_judges_only_the_window(deployment: str, tmp_path: Path) -> None:
     pdctl_in(
         "bench",

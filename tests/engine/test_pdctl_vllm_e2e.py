@@ -38,13 +38,12 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmNode]:
         deployed.down()
 
 
-# In the file's order the node switches mode three times: to read here, to write for the push test, and the
-# switch test starts and ends in write.
-@pytest.mark.parametrize("flow", ["write", "nixl-read"])
-def test_no_legal_request_kills_an_engine(node: VllmNode, flow: str) -> None:
-    """Issue 23, over NIXL: write pushes the KV, nixl-read pulls it (the CPU default's flow:
-    test_pdctl_vllm_example.py)."""
-    assert_every_legal_request_answered(node, flow.removeprefix("nixl-"))
+# In the file's order the node switches mode twice, each time under load: to read after the push test, and back
+# to write at the end; each test switches by itself where it runs alone.
+def test_no_legal_request_kills_an_engine_pushing(node: VllmNode) -> None:
+    """Issue 23, over NIXL push (write; the pull: test_no_legal_request_kills_an_engine_pulling, the CPU
+    default's flow: test_pdctl_vllm_example.py)."""
+    assert_every_legal_request_answered(node, "write")
 
 
 def _pushed(doc: dict[str, Any]) -> dict[str, Any]:
@@ -70,32 +69,46 @@ def test_write_mode_on_cpu_pushes_the_kv_over_nixl(node: VllmNode) -> None:
     assert pushed["transfers"] >= before["transfers"] + 1 and pushed["failed_transfers"] == 0, (before, pushed)
 
 
-def test_mode_switch_both_ways_under_load(node: VllmNode) -> None:
-    """`pdctl up --mode write` (NIXL push), then `pdctl mode read` and `pdctl mode write` while clients stream
-    through the proxy: no request fails, and after each switch the proxy, plan.json and the engines run the new
-    mode on the same connector, and a request is served (in WRITE with the prefill's KV)."""
+def _switch_under_load(node: VllmNode, mode: str) -> None:
+    """`pdctl mode MODE` on the node in the other mode while clients stream through the proxy: no request
+    fails, and afterwards the proxy, plan.json and the engines run MODE on the same connector, and a request is
+    served (in WRITE with the prefill's KV)."""
     from tests.rebalance.load import Load
 
-    node.ready_for_a_test("write")
+    node.ready_for_a_test("write" if mode == "read" else "read")
     url = node.url
-    for mode in ("read", "write"):
-        # requests wait in the proxy while both engines restart (minutes on two shared cores)
-        load = Load(url, threads=2, max_tokens=8, timeout_s=1200, model="tiny-qwen3").start()
-        try:
-            done = node.pdctl("mode", mode, "--yes", "--allow-downtime", "--hold", "1200", timeout=1500)
-        finally:
-            load.stop()
-        print(f"vLLM CPU, NIXL switch to {mode}: sent {load.ok + len(load.failures)}, failed {len(load.failures)}")
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert load.failures == [], load.failures[:5]
-        assert load.ok >= 1
-        status = node.pdctl("status", "--json", timeout=120)
-        doc = json.loads(status.stdout)
-        assert status.returncode == 0, status.stdout
-        assert (doc["connector"], doc["mode"], doc["proxy"]["mode"]) == ("nixl", mode, mode), doc["proxy"]
-        answer = ask(url, f"Served after the switch to {mode}: " + PROMPT)
-        assert answer["usage"]["completion_tokens"] == 12, answer["usage"]
-        if mode == "write":
-            # the push hands the KV over on the CPU (NIXL READ's pull answers with cached_tokens 0 here: the
-            # decode computes the prompt itself, a vLLM CPU matter the switch does not change)
-            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, answer["usage"]
+    # requests wait in the proxy while both engines restart (minutes on two shared cores)
+    load = Load(url, threads=2, max_tokens=8, timeout_s=1200, model="tiny-qwen3").start()
+    try:
+        done = node.pdctl("mode", mode, "--yes", "--allow-downtime", "--hold", "1200", timeout=1500)
+    finally:
+        load.stop()
+    print(f"vLLM CPU, NIXL switch to {mode}: sent {load.ok + len(load.failures)}, failed {len(load.failures)}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert load.failures == [], load.failures[:5]
+    assert load.ok >= 1
+    status = node.pdctl("status", "--json", timeout=120)
+    doc = json.loads(status.stdout)
+    assert status.returncode == 0, status.stdout
+    assert (doc["connector"], doc["mode"], doc["proxy"]["mode"]) == ("nixl", mode, mode), doc["proxy"]
+    answer = ask(url, f"Served after the switch to {mode}: " + PROMPT)
+    assert answer["usage"]["completion_tokens"] == 12, answer["usage"]
+    if mode == "write":
+        # the push hands the KV over on the CPU (NIXL READ's pull answers with cached_tokens 0 here: the
+        # decode computes the prompt itself, a vLLM CPU matter the switch does not change)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, answer["usage"]
+
+
+def test_mode_switch_to_read_under_load(node: VllmNode) -> None:
+    """`pdctl up --mode write` (NIXL push), then `pdctl mode read` while clients stream: none fails."""
+    _switch_under_load(node, "read")
+
+
+def test_no_legal_request_kills_an_engine_pulling(node: VllmNode) -> None:
+    """Issue 23, over NIXL pull (read), on the node the switch above left in read."""
+    assert_every_legal_request_answered(node, "read")
+
+
+def test_mode_switch_to_write_under_load(node: VllmNode) -> None:
+    """Back: `pdctl mode write` from read while clients stream: none fails, and the push hands the KV over."""
+    _switch_under_load(node, "write")

@@ -40,15 +40,14 @@ def tools_python() -> str:
     return candidate
 
 
-def validate(kind: str, *args: str) -> dict[str, Any]:
+def validate(kind: str, *args: str) -> dict[str, dict[str, Any]]:
+    """Each file's report from one run of the validator (file path -> its report)."""
     r = subprocess.run([tools_python(), str(HERE / "validate_with_targets.py"), kind, *args],
                        capture_output=True, text=True, timeout=900)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"validator printed nothing (rc {r.returncode}): {r.stderr[-2000:]}"
-    report: dict[str, Any] = json.loads(lines[-1])
-    assert (r.returncode == 0) == report["ok"], report
-    return report
-
+    reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert reports, f"validator printed nothing (rc {r.returncode}): {r.stderr[-2000:]}"
+    assert (r.returncode == 0) == all(one["ok"] for one in reports), reports
+    return {one["file"]: one for one in reports}
 
 CASES = {
     "mi300x-1p1d-moriio-write": (REFERENCE, "sim:mi300x-8", {}),
@@ -75,48 +74,68 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
-def test_ray_serve_exports_pass_rays_own_schemas(exported: dict[str, Path]) -> None:
-    files = [str(d / "ray-serve" / "serve.yaml") for d in exported.values()]
-    report = validate("ray-serve", *files)
-    assert report["ok"], report["error"]
-    schema_lines = [c for c in report["checked"] if c.startswith("ServeDeploySchema")]
-    assert len(schema_lines) == len(files)
-    if any(c.startswith("skipped") for c in report["checked"]):
+def _misspelt_import_path(serve: dict[str, Any]) -> dict[str, Any]:
+    serve["applications"][0]["import_pth"] = serve["applications"][0].pop("import_path")
+    return serve
+
+
+def _unknown_engine_argument(serve: dict[str, Any]) -> dict[str, Any]:
+    serve["applications"][0]["args"]["decode_config"]["engine_kwargs"]["max_num_seqz"] = 8
+    return serve
+
+
+# A broken copy of an export per check the validators must fail: (case, how it is broken).
+BROKEN_SERVE = {"misspelt-import-path": ("h200-2p1d-nixl", _misspelt_import_path),
+                "unknown-engine-argument": ("mi300x-1p1d-moriio-write", _unknown_engine_argument)}
+
+
+@pytest.fixture(scope="module")
+def ray_reports(exported: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Ray's verdict on every case's serve.yaml and on each BROKEN_SERVE copy (by name): one validator run, as
+    Ray Serve LLM's checks import Ray and vLLM (seconds each on two cores)."""
+    files = {name: d / "ray-serve" / "serve.yaml" for name, d in exported.items()}
+    broken = tmp_path_factory.mktemp("broken-serve")
+    for name, (case, breaks) in BROKEN_SERVE.items():
+        files[name] = broken / f"{name}.yaml"
+        files[name].write_text(yaml.safe_dump(breaks(yaml.safe_load(files[case].read_text()))))
+    reports = validate("ray-serve", *map(str, files.values()))
+    return {name: reports[str(path)] for name, path in files.items()}
+
+
+def test_ray_serve_exports_pass_rays_own_schemas(ray_reports: dict[str, dict[str, Any]]) -> None:
+    reports = [ray_reports[name] for name in CASES]
+    assert all(r["ok"] for r in reports), [r["error"] for r in reports]
+    schema_lines = [c for r in reports for c in r["checked"] if c.startswith("ServeDeploySchema")]
+    assert len(schema_lines) == len(CASES)
+    if any(c.startswith("skipped") for r in reports for c in r["checked"]):
         pytest.skip("Ray's ServeDeploySchema passed; LLMConfig checks need vLLM in the tools environment")
-    built = [c for c in report["checked"] if c.startswith("build_pd_openai_app")]
-    assert len(built) == len(files)
+    built = [c for r in reports for c in r["checked"] if c.startswith("build_pd_openai_app")]
+    assert len(built) == len(CASES)
 
 
 def test_llm_d_manifests_pass_the_kubernetes_schemas(exported: dict[str, Path]) -> None:
     files = [str(d / "llm-d" / "modelserver.yaml") for d in exported.values()]
-    report = validate("k8s", KUBERNETES_VERSION, *files)
-    assert report["ok"], report["error"]
-    assert len(report["checked"]) == 2 * len(files)
+    reports = validate("k8s", KUBERNETES_VERSION, *files)
+    assert all(r["ok"] for r in reports.values()), [r["error"] for r in reports.values()]
+    assert sum(len(r["checked"]) for r in reports.values()) == 2 * len(files)
 
 
-def test_validators_reject_what_the_targets_reject(exported: dict[str, Path], tmp_path: Path) -> None:
+def test_validators_reject_what_the_targets_reject(exported: dict[str, Path], ray_reports: dict[str, dict[str, Any]],
+                                                   tmp_path: Path) -> None:
     """The validators are the real ones: a misspelt field fails each target's schema."""
-    serve = yaml.safe_load((exported["h200-2p1d-nixl"] / "ray-serve" / "serve.yaml").read_text())
-    serve["applications"][0]["import_pth"] = serve["applications"][0].pop("import_path")
-    bad_serve = tmp_path / "bad-serve.yaml"
-    bad_serve.write_text(yaml.safe_dump(serve))
-    report = validate("ray-serve", str(bad_serve))
+    report = ray_reports["misspelt-import-path"]
     assert not report["ok"] and "import_path" in report["error"]
 
     docs = list(yaml.safe_load_all((exported["h200-2p1d-nixl"] / "llm-d" / "modelserver.yaml").read_text()))
     docs[1]["spec"]["template"]["spec"]["containers"][0]["resource"] = {"limits": {"nvidia.com/gpu": "4"}}
     bad_k8s = tmp_path / "bad.yaml"
     bad_k8s.write_text(yaml.safe_dump_all(docs))
-    report = validate("k8s", KUBERNETES_VERSION, str(bad_k8s))
+    report = validate("k8s", KUBERNETES_VERSION, str(bad_k8s))[str(bad_k8s)]
     assert not report["ok"] and "resource" in report["error"]
 
 
-def test_llm_level_validation_catches_an_unknown_engine_argument(exported: dict[str, Path], tmp_path: Path) -> None:
-    serve = yaml.safe_load((exported["mi300x-1p1d-moriio-write"] / "ray-serve" / "serve.yaml").read_text())
-    serve["applications"][0]["args"]["decode_config"]["engine_kwargs"]["max_num_seqz"] = 8
-    bad = tmp_path / "bad-engine.yaml"
-    bad.write_text(yaml.safe_dump(serve))
-    report = validate("ray-serve", str(bad))
+def test_llm_level_validation_catches_an_unknown_engine_argument(ray_reports: dict[str, dict[str, Any]]) -> None:
+    report = ray_reports["unknown-engine-argument"]
     if report["ok"] and any(c.startswith("skipped") for c in report["checked"]):
         pytest.skip("LLMConfig checks need vLLM in the tools environment")
     assert not report["ok"] and "max_num_seqz" in report["error"]

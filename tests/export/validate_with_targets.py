@@ -5,7 +5,8 @@
         AsyncEngineArgs/FrontendArgs field) and build_pd_openai_app (the Serve application graph)
     python validate_with_targets.py k8s VERSION FILE...  -> kubernetes-validate, strict schemas
 
-Prints one JSON line {"ok": bool, "checked": [...], "error": str|null}; exits 0 when valid, 1 when not.
+Prints one JSON line per file {"file": str, "ok": bool, "checked": [...], "error": str|null}, so one run (one
+import of Ray and vLLM, seconds each) judges valid and invalid files alike; exits 0 when every file is valid.
 Ray Serve LLM imports vLLM: when vLLM is missing, the LLM-level checks are reported as skipped.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,19 +64,25 @@ def check_k8s(path: str, version: str) -> list[str]:
     return checked
 
 
+def report(path: str, check: Callable[[str], list[str]]) -> dict[str, Any]:
+    """One file's verdict: what was checked, or why the target rejects it."""
+    try:
+        checked = check(path)
+    except Exception as exc:  # report any rejection as data for the test
+        return {"file": path, "ok": False, "checked": [], "error": f"{type(exc).__name__}: {exc}"}
+    return {"file": path, "ok": True, "checked": checked, "error": None}
+
+
 def main(argv: list[str]) -> int:
     kind = argv[1]
-    try:
-        if kind == "ray-serve":
-            checked = [line for path in argv[2:] for line in check_ray(path)]
-        else:
-            version, paths = argv[2], argv[3:]
-            checked = [line for path in paths for line in check_k8s(path, version)]
-    except Exception as exc:  # report any rejection as data for the test
-        print(json.dumps({"ok": False, "checked": [], "error": f"{type(exc).__name__}: {exc}"}))
-        return 1
-    print(json.dumps({"ok": True, "checked": checked, "error": None}))
-    return 0
+    if kind == "ray-serve":
+        reports = [report(path, check_ray) for path in argv[2:]]
+    else:
+        version = argv[2]
+        reports = [report(path, lambda p: check_k8s(p, version)) for path in argv[3:]]
+    for one in reports:
+        print(json.dumps(one), flush=True)
+    return 0 if all(one["ok"] for one in reports) else 1
 
 
 if __name__ == "__main__":

@@ -112,12 +112,16 @@ def test_colocated_layout_comes_up(tmp_path: Path) -> None:
 
 
 def test_failing_engine_shows_its_log_and_exits_nonzero(tmp_path: Path) -> None:
+    """An engine that exits at every start (here a bad flag) is never healthy: supervisord starts it again and
+    again (startretries), and `pdctl up` says so once it has seen it exit twice, not after its health timeout
+    (30 minutes by default on a vLLM node; the 170 s here outlast pdctl()'s 160 s)."""
     extra = '[engine.sim]\nextra_args = ["--no-such-flag"]\n'
     config = write_config(tmp_path, tmp_path / "state", extra=extra)
     try:
-        up = pdctl(config, "up", "--timeout", "15")
+        up = pdctl(config, "up", "--timeout", "170", timeout=160)
         assert up.returncode == 1
         assert "pd-prefill-0" in up.stderr and "last log lines" in up.stderr
+        assert "keeps exiting as it starts" in up.stderr, up.stderr
         assert "Traceback" not in up.stderr.split("last log lines")[0]
         # The engine's own complaint is what `pdctl logs` shows (on a loaded box it may come after `up` gave up).
         wait_until(lambda: "--no-such-flag" in pdctl(config, "logs", "prefill").stdout,
