@@ -21,7 +21,7 @@ engines themselves report them.
     proxy           unit, url, admin_url, pid|null, state, detail, uptime_s|null, restarts, automatic_restarts, last_exit,
                     reachable (admin API answered), ready, mode|null, registered[] (name, role, url,
                     healthy, ejected_for (why health holds it out: timeout|failed|unreachable|listener|
-                    leg_timeouts|leg_errors, else null), draining, in_flight, prefix_source: events|estimate under
+                    restarted|leg_timeouts|leg_errors, else null), draining, in_flight, prefix_source: events|estimate under
                     prefix_affinity routing (docs/routing.md), else null), panic {role: instance} (a role with no
                     instance in rotation whose requests go to one out for silence alone: docs/operations.md),
                     requests {total, by_status{code: n},

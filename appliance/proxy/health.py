@@ -39,6 +39,7 @@ UNREACHABLE = "unreachable"  # connection refused or reset, or a broken answer
 TIMEOUT = "timeout"  # no answer within probe_timeout_s, and nothing from the instance on any connection meanwhile
 SERVING = "timeout_while_serving"  # no answer within probe_timeout_s, but bytes came from it meanwhile
 LISTENER = "listener"  # answered, but its listening socket is not the engines' user's (listeners.verdict)
+RESTARTED = "restarted"  # answered, on other listening sockets than at its last probe: restarted unseen
 # Why the legs took an instance out (fail_threshold in a row): every one of them timed out, or one was refused,
 # reset or broken
 LEG_TIMEOUTS = "leg_timeouts"
@@ -92,6 +93,9 @@ class HealthChecker:
         self._listener_checked: dict[str, float] = {}  # per instance: when its listener's owner was last seen right
         self._listener_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, refusals since
         self._slow_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, slow probes since
+        self._sockets: dict[str, frozenset[int]] = {}  # per instance: its listening sockets at its last good probe
+        self._tables: list[str] | None = None
+        self._tables_at = -1.0
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[bool]] = set()  # the loop's probes running
         self._probing: set[str] = set()
@@ -180,6 +184,18 @@ class HealthChecker:
             return True
         if result == SERVING:
             return False  # out already: bytes do not put it back, nor change why it is out
+        if ok and inst.healthy and self._replaced(inst):
+            # its listener is another socket than when it was admitted: the engine restarted between two probes
+            # (a crash the service manager restarted in under probe_interval_s), so none saw it down. Taken as
+            # the probe that did: out of rotation, what it cached forgotten, warmed up again before it is back.
+            log.warning("%s (%s) listens on a new socket: its engine restarted unseen; re-admitting it", inst.name,
+                        inst.url)
+            inst.healthy, inst.warm, inst.ejected_for = False, False, RESTARTED
+            inst.downs += 1
+            ok = False
+            if self.warm is not None:
+                self._warm_up(inst)
+                return False
         if ok and not inst.healthy and not inst.warm and self.warm is not None:
             self._warm_up(inst)  # admitted by a probe of its own once warm
             return False
@@ -187,6 +203,7 @@ class HealthChecker:
             inst.warm = False  # down, or not itself: it may come back as a new process (silence alone: the same one)
         if ok and not inst.healthy:
             log.info("%s (%s) is healthy", inst.name, inst.url)
+            self._replaced(inst, fresh=True)  # the sockets it is admitted on
         elif not ok and inst.healthy:
             why = f"no answer within {self.config.probe_timeout_s:g}s and nothing from it, {inst.silent_probes} " \
                   "times in a row" if result == TIMEOUT else result
@@ -230,6 +247,21 @@ class HealthChecker:
             self._slow_logged[inst.name] = (now, 0)
         else:
             self._slow_logged[inst.name] = (last, since + 1)
+
+    def _replaced(self, inst: BackendState, fresh: bool = False) -> bool:
+        """Whether the instance's listening sockets are all others than the last probe saw (a local instance;
+        the tables read at most once a second for every instance together, unless `fresh`)."""
+        if not listeners.is_local(inst.host, self._local):
+            return False
+        now = time.monotonic()
+        if fresh or now - self._tables_at >= 1.0:
+            self._tables, self._tables_at = listeners.read_tables(), now
+        if self._tables is None:
+            return False
+        seen = listeners.sockets(self._tables, inst.host, inst.port)
+        before = self._sockets.get(inst.name)
+        self._sockets[inst.name] = seen
+        return before is not None and bool(before) and bool(seen) and not before & seen
 
     def _listener_due(self, inst: BackendState) -> bool:
         # always before (re)admission; while healthy, sampled: a squatter needs the engine dead first, and a dead

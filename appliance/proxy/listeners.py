@@ -50,6 +50,28 @@ def listeners(table: str) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Ad
     return found
 
 
+def sockets(tables: list[str], host: str, port: int) -> frozenset[int]:
+    """The inodes of the LISTEN sockets that take connections to host:port: a restarted engine listens on new
+    ones, so a change tells a restart that no probe saw (it went down and came back between two)."""
+    target = ipaddress.ip_address(host.strip("[]"))
+    if isinstance(target, ipaddress.IPv6Address) and target.ipv4_mapped is not None:
+        target = target.ipv4_mapped
+    found = set()
+    for table in tables:
+        for line in table.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != _LISTEN:
+                continue
+            hex_ip, _, hex_port = fields[1].partition(":")
+            try:
+                ip, p, inode = _address(hex_ip), int(hex_port, 16), int(fields[9])
+            except ValueError:
+                continue
+            if p == port and (ip == target or ip in _WILDCARDS) and inode:
+                found.add(inode)
+    return frozenset(found)
+
+
 def owners(tables: list[str], host: str, port: int) -> set[int]:
     """The uids of the LISTEN sockets that take connections to host:port (bound to it or to a wildcard)."""
     target = ipaddress.ip_address(host.strip("[]"))
