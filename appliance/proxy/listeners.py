@@ -35,50 +35,39 @@ def _address(hex_ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return ip
 
 
-def listeners(table: str) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int, int]]:
-    """(address, port, uid) of every LISTEN socket in one /proc/net/tcp or tcp6 text."""
+def listeners(table: str) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int, int, int]]:
+    """(address, port, uid, inode) of every LISTEN socket in one /proc/net/tcp or tcp6 text."""
     found = []
     for line in table.splitlines()[1:]:
         fields = line.split()
-        if len(fields) < 8 or fields[3] != _LISTEN:
+        if len(fields) < 10 or fields[3] != _LISTEN:
             continue
         hex_ip, _, hex_port = fields[1].partition(":")
         try:
-            found.append((_address(hex_ip), int(hex_port, 16), int(fields[7])))
+            found.append((_address(hex_ip), int(hex_port, 16), int(fields[7]), int(fields[9])))
         except ValueError:
             continue
     return found
 
 
-def sockets(tables: list[str], host: str, port: int) -> frozenset[int]:
-    """The inodes of the LISTEN sockets that take connections to host:port: a restarted engine listens on new
-    ones, so a change tells a restart that no probe saw (it went down and came back between two)."""
+def _taking(tables: list[str], host: str, port: int) -> list[tuple[int, int]]:
+    """(uid, inode) of the LISTEN sockets that take connections to host:port (bound to it or to a wildcard)."""
     target = ipaddress.ip_address(host.strip("[]"))
     if isinstance(target, ipaddress.IPv6Address) and target.ipv4_mapped is not None:
         target = target.ipv4_mapped
-    found = set()
-    for table in tables:
-        for line in table.splitlines()[1:]:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != _LISTEN:
-                continue
-            hex_ip, _, hex_port = fields[1].partition(":")
-            try:
-                ip, p, inode = _address(hex_ip), int(hex_port, 16), int(fields[9])
-            except ValueError:
-                continue
-            if p == port and (ip == target or ip in _WILDCARDS) and inode:
-                found.add(inode)
-    return frozenset(found)
+    return [(uid, inode) for table in tables for ip, p, uid, inode in listeners(table)
+            if p == port and (ip == target or ip in _WILDCARDS)]
+
+
+def sockets(tables: list[str], host: str, port: int) -> frozenset[int]:
+    """The inodes of the LISTEN sockets that take connections to host:port: a restarted engine listens on new
+    ones, so a change tells a restart that no probe saw (it went down and came back between two)."""
+    return frozenset(inode for _, inode in _taking(tables, host, port) if inode)
 
 
 def owners(tables: list[str], host: str, port: int) -> set[int]:
     """The uids of the LISTEN sockets that take connections to host:port (bound to it or to a wildcard)."""
-    target = ipaddress.ip_address(host.strip("[]"))
-    if isinstance(target, ipaddress.IPv6Address) and target.ipv4_mapped is not None:
-        target = target.ipv4_mapped
-    return {uid for table in tables for ip, p, uid in listeners(table)
-            if p == port and (ip == target or ip in _WILDCARDS)}
+    return {uid for uid, _ in _taking(tables, host, port)}
 
 
 def verdict(tables: list[str] | None, host: str, port: int, expected_uid: int, local: bool) -> str:

@@ -593,3 +593,24 @@ def test_a_decode_already_prefilling_a_short_prompt_sends_the_next_one_through_t
     # the decode runs nothing now: no stream to slow, whatever the window holds
     with router.route(short(15)) as idle:
         assert (idle.name, idle.reason) == ("decode-only", "short-prompt")
+
+
+def test_the_listening_sockets_of_an_address_are_read_from_the_kernels_table() -> None:
+    """listeners.sockets and owners read /proc/net/tcp's LISTEN rows that take connections to host:port (bound
+    to it or to the wildcard), not other ports' or established connections' rows."""
+    from appliance.proxy import listeners
+
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    rows = [
+        "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 111 1 0 100 0 0 10 0",
+        "   1: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 222 1 0 100 0 0 10 0",
+        "   2: 0100007F:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 333 1 0 100 0 0 10 0",
+        "   3: 0100007F:1F90 0100007F:D431 01 00000000:00000000 00:00000000 00000000  1000        0 444 1 0 100 0 0 10 0",
+    ]
+    table = header + "\n".join(rows) + "\n"
+    assert listeners.sockets([table], "127.0.0.1", 0x1F90) == {111, 222}
+    assert listeners.owners([table], "127.0.0.1", 0x1F90) == {1000}
+    assert listeners.sockets([table], "127.0.0.1", 0x1F91) == {333}
+    assert listeners.sockets([table], "127.0.0.1", 9) == frozenset()
+    assert listeners.verdict([table], "127.0.0.1", 0x1F90, 1000, True) == listeners.OK
+    assert listeners.verdict([table], "127.0.0.1", 0x1F91, 1000, True) == listeners.FOREIGN_OWNER
