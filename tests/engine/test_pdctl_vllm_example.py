@@ -246,7 +246,9 @@ def test_the_dashboards_engine_panels_have_figures_on_real_vllm(node: VllmNode) 
     assert "vllm:prompt_tokens_by_source_total" in read
     engines = _engines(node)
     before = _engine_samples(engines["decode-0"])
-    ask(node.url, PROMPT + " Once more, for the dashboard.")  # a prompt no earlier test sent: the prefill's KV
+    # a prompt no earlier test sent, from its first block on: one that shares PROMPT's blocks finds them in the
+    # decode's own prefix cache when an earlier test had it compute PROMPT, and then loads nothing external
+    ask(node.url, "For the dashboard, once more: " + PROMPT)
     after = {name: _engine_samples(url) for name, url in engines.items()}
     for name, found in after.items():
         assert {n for n in read if not n.startswith("vllm:nixl_")} - set(found) == set(), name
