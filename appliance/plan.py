@@ -620,9 +620,13 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
                                           settings.slo.itl_ms, step_spread(settings))
         if step is None and sim.prefill_us_per_token > 0:  # free prefill: the load takes nothing off the room
             step = DecodeStep(ms_per_seq=sim.decode_step_ms_per_seq, prefill_us_per_token=sim.prefill_us_per_token)
+    queue_ms = p.decode_only_queue_ms
+    if queue_ms is None and threshold:
+        queue_ms = settings.slo.ttft_ms * DECODE_QUEUE_SHARE
     from_plan = {
         "decode_only_below": threshold, "decode_only_window_ms": settings.slo.itl_ms,
         "decode_step": step.model_dump() if step else None,
+        "decode_budget": settings.decode.max_num_batched_tokens, "decode_only_queue_ms": queue_ms,
         "mode": mode, "connector": connector, "model": served_name, "block_size": block_size,
         "max_model_len": settings.model.max_model_len,
         "registration": {"enabled": get_connector(connector).registers_with_proxy},
@@ -644,6 +648,11 @@ def _kv_store(connector: Connector, own: OwnSettings, instances: list[Instance])
     if limits is None or not folders:
         return None
     return KvStoreConfig(folders=folders, max_mib=limits.max_mib, max_age_s=limits.max_age_s)
+
+
+# Of the TTFT target, what a short prompt may wait at most behind the prompts a decode with a known chunked-prefill
+# budget has queued (docs/routing.md): the rest is the prompt's own steps and a hand-off-free margin.
+DECODE_QUEUE_SHARE = 0.25
 
 
 def step_spread(settings: Settings) -> float:

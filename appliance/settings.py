@@ -214,6 +214,17 @@ class RoleSettings(Section):
             raise ValueError(f"GPU indices repeat in {v}")
         return sorted(v)
 
+    @model_validator(mode="after")
+    def _budget_holds_the_batch(self) -> RoleSettings:
+        # vLLM refuses to start an engine whose step budget cannot give each running sequence its token (unset,
+        # its default max_num_seqs is lowered to the budget)
+        budget, seqs = self.max_num_batched_tokens, self.max_num_seqs
+        if budget is not None and seqs is not None and budget < seqs:
+            raise ValueError(f"max_num_batched_tokens {budget} is below max_num_seqs {seqs}: vLLM would refuse to "
+                             "start (each running sequence takes a token of every step); raise the budget, lower "
+                             "max_num_seqs or leave it unset (vLLM then lowers its default to the budget)")
+        return self
+
 
 class PrefillSettings(RoleSettings):
     """The prefill role; its base ports are the MI300X reference's."""
@@ -263,7 +274,8 @@ PROXY_KEYS: dict[str, str] = {
     "first_token_timeout_s": "timeouts.first_token_s", "between_tokens_timeout_s": "timeouts.between_tokens_s",
     "limits": "limits", "prefix_affinity": "prefix_affinity",
     "decode_only_below": "decode_only_below", "prefill_saturated_at": "prefill_saturated_at",
-    "decode_step": "decode_step", "warmup_timeout_s": "health.warmup_timeout_s",
+    "decode_step": "decode_step", "decode_only_queue_ms": "decode_only_queue_ms",
+    "warmup_timeout_s": "health.warmup_timeout_s",
 }
 _UNPRIVILEGED = Ge(1024)  # the services run as an unprivileged user: no port below 1024 for what pdctl starts
 
@@ -297,6 +309,8 @@ class ProxySettings(Section):
     prefill_saturated_at: int = _proxy_field("prefill_saturated_at")
     # unset: the planner's from engine.sim on a sim node; a real node's figures from its profile (docs/routing.md)
     decode_step: DecodeStep | None = _proxy_field("decode_step")
+    # unset: the planner's, a quarter of slo.ttft_ms (docs/routing.md); read only with [decode] max_num_batched_tokens
+    decode_only_queue_ms: float | None = _proxy_field("decode_only_queue_ms")
     warmup_timeout_s: float = _proxy_field("health.warmup_timeout_s")
     conditional_routing: bool = Field(default=False, description=(
         "Let the proxy prefill short prompts on the decode instance (docs/routing.md); decode_only_below unset: "

@@ -13,7 +13,9 @@ event loops, a few ms each on a busy shared VM) weigh k times less against a ste
 rates; the report names both. The scaled settings are written next to bench.json (`sim-scaled.toml`).
 
 Shapes: `disagg-read` (every prompt handed over), `disagg-read-conditional` (the same split, `[proxy]
-conditional_routing = true`: the planner's decode_only_below) and the tuned colocated shape. While it runs, the
+conditional_routing = true`: the planner's decode_only_below, one short prompt per window on the decode),
+`disagg-read-conditional-mbt200` (the same with the decode's chunked-prefill budget 200: short prompts queue at
+the decode, which bounds each step itself) and the tuned colocated shape. While it runs, the
 engines' and the proxy's /metrics are sampled every half second (the deployed plan.json names them), so each
 rate's figures can be explained by the engines' own: requests running and waiting, decode steps and how many
 of them carried a prefill, and the proxy's routes by reason. Prints each shape's goodput under every ITL
@@ -42,7 +44,10 @@ import tomllib
 
 from appliance.settings import SimTimeModel, SloSettings
 
-SHAPES = "disagg-read,disagg-read-conditional"
+# always disaggregated; conditional with the decode's window rule alone (vLLM's default budget); conditional whose
+# decode's own budget (200 tokens a step, its running sequences' included) bounds its steps, so short prompts
+# queue there (docs/routing.md): a full chunk fits the 3 x node's room up to 97 legs
+SHAPES = "disagg-read,disagg-read-conditional,disagg-read-conditional-mbt200"
 # The engine loop's own step wall times (modelled cost plus the loop's lateness): a step over 0.2 s is no modelled
 # step at --scale 3 (the longest is ~130 ms), so it is a stall inside the engine's process, not the proxy's or the client's.
 STEP_SERIES = ('sim_engine_step_seconds_bucket{le="0.2"}', "sim_engine_step_seconds_count")

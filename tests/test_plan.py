@@ -454,3 +454,18 @@ def test_the_lateness_spread_leaves_exactly_that_lateness_at_the_target(late: fl
 ])
 def test_the_step_spread_is_the_nodes_unless_set(overrides: dict[str, Any], expected: float) -> None:
     assert step_spread(Settings.model_validate(overrides)) == expected
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    # conditional routing on: the decode's budget as set, the wait a quarter of the TTFT target unless set
+    ({"decode": {"max_num_batched_tokens": 200}}, (200, 250.0)),
+    ({"decode": {"max_num_batched_tokens": 200}, "slo": {"ttft_ms": 3000}}, (200, 750.0)),
+    ({"decode": {"max_num_batched_tokens": 200}, "proxy": {"decode_only_queue_ms": 0}}, (200, 0.0)),
+    ({}, (None, 250.0)),  # no budget: vLLM's default; the wait is never read
+    ({"proxy": {"decode_only_below": 0}}, (None, None)),  # conditional routing off: no wait
+])
+def test_the_proxy_knows_the_decodes_budget_and_how_long_a_prompt_may_queue_there(
+        overrides: dict[str, Any], expected: tuple[int | None, float | None]) -> None:
+    settings = make(deep_merge({"engine": {"kind": "sim"}, "proxy": {"conditional_routing": True}}, overrides))
+    proxy = plan(settings, load_inventory("sim:h200-2")).proxy
+    assert (proxy.decode_budget, proxy.decode_only_queue_ms) == expected

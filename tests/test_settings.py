@@ -189,6 +189,7 @@ NOT_PROXY_KEYS = {"mode", "connector", "model", "block_size", "max_model_len", "
                   "health.fail_threshold", "health.probe_timeout_s", "health.listener_check_interval_s",
                   "health.engine_uid", "health.timeout_threshold", "health.panic_max_silence_s",
                   "decode_only_window_ms",  # the plan writes slo.itl_ms
+                  "decode_budget",  # the plan writes [decode] max_num_batched_tokens
                   "kv_store"}  # the plan writes the connector's KV folders and its [connector.<name>] bounds
 
 
@@ -228,7 +229,8 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
              "prefill_timeout_s": 60.0, "first_token_timeout_s": 70.0, "between_tokens_timeout_s": 8.0,
              "limits": {"max_connections": 99, "max_n": 4}, "decode_only_below": 300, "prefill_saturated_at": 6,
              "prefix_affinity": {"load_bound": 2, "cache_tokens": 4096},
-             "decode_step": {"ms_per_seq": 0.5, "prefill_us_per_token": 40.0}, "warmup_timeout_s": 30.0}
+             "decode_step": {"ms_per_seq": 0.5, "prefill_us_per_token": 40.0}, "warmup_timeout_s": 30.0,
+             "decode_only_queue_ms": 120.0}
     assert set(proxy) == set(PROXY_KEYS)
     planned = plan(Settings.model_validate({"connector": {"name": "moriio"}, "proxy": proxy}),
                    load_inventory("sim:mi300x-8"))

@@ -5,6 +5,8 @@ Shapes (settings overrides on top of the user's settings; the planner checks eac
 - disagg-write: the same connector in WRITE mode (prefill pushes); skipped where the connector has no write.
 - disagg-read-conditional, disagg-write-conditional: the same with `[proxy] conditional_routing = true` (the
                 planner's decode_only_below unless the settings set one): short prompts prefilled by the decode.
+- disagg-...-mbtB: any of those with the decode instances' chunked-prefill budget max_num_batched_tokens = B
+                (without: vLLM's default, whatever the settings say).
 - colocated-N[-mbtB]: connector "none", the disaggregated plan's GPUs split into N identical instances
                 behind the proxy's round-robin (colocated-2 on 8 GPUs: the reference's 2 x TP4), with
                 chunked-prefill budget max_num_batched_tokens = B (default: vLLM's).
@@ -98,19 +100,23 @@ def shapes(
         assert parsed is not None  # expand() let only known names through
         if parsed.family == "disaggregated":
             mode = parse_mode(parsed.mode or "read")
-            overrides: dict[str, Any] = {"connector": {"name": connector, "mode": mode}}
+            # No budget in the name: the decode engine's own default, whatever the settings file says (as colocated).
+            overrides: dict[str, Any] = {"connector": {"name": connector, "mode": mode},
+                                         "decode": {"max_num_batched_tokens": parsed.budget}}
             conditional = ""
             if parsed.conditional:
                 overrides["proxy"] = {"conditional_routing": True}
                 conditional = ", conditional routing"
-            out.append(
-                Shape(
-                    shape_name,
-                    f"disaggregated, {connector} {mode.upper()}{conditional} ({where})",
-                    overrides,
-                    unsplittable or _missing_mode(kv_connector, mode),
-                )
-            )
+            if parsed.budget:
+                conditional += f", decode max_num_batched_tokens {parsed.budget}"
+            shape = Shape(shape_name, f"disaggregated, {connector} {mode.upper()}{conditional} ({where})", overrides,
+                          unsplittable or _missing_mode(kv_connector, mode))
+            if shape.skipped is None and parsed.budget:  # a budget the planner may refuse (a CPU node's whole prefills)
+                try:
+                    shape_plan(settings, inventory, shape)
+                except (PdctlError, ValueError) as exc:
+                    shape = Shape(shape.name, shape.description, overrides, f"the planner refuses it: {exc}")
+            out.append(shape)
         else:
             out.append(_colocated_shape(settings, inventory, parsed, gpus, where))
     return out

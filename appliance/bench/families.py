@@ -2,7 +2,8 @@
 
 A name says what runs, so results from separate runs (`--label`) merge and compare:
 - `disagg-read`, `disagg-write`: the disaggregated family, by KV transfer mode; `disagg-read-conditional`,
-  `disagg-write-conditional`: the same split with conditional routing on (docs/routing.md).
+  `disagg-write-conditional`: the same split with conditional routing on (docs/routing.md); `-mbtB` after
+  either: the decode instances' chunked-prefill budget `max_num_batched_tokens = B` (vLLM's default without).
 - `colocated-N`: the colocated family, N identical instances over the same GPUs (TP = GPUs / N), vLLM's
   default chunked-prefill budget; `colocated-N-mbtB`: the same with `max_num_batched_tokens = B`.
 - `colocated` (in `--shapes` only): every instance count the GPUs allow x every `--budgets` value.
@@ -25,6 +26,7 @@ from appliance.errors import PdctlError
 Family = Literal["disaggregated", "colocated"]
 DEFAULT_BUDGETS = "256,512,2048"
 _COLOCATED = re.compile(r"colocated-(\d+)(?:-mbt(\d+))?")
+_DISAGGREGATED = re.compile(r"disagg-(read|write)(-conditional)?(?:-mbt(\d+))?")
 
 
 @dataclass(frozen=True)
@@ -35,22 +37,25 @@ class ShapeName:
     family: Family
     mode: str | None = None  # disaggregated: read | write
     instances: int | None = None  # colocated
-    budget: int | None = None  # colocated max_num_batched_tokens; None: vLLM's default
+    budget: int | None = None  # max_num_batched_tokens (colocated; disaggregated: the decode's); None: vLLM's
     conditional: bool = False  # disaggregated: the proxy decides per request whether the prefill hop is taken
 
     @property
     def knob(self) -> str:
         """The family's tuning knobs in words (what the report says won)."""
         if self.family == "disaggregated":
-            return f"{self.mode.upper() if self.mode else '?'}" + (", conditional" if self.conditional else "")
+            budget = f", decode max_num_batched_tokens {self.budget}" if self.budget else ""
+            return f"{self.mode.upper() if self.mode else '?'}" + (", conditional" if self.conditional else "") + budget
         budget = f"max_num_batched_tokens {self.budget}" if self.budget else "vLLM's default budget"
         return f"{budget}, {self.instances} inst."
 
 
 def parse_name(name: str) -> ShapeName | None:
     """The shape a name stands for; None for names outside the two families (e.g. a --url label)."""
-    if name in ("disagg-read", "disagg-write", "disagg-read-conditional", "disagg-write-conditional"):
-        return ShapeName(name, "disaggregated", mode=name.split("-")[1], conditional=name.endswith("-conditional"))
+    m = _DISAGGREGATED.fullmatch(name)
+    if m and (m.group(3) is None or int(m.group(3)) > 0):
+        return ShapeName(name, "disaggregated", mode=m.group(1), conditional=m.group(2) is not None,
+                         budget=int(m.group(3)) if m.group(3) else None)
     m = _COLOCATED.fullmatch(name)
     if m and int(m.group(1)) > 0 and (m.group(2) is None or int(m.group(2)) > 0):
         return ShapeName(
@@ -94,7 +99,7 @@ def expand(wanted: Sequence[str], counts: Sequence[int], budgets: Sequence[int |
             if parse_name(item) is None:
                 raise PdctlError(
                     f"unknown shape '{item}'",
-                    fix="use disagg-read, disagg-write (-conditional), colocated, colocated-N or colocated-N-mbtB",
+                    fix="use disagg-read, disagg-write (-conditional, -mbtB), colocated, colocated-N or colocated-N-mbtB",
                 )
             if item not in out:
                 out.append(item)

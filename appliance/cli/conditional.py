@@ -7,7 +7,7 @@ from rich.console import Console
 
 from appliance.plan import SIM_HOST_LATENESS_MS, Plan, step_margin, step_spread
 from appliance.proxy.config import DecodeStep
-from appliance.proxy.policies.conditional import Rules, legs_without_room, room
+from appliance.proxy.policies.conditional import Rules, chunk, legs_without_room, room
 from appliance.settings import Settings
 
 ROOM_AT_LEGS = (1, 8, 16, 32)  # running legs at which a decode's room is printed
@@ -22,6 +22,22 @@ def describe_room(below: int, step: DecodeStep | None, window_ms: float) -> str:
     at = ", ".join(f"{room(rules, n)} at {n}" for n in ROOM_AT_LEGS if n < gone)
     return (f"room {below} prompt tokens per {window_ms:g} ms less {rules.room_per_leg:.3g} per running leg: "
             f"{at + ' legs; ' if at else ''}none from {gone} legs")
+
+
+def describe_budget(below: int, step: DecodeStep | None, window_ms: float, budget: int | None,
+                    queue_ms: float | None) -> str | None:
+    """At which loads a decode whose chunked-prefill budget is known queues short prompts itself (its full chunk
+    fits the room: docs/routing.md), or None without a budget."""
+    if not budget:
+        return None
+    rules = Rules(below, 0, window_ms / 1000, step.room_per_leg() if step else 0.0, budget)
+    queueing = [n for n in range(budget) if chunk(rules, n)]
+    if not queueing:
+        return (f"decode budget {budget} (max_num_batched_tokens): a full chunk never fits the room, so the window "
+                "rule applies at every load")
+    wait = f" (up to {queue_ms:g} ms while the prefill is busy)" if queue_ms else " (one step's chunk)"
+    return (f"decode budget {budget} (max_num_batched_tokens): while it runs {queueing[0]}-{queueing[-1]} legs, "
+            f"short prompts queue at the decode{wait}; at other loads one room per window")
 
 
 def describe_spread(settings: Settings) -> str:
@@ -46,3 +62,7 @@ def render_conditional(p: Plan, settings: Settings, console: Console) -> None:
     console.print(f"conditional routing: decode_only_below {px.decode_only_below}, {origin}; "
                   f"{describe_room(px.decode_only_below, px.decode_step, px.decode_only_window_ms)}",
                   markup=False, highlight=False)
+    budget = describe_budget(px.decode_only_below, px.decode_step, px.decode_only_window_ms, px.decode_budget,
+                             px.decode_only_queue_ms)
+    if budget:
+        console.print(budget, markup=False, highlight=False)

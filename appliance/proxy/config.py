@@ -250,6 +250,15 @@ class ProxyConfig(_Model):
     decode_step: DecodeStep | None = Field(default=None, description=(
         "The decode's step time model: each leg running on a decode takes ms_per_seq x 1000 / "
         "prefill_us_per_token prompt tokens off the room decode_only_below gives an idle one"))
+    # the planner's, from [decode] max_num_batched_tokens; None: the engine's default (vLLM's, far above any room)
+    decode_budget: int | None = Field(default=None, ge=1, description=(
+        "The decode instances' chunked-prefill budget (vLLM max_num_batched_tokens): while a full chunk of it fits "
+        "the room at a decode's load, short prompts queue at the decode, which bounds each step itself"))
+    # None in the settings: the planner's; None here: 0
+    decode_only_queue_ms: float | None = Field(default=None, ge=0, description=(
+        "With decode_budget: while the prefill instance is busy, a short prompt may wait this long at most behind "
+        "the prompts its decode has queued (in chunks of the budget, one per decode_only_window_ms); 0: only what "
+        "the decode's next step computes (the planner writes a quarter of slo.ttft_ms)"))
 
     @field_validator("connector")
     @classmethod

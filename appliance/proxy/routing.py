@@ -13,11 +13,13 @@ from appliance.connector import Connector
 from appliance.proxy.instances import BackendState, Booking, InstanceRegistry
 from appliance.proxy.policies import Policy, RequestFacts
 from appliance.proxy.policies.conditional import (
+    PrefillBacklog,
     PrefillWindow,
     RouteFacts,
     RouteName,
     Rules,
     decide,
+    drained_per_s,
     window_tokens,
 )
 from appliance.proxy.prompts import engine_requests, known_length, most_tokens
@@ -92,6 +94,8 @@ class Router:
         self.block_size = block_size if connector.lengths_matter else None
         # per decode instance, the prompts it was sent to prefill itself lately (the decode-busy rule)
         self._windows: weakref.WeakKeyDictionary[BackendState, PrefillWindow] = weakref.WeakKeyDictionary()
+        # per decode instance whose chunked-prefill budget is known, what it was sent to prefill and has not yet
+        self._backlogs: weakref.WeakKeyDictionary[BackendState, PrefillBacklog] = weakref.WeakKeyDictionary()
 
     def _window(self, decode: BackendState) -> PrefillWindow | None:
         """The prompts `decode` was sent to prefill itself lately; None while conditional routing is off (no rule
@@ -100,14 +104,28 @@ class Router:
             return None
         return self._windows.get(decode) or self._windows.setdefault(decode, PrefillWindow())
 
+    def _backlog(self, decode: BackendState) -> PrefillBacklog | None:
+        """What `decode` was sent to prefill itself and has not computed yet; None while conditional routing is
+        off or the decode's chunked-prefill budget is not known (no rule reads it)."""
+        if not self.rules.decode_only_below or not self.rules.decode_budget:
+            return None
+        return self._backlogs.get(decode) or self._backlogs.setdefault(decode, PrefillBacklog())
+
+    def _count_prefill(self, decode: BackendState, now: float, tokens: int) -> None:
+        """Count a prompt of `tokens` uncached tokens that `decode` was sent to prefill itself at `now`."""
+        window, backlog = self._window(decode), self._backlog(decode)
+        if window is not None:
+            window.add(now, tokens)
+        if backlog is not None:
+            backlog.add(now, tokens, drained_per_s(self.rules, decode.in_flight))
+
     def alone(self, route: Route, reason: str, request: RequestFacts, tokens: int | None) -> None:
         """Serve `route` on its decode instance alone after all (`request`'s prompt of `tokens` tokens, None: not
         known, found too short to hand over), counted in that decode's window like every prompt it prefills."""
         route.alone(reason)
-        window = self._window(route.decode)
-        if window is not None:
+        if self.rules.decode_only_below:
             counted = RouteFacts(tokens, 0, False, False, 0, 0, engine_requests=engine_requests(request.path, request.body))
-            window.add(time.monotonic(), window_tokens(counted, self.rules))
+            self._count_prefill(route.decode, time.monotonic(), window_tokens(counted, self.rules))
 
     def routable(self, inst: BackendState) -> bool:
         """Healthy, not draining or in a planned stop, and running the proxy's transfer mode (where known)."""
@@ -132,11 +150,11 @@ class Router:
         return self.policy.pick(role, candidates, request)
 
     def facts(self, request: RequestFacts, prefill: BackendState, decode: BackendState,
-              recent_tokens: int) -> RouteFacts:
+              recent_tokens: int, backlog_tokens: int = 0) -> RouteFacts:
         """What the conditional decision reads of `request` on these instances: the prompt's length where the body
         settles it (token ids) or bounds it (a text prompt), and whether the connector can hand it over as far
         as the body tells (a text prompt over the bound is counted later, by legs.py); `recent_tokens`: what the
-        decode was sent to prefill itself over the last window."""
+        decode was sent to prefill itself over the last window; `backlog_tokens`: what it has not computed yet."""
         path, body = request.path, request.body
         tokens = bound = None
         if self.rules.decode_only_below or self.block_size is not None:  # else no rule reads the length
@@ -159,6 +177,7 @@ class Router:
             decode_legs=decode.in_flight,
             recent_tokens=recent_tokens,
             engine_requests=requests,
+            backlog_tokens=backlog_tokens,
         )
 
     def route(self, request: RequestFacts) -> Route:
@@ -174,13 +193,14 @@ class Router:
         decode = self.pick("decode", request)
         if prefill is None or decode is None:
             raise Unroutable(tuple(r for r, i in (("prefill", prefill), ("decode", decode)) if i is None))
-        window, now = self._window(decode), time.monotonic()
-        facts = self.facts(request, prefill, decode, window.recent(now, self.rules.window_s) if window else 0)
+        window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
+        facts = self.facts(request, prefill, decode, window.recent(now, self.rules.window_s) if window else 0,
+                           backlog.level(now, drained_per_s(self.rules, decode.in_flight)) if backlog else 0)
         name, reason = decide(facts, self.rules)
         if name == "decode-only":
-            if window is not None:
+            if self.rules.decode_only_below:
                 # every prompt the decode prefills counts, whatever the rule that sent it there
-                window.add(now, window_tokens(facts, self.rules))
+                self._count_prefill(decode, now, window_tokens(facts, self.rules))
             self._count_stand_ins(decode)
             return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason)
         # Both instances count the request until it ends: the decode leg starts only after the prefill leg in

@@ -44,7 +44,8 @@ class ProxyState:
                                     warm=self._warm_up if config.health.warmup_timeout_s > 0 else None)
         step = config.decode_step
         rules = Rules(config.decode_only_below or 0, config.prefill_saturated_at, config.decode_only_window_ms / 1000,
-                      step.room_per_leg() if step else 0.0)
+                      step.room_per_leg() if step else 0.0, config.decode_budget or 0,
+                      (config.decode_only_queue_ms or 0.0) / config.decode_only_window_ms)
         policy = POLICIES[config.routing].from_config(config)
         # the engines' KV cache events, for prefix affinity's exact path (bound by app.Proxy.start)
         self.kv_events = KvEventsListener(lambda: list(self.registry.instances.values()), policy.event_blocks) \

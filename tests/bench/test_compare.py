@@ -10,6 +10,7 @@ import pytest
 import tomllib
 
 from appliance.bench.compare import shape_plan, shapes, to_toml
+from appliance.bench.families import parse_name
 from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
 from appliance.node import Node
@@ -78,7 +79,7 @@ def test_write_is_skipped_where_the_connector_has_none() -> None:
         for n in ("disagg-read", "colocated-2", "colocated-1")
     }
     assert counts == {"disagg-read": 2, "colocated-2": 2, "colocated-1": 1}
-    for bad in ("colocated-x", "colocated-2-mbt0", "disagg-push"):
+    for bad in ("colocated-x", "colocated-2-mbt0", "disagg-push", "disagg-read-mbt0", "disagg-read-mbt-conditional"):
         with pytest.raises(PdctlError, match="unknown shape"):
             shapes(settings, load_inventory("sim:cpu"), [bad])
 
@@ -92,6 +93,32 @@ def test_a_conditional_shape_is_the_same_split_with_the_planners_threshold() -> 
     assert plain.proxy.decode_only_below is None  # every prompt handed over
     assert conditional.proxy.decode_only_below == 1497  # the sim's time model (tests/test_settings.py)
     assert "conditional routing" in found["disagg-read-conditional"].description
+
+
+def test_a_disaggregated_shape_with_a_budget_sets_the_decodes_and_the_proxy_reads_it() -> None:
+    # the settings file's decode budget is not the shape's: without -mbtB, vLLM's default (as colocated)
+    settings = load_settings(overrides={"engine": {"kind": "sim"}, "decode": {"max_num_batched_tokens": 4096}})
+    inventory = load_inventory("sim:h200-2")
+    names = ["disagg-read", "disagg-read-conditional-mbt200", "disagg-write-mbt512"]
+    found = {s.name: s for s in shapes(settings, inventory, names)}
+    plans = {n: shape_plan(settings, inventory, found[n])[1] for n in names}
+    decode = {n: next(i for i in p.instances if i.role == "decode") for n, p in plans.items()}
+    assert [found[n].skipped for n in names] == [None, None, None]
+    assert "--chunk-tokens" not in decode["disagg-read"].argv and plans["disagg-read"].proxy.decode_budget is None
+    argv = decode["disagg-read-conditional-mbt200"].argv
+    assert argv[argv.index("--chunk-tokens") + 1] == "200"  # the simulated engine's max_num_batched_tokens
+    proxy = plans["disagg-read-conditional-mbt200"].proxy
+    assert (proxy.decode_budget, proxy.decode_only_below, proxy.decode_only_queue_ms) == (200, 1497, 250.0)
+    assert plans["disagg-write-mbt512"].proxy.decode_budget == 512 and plans["disagg-write-mbt512"].mode == "write"
+    assert "decode max_num_batched_tokens 200" in found["disagg-read-conditional-mbt200"].description
+    parsed = parse_name("disagg-read-conditional-mbt200")
+    assert parsed is not None and (parsed.family, parsed.mode, parsed.conditional, parsed.budget) == (
+        "disaggregated", "read", True, 200)
+    assert parsed.knob == "READ, conditional, decode max_num_batched_tokens 200"
+    # a CPU node prefills every prompt whole: a decode budget below max_model_len is refused, the shape skipped
+    cpu = load_settings(overrides={"engine": {"kind": "vllm"}})
+    skipped = shapes(cpu, load_inventory("sim:cpu"), ["disagg-read-mbt64"])[0].skipped
+    assert skipped is not None and "max_num_batched_tokens 64 is below max_model_len" in skipped
 
 
 def test_shape_settings_file_reads_back_as_the_same_settings() -> None:

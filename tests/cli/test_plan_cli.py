@@ -212,8 +212,22 @@ def test_the_plan_says_what_room_conditional_routing_leaves_and_why() -> None:
            "tokens per 150 ms less 1.7 per running leg: 212 at 1, 200 at 8, 186 at 16, 159 at 32 legs; none from " \
            "126 legs" in r.stdout
     assert "conditional routing" not in pdctl("plan", env=sim).stdout  # off: nothing to say
+    budgeted = pdctl("plan", env={**on, "PDCTL_DECODE__MAX_NUM_BATCHED_TOKENS": "200"}).stdout
+    assert ("decode budget 200 (max_num_batched_tokens): while it runs 0-97 legs, short prompts queue at the decode "
+            "(up to 750 ms while the prefill is busy); at other loads one room per window") in budgeted, budgeted
+    assert "decode budget" not in r.stdout  # none set: vLLM's default, never within the room
     suggested = json.loads(pdctl("plan", "--suggest", "--json", env=sim).stdout)
     assert suggested["decode_only_below"]["tokens"] == 268 and "none from 158 legs" in suggested["decode_only_below"]["room"]
     bad = pdctl("plan", env={**on, "PDCTL_PROXY__DECODE_STEP_SPREAD": "2"})
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "decode_step_spread" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_a_budget_below_max_num_seqs_is_refused_in_one_line_as_vllm_would() -> None:
+    env = {"PDCTL_CONFIG": str(REPO / "results" / "conditional" / "sim.toml"), "PDCTL_INVENTORY": "sim:h200-2",
+           "PDCTL_DECODE__MAX_NUM_BATCHED_TOKENS": "200", "PDCTL_DECODE__MAX_NUM_SEQS": "256"}
+    bad = pdctl("plan", env=env)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
+    assert "max_num_batched_tokens 200 is below max_num_seqs 256" in bad.stderr and "decode" in bad.stderr, bad.stderr
+    assert pdctl("plan", env={**env, "PDCTL_DECODE__MAX_NUM_SEQS": "200"}).returncode == 0
+    assert pdctl("plan", env={k: v for k, v in env.items() if k != "PDCTL_DECODE__MAX_NUM_SEQS"}).returncode == 0

@@ -156,6 +156,37 @@ def test_a_decode_prefills_at_most_one_thresholds_worth_of_short_prompts_per_win
         run(scenario())
 
 
+def test_a_decode_whose_budget_bounds_its_steps_takes_short_prompts_by_its_backlog_not_the_window() -> None:
+    # The decode engine prefills at most 33 tokens a step, its running sequences' one each included (its
+    # --chunk-tokens, vLLM's max_num_batched_tokens), which the proxy knows (decode_budget): with one leg
+    # running, a step's chunk is 32, the room. The window (a minute) would refuse the second short prompt
+    # (4 + 20 + 8 tokens is not below 32); the backlog takes it (32 tokens: one step's chunk), and refuses the
+    # next one while the prefill is idle (its hop does not queue). The backlog drains a chunk per minute here.
+    with cluster() as c:
+        p, d = _start(c, decode_args=("--decode-step-ms", "50", "--chunk-tokens", "33"), decode_only_below=32,
+                      decode_only_window_ms=60_000, decode_budget=33, decode_only_queue_ms=600_000)
+
+        async def decoding(n: int) -> bool:
+            s = await sim_state(d)
+            return bool(s["requests_running"] + s["requests_waiting"] + s["requests_waiting_for_kv"] == n)
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            stream = asyncio.ensure_future(_through_proxy(c, 4, stream=True, max_tokens=100))  # ~5 s of steps
+            await wait_until(lambda: decoding(1), what="the first short prompt decoding")
+            assert await _ask(c, d, 20, max_tokens=2) == (DECODE_ONLY, 0)  # backlog 4 + 20 of a chunk of 32
+            assert await _ask(c, d, 8, max_tokens=2) == (DECODE_ONLY, 0)  # 32: still one step's chunk
+            route, cached = await _ask(c, d, 1, max_tokens=2)  # 33: the prefill is idle, so it takes the hop
+            assert route == DISAGGREGATED and cached > 0
+            assert not stream.done()  # the decode was running a stream all along
+            assert (await stream)[0] == DECODE_ONLY
+            assert await _routes(c) == {("decode-only", "short-prompt"): 3, ("disaggregated", "decode-busy"): 1}
+            assert (await sim_state(p))["stats"]["kv_sends"] == 1
+            await all_drained(p, d)
+
+        run(scenario())
+
+
 def test_a_loaded_decode_refuses_a_short_prompt_an_idle_one_accepts() -> None:
     # Each running sequence lengthens a decode step, which leaves less of the ITL target for a prompt: with a
     # step model of 1 ms per sequence and 100 us per prompt token, each leg on the decode takes 10 tokens off

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -29,13 +30,15 @@ from appliance.proxy.health import (
     judge,
     stand_in,
 )
-from appliance.proxy.instances import BackendState, InstanceRegistry
+from appliance.proxy.instances import BackendState, InstanceRegistry, Lease
 from appliance.proxy.policies import POLICIES, RequestFacts
 from appliance.proxy.policies.conditional import (
     REASONS,
+    PrefillBacklog,
     PrefillWindow,
     RouteFacts,
     Rules,
+    chunk,
     decide,
     legs_without_room,
     room,
@@ -425,6 +428,87 @@ def test_a_prompt_sent_to_a_decode_alone_fills_its_window_by_what_it_prefills(fa
 ])
 def test_the_room_for_a_short_prompt_depends_on_the_decodes_load(facts: RouteFacts, expected: tuple[str, str]) -> None:
     assert decide(facts, LOADED) == expected
+
+
+# the 3 x node of conditional_bench.py (room 268 less 1.7 per leg) with a decode budget of 200: a full chunk
+# (200 - legs) fits the room up to 97 legs; the prefill busy, a prompt may wait 5 chunks
+BUDGETED = Rules(decode_only_below=268, prefill_saturated_at=0, window_s=0.15, room_per_leg=H200_X3_PER_LEG,
+                 decode_budget=200, queue_steps=5)
+
+
+def _queued(tokens: int, legs: int, backlog: int, prefill_legs: int = 1, recent: int = 0) -> RouteFacts:
+    return RouteFacts(tokens, 0, False, True, prefill_legs, legs, recent, backlog_tokens=backlog)
+
+
+@pytest.mark.parametrize(("legs", "expected"), [
+    (0, 200), (1, 199), (25, 175), (97, 103), (98, 0), (150, 0), (200, 0), (250, 0),
+])
+def test_a_decodes_chunk_is_its_budget_less_its_legs_while_that_fits_the_room(legs: int, expected: int) -> None:
+    assert chunk(BUDGETED, legs) == expected
+    if expected:
+        assert expected <= room(BUDGETED, legs)
+    assert chunk(LOADED, legs) == 0  # no budget known: never
+    assert chunk(Rules(268, 0, 0.15, H200_X3_PER_LEG, decode_budget=256), legs) == (256 - legs if legs <= 17 else 0)
+
+
+@pytest.mark.parametrize(("facts", "expected"), [
+    # the window is full (a 200-token prompt just went there) but the engine bounds each step: the backlog decides
+    (_queued(200, legs=25, backlog=0, recent=200), ("decode-only", "short-prompt")),
+    # what the next step computes (175 at 25 legs) fits whatever the prefill does
+    (_queued(150, legs=25, backlog=25, prefill_legs=0), ("decode-only", "short-prompt")),
+    (_queued(150, legs=25, backlog=26, prefill_legs=0), ("disaggregated", "decode-busy")),  # the prefill is idle
+    # the prefill busy: up to 5 chunks (875 tokens) may wait
+    (_queued(200, legs=25, backlog=675), ("decode-only", "short-prompt")),
+    (_queued(200, legs=25, backlog=676), ("disaggregated", "decode-busy")),
+    (RouteFacts(1000, 801, False, True, 1, 25, 0, backlog_tokens=675), ("decode-only", "cached-prefix")),
+    # a load at which a full chunk overruns the room (98 legs: 102 tokens against a room of 101): the window rule
+    (_queued(100, legs=98, backlog=0, recent=0), ("decode-only", "short-prompt")),
+    (_queued(100, legs=98, backlog=0, recent=1), ("disaggregated", "decode-busy")),
+    # a decode running no leg takes it, and a long prompt is never short
+    (_queued(200, legs=0, backlog=5000), ("decode-only", "short-prompt")),
+    (_queued(268, legs=25, backlog=0), ("disaggregated", "policy")),
+])
+def test_a_decode_with_a_known_budget_queues_short_prompts_by_its_backlog(
+        facts: RouteFacts, expected: tuple[str, str]) -> None:
+    assert decide(facts, BUDGETED) == expected
+
+
+def test_a_decodes_backlog_drains_by_its_chunk_per_window_and_never_below_zero() -> None:
+    backlog = PrefillBacklog()
+    assert backlog.level(10.0, 1000.0) == 0
+    backlog.add(10.0, 200, 1000.0)
+    backlog.add(10.0, 150, 1000.0)
+    assert backlog.level(10.0, 1000.0) == 350
+    assert backlog.level(10.1, 1000.0) == 250  # 100 ms at 1000 tokens a second
+    assert backlog.level(10.1, 0.0) == 250  # a decode whose budget its legs take drains nothing
+    assert backlog.level(10.0, 1000.0) == 250  # time read out of order drains nothing
+    assert backlog.level(11.0, 1000.0) == 0
+    backlog.add(11.0, 0, 1000.0)
+    backlog.add(11.0, -5, 1000.0)
+    assert backlog.level(11.0, 1000.0) == 0
+
+
+def test_a_router_queues_short_prompts_on_a_budgeted_decode_while_the_prefill_is_busy() -> None:
+    # a window of a minute: without the budget the second short prompt takes the prefill hop (decode-busy)
+    registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
+    prefill, decode = registry.instances["prefill-0"], registry.instances["decode-0"]
+    prompt = RequestFacts("/v1/completions", {"model": "m", "prompt": list(range(40))})
+    budgeted = Rules(64, 0, 60.0, decode_budget=50, queue_steps=3)  # a chunk of 50 less the decode's legs
+    for rules, expected in ((budgeted, ["short-prompt"] * 3 + ["decode-busy"]),
+                            (Rules(64, 0, 60.0), ["short-prompt", "decode-busy"])):
+        router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), rules)
+        with ExitStack() as legs:
+            legs.enter_context(Lease(prefill, None))  # a long prompt: the prefill is busy, the decode runs it
+            legs.enter_context(Lease(decode, None))
+            reasons = []
+            for _ in expected:
+                route = legs.enter_context(router.route(prompt))
+                if route.name == "decode-only":
+                    legs.enter_context(Lease(decode, None))  # its leg runs on the decode from now on
+                reasons.append(route.reason)
+            # backlog 0, 40, 80 of 49, 3 x 48, 3 x 47: queued; 120 + 40 over 3 x 46: the prefill hop
+            assert reasons == expected
+        assert (prefill.in_flight, decode.in_flight, prefill.routed, decode.routed) == (0, 0, 0, 0)
 
 
 def test_a_route_decided_decode_only_books_only_the_decode_and_says_so() -> None:

@@ -17,6 +17,13 @@ nothing over, hand over another prompt's KV or crash the engine):
   are a 60 ms gap for every running stream, over a 50 ms target). The room is `decode_only_below` less what
   the decode's running legs add to its step (`room_per_leg` each): a step of 32 running sequences leaves less
   of the target for a prompt than a step of one.
+  With the decode's own chunked-prefill budget known (`decode_budget`: its max_num_batched_tokens, as vLLM
+  counts it, one token per running sequence included) and a full chunk of it within the room at the decode's
+  load (`chunk`), the engine itself bounds what any one step prefills, so short prompts may queue there:
+  instead of one room per window, a short prompt goes to the decode while its estimated backlog (what it was
+  sent to prefill itself and has not computed yet, `PrefillBacklog`) plus the prompt fits this step's chunk,
+  or, while the prefill instance is busy, `queue_steps` chunks (its first token waits that many steps at
+  most, against a prefill queue of unknown length).
 - `prefill-saturated`: the prefill instance runs `prefill_saturated_at` or more prefill legs (a new one would
   wait behind them past the TTFT target), the decode runs fewer legs than that prefill does, and it has room
   left in its window (runs no leg, or was sent less than its room lately): such a prompt is larger than the
@@ -56,6 +63,11 @@ class Rules:
     # prompt tokens of room each leg running on the decode takes: its sequence's part of a step (ms) over the
     # prefill's cost per token, i.e. the step time it adds, spent in prompt tokens
     room_per_leg: float = 0.0
+    # the decode's chunked-prefill budget (vLLM max_num_batched_tokens: its running sequences' one token each
+    # and the prompt tokens a step computes); 0: not known (the engine's default, far above any room)
+    decode_budget: int = 0
+    # while the prefill is busy, a short prompt may wait this many of the decode's chunks behind its backlog
+    queue_steps: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +82,7 @@ class RouteFacts:
     decode_legs: int  # decode legs running on the decode instance (requests it is decoding or prefilling)
     recent_tokens: int = 0  # uncached prompt tokens the decode was sent to prefill itself within the window
     engine_requests: int = 1  # n x the prompts of a batch: the decode prefills the prompt once for each
+    backlog_tokens: int = 0  # uncached prompt tokens sent to the decode that it has not computed yet (estimate)
 
 
 def uncached(facts: RouteFacts) -> int | None:
@@ -91,6 +104,16 @@ def room(rules: Rules, decode_legs: int) -> int:
     sequences' part of the step is paid (below zero: none)."""
     # rounded first: 0.17 ms x 1000 / 100 us is 1.7000000000000002 in floats, and 200 legs' 340 must not be 341
     return rules.decode_only_below - math.ceil(round(rules.room_per_leg * decode_legs, 6))
+
+
+def chunk(rules: Rules, decode_legs: int) -> int:
+    """The prompt tokens one step of a decode running `decode_legs` legs computes at most by its own budget, when
+    such a step stays within its room (the engine then bounds every step, however many prompts wait); 0 when the
+    budget is not known or a full chunk at this load would take more than the room."""
+    if not rules.decode_budget:
+        return 0
+    per_step = rules.decode_budget - decode_legs
+    return per_step if 0 < per_step <= room(rules, decode_legs) else 0
 
 
 def legs_without_room(rules: Rules) -> int | None:
@@ -115,7 +138,15 @@ def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
     below, fresh = rules.decode_only_below, uncached(facts)
     busy = False
     if fresh is not None and fresh < below:
-        if facts.decode_legs == 0 or facts.recent_tokens + fresh < room(rules, facts.decode_legs):
+        step = chunk(rules, facts.decode_legs)
+        queued = facts.backlog_tokens + fresh
+        if facts.decode_legs == 0:
+            fits = True  # no stream to slow, nothing queued
+        elif step:  # the engine bounds each step: the backlog, not the window, decides
+            fits = queued <= step or (facts.prefill_legs > 0 and queued <= step * rules.queue_steps)
+        else:
+            fits = facts.recent_tokens + fresh < room(rules, facts.decode_legs)
+        if fits:
             short = facts.prompt_tokens is not None and facts.prompt_tokens < below
             return "decode-only", "short-prompt" if short else "cached-prefix"
         busy = True
@@ -148,3 +179,33 @@ class PrefillWindow:
         if tokens > 0:
             self._sent.append((now, tokens))
             self._total += tokens
+
+
+class PrefillBacklog:
+    """An estimate of the uncached prompt tokens one decode instance was sent to prefill itself and has not
+    computed yet: each prompt adds its tokens, and the decode computes them at no less than one chunk of its
+    budget per window (a step that carries a chunk stays within the ITL target, the window). The caller passes
+    the time (monotonic seconds) and how many tokens a window drains at the decode's load now."""
+
+    def __init__(self) -> None:
+        self._level = 0.0
+        self._at = 0.0
+
+    def level(self, now: float, drained_per_s: float) -> int:
+        """The backlog at `now`, the decode computing `drained_per_s` prompt tokens a second since last read."""
+        self._level = max(0.0, self._level - max(0.0, drained_per_s) * max(0.0, now - self._at))
+        self._at = max(self._at, now)
+        return math.ceil(round(self._level, 6))  # 0.1 s at 1000 a second drains 99.99999999999 in floats
+
+    def add(self, now: float, tokens: int, drained_per_s: float) -> None:
+        """Count a prompt of `tokens` uncached tokens sent to the decode at `now`."""
+        self.level(now, drained_per_s)
+        self._level += max(0, tokens)
+
+
+def drained_per_s(rules: Rules, decode_legs: int) -> float:
+    """The prompt tokens a second a decode running `decode_legs` legs computes at least while it has a backlog:
+    a chunk of its budget per window (0: its budget is not known)."""
+    if not rules.decode_budget:
+        return 0.0
+    return max(0, rules.decode_budget - decode_legs) / rules.window_s
