@@ -4,7 +4,7 @@ proxy, real sockets, engines that follow a time model: results/conditional/sim.t
 
     python benchmarks/conditional_bench.py [--config results/conditional/sim.toml] [--inventory sim:h200-2]
         [--rates 4,8,10,12,14] [-n 120] [--scale 3] [--seed 0] [--input-len 2000] [--output-len 100]
-        [--colocated colocated-2-mbt256] [--out results/conditional]
+        [--shapes disagg-read,...] [--colocated colocated-2-mbt256] [--out results/conditional]
 
 `--scale k` runs every engine time (the sim's prefill cost per token, step and per-sequence cost) and both SLO
 targets k times longer and every rate k times slower: the engines' ratios, the planner's decode_only_below
@@ -184,6 +184,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--input-len", type=int, default=2000)
     parser.add_argument("--output-len", type=int, default=100)
+    parser.add_argument("--shapes", default=SHAPES, help="the disaggregated shapes (bench --compare names)")
     parser.add_argument("--colocated", default="colocated-2-mbt256", help="the tuned colocated shape (the advisor's)")
     parser.add_argument("--out", default="results/conditional")
     args = parser.parse_args()
@@ -199,7 +200,7 @@ def main() -> None:
     sampler = Sampler(Path(config["state_dir"]), out / "engines.jsonl")
     sampler.start()
     command = [sys.executable, "-m", "appliance", "--config", str(config_path), "bench", "--compare", "--deploy",
-               "processes", "--inventory", args.inventory, "--shapes", f"{SHAPES},{args.colocated}",
+               "processes", "--inventory", args.inventory, "--shapes", ",".join(x for x in (args.shapes, args.colocated) if x),
                "--workload", "mixed-lengths", "--rates", rates, "-n", str(args.n), "--lifetimes", "0",
                "--stop-on", "none", "--seed", str(args.seed), "--input-len", str(args.input_len),
                "--output-len", str(args.output_len), "--no-plots", "--out", str(out)]
