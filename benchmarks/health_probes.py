@@ -28,6 +28,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +123,7 @@ def busy(work: Path, health: dict[str, float], clients: int, busy_s: float) -> N
             return traffic.answers
 
         answers = asyncio.run(run())
-        probes = {result: int(n) for result, n in
-                  by_label(metric_samples(node.proxy_url), "pdctl_proxy_health_probes_total", "result").items()}
+        probes = _probe_counts(node)
     failed = sum(n for k, n in answers.items() if k != "200")
     print(f"busy:  /health {delay:g}s late, {clients} streaming clients, {busy_s:g}s: {sum(answers.values())} "
           f"requests, {failed} failed {dict(answers)}; probes {dict(probes) or '(not counted by this proxy)'}")
@@ -174,10 +174,15 @@ def eject(work: Path, health: dict[str, float], clients: int, repeat: int) -> No
         node.stop()
 
 
+def _probe_counts(node: Node) -> Counter[str]:
+    """The proxy's health probes so far, by result."""
+    found = by_label(metric_samples(node.proxy_url), "pdctl_proxy_health_probes_total", "result")
+    return Counter({result: int(n) for result, n in found.items()})
+
+
 def _panic_routes(node: Node) -> int:
-    text = _get(node.proxy_url + "/metrics").decode()
-    return sum(int(s.value) for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "pdctl_proxy_panic_routes_total")
+    """Requests the proxy routed to an instance out of rotation so far (pdctl_proxy_panic_routes_total)."""
+    return int(sum(s.value for s in metric_samples(node.proxy_url) if s.name == "pdctl_proxy_panic_routes_total"))
 
 
 async def _timed(session: aiohttp.ClientSession, node: Node) -> tuple[str, float]:
@@ -237,7 +242,7 @@ def main() -> None:
     args = parser.parse_args()
     health = {"probe_interval_s": args.interval, "probe_timeout_s": args.timeout}
     print(f"probes every {args.interval:g}s, timeout {args.timeout:g}s")
-    parts = {"busy": lambda work: busy(work, health, args.clients, args.busy_s),
+    parts: dict[str, Callable[[Path], None]] = {"busy": lambda work: busy(work, health, args.clients, args.busy_s),
              "eject": lambda work: eject(work, health, args.clients, args.repeat),
              "starved": lambda work: starved(work, health, args.starve_s, args.every_s)}
     with tempfile.TemporaryDirectory(prefix="pdctl-probes-") as tmp:

@@ -28,7 +28,8 @@ SPLIT = Candidate("disaggregated", prefill=Shape(1, 4), decode=Shape(1, 4))
 STANDARD_2X4 = Candidate("colocated", colocated=Shape(2, 4), budget=8192)
 STANDARD_1X8 = Candidate("colocated", colocated=Shape(1, 8), budget=8192)
 # (shape, mode) -> {rate: attainment %} as the reference states it; goodput: (passed, failed) at 100 %.
-REFERENCE = {
+# (shape, mode): ({rate: reference attainment %}, what the reference said)
+REFERENCE: dict[tuple[str, str | None], tuple[dict[float, int], str]] = {
     ("1P TP4 + 1D TP4", "write"): ({8: 73}, "100 % up to about 5.5, about 46 % at 10"),
     ("1P TP4 + 1D TP4", "read"): ({8: 70}, "100 % up to about 5, about 44 % at 10"),
     ("standard 2 x TP4", None): ({0.5: 100, 1: 60, 2: 25, 8: 30}, "100 % at 0.5, ~60 % at 1, ~25 % from 2 on"),

@@ -166,7 +166,7 @@ def main() -> None:
         model, args.vocabulary = tiny_model(python, work)
         ports, events = free_ports(2), free_ports(2)
         servers = [start_vllm(f"both-{k}", [*vllm_argv(python, model, port, MODEL, kv_cache_bytes=args.kv_cache),
-                                            "--kv-events-config", json.dumps(kv_events_config(events[k]))],
+                                            "--kv-events-config", json.dumps(kv_events_config(f"tcp://127.0.0.1:{events[k]}"))],
                               vllm_env(), work, port) for k, port in enumerate(ports)]
         try:
             wait_ready(servers)

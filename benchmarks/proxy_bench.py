@@ -95,7 +95,7 @@ def run_tcp_pipe(listen_port: int, engine_port: int) -> None:
         async def connect(self) -> None:
             loop = asyncio.get_running_loop()
             up, _ = await loop.create_connection(lambda: Upstream(self.transport), "127.0.0.1", engine_port)
-            self.up = up  # type: ignore[assignment]
+            self.up = up
             for data in self.pending:
                 up.write(data)
 

@@ -7,7 +7,8 @@ request, in process, with no I/O.
 
 Prints, for each policy of appliance.proxy.policies, each prompt, conditional routing off and on
 (policies/conditional.py: the prompt's length is read, the decision made, a short prompt's room computed from
-the decode's load: every instance runs one leg throughout), and each number of instances per role
+the decode's load: every instance runs one leg throughout; `on+budget`: with the decode's chunked-prefill budget
+known, its backlog estimate read and counted), and each number of instances per role
 and DP size, the best of --repeat runs of --requests requests, in microseconds per request. A prompt is text-N (N
 characters of text) or ids-N (N token ids, as `pdctl bench` sends); the same prompt every time, so prefix_affinity
 finds all its blocks on one instance and none on the others (its most expensive case: the whole chain is compared
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import timeit
+from collections.abc import Hashable
 
 from appliance.connector import get_connector
 from appliance.proxy.instances import BackendState, InstanceRegistry
@@ -42,8 +44,10 @@ def body(prompt: str) -> dict[str, object]:
 
 
 # conditional routing as the planner sets it on results/conditional's node (decode_only_below 214, ITL target
-# 50 ms, each running leg 0.17 ms / 100 us = 1.7 tokens off the room), and off
-RULES = {"off": Rules(0, 0, 0.05), "on": Rules(214, 0, 0.05, 1.7)}
+# 50 ms, each running leg 0.17 ms / 100 us = 1.7 tokens off the room), off, and on with the decode's chunked-prefill
+# budget known (150 tokens a step, 5 steps of queue: the backlog rule, docs/routing.md)
+RULES = {"off": Rules(0, 0, 0.05), "on": Rules(214, 0, 0.05, 1.7),
+         "on+budget": Rules(214, 0, 0.05, 1.7, decode_budget=150, queue_steps=5)}
 
 
 def _registry(instances: int, dp_size: int, events: bool = False) -> InstanceRegistry:
@@ -52,12 +56,15 @@ def _registry(instances: int, dp_size: int, events: bool = False) -> InstanceReg
     for role in ("prefill", "decode"):
         for k in range(instances):
             port += 1
+            endpoints = [f"tcp://127.0.0.1:{p}" for p in range(30000 + port * 8, 30000 + port * 8 + dp_size)]
             inst = BackendState(f"{role}-{k}", role, f"http://127.0.0.1:{port}", connect_timeout=1.0, dp_size=dp_size,
-                                kv_events_ports=range(30000 + port * 8, 30000 + port * 8 + dp_size) if events else ())
+                                kv_events_endpoints=endpoints if events else ())
             inst.healthy = True
             # one leg running on every instance, as on a node in use: a short prompt's room then reads the
-            # decode's load (an idle decode takes any short prompt without it)
+            # decode's load (an idle decode takes any short prompt without it); a lease, which the room reads,
+            # not only a booking (before: a booking alone, so the room read an idle decode)
             inst.book()
+            inst.lease(None)
             registry.instances[inst.name] = inst
             registry.by_role[role].append(inst)
     return registry
@@ -74,7 +81,7 @@ def _feed_events(policy: PrefixAffinity, registry: InstanceRegistry, request: di
         if insts and isinstance(prompt, tuple):
             size = policy.block_size
             tokens = list(prompt[:len(prompt) // size * size])
-            hashes = list(range(len(tokens) // size))
+            hashes: list[Hashable] = list(range(len(tokens) // size))
             policy.event_blocks(insts[0], 0).apply(0, [Stored(hashes, None, tokens, size, None, None, "GPU", 0)])
 
 
@@ -118,15 +125,15 @@ def main() -> None:
     sizes = [int(n) for n in args.instances.split(",")]
     dps = [int(n) for n in args.dp.split(",")]
     print(f"routing cost per disaggregated request (route + 2 leases), us, best of {args.repeat} x {args.requests}; "
-          "conditional routing off and on")
-    print(f"{'policy':<24}{'prompt':<12}{'conditional':<12}"
+          "conditional routing off, on, and on with the decode's budget")
+    print(f"{'policy':<24}{'prompt':<12}{'conditional':<14}"
           + "".join(f"{f'{n} inst, DP {d}':>16}" for n in sizes for d in dps))
     for policy in [*POLICIES, "prefix_affinity:events"]:
         for prompt in args.prompts.split(","):
             for name, rules in RULES.items():
                 cells = (us_per_request(policy, rules, prompt, n, d, args.requests, args.repeat)
                          for n in sizes for d in dps)
-                print(f"{policy:<24}{prompt:<12}{name:<12}" + "".join(f"{c:>16.2f}" for c in cells), flush=True)
+                print(f"{policy:<24}{prompt:<12}{name:<14}" + "".join(f"{c:>16.2f}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ import bisect
 import gzip
 import json
 import statistics
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from appliance.plan import lateness_spread, step_margin
 from appliance.settings import SimTimeModel, SloSettings

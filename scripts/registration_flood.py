@@ -20,7 +20,9 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import psutil
@@ -32,7 +34,7 @@ from tests.reliability.node import moriio_node  # noqa: E402
 
 
 def _messages(count: int) -> list[bytes]:
-    kinds = [
+    kinds: list[Callable[[int], dict[str, Any]]] = [
         lambda i: {"type": "D", "http_address": f"127.0.0.1:{20000 + i % 40000}",
                    "zmq_address": f"host:127.0.0.1,handshake:{1 + i % 60000},notify:{2 + i % 60000}",
                    "dp_size": 1, "tp_size": 1, "transfer_mode": "READ"},

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
@@ -42,7 +43,7 @@ def start_node(workdir: Path, connector: str, clients: int, step_ms: float) -> N
     node = Node(workdir)
     engine_args = ["--max-num-seqs", str(clients + 16), "--decode-step-ms", str(step_ms),
                    "--decode-step-ms-per-seq", "0", "--prefill-us-per-token", "1", "--num-blocks", "200000"]
-    overrides = {"timeouts": {"between_tokens_s": 30.0, "first_token_s": 60.0, "prefill_s": 60.0}}
+    overrides: dict[str, Any] = {"timeouts": {"between_tokens_s": 30.0, "first_token_s": 60.0, "prefill_s": 60.0}}
     if connector == "none":
         url = node.engine("both-0", "both", "none", *engine_args)
         node.proxy("none", [{"name": "both-0", "role": "both", "url": url}], **overrides)

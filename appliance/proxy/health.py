@@ -297,24 +297,13 @@ class HealthChecker:
         return result == listeners.UNVERIFIABLE
 
     async def _get_health(self, inst: BackendState) -> str:
-        """GET /health: OK, FAILED, UNREACHABLE or TIMEOUT (no head, or then no whole answer, within probe_timeout_s;
-        connecting, when no idle connection is there, is bounded by the pool's connect timeout)."""
-        timeout = self.config.probe_timeout_s
+        """GET /health: OK, FAILED, UNREACHABLE or TIMEOUT (no whole answer within probe_timeout_s; connecting, when
+        no idle connection is there, is bounded by the pool's connect timeout)."""
         try:
-            conn, head = await inst.pool.open("GET", "/health", (), b"", collect=True, head_timeout=timeout)
+            status = await inst.pool.ask("GET", "/health", (), b"", time.monotonic() + self.config.probe_timeout_s)
         except UpstreamError as exc:
             return TIMEOUT if exc.timed_out else UNREACHABLE
-        assert conn.done_fut is not None
-        try:
-            await asyncio.wait_for(asyncio.shield(conn.done_fut), timeout)
-        except asyncio.TimeoutError:
-            conn.abort()
-            return TIMEOUT
-        except UpstreamError as exc:
-            conn.abort()
-            return TIMEOUT if exc.timed_out else UNREACHABLE
-        inst.pool.release(conn)
-        return OK if head.status == 200 else FAILED
+        return OK if status == 200 else FAILED
 
     def leg_failed(self, inst: BackendState, timed_out: bool) -> None:
         """Passive check: count a failed leg (`timed_out`: no answer in time, rather than refused, reset or

@@ -8,6 +8,7 @@ relays a streamed body from inside `data_received` (see `Connection`).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable
 from time import monotonic as _monotonic
 from typing import Any
@@ -616,6 +617,25 @@ class UpstreamPool:
                 raise
             return conn, head
         raise AssertionError("unreachable")
+
+    async def ask(self, method: str, path: str, headers: Iterable[tuple[str, str]], body: bytes,
+                  deadline: float) -> int:
+        """Send a request and read its whole answer by `deadline` (monotonic seconds): its status. Raises
+        UpstreamError (`timed_out` when the deadline passed first); the connection is aborted then, and
+        kept for the next request otherwise."""
+        conn, head = await self.open(method, path, headers, body, collect=True,
+                                     head_timeout=max(deadline - time.monotonic(), 0.001))
+        assert conn.done_fut is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.done_fut), max(deadline - time.monotonic(), 0.001))
+        except asyncio.TimeoutError:
+            conn.abort()
+            raise UpstreamError("timeout", f"{self.address} sent no whole answer in time") from None
+        except BaseException:
+            conn.abort()
+            raise
+        self.release(conn)
+        return head.status
 
     async def close(self) -> None:
         """Close every idle connection."""

@@ -55,24 +55,10 @@ def admits(result: str) -> bool:
 async def _one(inst: BackendState, payload: bytes, headers: list[tuple[str, str]], deadline: float) -> str:
     """One warm-up request on `inst`: OK, REFUSED, TIMEOUT or UNREACHABLE."""
     try:
-        conn, head = await inst.pool.open("POST", "/v1/completions", headers, payload, collect=True,
-                                          head_timeout=max(deadline - time.monotonic(), 0.001))
+        status = await inst.pool.ask("POST", "/v1/completions", headers, payload, deadline)
     except UpstreamError as exc:
         return TIMEOUT if exc.timed_out else UNREACHABLE
-    assert conn.done_fut is not None
-    try:
-        await asyncio.wait_for(asyncio.shield(conn.done_fut), max(deadline - time.monotonic(), 0.001))
-    except asyncio.TimeoutError:
-        conn.abort()
-        return TIMEOUT
-    except UpstreamError as exc:
-        conn.abort()
-        return TIMEOUT if exc.timed_out else UNREACHABLE
-    except BaseException:
-        conn.abort()
-        raise
-    inst.pool.release(conn)
-    return OK if head.status == 200 else REFUSED
+    return OK if status == 200 else REFUSED
 
 
 async def warm_up(inst: BackendState, model: str, engine_key: str | None, timeout_s: float) -> tuple[str, float]:

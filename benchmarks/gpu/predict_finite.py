@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 from appliance.inventory import load_inventory
 from appliance.model_config import read_model_shape, with_engine_quantization
@@ -35,7 +36,7 @@ def main(argv: list[str]) -> int:
                                         "slo": {"ttft_ms": 1000, "itl_ms": 50}})
     prof = gpu_profile(settings, load_inventory("sim:h200-1"), shape, 16, False)
     cand = Candidate("colocated", colocated=Shape(1, 1), budget=512)
-    out: dict = {"model": model_dir.rstrip("/").rsplit("/", 1)[-1], "quantization": quant, "max_num_seqs": seqs,
+    out: dict[str, Any] = {"model": model_dir.rstrip("/").rsplit("/", 1)[-1], "quantization": quant, "max_num_seqs": seqs,
                  "engine_args": args,
                  "budget": 512, "workload": "2000/1000", "slo": "TTFT 1000 ms, ITL 50 ms", "profile": prof.source,
                  "steady_goodput": goodputs(prof, cand, 2000, 1000, 1000, 50, 0.9),

@@ -20,13 +20,12 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from appliance.bench.analysis import Slo, attainment, goodput, percentile, token_gaps
+from appliance.bench.analysis import JUDGEMENTS, Slo, attainment, goodput, percentile, token_gaps
 from appliance.bench.results import BenchResult
 from appliance.connector.nixl.stats import figures, totals
 
 TTFT_MS = (1000.0, 2000.0, 3000.0)
 ITL_MS = (30.0, 50.0)
-JUDGEMENTS = ("p99", "max", "mean")
 
 
 def _members(path: Path) -> dict[str, bytes]:

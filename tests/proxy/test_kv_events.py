@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,14 @@ from tests.support.waiting import eventually
 
 BLOCK = 128  # the engines' block size here (vLLM's CPU default); the proxy's plan says 16: the events tell it
 PROMPT = list(range(1000, 1000 + 3 * BLOCK + 5))  # three whole blocks and a partial one
+
+
+def _in_events_folder(scenario: Callable[[Path], Awaitable[None]]) -> None:
+    """Run `scenario` with a fresh private events folder, as the state directory's kv-events."""
+    with tempfile.TemporaryDirectory(prefix="kvipc-") as top:  # short: a unix socket's path holds 107 bytes
+        folder = Path(top) / "kv-events"
+        folder.mkdir(mode=0o700)
+        asyncio.run(scenario(folder))
 
 
 def _stored(tokens: list[int], hashes: list[Any], parent: Any = None, **extra: Any) -> dict[str, Any]:
@@ -372,10 +380,7 @@ def test_an_engines_ipc_socket_feeds_the_proxy_through_a_stale_file_its_restart_
                     pub.close()
                 ctx.term()
 
-    with tempfile.TemporaryDirectory(prefix="kvipc-") as top:  # short: a unix socket's path holds 107 bytes
-        folder = Path(top) / "kv-events"
-        folder.mkdir(mode=0o700)
-        asyncio.run(scenario(folder))
+    _in_events_folder(scenario)
 
 
 
@@ -421,10 +426,7 @@ def test_an_engine_bound_over_a_stale_file_keeps_what_it_reported_when_the_liste
                     pub.close()
                 ctx.term()
 
-    with tempfile.TemporaryDirectory(prefix="kvipc-") as top:  # short: a unix socket's path holds 107 bytes
-        folder = Path(top) / "kv-events"
-        folder.mkdir(mode=0o700)
-        asyncio.run(scenario(folder))
+    _in_events_folder(scenario)
 
 
 def test_batches_an_engine_published_before_the_proxy_subscribed_count_as_a_gap(caplog: pytest.LogCaptureFixture) -> None:
