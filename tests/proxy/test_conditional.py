@@ -103,6 +103,12 @@ async def _decode_idle(c: Cluster) -> bool:
     return 'pdctl_proxy_in_flight_requests{instance="decode-0",role="decode"} 0.0' in text.splitlines()
 
 
+async def _decoding(d: Sim, n: int) -> bool:
+    """True when the decode engine holds `n` requests (running, waiting, or waiting for their KV)."""
+    s = await sim_state(d)
+    return bool(s["requests_running"] + s["requests_waiting"] + s["requests_waiting_for_kv"] == n)
+
+
 def test_short_prompts_go_decode_only_and_long_ones_through_the_prefill() -> None:
     with cluster() as c:
         p, d = _start(c, decode_only_below=32)
@@ -131,14 +137,10 @@ def test_a_decode_prefills_at_most_one_thresholds_worth_of_short_prompts_per_win
     with cluster() as c:
         p, d = _start(c, decode_args=("--decode-step-ms", "50"), decode_only_below=32, decode_only_window_ms=60_000)
 
-        async def decoding(n: int) -> bool:
-            s = await sim_state(d)
-            return bool(s["requests_running"] + s["requests_waiting"] + s["requests_waiting_for_kv"] == n)
-
         async def scenario() -> None:
             await proxy_ready(c)
             stream = asyncio.ensure_future(_through_proxy(c, 4, stream=True, max_tokens=100))  # ~5 s of steps
-            await wait_until(lambda: decoding(1), what="the first short prompt decoding")
+            await wait_until(lambda: _decoding(d, 1), what="the first short prompt decoding")
             # 4 + 20 tokens sent to the decode: below the threshold, one step can carry both
             assert await _ask(c, d, 20, max_tokens=2) == (DECODE_ONLY, 0)
             # 4 + 20 + 20: not below it; the prefill computes this one and hands it over
@@ -166,14 +168,10 @@ def test_a_decode_whose_budget_bounds_its_steps_takes_short_prompts_by_its_backl
         p, d = _start(c, decode_args=("--decode-step-ms", "50", "--chunk-tokens", "33"), decode_only_below=32,
                       decode_only_window_ms=60_000, decode_budget=33, decode_only_queue_ms=600_000)
 
-        async def decoding(n: int) -> bool:
-            s = await sim_state(d)
-            return bool(s["requests_running"] + s["requests_waiting"] + s["requests_waiting_for_kv"] == n)
-
         async def scenario() -> None:
             await proxy_ready(c)
             stream = asyncio.ensure_future(_through_proxy(c, 4, stream=True, max_tokens=100))  # ~5 s of steps
-            await wait_until(lambda: decoding(1), what="the first short prompt decoding")
+            await wait_until(lambda: _decoding(d, 1), what="the first short prompt decoding")
             assert await _ask(c, d, 20, max_tokens=2) == (DECODE_ONLY, 0)  # backlog 4 + 20 of a chunk of 32
             assert await _ask(c, d, 8, max_tokens=2) == (DECODE_ONLY, 0)  # 32: still one step's chunk
             route, cached = await _ask(c, d, 1, max_tokens=2)  # 33: the prefill is idle, so it takes the hop
@@ -196,20 +194,16 @@ def test_a_loaded_decode_refuses_a_short_prompt_an_idle_one_accepts() -> None:
         p, d = _start(c, decode_args=("--decode-step-ms", "50"), decode_only_below=32, decode_only_window_ms=1,
                       decode_step={"ms_per_seq": 1, "prefill_us_per_token": 100})
 
-        async def decoding(n: int) -> bool:
-            s = await sim_state(d)
-            return bool(s["requests_running"] + s["requests_waiting"] + s["requests_waiting_for_kv"] == n)
-
         def stream() -> asyncio.Future[tuple[str, int, str]]:
             return asyncio.ensure_future(_through_proxy(c, 4, stream=True, max_tokens=100))  # ~5 s of steps
 
         async def scenario() -> None:
             await proxy_ready(c)
             first = stream()
-            await wait_until(lambda: decoding(1), what="the first stream decoding")
+            await wait_until(lambda: _decoding(d, 1), what="the first stream decoding")
             assert await _ask(c, d, 20, max_tokens=2) == (DECODE_ONLY, 0)  # one leg: room 22
             second = stream()
-            await wait_until(lambda: decoding(2), what="the second stream decoding")
+            await wait_until(lambda: _decoding(d, 2), what="the second stream decoding")
             route, cached = await _ask(c, d, 20, max_tokens=2)  # two legs: room 12
             assert route == DISAGGREGATED and cached > 0
             assert not first.done() and not second.done()  # the decode was running both all along
@@ -246,10 +240,6 @@ def test_a_busy_prefill_sends_work_to_an_idle_decode_and_a_saturated_one_to_a_le
             s = await sim_state(p)
             return bool(s["requests_running"] + s["requests_waiting"] == n)
 
-        async def decoding(n: int) -> bool:
-            s = await sim_state(d)
-            return bool(s["requests_running"] + s["requests_waiting"] + s["requests_waiting_for_kv"] == n)
-
         async def scenario() -> None:
             await proxy_ready(c)
             # the decode is idle but so is the prefill: the long prompt takes the prefill hop
@@ -259,7 +249,7 @@ def test_a_busy_prefill_sends_work_to_an_idle_decode_and_a_saturated_one_to_a_le
             idle = await _through_proxy(c, 40)
             # a short prompt decoding for a while keeps one leg on the decode
             busy = asyncio.ensure_future(_through_proxy(c, 4, max_tokens=250))
-            await wait_until(lambda: decoding(1), what="the short prompt decoding")
+            await wait_until(lambda: _decoding(d, 1), what="the short prompt decoding")
             second = asyncio.ensure_future(_through_proxy(c, 40))
             await wait_until(lambda: prefilling(2), what="two prompts on the prefill")
             # two prefill legs (saturated at 2) against one decode leg: the decode prefills this one itself
@@ -311,11 +301,6 @@ def test_a_colocated_node_says_so_on_every_answer_errors_included() -> None:
 async def _prefilling(p: Sim, n: int) -> bool:
     s = await sim_state(p)
     return bool(s["requests_running"] + s["requests_waiting"] == n)
-
-
-async def _decoding(d: Sim, n: int) -> bool:
-    s = await sim_state(d)
-    return bool(s["requests_running"] + s["requests_waiting"] + s["requests_waiting_for_kv"] == n)
 
 
 def test_a_chat_prompt_a_decode_prefills_keeps_short_prompts_off_its_next_step() -> None:
