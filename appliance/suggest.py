@@ -421,9 +421,8 @@ def gpu_profile(settings: Settings, inventory: Inventory, model: ModelShape, blo
     else:
         carried = (f"the {hw.carried_from}'s measured shares of the peaks" if hw.carried_from
                    else "assumed shares of the peaks")
-        how = (f"NOT calibrated on this hardware (public peaks x {carried}): goodput "
-               f"{hw.band[0]:g}-{hw.band[1]:g}x wider than on calibrated hardware (each row's band says it); "
-               "`pdctl plan --check` says how to calibrate it")
+        how = (f"NOT calibrated on this hardware (public peaks x {carried}): each band is the calibrated "
+               f"model's x {hw.band[0]:g}-{hw.band[1]:g}; the calibration command is below")
     terms = (f"; weights {model.quantization.upper()}" if model.quantization else "") + (
         "; MoE terms from 1 x H200 (Qwen3-30B-A3B shape)" if experts else "")
     return Profile(
