@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -29,7 +30,7 @@ def check(bench: str, inventory: str, profile: str | None) -> dict[str, Any]:
 
 def interval(bench: str, shape: str, judgement: str) -> str:
     """The measured goodput interval [a, b) of `shape` under `judgement` in the bench file."""
-    data = json.loads(open(bench).read())
+    data = json.loads(Path(bench).read_text())
     attained = sorted((r["rate"], r["summary"]["attainment_by_judgement"][judgement])
                       for s in data["shapes"] if s["name"] == shape for r in s["rates"] if not r.get("partial"))
     target = data["slo"].get("attainment", 0.9)
@@ -48,7 +49,7 @@ def rows(benches: list[str], inventory: str, calibration: str | None) -> list[st
         if label == "calibrated" and not calibration:
             continue
         for bench in benches:
-            judgement = json.loads(open(bench).read())["slo"].get("itl_judgement", "p99")
+            judgement = json.loads(Path(bench).read_text())["slo"].get("itl_judgement", "p99")
             result = check(bench, inventory, profile)
             for row in result["goodput"]:
                 if row["judgement"] != judgement:

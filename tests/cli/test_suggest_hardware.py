@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +25,12 @@ from appliance.suggest import (
     Candidate,
     Shape,
     accelerator_of,
+    bench_profile,
     goodput_band,
     gpu_profile,
     state,
 )
+from tests.support.processes import Proc
 
 # The published Qwen3-8B shape (the lent GPU's runs served it with dummy weights).
 QWEN3_8B = {
@@ -112,7 +116,8 @@ def _cli(tmp_path: Path, *args: str) -> str:
     model = tmp_path / "qwen3-8b"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(QWEN3_8B))
-    (tmp_path / "pdctl.toml").write_text(f'[engine]\nkind = "vllm"\n[model]\npath = "{model}"\n')
+    (tmp_path / "pdctl.toml").write_text(f'state_dir = "{tmp_path / "state"}"\n[engine]\nkind = "vllm"\n'
+                                         f'[model]\npath = "{model}"\n')
     done = subprocess.run([sys.executable, "-m", "appliance", "plan", *args], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120,
                           env=dict(os.environ, PDCTL_CONFIG=str(tmp_path / "pdctl.toml"), COLUMNS="400"))
@@ -150,3 +155,41 @@ def test_overlapping_bands_are_named_together(tmp_path: Path) -> None:
         low, high = row["band_rps"]
         assert low < row["goodput_rps"] < high
     assert data["apply"] == "colocated-1-mbt512"
+
+
+def test_calibration_fits_the_profile_to_the_engine_it_measured(tmp_path: Path) -> None:
+    # a real engine process slower than the H100 profile says (the simulated engine, its time model set):
+    # prefill 30 us a token against the profile's ~22, a decode step of 9 ms against ~6.5
+    engine = Proc("engine", [sys.executable, "-m", "appliance.engine.sim", "--port", "0", "--model", "sim-model",
+                             "--prefill-us-per-token", "30", "--decode-step-ms", "9", "--decode-step-ms-per-seq", "0",
+                             "--log-level", "warning"], tmp_path, ready_line=True, session=True)
+    try:
+        url = json.loads(engine.read_line(re.compile(r'"url": "http://')))["url"]
+        out = _cli(tmp_path, "--suggest", "--inventory", "sim:h100-1", "--input-len", "1000", "--output-len", "300")
+        command = next(li for li in out.splitlines() if "calibrate it on this node" in li).split("`")[3].split()
+        assert command[:2] == ["pdctl", "bench"]
+        # the printed run, as a user runs it, against that engine (fewer requests: a test's time)
+        args = [*command[1:], "--url", url]
+        args[args.index("-n") + 1] = "5"
+        args[args.index("--out") + 1] = str(tmp_path / "calibration")
+        done = subprocess.run([sys.executable, "-m", "appliance", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=180, env=dict(os.environ, PDCTL_CONFIG=str(tmp_path / "pdctl.toml")))
+        assert done.returncode == 0, done.stderr
+        fitted = json.loads(_cli(tmp_path, "--suggest", "--json", "--inventory", "sim:h100-1", "--profile",
+                                 str(tmp_path / "calibration" / "bench.json"), "--input-len", "1000",
+                                 "--output-len", "300"))["profile"]
+    finally:
+        engine.kill()
+    assert fitted["calibrated"] and fitted["band"] == [1.0, 1.0]
+    assert "prefill x" in fitted["source"] and "decode step x" in fitted["source"]
+    # the fitted profile reproduces what the run measured: a lone prompt's TTFT and the decode step
+    bench = tmp_path / "calibration" / "bench.json"
+    requests = [q for shape in json.loads(bench.read_text())["shapes"] for r in shape["rates"]
+                for q in r["requests"]]
+    ttft_ms = statistics.median(q["chunk_times_s"][0] for q in requests) * 1000
+    raw = _profile("sim:h100-1")
+    prof = bench_profile(bench, ONE, raw)
+    lone = state(prof, ONE, 1e-6, 1000, 64, 1e9)
+    assert lone.ttft_ms == pytest.approx(ttft_ms, rel=0.1)
+    assert prof.decode_step_ms == pytest.approx(9.0, rel=0.15) and raw.decode_step_ms < 7.5
+    assert fitted["decode_step_ms"] == pytest.approx(prof.decode_step_ms)
