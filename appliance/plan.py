@@ -62,9 +62,10 @@ UNIX_SOCKET_PATH_MAX = 107
 
 
 class Frozen(BaseModel):
-    """Plan records: unknown fields are rejected, so a plan file from elsewhere cannot smuggle keys in."""
+    """Plan records: unknown fields are rejected, so a plan file from elsewhere cannot smuggle keys in, and no
+    number is inf or nan (the plan's figures reach generated JSON and YAML)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Instance(Frozen):
