@@ -268,6 +268,8 @@ def _proxy_field(path: str, *tighter: Any) -> Any:
 # stay flat, as operators have written them; proxy_config_data() nests them, for the plan and for schema-1 plans.
 PROXY_KEYS: dict[str, str] = {
     "host": "host", "port": "port", "routing": "routing", "api_key_file": "api_key_file",
+    "api_keys_file": "api_keys_file", "tenant_cache_salt": "tenant_cache_salt",
+    "metrics_token_file": "metrics_token_file",
     "registration_host": "registration.host", "ping_port": "registration.port",
     "allowed_hosts": "registration.allowed_hosts", "peer_hosts": "registration.peer_hosts",
     "registration_max_per_s": "registration.max_per_s",
@@ -291,6 +293,10 @@ class ProxySettings(Section):
     port: Port = _proxy_field("port", Ge(1))
     routing: Routing = _proxy_field("routing")
     api_key_file: str | None = _proxy_field("api_key_file")
+    api_keys_file: str | None = _proxy_field("api_keys_file")
+    tenant_cache_salt: bool = _proxy_field("tenant_cache_salt")
+    # unset while the API has keys: the state directory's, which `pdctl up` writes (docs/threat-model.md)
+    metrics_token_file: str | None = _proxy_field("metrics_token_file")
     registration_host: str = _proxy_field("registration.host")
     ping_port: Port = _proxy_field("registration.port", _UNPRIVILEGED)
     allowed_hosts: list[str] = _proxy_field("registration.allowed_hosts")
