@@ -102,7 +102,7 @@ def test_a_tenant_cannot_tell_which_prompts_another_sent(tmp_path: Path) -> None
             # the node's view: no guess, right or wrong, hits anything
             operator = _bearer(METRICS_TOKEN)
             verdicts = [await _guess(px, guess, operator) for guess, _ in guesses]
-            assert verdicts == [False] * GUESSES, sum(v == right for v, (_, right) in zip(verdicts, guesses))
+            assert verdicts == [False] * GUESSES, sum(v == right for v, (_, right) in zip(verdicts, guesses, strict=True))
             # a tenant's own prefixes still hit: the salt is stable per key
             assert await _hit_tokens(px.api_port, operator) == 0
             before = await _hit_tokens(px.api_port, operator)
