@@ -579,8 +579,9 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     # the hand-off's length rules are vLLM's (connector.handoff_possible): a simulated engine has none
     proxy = _proxy_config(settings, connector_name, mode, model.served_name,
                           block if settings.engine.kind == "vllm" else None, state)
-    if not is_loopback(settings.proxy.host) and not settings.proxy.api_key_file:
-        warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file is set")
+    if not is_loopback(settings.proxy.host) and not (settings.proxy.api_key_file or settings.proxy.api_keys_file):
+        warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file or "
+                        "api_keys_file is set")
     _check_ports(instances, proxy)
     checks.append(
         Check(name="ports-unique", ok=True, detail=f"{sum(len(v) for i in instances for v in i.ports.values())} ports")
