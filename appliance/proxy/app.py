@@ -22,14 +22,14 @@ from appliance.proxy.kvstore import KvStoreSweeper
 from appliance.proxy.legs import OUTCOME, ROUTE, STAGE, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE
 from appliance.proxy.state import ProxyState
-from appliance.proxy.tenants import Tenant, client_salt_problem
+from appliance.proxy.tenants import ANONYMOUS, client_salt_problem
 
 log = logging.getLogger("appliance.proxy")
 
 _CHECKED_HEADERS = ("Authorization", "X-Request-Id")
 # a client asks for its request's route by sending this header (any value); the answer carries it (docs/bench.md)
 ROUTE_HEADER = "x-pdctl-route"
-TENANT: web.RequestKey[Tenant] = web.RequestKey("pdctl_tenant", Tenant)
+TENANT: web.RequestKey[str] = web.RequestKey("pdctl_tenant", str)  # the API key's name (tenants.py)
 
 
 
@@ -49,8 +49,8 @@ async def _route_header(request: web.Request, response: web.StreamResponse) -> N
     route = request.get(ROUTE)
     if route is None or ROUTE_HEADER not in request.headers:
         return
-    tenant = request.get(TENANT)
-    response.headers[ROUTE_HEADER] = route if tenant is not None and tenant.name else route.split(";", 1)[0]
+    keyed = request.get(TENANT, ANONYMOUS) != ANONYMOUS
+    response.headers[ROUTE_HEADER] = route if keyed else route.split(";", 1)[0]
 
 
 @web.middleware
@@ -348,7 +348,7 @@ class Proxy(ProxyState):
         given = body.get("cache_salt")
         if (why := client_salt_problem(given)) is not None:
             return error_response(400, why)
-        salt = self.tenants.salt(request[TENANT].name, given)
+        salt = self.tenants.salt(request[TENANT], given)
         if salt is not None:
             body["cache_salt"] = salt
         return None

@@ -18,7 +18,6 @@ import re
 import secrets
 import stat
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +31,12 @@ else:  # pragma: no cover
 log = logging.getLogger("appliance.proxy")
 
 DEFAULT_TENANT = "default"  # the name of api_key_file's one key
+ANONYMOUS = ""  # every client of a proxy without keys
 # vLLM's own bounds on a client's cache_salt (entrypoints' validate_cache_salt): a salt it would refuse is refused
 # here too, before it is combined into one it would accept
 SALT_MAX = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-@dataclass(frozen=True)
-class Tenant:
-    """One API key's holder: its name, and the cache salt its requests carry (None: salting is off)."""
-
-    name: str
-    salt: str | None
 
 
 def check_secret_file(path: Path, what: str) -> os.stat_result:
@@ -103,16 +95,11 @@ class Tenants:
         """True when clients must send a key."""
         return bool(self._keys)
 
-    @property
-    def salted(self) -> bool:
-        """True when each tenant's requests carry a cache salt of their own."""
-        return self._secret is not None
-
-    def identify(self, header: str | None) -> Tenant | None:
-        """The tenant whose key an `Authorization: Bearer <key>` header carries, else None (a wrong key, or no
-        key while keys are required). Without keys every client is the one anonymous tenant."""
+    def identify(self, header: str | None) -> str | None:
+        """The name of the tenant whose key an `Authorization: Bearer <key>` header carries, else None (a wrong
+        key, or no key while keys are required). Without keys every client is the one anonymous tenant, ""."""
         if not self._keys:
-            return Tenant("", None)
+            return ANONYMOUS
         scheme, _, given = (header or "").partition(" ")
         try:
             # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes: back to the client's bytes
@@ -123,9 +110,7 @@ class Tenants:
         for name, key in self._keys:
             if hmac.compare_digest(sent, key) and found is None:
                 found = name
-        if scheme.lower() != "bearer" or found is None:
-            return None
-        return Tenant(found, self.salt(found, None))
+        return found if scheme.lower() == "bearer" else None
 
     def salt(self, tenant: str, client_salt: str | None) -> str | None:
         """The cache salt a tenant's request carries: an HMAC of the node secret over the tenant's name and the
