@@ -29,6 +29,7 @@ from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager, choose_manager
 from appliance.plan import Plan, busy_ports
 from appliance.ports import holders, port_free, taken
+from appliance.proxy.tenants import read_keys
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit
 from appliance.render.templates import RenderOptions, secret_env
 from appliance.roles import ROLES
@@ -345,6 +346,8 @@ class Node:
         """Stage plan.json (secrets redacted), secrets.json (0600) and proxy.json in the state directory (0700)
         and make the KV store and the KV events sockets' folder (0700); True when proxy.json changed."""
         make_private_dir(self.state.root)
+        if plan.proxy.api_keys_file:
+            read_keys(plan.proxy.api_keys_file)  # a file the proxy would refuse fails `pdctl up` first, in one line
         connector = get_connector(plan.connector)
         for inst in plan.instances:
             for folder in connector.kv_folders(inst.kv_transfer_config or {}):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from appliance.proxy.app import Proxy
 from appliance.proxy.tenants import load_tenants, read_keys
 from tests.support.fake_engines import FakeEngine, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post
+from tests.support.pdctl import pdctl, write_config
 from tests.support.waiting import eventually
 
 BLOCK = 16
@@ -219,3 +221,16 @@ def test_keys_file_others_may_change_is_refused(tmp_path: Path) -> None:
     os.chmod(salt, 0o602)
     with pytest.raises(ConfigError, match="may be changed by other users"):
         load_tenants(None, str(path), True, str(salt), None)
+
+
+def test_pdctl_up_refuses_a_keys_file_the_proxy_would_refuse(tmp_path: Path) -> None:
+    """A keys file other users may write (or a malformed one) fails `pdctl up` in one line before anything starts,
+    rather than a proxy unit that fails at its start."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text('alice = "k"\n')
+    keys.chmod(0o666)
+    cfg = write_config(tmp_path, tmp_path / "state", extra=f"api_keys_file = {json.dumps(str(keys))}\n")
+    up = pdctl(cfg, "up", timeout=120)
+    lines = [line for line in up.stderr.splitlines() if line.strip()]
+    assert up.returncode != 0 and len(lines) == 1 and "may be changed by other users" in lines[0], up.stderr
+    assert not (tmp_path / "state" / "proxy.json").exists()
