@@ -8,9 +8,9 @@ serve() {  # serve BUDGET_ARGS...: one vLLM engine on the GPU, the Qwen3-8B shap
   bash $K/device_serve.sh start s0 8100 $M --max-model-len 4096 --no-enable-prefix-caching "$@" \
     && timeout 300 bash $K/device_serve.sh wait s0
 }
-sweep() {  # sweep NAME LABEL SEED RATES IN OUT ITL [N]: pdctl bench against the engine, as a user would
+sweep() {  # sweep NAME LABEL SEED RATES IN OUT ITL [N] [LIMIT_S]: pdctl bench against the engine, as a user would
   echo "== $1 start $(date -u +%FT%TZ)"
-  timeout 280 python3 -m appliance bench --url http://127.0.0.1:8100 --label $2 --seed $3 --rates $4 -n ${8:-40} \
+  timeout ${9:-280} python3 -m appliance bench --url http://127.0.0.1:8100 --label $2 --seed $3 --rates $4 -n ${8:-40} \
     --input-len $5 --output-len $6 --ttft-ms 1000 --itl-ms $7 --no-plots --out $W/$1 2>&1 | tail -25
   echo "== $1 end $(date -u +%FT%TZ)"
 }

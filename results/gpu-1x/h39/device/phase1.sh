@@ -1,5 +1,6 @@
 # call 3: stage the last part, serve at budget 512, calibrate, predict calibrated, sweep 3000/300
 set -u
+SECONDS=0
 bash .gpu/bin/device_stage.sh 3 && source .gpu/bin/device_env.sh || exit 1
 source .gpurun/env.sh
 python3 $K/make_model.py qwen3-8b $M >/dev/null
@@ -16,5 +17,7 @@ for w in "3000 300 50" "1500 150 30"; do set -- $w
   pd plan --suggest --json --profile $W/calibration/bench.json --input-len $1 --output-len $2 --itl-ms $3 --rate 2 \
     > $W/predicted-calibrated-w$1x$2-itl$3.json 2>&1; done
 date -u +%FT%TZ > $W/predicted-calibrated.time
-sweep s1-mbt512 colocated-1-mbt512 11 auto:4:16 3000 300 50
+sweep s1-mbt512 colocated-1-mbt512 11 auto:4:16 3000 300 50 40 $((480 - SECONDS))
+left=$((560 - SECONDS)); echo "== $SECONDS s used, $left s left"
+[ $left -gt 60 ] && sweep held-out-mbt512 colocated-1-mbt512 12 auto:8:40 1500 150 30 40 $left
 pack p1
