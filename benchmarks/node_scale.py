@@ -184,8 +184,11 @@ def main_run(args: argparse.Namespace) -> None:
                 if engine.poll() is not None:
                     raise SystemExit(f"{b['name']} exited; see {tmp}/{b['name']}.log")
             port, admin = free_ports(2)
-            proc, url = start_proxy("proxy", {"port": port, "connector": "nixl", "mode": "read", "model": MODEL,
-                                              "admin": {"port": admin}, "backends": backends}, Path(tmp))
+            config = {"port": port, "connector": "nixl", "mode": "read", "model": MODEL, "admin": {"port": admin},
+                      "backends": backends}
+            entry = (str(ROOT / "benchmarks/loop_stalls.py"), "--stall-ms", str(args.diagnose), "--") \
+                if args.diagnose else ("-m", "appliance.proxy")
+            proc, url = start_proxy("proxy", config, Path(tmp), entry)
             procs.append(proc)
             proxy = psutil.Process(proc.pid)
             decodes = [b["url"] for b in backends if b["role"] == "decode"]
@@ -204,6 +207,9 @@ def main_run(args: argparse.Namespace) -> None:
             print()
             for streams in args.streams:
                 print(summary(runs, streams))
+            if args.diagnose:
+                print("\n# the proxy's log (loop_stalls.py: its stalls and slow collections)")
+                print((Path(tmp) / "proxy.log").read_text())
         finally:
             stop_all(procs)
 
@@ -217,6 +223,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200, help="tokens a request (then the stream asks again)")
     parser.add_argument("--step-ms", type=float, default=10.0, help="engine decode step: the token pace")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument("--diagnose", type=float, default=0.0, metavar="MS",
+                        help="run the proxy under loop_stalls.py, logging each loop pause over MS, and print its log")
     args = parser.parse_args()
     try:
         args.streams = [int(s) for s in args.streams.split(",") if s.strip()]
