@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ from benchmarks.harness import metric_samples, pct, start_proxy, stop_all  # noq
 from benchmarks.proxy_bench import MODEL, Samples, one_stream, wait_http  # noqa: E402
 
 LOOP_PAUSE = "pdctl_proxy_event_loop_max_pause_seconds"
+PAUSE_EVERY_S = 4.0  # how often a round reads the proxy's longest pause (its window is 10 s)
 
 
 @dataclass
@@ -142,11 +144,21 @@ def measure(pool: multiprocessing.pool.Pool, proxy: psutil.Process, label: str, 
             args: argparse.Namespace, proxy_url: str) -> Run:
     """One round of `label` (direct or proxy) at `streams` streams."""
     before = sum(proxy.cpu_times()[:2])
-    loop_pause(proxy_url)  # a scrape starts the pause window afresh
+    pauses: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:  # the gauge covers the last WINDOW_S: read it more often than that
+        while not done.wait(PAUSE_EVERY_S):
+            pauses.append(loop_pause(proxy_url))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     samples, elapsed = run_round(pool, bases, streams, args.clients, args.seconds, args.tokens)
+    done.set()
+    watcher.join()
     run = Run(label, streams, samples, elapsed)
     run.proxy_busy = (sum(proxy.cpu_times()[:2]) - before) / elapsed
-    run.loop_pause = loop_pause(proxy_url)
+    run.loop_pause = max([*pauses, loop_pause(proxy_url)])
     run.load = os.getloadavg()[0]
     return run
 
