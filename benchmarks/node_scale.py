@@ -163,6 +163,11 @@ def measure(pool: multiprocessing.pool.Pool, proxy: psutil.Process, label: str, 
     return run
 
 
+def _ratio(a: float, b: float) -> str:
+    """a / b to three places; "-" when b is 0 (a client that reads several events at once has gaps of 0 s)."""
+    return f"{a / b:.3f}" if b else "-"
+
+
 def summary(runs: list[Run], streams: int) -> str:
     """The proxy's figures over direct's at one stream count (samples of all rounds pooled)."""
     got: dict[str, Samples] = {"direct": Samples(), "proxy": Samples()}
@@ -178,7 +183,7 @@ def summary(runs: list[Run], streams: int) -> str:
     p99 = pct(p.itl, .99) / pct(d.itl, .99)
     worst = max(p.itl) / max(d.itl)
     verdict = "MET" if worst <= 2 and p99 <= 1.05 else "MISSED"
-    return (f"{streams:4d} streams: tok/s x{rate:.3f}  ITL p50 x{pct(p.itl, .5) / pct(d.itl, .5):.3f}  "
+    return (f"{streams:4d} streams: tok/s x{rate:.3f}  ITL p50 x{_ratio(pct(p.itl, .5), pct(d.itl, .5))}  "
             f"p99 x{p99:.3f}  max x{worst:.2f} ({max(p.itl) * 1e3:.1f} vs {max(d.itl) * 1e3:.1f} ms)  "
             f"+TTFT p50 {(pct(p.ttft, .5) - pct(d.ttft, .5)) * 1e3:+.2f} ms  goal (max <= 2x, p99 <= 1.05x) "
             f"{verdict}")
