@@ -9,7 +9,8 @@ to a decode engine (round robin), PROXY to the proxy (prefill leg, then the deco
 --clients processes so that they are not the bottleneck.
 
 Prints per run: tok/s, ITL p50/p99/max, TTFT p50, the proxy's cores busy (its own CPU time over the run), the
-load average, and the proxy's longest event-loop pause when it exports one; then the ratios proxy/direct.
+load average, the proxy's longest event-loop pause when it exports one and, beside it, the longest pause an idle
+process (a 10 ms sleep loop) saw meanwhile: what the host's scheduler alone costs; then the ratios proxy/direct.
 Goal (issue 38, on the 2-core dev VM): proxy max ITL <= 2x direct and ITL p99 <= 1.05x direct.
 
 Not a test: run it under `flock /tmp/pdctl-heavy.lock` on a shared machine.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.pool
 import os
 import subprocess
@@ -44,6 +46,7 @@ from benchmarks.harness import metric_samples, pct, start_proxy, stop_all  # noq
 from benchmarks.proxy_bench import MODEL, Samples, one_stream, wait_http  # noqa: E402
 
 LOOP_PAUSE = "pdctl_proxy_event_loop_max_pause_seconds"
+CANARY_TICK_S = 0.01
 PAUSE_EVERY_S = 4.0  # how often a round reads the proxy's longest pause (its window is 10 s)
 
 
@@ -57,6 +60,7 @@ class Run:
     elapsed: float = 0.0
     proxy_busy: float = 0.0
     loop_pause: float = float("nan")
+    canary: float = float("nan")
     load: float = 0.0
 
     def row(self) -> str:
@@ -65,7 +69,7 @@ class Run:
                 f"ITL p50 {pct(s.itl, .5) * 1e3:6.2f}  p99 {pct(s.itl, .99) * 1e3:6.2f}  "
                 f"max {max(s.itl, default=float('nan')) * 1e3:7.2f} ms  TTFT p50 {pct(s.ttft, .5) * 1e3:6.2f} ms  "
                 f"proxy cores {self.proxy_busy:.2f}  loop max pause {self.loop_pause * 1e3:6.1f} ms  "
-                f"load {self.load:.1f}")
+                f"host canary {self.canary * 1e3:6.1f} ms  load {self.load:.1f}")
 
 
 # ---- clients (in their own processes) --------------------------------------------------------------
@@ -112,6 +116,18 @@ def run_round(pool: multiprocessing.pool.Pool, bases: list[str], streams: int, c
     return merged, elapsed
 
 
+def canary(seconds: float, out: multiprocessing.connection.Connection) -> None:
+    """An idle process's own pauses: the longest lateness of a 10 ms sleep over `seconds`. What the host's
+    scheduler alone costs any process here (the proxy's loop pause less this is the proxy's own)."""
+    worst = 0.0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        due = time.monotonic() + CANARY_TICK_S
+        time.sleep(CANARY_TICK_S)
+        worst = max(worst, time.monotonic() - due)
+    out.send(worst)
+
+
 # ---- the node ------------------------------------------------------------------------------------
 
 def start_engines(pairs: int, step_ms: float, work: Path) -> tuple[list[subprocess.Popen[bytes]], list[dict[str, str]]]:
@@ -153,10 +169,15 @@ def measure(pool: multiprocessing.pool.Pool, proxy: psutil.Process, label: str, 
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    ours, theirs = multiprocessing.Pipe()
+    idle = multiprocessing.get_context("spawn").Process(target=canary, args=(args.seconds, theirs))
+    idle.start()
     samples, elapsed = run_round(pool, bases, streams, args.clients, args.seconds, args.tokens)
     done.set()
     watcher.join()
+    idle.join()
     run = Run(label, streams, samples, elapsed)
+    run.canary = ours.recv() if ours.poll() else float("nan")
     run.proxy_busy = (sum(proxy.cpu_times()[:2]) - before) / elapsed
     run.loop_pause = max([*pauses, loop_pause(proxy_url)])
     run.load = os.getloadavg()[0]
