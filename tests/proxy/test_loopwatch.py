@@ -91,3 +91,19 @@ def test_health_probes_do_not_pause_the_loop_however_many_sockets_the_host_holds
         stalls = late_over(after, "0.05") - late_over(before, "0.05")
         # a loaded shared host may deschedule the proxy a few times; a stall per probe is 60
         assert stalls <= 3, (before, after)
+
+
+def test_the_longest_pause_is_of_the_last_window_only() -> None:
+    """LoopWatch.longest: the longest lateness of the WINDOW_S seconds before now; older ones age out."""
+    from appliance.proxy.loopwatch import WINDOW_S, LoopWatch
+
+    watch = LoopWatch()
+    assert watch.longest(100.0) == 0.0
+    watch.observe(0.300, 100.2)
+    watch.observe(0.002, 100.9)
+    watch.observe(0.040, 103.5)
+    assert watch.longest(104.0) == 0.300
+    assert watch.longest(100.0 + WINDOW_S + 0.5) == 0.040  # the 300 ms pause is more than WINDOW_S old
+    watch.observe(0.001, 100.0 + 2 * WINDOW_S)
+    assert watch.longest(100.0 + 2 * WINDOW_S) == 0.001
+    assert watch.lag.count == 4
