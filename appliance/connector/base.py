@@ -350,9 +350,11 @@ class Connector(ABC):
         to on_result. None: its engines do not register."""
         return None
 
-    def request_id(self, prefill: Peer, decode: Peer) -> str:
-        """The X-Request-Id both legs of one request carry."""
-        return uuid.uuid4().hex
+    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
+        """The X-Request-Id both legs of one request carry: unique to the request (connectors pair its legs by
+        it), led by the client's own X-Request-Id when it sent one (vLLM answers with the id cmpl-<this>)."""
+        unique = uuid.uuid4().hex
+        return f"{client_id}-{unique}" if client_id else unique
 
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         """The prefill leg: one token, not streamed; `handoff` is state shared with the decode leg of the request."""

@@ -543,14 +543,15 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
                 proxy.router.alone(route, "handoff-impossible", facts, tokens)
         proxy.metrics.routes.labels(route.name, route.reason).inc()
         request[ROUTE] = route.header()
+        # the client's X-Request-Id reaches the leg that answers it (vLLM's answer id is cmpl-<X-Request-Id>)
+        client_id = request.headers.get("X-Request-Id") or None
+        if route.prefill is not None:
+            return await _disaggregated(proxy, request, path, body, headers, started, route, client_id)
+        if client_id is not None:
+            headers.append(("X-Request-Id", client_id))
         if route.name == "colocated":
-            rid = request.headers.get("X-Request-Id") or None
-            if rid is not None:
-                headers.append(("X-Request-Id", rid))
             return await run_decode(proxy, request, route.decode, route.decode_rank, path, body, headers, started)
-        if route.prefill is None:
-            return await _decode_only(proxy, request, route, path, body, headers, started)
-        return await _disaggregated(proxy, request, path, body, headers, started, route)
+        return await _decode_only(proxy, request, route, path, body, headers, started)
 
 
 async def _decode_only(proxy: ProxyState, request: web.Request, route: Route, path: str, body: dict[str, Any],
@@ -650,14 +651,16 @@ async def _disaggregated(
     headers: list[tuple[str, str]],
     started: float,
     route: Route,
+    client_id: str | None = None,
 ) -> web.StreamResponse:
-    """The prefill and decode legs of one request on the route picked for it."""
+    """The prefill and decode legs of one request on the route picked for it; `client_id`: the client's
+    X-Request-Id, which leads the id both legs carry."""
     connector = proxy.connector
     prefill, prefill_rank, decode, decode_rank = route.prefill, route.prefill_rank, route.decode, route.decode_rank
     assert prefill is not None  # a route without a prefill instance is one leg (handle_completion)
     # what the connector carries from one leg of this request to the other
     handoff: dict[str, Any] = {"mode": proxy.mode}
-    rid = connector.request_id(prefill, decode)
+    rid = connector.request_id(prefill, decode, client_id)
     prefill_body = connector.prefill_body(body, prefill, decode, handoff)
     # Both legs carry the same id: connectors match the two halves of a request by it (NIXL push does).
     headers.append(("X-Request-Id", rid))
