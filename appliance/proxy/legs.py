@@ -613,25 +613,25 @@ async def can_hand_over(proxy: ProxyState, inst: BackendState, path: str, body: 
     return count is not None and connector.handoff_possible(count, block_size), count
 
 
-def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, decode_body: dict[str, Any],
-                    headers: list[tuple[str, str]]) -> None:
-    """Ask the decode instance to have the prefill free the KV it holds for a decode leg that will not be sent
-    (the client left after the prefill answered), rather than hold it until the connector's own timeout."""
-    body = proxy.connector.release_body(decode_body)
-    if body is None:
+def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, path: str,
+                    decode_body: dict[str, Any], headers: list[tuple[str, str]]) -> None:
+    """Ask the decode instance to have the prefill free the KV it holds for a decode leg to `path` that will not
+    be sent (the client left after the prefill answered), rather than hold it until the connector's own timeout."""
+    release = proxy.connector.release_body(decode_body, path, proxy.mode)
+    if release is None:
         return
-    task = asyncio.get_running_loop().create_task(_send_release(proxy, decode, rank, body, headers))
+    task = asyncio.get_running_loop().create_task(_send_release(proxy, decode, rank, *release, headers))
     proxy.releases.add(task)
     task.add_done_callback(proxy.releases.discard)
 
 
-async def _send_release(proxy: ProxyState, inst: BackendState, rank: int | None, body: dict[str, Any],
+async def _send_release(proxy: ProxyState, inst: BackendState, rank: int | None, path: str, body: dict[str, Any],
                         headers: list[tuple[str, str]]) -> None:
     if rank is not None:
         headers = [*headers, ("X-data-parallel-rank", str(rank))]
     payload = json.dumps(body, separators=(",", ":")).encode()
     try:
-        conn, _ = await inst.pool.open("POST", "/v1/completions", headers, payload, collect=True,
+        conn, _ = await inst.pool.open("POST", path, headers, payload, collect=True,
                                        head_timeout=proxy.config.timeouts.first_token_s)
         assert conn.done_fut is not None
         await conn.done_fut
@@ -674,7 +674,7 @@ async def _disaggregated(
                 leg = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
             except HandoffError:
                 return  # an answer no decode leg could have used: nothing of it to release
-            release_handoff(proxy, decode, decode_rank, leg, headers)
+            release_handoff(proxy, decode, decode_rank, path, leg, headers)
 
         kv, answer = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers, abandoned)
         if kv is None:
@@ -687,7 +687,8 @@ async def _disaggregated(
                 raise LegFailure(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
         decode_body = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
         return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started,
-                                unsent=lambda: release_handoff(proxy, decode, decode_rank, decode_body, headers))
+                                unsent=lambda: release_handoff(proxy, decode, decode_rank, path, decode_body,
+                                                               headers))
 
     decode_body = connector.decode_body(body, prefill, decode, prefill_rank, None, handoff)
     prefill_task = asyncio.ensure_future(run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers))
