@@ -112,49 +112,71 @@ def _store_entries(store: Path) -> list[str]:
     return sorted(p.name for p in store.iterdir())
 
 
-def test_the_warm_up_leaves_no_store_entry_and_ids_and_one_token_prompts_are_served(
+def _proxy_config(pair: list[VllmProcess], store: Path) -> Any:
+    """An in-process proxy's config in front of the pair, keeping the store as pdctl's plan does."""
+    prefill, decode = pair
+    backends = [{"name": "prefill-0", "role": "prefill", "url": prefill.url},
+                {"name": "decode-0", "role": "decode", "url": decode.url}]
+    return proxy_config("example", backends, block_size=BLOCK, health={"warmup_timeout_s": 600},
+                        kv_store={"folders": [str(store)], "max_mib": 1024, "max_age_s": 3600})
+
+
+def _assert_alive(pair: list[VllmProcess]) -> None:
+    for server in pair:
+        assert server.proc.poll() is None, server.log_tail()
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as resp:
+            assert resp.status == 200
+
+
+def test_the_warm_up_leaves_no_store_entry_and_a_one_token_prompt_is_served(
         example_pair: tuple[list[VllmProcess], Path]) -> None:
     """Defect 7: after the proxy's warm-up of both engines the store is empty (it saved the warm-up under the
     empty prompt's key, the one a 1-token prompt's lookup dies on); a 1-token prompt after a short one (which
-    writes that key on the decode) is served and no engine stops. Defect 6 on the same node: the client's
-    X-Request-Id names the answer of the decode-only route, and leads it on the disaggregated one."""
-    (prefill, decode), store = example_pair
+    writes that key on the decode) is served, and no engine stops."""
+    pair, store = example_pair
     for entry in store.iterdir():  # earlier tests' prompts; the engines are idle
-        if entry.is_dir():
-            for f in entry.iterdir():
-                f.unlink()
-            entry.rmdir()
-    backends = [{"name": "prefill-0", "role": "prefill", "url": prefill.url},
-                {"name": "decode-0", "role": "decode", "url": decode.url}]
-    config = proxy_config("example", backends, block_size=BLOCK, health={"warmup_timeout_s": 600},
-                          kv_store={"folders": [str(store)], "max_mib": 1024, "max_age_s": 3600})
+        for f in entry.iterdir():
+            f.unlink()
+        entry.rmdir()
 
     async def scenario() -> None:
-        async with running_proxy(config) as px:
+        async with running_proxy(_proxy_config(pair, store)) as px:
             assert px.metrics.render().decode().count('result="ok"') >= 2  # both engines were warmed up
-            assert _store_entries(store) == []
-            url = local(px.api_port)
+            assert sorted(p.name for p in store.iterdir()) == []
+            # a short prompt writes the empty prompt's key on the decode; then a 1-token prompt, whose lookup
+            # of that key asks for -128 tokens, is routed where vLLM skips the lookup (decode alone)
+            short: list[Any] = ["Hello", [300]]
+            for prompt in short:
+                status, raw, headers = await post(local(px.api_port), "/v1/completions", {
+                    "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=300)
+                assert status == 200, raw
+                assert headers["x-pdctl-route"].split(";")[0] == "decode-only"
+        _assert_alive(pair)
+
+    asyncio.run(scenario())
+
+
+def test_the_clients_request_id_names_vllms_answer_on_every_route(
+        example_pair: tuple[list[VllmProcess], Path]) -> None:
+    """Defect 6: the client's X-Request-Id is vLLM's answer id (cmpl-<id>) on the decode-only route, and
+    leads it on the disaggregated one (whose two legs carry one id unique to the request)."""
+    pair, store = example_pair
+
+    async def scenario() -> None:
+        async with running_proxy(_proxy_config(pair, store)) as px:
             for prompt, rid, route in (("Hi there", "issue34-short", "decode-only"),
                                        (PROMPT, "issue34-long", "disaggregated")):
-                status, raw, headers = await post(url, "/v1/completions", {
+                status, raw, headers = await post(local(px.api_port), "/v1/completions", {
                     "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0},
                     headers={"X-Request-Id": rid}, timeout=300)
                 assert status == 200, raw
                 assert headers["x-pdctl-route"].split(";")[0] == route
                 answer_id = json.loads(raw)["id"]
-                assert answer_id == f"cmpl-{rid}" if route == "decode-only" else answer_id.startswith(
-                    f"cmpl-{rid}-"), (route, answer_id)
-            # a short prompt writes the empty prompt's key on the decode; then a 1-token prompt, whose lookup
-            # of that key asks for -128 tokens, is routed where vLLM skips the lookup (decode alone)
-            short: list[Any] = ["Hello", [300]]
-            for prompt in short:
-                status, raw, headers = await post(url, "/v1/completions", {
-                    "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=300)
-                assert status == 200, raw
-                assert headers["x-pdctl-route"].split(";")[0] == "decode-only"
-        for server in (prefill, decode):
-            assert server.proc.poll() is None, server.log_tail()
-            with urllib.request.urlopen(server.url + "/health", timeout=30) as resp:
-                assert resp.status == 200
+                print(route, "answer id:", answer_id)
+                if route == "decode-only":
+                    assert answer_id == f"cmpl-{rid}"
+                else:
+                    assert answer_id.startswith(f"cmpl-{rid}-"), answer_id
+        _assert_alive(pair)
 
     asyncio.run(scenario())
