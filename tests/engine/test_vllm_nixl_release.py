@@ -47,6 +47,7 @@ def nixl_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
            for role in ("prefill", "decode")}
     pair = start_pair(home, model_dir, MODEL, kv, env=env)
     try:
+        _hand_off(mode, pair)
         yield mode, pair
     finally:
         for server in pair:
@@ -79,6 +80,21 @@ def _leg(url: str, path: str, body: dict[str, Any], rid: str) -> tuple[int, dict
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _hand_off(mode: str, pair: list[VllmProcess]) -> None:
+    """One whole request over the pair, as a serving node's first: the decode's first contact with a prefill
+    makes the NIXL handshake, and vLLM 0.32 finishes a release that meets none only at the decode's next step
+    (pull_worker.start_load_kv drains _ready_requests), which an idle pair never takes."""
+    prefill, decode = pair
+    nixl, peer = get_connector("nixl"), _Peer()
+    body = {"model": MODEL, "prompt": "The first request over this pair.", "max_tokens": 2, "temperature": 0}
+    rid = nixl.request_id(peer, peer)
+    status, answer = _leg(prefill.url, "/v1/completions", nixl.prefill_body(body, peer, peer, {"mode": mode}), rid)
+    assert status == 200, answer
+    leg = nixl.decode_body(body, peer, peer, 0, answer["kv_transfer_params"], {"mode": mode})
+    status, answer = _leg(decode.url, "/v1/completions", leg, rid)
+    assert status == 200, answer
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", CHAT])
