@@ -83,9 +83,10 @@ def _leg(url: str, path: str, body: dict[str, Any], rid: str) -> tuple[int, dict
 
 
 def _hand_off(mode: str, pair: list[VllmProcess]) -> None:
-    """One whole request over the pair, as a serving node's first: the decode's first contact with a prefill
-    makes the NIXL handshake, and vLLM 0.32 finishes a release that meets none only at the decode's next step
-    (pull_worker.start_load_kv drains _ready_requests), which an idle pair never takes."""
+    """One whole request over the pair, as on a serving node: the decode's first contact with a prefill makes
+    the NIXL handshake in the background (base_worker._background_nixl_handshake) and reads only at a later
+    step (pull_worker.start_load_kv drains _ready_requests): a READ release before it freed nothing in 10 s
+    here (docs/operations.md)."""
     prefill, decode = pair
     nixl, peer = get_connector("nixl"), _Peer()
     body = {"model": MODEL, "prompt": "The first request over this pair.", "max_tokens": 2, "temperature": 0}
