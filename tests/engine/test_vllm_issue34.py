@@ -148,7 +148,8 @@ def test_the_warm_up_leaves_no_store_entry_and_a_one_token_prompt_is_served(
             short: list[Any] = ["Hello", [300]]
             for prompt in short:
                 status, raw, headers = await post(local(px.api_port), "/v1/completions", {
-                    "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=300)
+                    "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+                    headers={"x-pdctl-route": "1"}, timeout=300)
                 assert status == 200, raw
                 assert headers["x-pdctl-route"].split(";")[0] == "decode-only"
         _assert_alive(pair)
@@ -168,7 +169,7 @@ def test_the_clients_request_id_names_vllms_answer_on_every_route(
                                        (PROMPT, "issue34-long", "disaggregated")):
                 status, raw, headers = await post(local(px.api_port), "/v1/completions", {
                     "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0},
-                    headers={"X-Request-Id": rid}, timeout=300)
+                    headers={"X-Request-Id": rid, "x-pdctl-route": "1"}, timeout=300)
                 assert status == 200, raw
                 assert headers["x-pdctl-route"].split(";")[0] == route
                 answer_id = json.loads(raw)["id"]

@@ -20,7 +20,7 @@ CLIENT_ID = "client-req-42"
 async def _answer_id(port: int, body: dict[str, Any]) -> tuple[str, str]:
     """The answer's id and the route the proxy says it took, for `body` sent with the client's id."""
     status, raw, headers = await post(local(port), "/v1/completions", {"model": MODEL, "max_tokens": 2, **body},
-                                      headers={"X-Request-Id": CLIENT_ID})
+                                      headers={"X-Request-Id": CLIENT_ID, "x-pdctl-route": "1"})
     assert status == 200, raw
     return str(json.loads(raw)["id"]), headers.get("x-pdctl-route", "").split(";")[0]
 
