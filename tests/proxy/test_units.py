@@ -691,10 +691,35 @@ def test_the_listening_sockets_of_an_address_are_read_from_the_kernels_table() -
         "   2: 0100007F:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 333 1 0 100 0 0 10 0",
         "   3: 0100007F:1F90 0100007F:D431 01 00000000:00000000 00:00000000 00000000  1000        0 444 1 0 100 0 0 10 0",
     ]
-    table = header + "\n".join(rows) + "\n"
-    assert listeners.sockets([table], "127.0.0.1", 0x1F90) == {111, 222}
-    assert listeners.owners([table], "127.0.0.1", 0x1F90) == {1000}
-    assert listeners.sockets([table], "127.0.0.1", 0x1F91) == {333}
-    assert listeners.sockets([table], "127.0.0.1", 9) == frozenset()
-    assert listeners.verdict([table], "127.0.0.1", 0x1F90, 1000, True) == listeners.OK
-    assert listeners.verdict([table], "127.0.0.1", 0x1F91, 1000, True) == listeners.FOREIGN_OWNER
+    table = listeners.listeners(header + "\n".join(rows) + "\n")
+    assert listeners.sockets(table, "127.0.0.1", 0x1F90) == {111, 222}
+    assert listeners.owners(table, "127.0.0.1", 0x1F90) == {1000}
+    assert listeners.sockets(table, "127.0.0.1", 0x1F91) == {333}
+    assert listeners.sockets(table, "127.0.0.1", 9) == frozenset()
+    assert listeners.verdict(table, "127.0.0.1", 0x1F90, 1000, True) == listeners.OK
+    assert listeners.verdict(table, "127.0.0.1", 0x1F91, 1000, True) == listeners.FOREIGN_OWNER
+
+
+def test_the_kernel_answers_who_listens_over_netlink_as_its_proc_tables_do() -> None:
+    """listeners.read_listening asks the kernel for the LISTEN sockets alone (sock_diag); what it finds, owner and
+    inode included, is what /proc/net/tcp{,6} lists in the LISTEN state for the sockets bound here."""
+    import os
+    import socket
+    from pathlib import Path
+
+    from appliance.proxy import listeners
+
+    with socket.socket() as v4, socket.socket(socket.AF_INET6) as v6:
+        v4.bind(("127.0.0.1", 0))
+        v6.bind(("::1", 0))
+        for sock in (v4, v6):
+            sock.listen()
+        found = listeners.read_listening()
+        from_proc = [one for path in listeners.TABLES for one in listeners.listeners(Path(path).read_text())]
+        assert found is not None
+        for sock in (v4, v6):
+            host, port = sock.getsockname()[:2]
+            # (other processes on the host bind and close meanwhile: compare this test's own sockets)
+            assert [one for one in found if one.port == port] == [one for one in from_proc if one.port == port]
+            assert listeners.sockets(found, host, port) == {os.fstat(sock.fileno()).st_ino}
+            assert listeners.owners(found, host, port) == {os.geteuid()}
