@@ -6,6 +6,7 @@ of a few runs, and anything under a tenth of a millisecond counts as that much."
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -23,6 +24,7 @@ from appliance.proxy import kv_events
 from appliance.proxy.body import BodyRules, check_body
 from appliance.proxy.guard import STRING, json_too_deep, lone_surrogate
 from appliance.proxy.kv_events import BadMessage
+from tests.proxy.test_upstream import OK_CHUNKED, scripted, settle
 
 LINEAR = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 # linear work grows 8x from n to 8n, quadratic 64x
@@ -156,3 +158,25 @@ def test_workload_files_parse_in_linear_time(lines: list[str]) -> None:
             parse_workload(text, "w.jsonl", 10**9)
 
     assert_linear(parse, lambda n: lines * (n // size + 1))
+
+
+def test_an_engines_answer_collected_in_small_reads_costs_linear_time() -> None:
+    """One large chunk (a prefill's JSON answer) arriving in 1 KiB reads: the collector copied what it held at every
+    read, so its work grew with the square of the chunk."""
+    def cost(size: int) -> float:
+        async def scenario() -> float:
+            async with scripted() as (engine, pool):
+                conn = await pool.send("POST", "/v1/completions", (), b"{}", collect=True)
+                await (await engine.peer()).request()
+                answer = OK_CHUNKED + b"%x\r\n%b\r\n0\r\n\r\n" % (size, b"x" * size)
+                start = time.thread_time()
+                for k in range(0, len(answer), 1024):
+                    conn.data_received(answer[k:k + 1024])
+                best = time.thread_time() - start
+                assert len(await settle(conn.done_fut)) == size
+                return max(best, FLOOR_S)
+        return asyncio.run(scenario())
+
+    small = min(cost(64 * 1024) for _ in range(3))
+    large = min(cost(8 * 64 * 1024) for _ in range(3))
+    assert large < MOST_GROWTH * small, f"{small * 1e3:.2f} ms, then {large * 1e3:.2f} ms at 8 times the size"
