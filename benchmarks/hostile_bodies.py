@@ -147,9 +147,10 @@ def flood_events(port: int, seconds: float) -> tuple[Counter[str], float]:
     return sent, 0.0
 
 
-def poll_health(port: int, stop: Any, out: Any) -> None:
-    """/health every 20 ms over one keep-alive connection until `stop` is set; sends the latencies to `out`.
-    A process of its own, doing nothing else: its figures are the proxy's, not a busy client's."""
+def poll_health(port: int, ready: Any, stop: Any, out: Any) -> None:
+    """/health every 20 ms over one keep-alive connection until `stop` is set (`ready` once the first answered);
+    sends the latencies to `out`. A process of its own, doing nothing else: its figures are the proxy's, not a busy
+    client's."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     latencies = []
     while not stop.is_set():
@@ -157,6 +158,7 @@ def poll_health(port: int, stop: Any, out: Any) -> None:
         conn.request("GET", "/health")
         conn.getresponse().read()
         latencies.append(time.perf_counter() - started)
+        ready.set()
         time.sleep(0.02)
     conn.close()
     out.send(latencies)
@@ -168,9 +170,10 @@ async def run_phase(base: str, proxy: psutil.Process, args: argparse.Namespace,
     done = asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=300)
     spawn = multiprocessing.get_context("spawn")
-    stop, (results, sink) = spawn.Event(), spawn.Pipe(duplex=False)
-    poller = spawn.Process(target=poll_health, args=(int(base.rsplit(":", 1)[1]), stop, sink))
+    ready, stop, (results, sink) = spawn.Event(), spawn.Event(), spawn.Pipe(duplex=False)
+    poller = spawn.Process(target=poll_health, args=(int(base.rsplit(":", 1)[1]), ready, stop, sink))
     poller.start()
+    await asyncio.to_thread(ready.wait, 60)  # polling before the phase starts: a short attack is seen whole
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         async def streams() -> None:
             while not done.is_set():
@@ -278,7 +281,8 @@ def _attack(args: argparse.Namespace, base: str, events_port: int) -> tuple[Call
     if args.case == "quadratic":
         bodies = quadratic_bodies()
         return functools.partial(hostile, base, bodies, args.hostile, args.bodies), \
-            f"{args.hostile} clients x {args.bodies} bodies of strings that never end (64 KiB, 100 KiB, 1 MiB)"
+            f"{args.hostile} clients x {args.bodies} bodies of strings that never end " \
+            f"({', '.join(['64 KiB', '100 KiB', '1 MiB'][:args.bodies])}, in turn)"
     ids = (args.body_mib * 2**20 - 200) // 2
     raw = b'{"model":"' + MODEL.encode() + b'","prompt":[' + b",".join([b"0"] * ids) + b'],"max_tokens":4}'
     return functools.partial(hostile, base, [raw], args.hostile, args.bodies), \
