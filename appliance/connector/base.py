@@ -55,6 +55,17 @@ class HandoffFacts:
 
 
 @dataclass(frozen=True)
+class Alone:
+    """Whether a decode instance serves a request sent alone (no hand-off: the client's prompt, through the
+    connector's alone_body) correctly in one transfer mode, and the vLLM behaviour that says so. `served`
+    False: vLLM's scheduler side of the connector would skip prompt tokens nobody wrote, so the proxy never
+    sends such a request alone (docs/routing.md, "Routes per connector")."""
+
+    served: bool
+    why: str
+
+
+@dataclass(frozen=True)
 class KvStoreLimits:
     """How far pdctl lets a connector's KV folders grow: beyond either bound the proxy evicts, oldest first."""
 
@@ -371,6 +382,11 @@ class Connector(ABC):
         """Whether a prompt of this many tokens can go through the hand-off (False: the proxy sends it to a
         decode instance alone, with alone_body)."""
         return True
+
+    @abstractmethod
+    def alone(self, mode: Mode) -> Alone:
+        """Whether a decode instance in `mode` serves a request sent alone (alone_body) correctly: every
+        connector answers, from what vLLM's scheduler side of it does with a request without a hand-off."""
 
     def release_body(self, decode_body: dict[str, Any]) -> dict[str, Any] | None:
         """What a decode instance is sent (POST /v1/completions) so that the prefill frees the KV it holds for

@@ -14,8 +14,9 @@ from aiohttp import HttpVersion11, web
 from appliance.connector import HandoffError
 from appliance.proxy.instances import BackendState, Booking
 from appliance.proxy.policies import RequestFacts
-from appliance.proxy.prompts import known_length, most_tokens, tokenize_request
-from appliance.proxy.routing import Route, Unroutable
+from appliance.proxy.prompts import tokenize_request
+from appliance.proxy.route import Refused, Route, Unroutable
+from appliance.proxy.route.length import count_tokens
 from appliance.proxy.state import ProxyState
 from appliance.proxy.upstream import Connection, Unchunked, UpstreamError
 
@@ -530,17 +531,16 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
     if proxy.engine_key is not None:
         headers.append(("Authorization", f"Bearer {proxy.engine_key}"))
     facts = RequestFacts(path, body)
+    timeout = proxy.config.timeouts.prefill_s
     try:
-        route = proxy.router.route(facts)
+        route = await proxy.router.routed(facts, lambda inst: count_tokens(
+            inst, tokenize_request(path, body, proxy.config.model), headers, timeout))
     except Unroutable as exc:
         raise LegFailure(503, f"no healthy {exc} instance is available; try again shortly") from None
+    except Refused as exc:
+        proxy.metrics.routes.labels("refused", exc.reason).inc()
+        raise LegFailure(400, str(exc)) from None
     with route:
-        block = proxy.router.block_size
-        if route.prefill is not None and block is not None and known_length(path, body) is None:
-            # the router settles what the body tells; a text prompt over its bound is counted by the decode
-            possible, tokens = await can_hand_over(proxy, route.decode, path, body, headers, block)
-            if not possible:
-                proxy.router.alone(route, "handoff-impossible", facts, tokens)
         proxy.metrics.routes.labels(route.name, route.reason).inc()
         request[ROUTE] = route.header()
         if route.name == "colocated":
@@ -564,52 +564,6 @@ async def _decode_only(proxy: ProxyState, request: web.Request, route: Route, pa
         answer = json.loads(response.body or b"")  # type: ignore[arg-type]
         return web.json_response(connector.alone_answer(body, answer))
     return response
-
-
-async def count_tokens(proxy: ProxyState, inst: BackendState, path: str, body: dict[str, Any],
-                       headers: list[tuple[str, str]]) -> int | None:
-    """The prompt's token count from the instance's /tokenize; None when it cannot tell (several prompts, an
-    answer that is not a count): the caller then takes the way that works for every length."""
-    request = tokenize_request(path, body, proxy.config.model)
-    if request is None:
-        return None
-    payload = json.dumps(request, separators=(",", ":")).encode()
-    try:
-        conn, head = await inst.pool.open("POST", "/tokenize", headers, payload, collect=True,
-                                          head_timeout=proxy.config.timeouts.prefill_s)
-    except UpstreamError:
-        return None
-    assert conn.done_fut is not None
-    try:
-        answer = await conn.done_fut
-    except UpstreamError:
-        return None
-    except BaseException:
-        conn.abort()
-        raise
-    inst.pool.release(conn)
-    if head.status != 200:
-        return None
-    try:
-        count = json.loads(answer or b"").get("count")
-    except (ValueError, AttributeError):
-        return None
-    return count if isinstance(count, int) else None
-
-
-async def can_hand_over(proxy: ProxyState, inst: BackendState, path: str, body: dict[str, Any],
-                        headers: list[tuple[str, str]], block_size: int) -> tuple[bool, int | None]:
-    """Whether the connector can hand this request's prompt over, and its tokens as far as known (the count,
-    or its bound; None: unknown); asks `inst` to count it only when the body does not settle it. Unknown
-    counts as no: serving without a hand-off works for every length."""
-    connector = proxy.connector
-    count = known_length(path, body)
-    if count is None:
-        most = most_tokens(path, body)
-        if most is not None and not any(connector.handoff_possible(n, block_size) for n in range(most + 1)):
-            return False, most
-        count = await count_tokens(proxy, inst, path, body, headers)
-    return count is not None and connector.handoff_possible(count, block_size), count
 
 
 def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, decode_body: dict[str, Any],

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.connector.base import (
+    Alone,
     Connector,
     InstanceContext,
     KvStoreLimits,
@@ -49,6 +50,11 @@ class ExampleConnector(Connector):
         # empty prompt (stored by any prompt of at most B tokens) reports a negative number of tokens and the
         # engine core dies (IndexError in _prepare_inputs), prefill and decode alike.
         return prompt_tokens >= block_size + 2 and prompt_tokens % block_size != 1
+
+    def alone(self, mode: Mode) -> Alone:
+        return Alone(True, "with prompt logprobs (alone_body) vLLM skips every cache lookup, the "
+                           "ExampleConnector's included (scheduler.py: skip_reading_prefix_cache): the decode "
+                           "computes the prompt itself")
 
     def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         # A request with prompt logprobs skips every cache lookup (vLLM sets skip_reading_prefix_cache), the

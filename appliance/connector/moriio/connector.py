@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from appliance.connector.base import (
+    Alone,
     Connector,
     FindInstance,
     HandoffError,
@@ -242,6 +243,17 @@ class MoriioConnector(Connector):
         # prefill to free; WRITE notifies the prefill of the decode's blocks for the same prompt, and of none
         # when no token is external. An empty prompt never reaches an engine (vLLM's input processor: 400).
         return True
+
+    def alone(self, mode: Mode) -> Alone:
+        # vLLM 0.32 moriio_connector.py, MoRIIOConnectorScheduler.get_num_new_matched_tokens: WRITE asks for
+        # nothing without do_remote_prefill, READ for max(prompt - computed - 1, 0) whatever the params, and
+        # update_state_after_alloc returns early without params: nothing is read, and the decode attends over
+        # positions never written (a 100-token prompt: 99 external tokens, no receive; tests/connector).
+        if mode == "read":
+            return Alone(False, "vLLM's MoRIIO decode in READ mode counts every prompt token but the last as "
+                                "pulled from a prefill, with or without a hand-off, and pulls nothing without one")
+        return Alone(True, "vLLM's MoRIIO decode in WRITE mode loads nothing without do_remote_prefill: it "
+                           "computes the prompt itself")
 
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         leg = super().prefill_body(body, prefill, decode, handoff)

@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from appliance.connector.base import (
+    Alone,
     Connector,
     HandoffError,
     HandoffFacts,
@@ -202,6 +203,12 @@ class NixlConnector(Connector):
         # still tells the prefill to free its blocks (request_finished / the notification-only read). An empty
         # prompt never reaches an engine: vLLM's input processor refuses it (400).
         return True
+
+    def alone(self, mode: Mode) -> Alone:
+        # vLLM 0.32 nixl/pull_scheduler.py and push_scheduler.py, get_num_new_matched_tokens: (0, False) unless
+        # the request carries do_remote_prefill (real CPU engines: tests/engine)
+        return Alone(True, f"vLLM's NIXL decode ({mode}) loads nothing without do_remote_prefill: it computes "
+                           "the prompt itself")
 
     def release_body(self, decode_body: dict[str, Any]) -> dict[str, Any] | None:
         # A prefill that answered keeps its blocks until a decode reads them (READ) or registers for them

@@ -1,6 +1,6 @@
 """Conditional disaggregation: whether one request of a disaggregated node is prefilled on a prefill instance
 (`disaggregated`) or by its decode instance itself (`decode-only`), and why. Pure: the router gathers the facts
-(appliance.proxy.routing) and serves the answer; docs/routing.md says what each rule is for.
+(appliance.proxy.route) and serves the answer; docs/routing.md says what each rule is for.
 
 The rules, first match wins (the first two are not choices: such a prompt sent down the hand-off would hand
 nothing over, hand over another prompt's KV or crash the engine):
@@ -33,6 +33,9 @@ nothing over, hand over another prompt's KV or crash the engine):
   engine whose compute nobody else is using, and no running stream is slowed by it.
 - otherwise the prefill hop: `decode-busy` for a prompt shorter than `decode_only_below` that the room
   (the window, the decode's load) kept off the decode, else `policy`.
+- last, where the connector's decode cannot serve a prompt alone in this mode (Connector.alone: MoRIIO READ),
+  a rule that chose the decode gives way to the prefill hop (`alone-unserved`), and a forced one (`batch`,
+  `handoff-impossible`) leaves no correct route: `refused`.
 
 Every prompt a decode is sent to prefill itself counts in its window, whatever the rule (`window_tokens`): the
 forced ones (`batch`, `handoff-impossible`) have no other route but still fill the step, and one whose length
@@ -46,9 +49,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-RouteName = Literal["disaggregated", "decode-only", "colocated"]
+RouteName = Literal["disaggregated", "decode-only", "colocated", "refused"]
 REASONS = ("policy", "short-prompt", "cached-prefix", "decode-busy", "prefill-saturated", "decode-idle",
-           "handoff-impossible", "batch", "colocated")
+           "handoff-impossible", "batch", "colocated", "alone-unserved")
+# the rules that leave no other route than the decode alone
+FORCED = frozenset({"batch", "handoff-impossible"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,7 @@ class RouteFacts:
     recent_tokens: int = 0  # uncached prompt tokens the decode was sent to prefill itself within the window
     engine_requests: int = 1  # n x the prompts of a batch: the decode prefills the prompt once for each
     backlog_tokens: int = 0  # uncached prompt tokens sent to the decode that it has not computed yet (estimate)
+    alone_served: bool = True  # the connector's decode serves a prompt sent alone in this mode (Connector.alone)
 
 
 def uncached(facts: RouteFacts) -> int | None:
@@ -128,7 +134,16 @@ def legs_without_room(rules: Rules) -> int | None:
 
 
 def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
-    """(route, reason) for one request of a disaggregated node, by the rules in the module's docstring."""
+    """(route, reason) for one request of a disaggregated node, by the rules in the module's docstring; on a
+    connector whose decode cannot serve a prompt alone, a choice of the decode is `alone-unserved` (the
+    prefill hop) and a forced one `refused` (no route serves the request correctly)."""
+    name, reason = _choose(facts, rules)
+    if name == "decode-only" and not facts.alone_served:
+        return ("refused", reason) if reason in FORCED else ("disaggregated", "alone-unserved")
+    return name, reason
+
+
+def _choose(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
     if facts.batch:
         return "decode-only", "batch"
     if not facts.handoff_possible:

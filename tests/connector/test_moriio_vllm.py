@@ -1,0 +1,73 @@
+"""What vLLM 0.32's own MoRIIO scheduler does with the requests pdctl sends a MoRIIO decode, in each mode: its
+real MoRIIOConnectorScheduler class, run in vLLM's environment (PDCTL_TEST_VLLM_PYTHON) with a fake of AMD's
+`mori` library (fake_mori/: the module's names and shapes; the scheduler side never calls it). Its answers
+are what Connector.alone says for MoRIIO, and what the proxy's routes rest on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from appliance.connector import get_connector
+
+VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
+HERE = Path(__file__).parent
+MODEL = "m"
+
+
+def _probe(cases: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
+    assert VLLM_PYTHON
+    # vLLM's MoRIIO module imports msgpack, which its CPU build does not install: pdctl's own is lent to it
+    lent = tmp_path / "lent"
+    lent.mkdir()
+    (lent / "msgpack").symlink_to(Path(msgpack.__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(lent), str(HERE / "fake_mori")])}
+    done = subprocess.run([VLLM_PYTHON, str(HERE / "vllm_moriio_probe.py")], input="\n".join(map(json.dumps, cases)),
+                          capture_output=True, text=True, timeout=600, env=env)
+    answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(answers) == len(cases), done.stderr[-3000:]
+    assert all(a["mori"] for a in answers)  # vLLM took the fake for the library: its "available" path ran
+    return answers
+
+
+def _alone(mode: str, tokens: int) -> dict[str, Any]:
+    """The case of a prompt of `tokens` token ids sent to a MoRIIO decode alone, the body pdctl sends."""
+    body, _ = get_connector("moriio").alone_body({"model": MODEL, "prompt": list(range(1, tokens + 1))})
+    return {"mode": mode, "tokens": tokens, "params": body.get("kv_transfer_params"),
+            "prompt_logprobs": body.get("prompt_logprobs")}
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
+def test_a_moriio_decode_serves_a_prompt_alone_exactly_where_pdctl_says(tmp_path: Path) -> None:
+    read, write = _probe([_alone("read", 100), _alone("write", 100)], tmp_path)
+    # READ: 99 of 100 tokens taken as pulled from a prefill, synchronously, and nothing recorded to pull them
+    assert (read["external"], read["load_async"], read["recv"]) == (99, False, False)
+    # WRITE: nothing external, nothing to push: the decode computes the prompt itself
+    assert (write["external"], write["load_async"], write["recv"], write["save"]) == (0, False, False, False)
+    moriio = get_connector("moriio")
+    for mode, answer in (("read", read), ("write", write)):
+        computes_itself = answer["external"] == 0 and not answer["recv"] and not answer["save"]
+        assert moriio.alone(mode).served == computes_itself, mode  # type: ignore[arg-type]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
+def test_a_moriio_decode_leg_of_a_handoff_loads_the_prompt(tmp_path: Path) -> None:
+    # the disaggregated route: READ pulls all but the last token from the prefill's blocks; WRITE waits for the
+    # prefill's push of all of them
+    read_kv = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "transfer_id": "t",
+               "remote_block_ids": [list(range(7))]}
+    write_kv = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1", "remote_notify_port": 1}
+    read, write = _probe([{"mode": "read", "tokens": 100, "params": read_kv},
+                          {"mode": "write", "tokens": 100, "params": write_kv}], tmp_path)
+    assert (read["external"], read["load_async"], read["recv"]) == (99, False, True)
+    assert (write["external"], write["load_async"]) == (100, True)
+
+
