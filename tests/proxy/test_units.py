@@ -516,7 +516,7 @@ def test_a_route_decided_decode_only_books_only_the_decode_and_says_so() -> None
     prefill, decode = registry.instances["prefill-0"], registry.instances["decode-0"]
     router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), Rules(16, 0, 60.0),
                     block_size=4)
-    short = RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3]})
+    short = RequestFacts("/v1/completions", {"model": "m", "prompt": list(range(7))})
     with router.route(short) as route:
         assert (route.name, route.reason, route.prefill) == ("decode-only", "short-prompt", None)
         assert route.header() == "decode-only; decode=decode-0"
