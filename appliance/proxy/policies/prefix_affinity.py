@@ -332,8 +332,8 @@ class PrefixAffinity(Policy):
         # the request last looked at and its prompt: the router asks for each role, the conditional decision asks
         # expected_cached_tokens, and the prompt is hashed once for all of them
         self._last: tuple[RequestFacts, dict[int, Prompt]] | None = None
-        # the request being routed and its match per instance: its pick, decision and first record share them
-        # (record ends the pass: what an instance holds may change before the next one)
+        # the last pick's request and its match per candidate, for record to reuse within the same routing pass
+        # (each pick starts it over, record clears it: what an instance holds may change before the next pass)
         self._matches: tuple[RequestFacts | None, dict[BackendState, int]] = (None, {})
         # (role, instance name) -> [prompt tokens looked up, tokens expected cached]: kept across restarts of the
         # instance, as counters must be (metrics.py exposes them)
@@ -427,19 +427,9 @@ class PrefixAffinity(Policy):
             best = max(best, match)
         return best
 
-    def _match(self, inst: BackendState, request: RequestFacts) -> int:
-        """_cached, once per instance within one request's routing pass."""
-        if self._matches[0] is not request:
-            self._matches = (request, {})
-        known = self._matches[1]
-        match = known.get(inst)
-        if match is None:
-            match = known[inst] = self._cached(inst, request)
-        return match
-
     def expected_cached_tokens(self, inst: BackendState, request: RequestFacts) -> int:
         """The prompt tokens `inst` is expected to hold in its prefix cache for `request` (text: an estimate)."""
-        return self._match(inst, request)
+        return self._cached(inst, request)
 
     def pick(self, role: str, candidates: Sequence[BackendState], request: RequestFacts) -> BackendState:
         """The best prefix match within the load bound (least loaded, then round, on a tie); nothing is recorded
@@ -451,11 +441,13 @@ class PrefixAffinity(Policy):
         least = min(inst.in_flight for inst in candidates)
         bound = least + self.load_bound
         best, best_match = candidates[turn % count], -1
+        matches: dict[BackendState, int] = {}
+        self._matches = (request, matches)
         for k in range(count):
             inst = candidates[(turn + k) % count]
             if inst.in_flight > bound:
                 continue
-            match = self._match(inst, request) if prompt.chains else 0
+            match = matches[inst] = self._cached(inst, request) if prompt.chains else 0
             if match > best_match or (match == best_match and inst.in_flight < best.in_flight):
                 best, best_match = inst, match
         return best
@@ -463,7 +455,10 @@ class PrefixAffinity(Policy):
     def record(self, role: str, inst: BackendState, request: RequestFacts) -> None:
         """The prompt's blocks are expected on `inst` from now on, and its lookup is counted for `role`."""
         prompt = self._prompt(request)
-        match = self._match(inst, request) if prompt.chains else 0
+        picked, matches = self._matches
+        match = matches.get(inst) if picked is request else None
+        if match is None:
+            match = self._cached(inst, request) if prompt.chains else 0
         self._matches = (None, {})
         index = self._index(inst)
         for chain in prompt.chains:
