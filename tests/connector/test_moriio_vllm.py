@@ -15,6 +15,7 @@ import msgpack
 import pytest
 
 from appliance.connector import get_connector
+from appliance.proxy import warmup
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 HERE = Path(__file__).parent
@@ -22,6 +23,7 @@ MODEL = "m"
 
 
 def _probe(cases: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
+    """vLLM's answers to `cases`, one per case, from one process (importing vLLM takes ~10 s)."""
     assert VLLM_PYTHON
     # vLLM's MoRIIO module imports msgpack, which its CPU build does not install: pdctl's own is lent to it
     lent = tmp_path / "lent"
@@ -43,12 +45,31 @@ def _alone(mode: str, tokens: int) -> dict[str, Any]:
             "prompt_logprobs": body.get("prompt_logprobs")}
 
 
+READ_KV = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "transfer_id": "t",
+           "remote_block_ids": [list(range(7))]}
+WRITE_KV = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1", "remote_notify_port": 1}
+WARM_UP = json.loads(warmup.body(MODEL))
+CASES = {
+    "read alone": _alone("read", 100),
+    "write alone": _alone("write", 100),
+    "read handed over": {"mode": "read", "tokens": 100, "params": READ_KV},
+    "write handed over": {"mode": "write", "tokens": 100, "params": WRITE_KV},
+    "read warm-up": {"mode": "read", "tokens": 100, "prompt_logprobs": WARM_UP["prompt_logprobs"]},
+}
+vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return dict(zip(CASES, _probe(list(CASES.values()), tmp_path_factory.mktemp("moriio")), strict=True))
+
+
 @pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
-def test_a_moriio_decode_serves_a_prompt_alone_exactly_where_pdctl_says(tmp_path: Path) -> None:
-    read, write = _probe([_alone("read", 100), _alone("write", 100)], tmp_path)
+@vllm
+def test_a_moriio_decode_serves_a_prompt_alone_exactly_where_pdctl_says(answers: dict[str, dict[str, Any]]) -> None:
+    read, write = answers["read alone"], answers["write alone"]
     # READ: 99 of 100 tokens taken as pulled from a prefill, synchronously, and nothing recorded to pull them
-    assert (read["external"], read["load_async"], read["recv"]) == (99, False, False)
+    assert (read["external"], read["load_async"], read["recv"], read["skips_lookups"]) == (99, False, False, False)
     # WRITE: nothing external, nothing to push: the decode computes the prompt itself
     assert (write["external"], write["load_async"], write["recv"], write["save"]) == (0, False, False, False)
     moriio = get_connector("moriio")
@@ -58,16 +79,19 @@ def test_a_moriio_decode_serves_a_prompt_alone_exactly_where_pdctl_says(tmp_path
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
-def test_a_moriio_decode_leg_of_a_handoff_loads_the_prompt(tmp_path: Path) -> None:
+@vllm
+def test_a_moriio_decode_leg_of_a_handoff_loads_the_prompt(answers: dict[str, dict[str, Any]]) -> None:
     # the disaggregated route: READ pulls all but the last token from the prefill's blocks; WRITE waits for the
     # prefill's push of all of them
-    read_kv = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "transfer_id": "t",
-               "remote_block_ids": [list(range(7))]}
-    write_kv = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1", "remote_notify_port": 1}
-    read, write = _probe([{"mode": "read", "tokens": 100, "params": read_kv},
-                          {"mode": "write", "tokens": 100, "params": write_kv}], tmp_path)
+    read, write = answers["read handed over"], answers["write handed over"]
     assert (read["external"], read["load_async"], read["recv"]) == (99, False, True)
     assert (write["external"], write["load_async"]) == (100, True)
 
 
+@pytest.mark.vllm
+@vllm
+def test_the_warm_up_reads_no_handoff_on_a_moriio_read_decode(answers: dict[str, dict[str, Any]]) -> None:
+    # the warm-up goes to each instance alone (proxy/warmup.py): on a READ decode the connector counts 99 tokens
+    # as external, but its prompt logprobs make the request skip every lookup, so vLLM's scheduler loads none
+    warmed = answers["read warm-up"]
+    assert (warmed["external"], warmed["recv"], warmed["skips_lookups"]) == (99, False, True)

@@ -3,7 +3,8 @@ vLLM's real MoRIIOConnectorScheduler answers, for each case read from stdin as J
 length, kv_transfer_params, locally computed tokens), what its scheduler asks for and records.
 
 Prints one JSON line per case: external tokens, whether they load asynchronously, and whether a receive
-(READ: a block read from the prefill), a save (WRITE: a push) or a pending send was recorded."""
+(READ: a block read from the prefill) or a save (WRITE: a push) was recorded, and whether the request skips
+every cache lookup (prompt logprobs), which makes vLLM's scheduler drop the connector's count."""
 
 from __future__ import annotations
 
@@ -45,7 +46,10 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     blocks = len(range(0, case["tokens"] + 8, BLOCK))
     sched.update_state_after_alloc(request, KVCacheBlocks(([KVCacheBlock(i) for i in range(blocks)],)), external)
     return {"external": external, "load_async": load_async, "recv": request.request_id in sched._reqs_need_recv,
-            "save": request.request_id in sched._reqs_need_save, "mori": moriio_connector.MoRIIO_enabled}
+            "save": request.request_id in sched._reqs_need_save, "mori": moriio_connector.MoRIIO_enabled,
+            # vLLM's scheduler loads nothing external for such a request, whatever the connector counted
+            # (v1/core/sched/scheduler.py: `if request.skip_reading_prefix_cache: ext_tokens = 0`)
+            "skips_lookups": request.skip_reading_prefix_cache}
 
 
 for line in sys.stdin:
