@@ -242,8 +242,6 @@ class Connector(ABC):
     registers_with_proxy: ClassVar[bool] = False
     # True: switching read/write needs the engines restarted (the mode is in their flags).
     mode_fixed_at_start: ClassVar[bool] = False
-    # True: in WRITE mode too the decode leg needs the prefill's answer, so the legs run one after the other.
-    write_waits_for_prefill: ClassVar[bool] = False
     # Its own settings, the table [connector.<name>] (OwnSettings: none).
     settings_model: ClassVar[type[OwnSettings]] = OwnSettings
     # Keys of its settings that older releases read from [connector] itself: old key -> key in its own table.
@@ -254,9 +252,6 @@ class Connector(ABC):
     extra_config_keys: ClassVar[ExtraConfigTable | None] = None
     # The library vLLM loads for this connector, if any.
     library: ClassVar[Library | None] = None
-    # True: in READ mode the decode needs the prefill's kv_transfer_params; a prefill that returns none without
-    # having finished the request is an error (False: the shared-storage connector's prefill never returns any).
-    read_needs_prefill_kv: ClassVar[bool] = False
     # Variables of env() that pin an engine to this node's addresses or ports: a cluster export leaves them out,
     # the cluster engine (Ray's backend, a pod's own IP) sets its own.
     node_local_env: ClassVar[frozenset[str]] = frozenset()
@@ -378,6 +373,12 @@ class Connector(ABC):
         leg.pop("min_completion_tokens", None)
         return leg
 
+    def serial(self, mode: Mode) -> bool:
+        """Whether the decode leg needs the prefill's answer in `mode`, so the legs run one after the other (READ
+        always; WRITE where the decode must name what only the prefill's answer carries, else both legs start
+        together and the prefill pushes)."""
+        return mode == "read"
+
     def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
         """Whether a prompt of this many tokens can go through the hand-off (False: the proxy sends it to a
         decode instance alone, with alone_body)."""
@@ -413,7 +414,8 @@ class Connector(ABC):
     ) -> dict[str, Any]:
         """The decode leg: the client's request plus what the decode needs from the prefill.
 
-        `prefill_kv` is the prefill's returned kv_transfer_params in READ mode, None in WRITE mode (both legs
-        start together) unless write_waits_for_prefill; handoff["mode"] is the proxy's mode.
+        `prefill_kv` is the prefill's returned kv_transfer_params where the legs run one after the other
+        (serial), None where both start together or the prefill returned none; handoff["mode"] is the proxy's
+        mode. Raises HandoffError where the decode cannot go ahead without what is missing.
         """
         return body

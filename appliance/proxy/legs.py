@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import HttpVersion11, web
 
@@ -19,6 +19,7 @@ from appliance.proxy.route import Refused, Route, Unroutable
 from appliance.proxy.route.length import count_tokens
 from appliance.proxy.state import ProxyState
 from appliance.proxy.upstream import Connection, Unchunked, UpstreamError
+from appliance.roles import Mode
 
 log = logging.getLogger("appliance.proxy.legs")
 
@@ -619,7 +620,7 @@ async def _disaggregated(
         # registration data reaches the request id: nothing may end a header line or leave latin-1 ASCII
         if not (value.isascii() and value.isprintable()):
             raise LegFailure(502, f"refusing to send an unsafe {name} header to the engines")
-    if proxy.mode == "read" or connector.write_waits_for_prefill:
+    if connector.serial(cast(Mode, proxy.mode)):
         def abandoned(kv: dict[str, Any]) -> None:
             try:
                 leg = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
@@ -628,14 +629,12 @@ async def _disaggregated(
             release_handoff(proxy, decode, decode_rank, leg, headers)
 
         kv, answer = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers, abandoned)
-        if kv is None:
+        if kv is None and ended_at_prefill(body, answer):
             # vLLM hands no KV over for a prefill that finished the request (its one token was EOS or a stop;
             # MoRIIO, and the shared-storage connector always): the prefill's answer is the whole answer.
-            if ended_at_prefill(body, answer):
-                proxy.metrics.ttft.observe(time.monotonic() - started)
-                return answer_from_prefill(body, answer)
-            if connector.read_needs_prefill_kv:
-                raise LegFailure(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
+            proxy.metrics.ttft.observe(time.monotonic() - started)
+            return answer_from_prefill(body, answer)
+        # a connector whose decode needs the prefill's kv_transfer_params raises HandoffError without them
         decode_body = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
         return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started,
                                 unsent=lambda: release_handoff(proxy, decode, decode_rank, decode_body, headers))

@@ -109,7 +109,6 @@ class MoriioConnector(Connector):
     mode_fixed_at_start = True
     sim_flow = "appliance.connector.moriio.sim:MoriioSim"
     library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
-    read_needs_prefill_kv = True
     extra_config_keys = EXTRA_CONFIG
     settings_model = MoriioSettings
     moved_settings = {"moriio_backend": "backend"}
@@ -284,6 +283,8 @@ class MoriioConnector(Connector):
             "remote_block_ids": None,
             "transfer_id": _transfer_id(handoff),
         }
+        if prefill_kv is None and handoff.get("mode") == "read":
+            raise HandoffError(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
         if prefill_kv is not None:
             # READ: copy what the prefill returned (remote_engine_id, remote_block_ids, transfer_id, ...)
             if not prefill_kv.get("remote_block_ids") and "remote_engine_id" not in prefill_kv:

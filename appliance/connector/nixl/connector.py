@@ -78,11 +78,8 @@ class NixlConnector(Connector):
     modes = frozenset({"read", "write"})
     # vLLM 0.24+ ships the push flow as its own class: the mode is in the engines' flags.
     mode_fixed_at_start = True
-    # WRITE: the decode names the prefill's engine id, which only the prefill's answer carries.
-    write_waits_for_prefill = True
     sim_flow = "appliance.connector.nixl.sim:NixlSim"
     library = Library("nixl", "nixl._api:nixl_agent", "nixl")
-    read_needs_prefill_kv = True
     extra_config_keys = EXTRA_CONFIG
     settings_model = NixlSettings
     moved_settings = {"kv_buffer_device": "kv_buffer_device"}
@@ -202,6 +199,10 @@ class NixlConnector(Connector):
         # the prefill holds every block of the same prompt). A decode that loads nothing (prompt logprobs)
         # still tells the prefill to free its blocks (request_finished / the notification-only read). An empty
         # prompt never reaches an engine: vLLM's input processor refuses it (400).
+        return True
+
+    def serial(self, mode: Mode) -> bool:
+        # WRITE too: the decode names the prefill's engine id, which only the prefill's answer carries
         return True
 
     def alone(self, mode: Mode) -> Alone:
