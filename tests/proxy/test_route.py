@@ -4,6 +4,10 @@ prompt alone where its connector cannot serve one (Connector.alone)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +20,7 @@ from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.policies.round_robin import RoundRobin
 from appliance.proxy.route import Refused, Router
 
+VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 CONDITIONAL = Rules(decode_only_below=16, prefill_saturated_at=0, window_s=60.0)
 
 
@@ -144,3 +149,16 @@ def test_a_prompt_held_whole_is_expected_cached_up_to_vllms_hit_cap(tokens: int,
     assert policy.expected_cached_tokens(decode, prompt) == cached
     longer = _tokens(tokens + 4)  # the same prompt and a block more: every block of the first is a hit
     assert policy.expected_cached_tokens(decode, longer) == tokens // 4 * 4
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
+def test_the_hit_cap_table_is_vllms_own() -> None:
+    # vLLM's KVCacheManager.get_computed_blocks on a prompt cached whole, and on it with a block more
+    assert VLLM_PYTHON
+    case = {"block": 4, "tokens": [tokens for tokens, _ in HITS]}
+    done = subprocess.run([VLLM_PYTHON, str(Path(__file__).parent / "vllm_prefix_hits_probe.py")],
+                          input=json.dumps(case), capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-3000:]
+    assert json.loads(lines[-1]) == {str(tokens): [cached, tokens // 4 * 4] for tokens, cached in HITS}
