@@ -4,6 +4,7 @@ prompt alone where its connector cannot serve one (Connector.alone)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -162,3 +163,30 @@ def test_the_hit_cap_table_is_vllms_own() -> None:
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, done.stderr[-3000:]
     assert json.loads(lines[-1]) == {str(tokens): [cached, tokens // 4 * 4] for tokens, cached in HITS}
+
+
+def test_counting_a_prompt_takes_no_turn_of_the_policy() -> None:
+    # round robin over two decodes: a prompt counted first still alternates them
+    registry = InstanceRegistry(1.0)
+    for port, (name, role) in enumerate((("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"))):
+        inst = BackendState(name, role, f"http://127.0.0.1:{9000 + port}", connect_timeout=1.0)
+        inst.healthy = True
+        registry.instances[name] = inst
+        registry.by_role[role].append(inst)
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), CONDITIONAL, block_size=4)
+    text = RequestFacts("/v1/completions", {"model": "m", "prompt": "a text prompt the decode counts"})
+    counters: list[str] = []
+
+    async def count(inst: BackendState) -> int:
+        counters.append(inst.name)
+        return 30
+
+    async def decodes() -> list[str]:
+        out = []
+        for _ in range(4):
+            with await router.routed(text, count) as route:
+                out.append(route.decode.name)
+        return out
+
+    assert asyncio.run(decodes()) == ["decode-0", "decode-1", "decode-0", "decode-1"]
+    assert len(counters) == 4

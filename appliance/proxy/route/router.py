@@ -220,7 +220,10 @@ class Router:
         length the body does not settle (needs_count)."""
         counted = None
         if self.needs_count(request):
-            counter = self.pick("decode", request)
+            # the least loaded decode counts (any serves the model's tokenizer); not the policy's pick, which
+            # would take the request's turn (round robin) before the pass
+            decodes = self.candidates("decode")
+            counter = min(decodes, key=lambda inst: inst.in_flight) if decodes else self.stand_in("decode")
             counted = Counted(await count(counter) if counter is not None else None)
         return self.route(request, counted)
 
