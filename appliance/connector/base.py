@@ -56,13 +56,35 @@ class HandoffFacts:
 
 @dataclass(frozen=True)
 class Alone:
-    """Whether a decode instance serves a request sent alone (no hand-off: the client's prompt, through the
-    connector's alone_body) correctly in one transfer mode, and the vLLM behaviour that says so. `served`
-    False: vLLM's scheduler side of the connector would skip prompt tokens nobody wrote, so the proxy never
-    sends such a request alone (docs/routing.md, "Routes per connector")."""
+    """How a decode instance serves a request sent alone (no hand-off) in one transfer mode, and the vLLM
+    behaviour that says so (docs/routing.md, "Routes per connector"). `served`: the client's prompt as it is
+    (False: vLLM's scheduler side of the connector would skip prompt tokens nobody wrote, so conditional
+    routing never chooses the decode alone); `forced`: a request that cannot be handed over (a batch, a length
+    the hand-off cannot carry), through alone_body (False: the proxy refuses it)."""
 
     served: bool
     why: str
+    forced: bool = True
+
+
+def skipping_lookups(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """`body` asking for prompt logprobs, which make vLLM skip every cache lookup, its KV connector's included
+    (v1/core/sched/scheduler.py: skip_reading_prefix_cache sets the connector's count to 0), and whether the
+    answer must lose them again (without_prompt_logprobs): a body that asks for them already needs neither."""
+    if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+        return body, False
+    return {**body, "prompt_logprobs": 0}, True
+
+
+def without_prompt_logprobs(answer: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed answer to skipping_lookups' body as vLLM's own to the client's body: no prompt logprobs."""
+    if "prompt_logprobs" in answer:
+        answer = {**answer, "prompt_logprobs": None}
+    choices = answer.get("choices")
+    if isinstance(choices, list):
+        answer = {**answer, "choices": [{**c, "prompt_logprobs": None} if isinstance(c, dict) and
+                                        "prompt_logprobs" in c else c for c in choices]}
+    return answer
 
 
 @dataclass(frozen=True)
@@ -394,9 +416,9 @@ class Connector(ABC):
         `decode_body`, a decode leg that will not be sent (its client left); None: nothing to release."""
         return None
 
-    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """The request a decode instance serves without a hand-off, and whether alone_answer must mend its
-        non-streamed answer."""
+    def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:
+        """The request a decode instance in `mode` serves without a hand-off, and whether alone_answer must mend
+        its non-streamed answer."""
         return body, False
 
     def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:

@@ -559,7 +559,7 @@ async def _decode_only(proxy: ProxyState, request: web.Request, route: Route, pa
     """A request of a disaggregated node that its decode instance prefills itself: the connector's alone_body,
     which no hand-off can be waited for or read from."""
     connector = proxy.connector
-    alone, mend = connector.alone_body(body)
+    alone, mend = connector.alone_body(body, cast(Mode, proxy.mode))
     response = await run_decode(proxy, request, route.decode, route.decode_rank, path, alone, headers, started)
     if mend and isinstance(response, web.Response) and response.status == 200 and response.body:
         answer = json.loads(response.body or b"")  # type: ignore[arg-type]

@@ -38,9 +38,12 @@ def _probe(cases: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
     return answers
 
 
-def _alone(mode: str, tokens: int) -> dict[str, Any]:
-    """The case of a prompt of `tokens` token ids sent to a MoRIIO decode alone, the body pdctl sends."""
-    body, _ = get_connector("moriio").alone_body({"model": MODEL, "prompt": list(range(1, tokens + 1))})
+def _alone(mode: str, tokens: int, through_alone_body: bool = True) -> dict[str, Any]:
+    """The case of a prompt of `tokens` token ids sent to a MoRIIO decode alone: the body pdctl sends (alone_body),
+    or the client's as it is."""
+    body: dict[str, Any] = {"model": MODEL, "prompt": list(range(1, tokens + 1))}
+    if through_alone_body:
+        body, _ = get_connector("moriio").alone_body(body, mode)  # type: ignore[arg-type]
     return {"mode": mode, "tokens": tokens, "params": body.get("kv_transfer_params"),
             "prompt_logprobs": body.get("prompt_logprobs")}
 
@@ -50,8 +53,10 @@ READ_KV = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "transfer
 WRITE_KV = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1", "remote_notify_port": 1}
 WARM_UP = json.loads(warmup.body(MODEL))
 CASES = {
-    "read alone": _alone("read", 100),
-    "write alone": _alone("write", 100),
+    "read alone": _alone("read", 100, through_alone_body=False),
+    "read alone_body": _alone("read", 100),
+    "write alone": _alone("write", 100, through_alone_body=False),
+    "write alone_body": _alone("write", 100),
     "read handed over": {"mode": "read", "tokens": 100, "params": READ_KV},
     "write handed over": {"mode": "write", "tokens": 100, "params": WRITE_KV},
     "read warm-up": {"mode": "read", "tokens": 100, "prompt_logprobs": WARM_UP["prompt_logprobs"]},
@@ -72,10 +77,24 @@ def test_a_moriio_decode_serves_a_prompt_alone_exactly_where_pdctl_says(answers:
     assert (read["external"], read["load_async"], read["recv"], read["skips_lookups"]) == (99, False, False, False)
     # WRITE: nothing external, nothing to push: the decode computes the prompt itself
     assert (write["external"], write["load_async"], write["recv"], write["save"]) == (0, False, False, False)
+    # what pdctl sends alone where it must (a batch, n > 1): READ's body skips every lookup, so vLLM's scheduler
+    # drops the connector's count; WRITE's is the client's
+    body_read, body_write = answers["read alone_body"], answers["write alone_body"]
+    assert (body_read["external"], body_read["recv"], body_read["skips_lookups"]) == (99, False, True)
+    assert body_write == write
     moriio = get_connector("moriio")
-    for mode, answer in (("read", read), ("write", write)):
-        computes_itself = answer["external"] == 0 and not answer["recv"] and not answer["save"]
-        assert moriio.alone(mode).served == computes_itself, mode  # type: ignore[arg-type]
+    for mode in ("read", "write"):
+        plain, sent = answers[f"{mode} alone"], answers[f"{mode} alone_body"]
+        alone = moriio.alone(mode)  # type: ignore[arg-type]
+        assert alone.served == _computes_itself(plain), mode
+        assert alone.forced == _computes_itself(sent), mode
+
+
+def _computes_itself(answer: dict[str, Any]) -> bool:
+    """The decode computes the whole prompt itself: nothing external is counted (or the scheduler drops the count
+    of a request that skips every lookup) and nothing is to be read or pushed."""
+    external = 0 if answer["skips_lookups"] else answer["external"]
+    return external == 0 and not answer["recv"] and not answer["save"]
 
 
 @pytest.mark.vllm

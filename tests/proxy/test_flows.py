@@ -141,3 +141,21 @@ def test_a_moriio_read_decode_never_gets_a_short_prompt_alone() -> None:
 
     asyncio.run(scenario("read"))
     asyncio.run(scenario("write"))
+
+
+def test_a_moriio_read_batch_goes_to_the_decode_alone_skipping_its_lookups() -> None:
+    # a batch cannot be handed over (the prefill answers with its first prompt's KV only); on READ its body asks
+    # for prompt logprobs, which make vLLM skip the connector's count, and the client's answer has none
+    async def scenario() -> None:
+        async with engines("prefill", "decode") as (p, d), running_proxy(
+            proxy_config("moriio", moriio_backends(p, d), mode="read")
+        ) as px:
+            status, raw, _ = await post(local(px.api_port), "/v1/completions",
+                                        {"model": MODEL, "prompt": ["hello", "world"], "max_tokens": 3})
+            assert status == 200 and not p.requests
+            sent = d.requests[0]["body"]
+            assert sent["prompt_logprobs"] == 0 and "kv_transfer_params" not in sent
+            assert all(c.get("prompt_logprobs") is None for c in json.loads(raw)["choices"])
+            assert await _routes(px.api_port) == {("decode-only", "batch"): 1.0}
+
+    asyncio.run(scenario())

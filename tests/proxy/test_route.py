@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from appliance.connector import get_connector, names
+from appliance.connector.base import Alone
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import RequestFacts
 from appliance.proxy.policies.conditional import RouteFacts, Rules, decide
@@ -107,23 +108,25 @@ def test_a_request_with_no_correct_route_is_refused(changes: dict[str, Any], rea
     # forced off the hand-off onto a decode that cannot serve it alone: no route serves it correctly
     facts = _facts(**changes)
     assert decide(facts, CONDITIONAL) == ("decode-only", reason)
-    assert decide(_with(facts, alone_served=False), CONDITIONAL) == ("refused", reason)
+    # where alone_body serves it (MoRIIO READ: prompt logprobs skip the lookup), it goes alone all the same
+    assert decide(_with(facts, alone_served=False), CONDITIONAL) == ("decode-only", reason)
+    assert decide(_with(facts, alone_served=False, forced_served=False), CONDITIONAL) == ("refused", reason)
 
 
 def test_a_refused_request_books_nothing_and_says_why() -> None:
     registry = _registry()
 
-    class Batchless:  # MoRIIO READ's answer on a connector that hands over one request at a time (NIXL's)
+    class Batchless:  # a connector that hands over one request at a time (NIXL's) and serves nothing alone
         def __getattr__(self, name: str) -> Any:
             return getattr(get_connector("nixl"), name)
 
-        def alone(self, mode: str) -> Any:
-            return get_connector("moriio").alone("read")
+        def alone(self, mode: str) -> Alone:
+            return Alone(False, "its decode serves nothing alone", forced=False)
 
     router = Router(registry, RoundRobin(), lambda: "read", Batchless(), CONDITIONAL)  # type: ignore[arg-type]
     with pytest.raises(Refused) as refused:
         router.route(RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3], "n": 2}))
-    assert refused.value.reason == "batch" and "MoRIIO" in str(refused.value)
+    assert refused.value.reason == "batch" and "serves nothing alone" in str(refused.value)
     assert all(inst.routed == 0 for inst in registry.instances.values())
 
 
@@ -190,3 +193,18 @@ def test_counting_a_prompt_takes_no_turn_of_the_policy() -> None:
 
     assert asyncio.run(decodes()) == ["decode-0", "decode-1", "decode-0", "decode-1"]
     assert len(counters) == 4
+
+
+@pytest.mark.parametrize("body", [{"prompt": [[1, 2, 3], [4, 5, 6]]}, {"prompt": [1, 2, 3], "n": 2}])
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_moriio_batch_goes_to_the_decode_alone_with_a_body_it_serves(body: dict[str, Any], mode: str) -> None:
+    # the prefill's answer carries the first engine request's kv_transfer_params only (vLLM's OpenAI layer):
+    # a batch or n samples are the decode's alone; on READ with prompt logprobs, which skip the lookup
+    registry = _registry()
+    moriio = get_connector("moriio")
+    router = Router(registry, RoundRobin(), lambda: mode, moriio, CONDITIONAL)
+    request = RequestFacts("/v1/completions", {"model": "m", **body})
+    with router.route(request) as route:
+        assert (route.name, route.reason, route.prefill) == ("decode-only", "batch", None)
+    sent, mend = moriio.alone_body(dict(request.body), mode)  # type: ignore[arg-type]
+    assert (sent.get("prompt_logprobs"), mend) == ((0, True) if mode == "read" else (None, False))

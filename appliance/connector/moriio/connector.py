@@ -23,6 +23,8 @@ from appliance.connector.base import (
     RayServeBackend,
     RdmaNeed,
     SimOptions,
+    skipping_lookups,
+    without_prompt_logprobs,
 )
 from appliance.connector.extras import ExtraConfigTable
 from appliance.connector.moriio.address import router_request_id, zmq_address
@@ -109,6 +111,10 @@ class MoriioConnector(Connector):
     mode_fixed_at_start = True
     sim_flow = "appliance.connector.moriio.sim:MoriioSim"
     library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
+    # vLLM 0.32 answers a prefill leg with the first engine request's kv_transfer_params only, whatever the
+    # connector (entrypoints/openai/completion/serving.py: final_res_batch[0]): a batch's other prompts, or
+    # n samples, handed over would read the first one's blocks (NIXL showed it on real engines)
+    one_request_per_handoff = True
     extra_config_keys = EXTRA_CONFIG
     settings_model = MoriioSettings
     moved_settings = {"moriio_backend": "backend"}
@@ -249,10 +255,18 @@ class MoriioConnector(Connector):
         # update_state_after_alloc returns early without params: nothing is read, and the decode attends over
         # positions never written (a 100-token prompt: 99 external tokens, no receive; tests/connector).
         if mode == "read":
+            # a request with prompt logprobs skips the connector's count (alone_body): correct, at the cost of
+            # the prompt's logprobs and of its prefix cache hits, so only for what cannot be handed over
             return Alone(False, "vLLM's MoRIIO decode in READ mode counts every prompt token but the last as "
                                 "pulled from a prefill, with or without a hand-off, and pulls nothing without one")
         return Alone(True, "vLLM's MoRIIO decode in WRITE mode loads nothing without do_remote_prefill: it "
                            "computes the prompt itself")
+
+    def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:
+        return skipping_lookups(body) if mode == "read" else (body, False)
+
+    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        return without_prompt_logprobs(answer)
 
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         leg = super().prefill_body(body, prefill, decode, handoff)

@@ -33,9 +33,10 @@ nothing over, hand over another prompt's KV or crash the engine):
   engine whose compute nobody else is using, and no running stream is slowed by it.
 - otherwise the prefill hop: `decode-busy` for a prompt shorter than `decode_only_below` that the room
   (the window, the decode's load) kept off the decode, else `policy`.
-- last, where the connector's decode cannot serve a prompt alone in this mode (Connector.alone: MoRIIO READ),
-  a rule that chose the decode gives way to the prefill hop (`alone-unserved`), and a forced one (`batch`,
-  `handoff-impossible`) leaves no correct route: `refused`.
+- last, where the connector's decode cannot serve the client's prompt alone in this mode (Connector.alone:
+  MoRIIO READ), a rule that chose the decode gives way to the prefill hop (`alone-unserved`); a forced one
+  (`batch`, `handoff-impossible`) goes alone through the connector's alone_body, or, where that cannot serve
+  it either, leaves no correct route: `refused`.
 
 Every prompt a decode is sent to prefill itself counts in its window, whatever the rule (`window_tokens`): the
 forced ones (`batch`, `handoff-impossible`) have no other route but still fill the step, and one whose length
@@ -88,7 +89,8 @@ class RouteFacts:
     recent_tokens: int = 0  # uncached prompt tokens the decode was sent to prefill itself within the window
     engine_requests: int = 1  # n x the prompts of a batch: the decode prefills the prompt once for each
     backlog_tokens: int = 0  # uncached prompt tokens sent to the decode that it has not computed yet (estimate)
-    alone_served: bool = True  # the connector's decode serves a prompt sent alone in this mode (Connector.alone)
+    alone_served: bool = True  # the decode serves the client's prompt sent alone in this mode (Connector.alone)
+    forced_served: bool = True  # it serves a request that cannot be handed over, through alone_body
 
 
 def uncached(facts: RouteFacts) -> int | None:
@@ -136,11 +138,13 @@ def legs_without_room(rules: Rules) -> int | None:
 def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
     """(route, reason) for one request of a disaggregated node, by the rules in the module's docstring; on a
     connector whose decode cannot serve a prompt alone, a choice of the decode is `alone-unserved` (the
-    prefill hop) and a forced one `refused` (no route serves the request correctly)."""
+    prefill hop), and a forced one where alone_body cannot serve it either `refused` (no correct route)."""
     name, reason = _choose(facts, rules)
-    if name == "decode-only" and not facts.alone_served:
-        return ("refused", reason) if reason in FORCED else ("disaggregated", "alone-unserved")
-    return name, reason
+    if name != "decode-only":
+        return name, reason
+    if reason in FORCED:
+        return (name, reason) if facts.forced_served else ("refused", reason)
+    return (name, reason) if facts.alone_served else ("disaggregated", "alone-unserved")
 
 
 def _choose(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:

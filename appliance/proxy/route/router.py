@@ -212,6 +212,7 @@ class Router:
             engine_requests=requests,
             backlog_tokens=backlog_tokens,
             alone_served=self.alone().served,
+            forced_served=self.alone().forced,
         )
 
     async def routed(self, request: RequestFacts,
