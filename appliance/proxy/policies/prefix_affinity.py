@@ -411,7 +411,10 @@ class PrefixAffinity(Policy):
         ranks = self._live_ranks(inst) if prompt.token_ids else None
         if ranks is None:
             index = self._index(inst)
-            return sum(min(index.matched(chain), hit) for chain, hit in zip(prompt.chains, prompt.hits, strict=True)) \
+            chains, hits = prompt.chains, prompt.hits
+            if len(chains) == 1:  # one prompt: no generator (this runs for every candidate of every request)
+                return min(index.matched(chains[0]), hits[0]) * prompt.block_tokens
+            return sum(min(index.matched(chain), hit) for chain, hit in zip(chains, hits, strict=True)) \
                 * prompt.block_tokens
         pending = self._pending_of(inst, time.monotonic())
         best = 0

@@ -100,6 +100,8 @@ class Router:
         self._stand_in = stand_in
         self.on_stand_in = on_stand_in  # a request routed to an instance out of rotation, each time
         self.policy = policy
+        # the policy keeps an estimate fed by where prompts are computed (a call per instance saved otherwise)
+        self._records = type(policy).record is not Policy.record
         self.mode = mode
         self.connector = connector
         self.checks_mode = connector.mode_fixed_at_start  # the connector's engines fix their transfer mode at start
@@ -179,7 +181,7 @@ class Router:
         return bound is None or any(self.connector.handoff_possible(n, self.block_size) for n in range(bound + 1))
 
     def facts(self, request: RequestFacts, prefill_legs: int, decode: BackendState, recent_tokens: int,
-              backlog_tokens: int = 0, counted: Counted | None = None) -> RouteFacts:
+              backlog_tokens: int = 0, counted: Counted | None = None, alone: Alone | None = None) -> RouteFacts:
         """What the conditional decision reads of `request` on `decode`: the prompt's length where the body settles
         it (token ids), `counted` says it (route.length; its tokens None: the engine could not tell) or the body
         bounds it (a text prompt); whether the connector can hand it over (an unknown count: no, serving without a
@@ -187,6 +189,7 @@ class Router:
         `recent_tokens`: what the decode was sent to prefill itself over the last window; `backlog_tokens`: what
         it has not computed yet."""
         path, body = request.path, request.body
+        alone = alone or self.alone()
         tokens = bound = None
         if self.rules.decode_only_below or self.block_size is not None:  # else no rule reads the length
             tokens = known_length(path, body) if counted is None else counted.tokens
@@ -211,8 +214,8 @@ class Router:
             recent_tokens=recent_tokens,
             engine_requests=requests,
             backlog_tokens=backlog_tokens,
-            alone_served=self.alone().served,
-            forced_served=self.alone().forced,
+            alone_served=alone.served,
+            forced_served=alone.forced,
         )
 
     async def routed(self, request: RequestFacts,
@@ -238,7 +241,8 @@ class Router:
             if inst is None:
                 raise Unroutable(())
             self._count_stand_ins(inst)
-            self.policy.record("both", inst, request)
+            if self._records:
+                self.policy.record("both", inst, request)
             return Route(inst, inst.pick_rank(), None, None, (inst.book(),), "colocated", "colocated")
         prefills = self.candidates("prefill")
         stand_in = None if prefills else self.stand_in("prefill")
@@ -246,24 +250,30 @@ class Router:
         if decode is None or not (prefills or stand_in):
             missing = (("prefill", bool(prefills or stand_in)), ("decode", decode is not None))
             raise Unroutable(tuple(role for role, found in missing if not found))
-        prefill_legs = min(i.in_flight for i in prefills) if prefills else cast(BackendState, stand_in).in_flight
+        if len(prefills) == 1:
+            prefill_legs = prefills[0].in_flight
+        else:
+            prefill_legs = min(i.in_flight for i in prefills) if prefills else cast(BackendState, stand_in).in_flight
         window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
+        alone = self.alone()
         facts = self.facts(request, prefill_legs, decode, window.recent(now, self.rules.window_s) if window else 0,
                            backlog.level(now, drained_per_s(self.rules, decode.in_flight)) if backlog else 0,
-                           counted)
+                           counted, alone)
         name, reason = decide(facts, self.rules)
         if name == "refused":
-            raise Refused(reason, self.alone().why)
+            raise Refused(reason, alone.why)
         if name == "decode-only":
             if self.rules.decode_only_below:
                 # every prompt the decode prefills counts, whatever the rule that sent it there
                 self._count_prefill(decode, now, window_tokens(facts, self.rules))
             self._count_stand_ins(decode)
-            self.policy.record("decode", decode, request)
+            if self._records:
+                self.policy.record("decode", decode, request)
             return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason)
         prefill = self.policy.pick("prefill", prefills, request) if prefills else cast(BackendState, stand_in)
-        self.policy.record("prefill", prefill, request)
-        self.policy.record("decode", decode, request)  # it keeps the KV it is handed as its own prefix cache
+        if self._records:
+            self.policy.record("prefill", prefill, request)
+            self.policy.record("decode", decode, request)  # it keeps the KV it is handed as its own prefix cache
         # Both instances count the request until it ends: the decode leg starts only after the prefill leg in
         # READ mode, and a drain of the decode instance in between must wait for it rather than let it be
         # stopped under the request (a 502 "cannot connect").
