@@ -139,19 +139,10 @@ def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
     """(route, reason) for one request of a disaggregated node, by the rules in the module's docstring; on a
     connector whose decode cannot serve a prompt alone, a choice of the decode is `alone-unserved` (the
     prefill hop), and a forced one where alone_body cannot serve it either `refused` (no correct route)."""
-    name, reason = _choose(facts, rules)
-    if name != "decode-only":
-        return name, reason
-    if reason in FORCED:
-        return (name, reason) if facts.forced_served else ("refused", reason)
-    return (name, reason) if facts.alone_served else ("disaggregated", "alone-unserved")
-
-
-def _choose(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
     if facts.batch:
-        return "decode-only", "batch"
+        return _alone(facts, "batch")
     if not facts.handoff_possible:
-        return "decode-only", "handoff-impossible"
+        return _alone(facts, "handoff-impossible")
     if not rules.decode_only_below:
         return "disaggregated", "policy"
     below, fresh = rules.decode_only_below, uncached(facts)
@@ -167,15 +158,23 @@ def _choose(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
             fits = facts.recent_tokens + fresh < room(rules, facts.decode_legs)
         if fits:
             short = facts.prompt_tokens is not None and facts.prompt_tokens < below
-            return "decode-only", "short-prompt" if short else "cached-prefix"
+            return _alone(facts, "short-prompt" if short else "cached-prefix")
         busy = True
     saturated = rules.prefill_saturated_at
     if saturated and facts.prefill_legs >= saturated and facts.decode_legs < facts.prefill_legs \
             and (facts.decode_legs == 0 or facts.recent_tokens < room(rules, facts.decode_legs)):
-        return "decode-only", "prefill-saturated"
+        return _alone(facts, "prefill-saturated")
     if facts.decode_legs == 0 and facts.prefill_legs > 0:
-        return "decode-only", "decode-idle"
+        return _alone(facts, "decode-idle")
     return "disaggregated", "decode-busy" if busy else "policy"
+
+
+def _alone(facts: RouteFacts, reason: str) -> tuple[RouteName, str]:
+    """The decode alone for `reason`, where its connector serves the request so: else the prefill hop for a
+    choice (`alone-unserved`), no route for a forced one (`refused`)."""
+    if reason in FORCED:
+        return ("decode-only", reason) if facts.forced_served else ("refused", reason)
+    return ("decode-only", reason) if facts.alone_served else ("disaggregated", "alone-unserved")
 
 
 class PrefillWindow:

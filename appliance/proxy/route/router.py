@@ -153,20 +153,25 @@ class Router:
         """The instance of `role` that takes its requests while none is routable (health.stand_in), or None."""
         return self._stand_in(i for i in self.registry.by_role[role] if self.in_service(i))
 
-    def candidates(self, role: str) -> list[BackendState]:
-        """The routable instances of `role`, in the plan's order."""
-        return [i for i in self.registry.by_role[role] if self.routable(i)]
+    def candidates(self, role: str, mode: str | None = None) -> list[BackendState]:
+        """The routable instances of `role`, in the plan's order (`mode`: the proxy's, read once per pass)."""
+        # routable()'s rule, inlined: it runs for every instance of every request
+        if self.checks_mode:
+            mode = mode or self.mode()
+            return [i for i in self.registry.by_role[role] if i.healthy and not (i.draining or i.stopping)
+                    and (i.transfer_mode is None or i.transfer_mode == mode)]
+        return [i for i in self.registry.by_role[role] if i.healthy and not (i.draining or i.stopping)]
 
-    def pick(self, role: str, request: RequestFacts) -> BackendState | None:
+    def pick(self, role: str, request: RequestFacts, mode: str | None = None) -> BackendState | None:
         """The policy's instance of `role` for `request`; its stand-in when none is routable; or None."""
-        candidates = self.candidates(role)
+        candidates = self.candidates(role, mode)
         if not candidates:
             return self.stand_in(role)
         return self.policy.pick(role, candidates, request)
 
-    def alone(self) -> Alone:
-        """Whether the connector's decode serves a prompt sent alone in the proxy's mode now."""
-        mode = self.mode()
+    def alone(self, mode: str | None = None) -> Alone:
+        """Whether the connector's decode serves a prompt sent alone in `mode` (the proxy's mode now)."""
+        mode = mode or self.mode()
         answer = self._alone.get(mode)
         if answer is None:
             answer = self._alone[mode] = self.connector.alone(cast(Mode, mode))
@@ -244,9 +249,10 @@ class Router:
             if self._records:
                 self.policy.record("both", inst, request)
             return Route(inst, inst.pick_rank(), None, None, (inst.book(),), "colocated", "colocated")
-        prefills = self.candidates("prefill")
+        mode = self.mode()
+        prefills = self.candidates("prefill", mode)
         stand_in = None if prefills else self.stand_in("prefill")
-        decode = self.pick("decode", request)
+        decode = self.pick("decode", request, mode)
         if decode is None or not (prefills or stand_in):
             missing = (("prefill", bool(prefills or stand_in)), ("decode", decode is not None))
             raise Unroutable(tuple(role for role, found in missing if not found))
@@ -254,11 +260,14 @@ class Router:
             prefill_legs = prefills[0].in_flight
         else:
             prefill_legs = min(i.in_flight for i in prefills) if prefills else cast(BackendState, stand_in).in_flight
-        window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
-        alone = self.alone()
-        facts = self.facts(request, prefill_legs, decode, window.recent(now, self.rules.window_s) if window else 0,
-                           backlog.level(now, drained_per_s(self.rules, decode.in_flight)) if backlog else 0,
-                           counted, alone)
+        recent = queued = 0
+        now = 0.0
+        if self.rules.decode_only_below:  # else no rule reads the decode's window or backlog
+            window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
+            recent = window.recent(now, self.rules.window_s) if window else 0
+            queued = backlog.level(now, drained_per_s(self.rules, decode.in_flight)) if backlog else 0
+        alone = self.alone(mode)
+        facts = self.facts(request, prefill_legs, decode, recent, queued, counted, alone)
         name, reason = decide(facts, self.rules)
         if name == "refused":
             raise Refused(reason, alone.why)
@@ -278,7 +287,8 @@ class Router:
         # READ mode, and a drain of the decode instance in between must wait for it rather than let it be
         # stopped under the request (a 502 "cannot connect").
         bookings = (prefill.book(), decode.book())
-        self._count_stand_ins(prefill, decode)
+        if not (prefill.healthy and decode.healthy):
+            self._count_stand_ins(prefill, decode)
         return Route(decode, decode.pick_rank(), prefill, prefill.pick_rank(), bookings, name, reason)
 
     def _count_stand_ins(self, *chosen: BackendState) -> None:
