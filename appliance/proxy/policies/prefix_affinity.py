@@ -332,8 +332,9 @@ class PrefixAffinity(Policy):
         # the request last looked at and its prompt: the router asks for each role, the conditional decision asks
         # expected_cached_tokens, and the prompt is hashed once for all of them
         self._last: tuple[RequestFacts, dict[int, Prompt]] | None = None
-        # the last pick's request and its match per candidate, for record to reuse within the same routing pass
-        # (each pick starts it over, record clears it: what an instance holds may change before the next pass)
+        # the request being routed and its match per candidate, shared by its picks, its decision and its
+        # records within one routing pass: the pass picks the decode (or a colocated instance) first, which
+        # starts it over, and a record drops the instance it changed
         self._matches: tuple[RequestFacts | None, dict[BackendState, int]] = (None, {})
         # (role, instance name) -> [prompt tokens looked up, tokens expected cached]: kept across restarts of the
         # instance, as counters must be (metrics.py exposes them)
@@ -432,7 +433,9 @@ class PrefixAffinity(Policy):
 
     def expected_cached_tokens(self, inst: BackendState, request: RequestFacts) -> int:
         """The prompt tokens `inst` is expected to hold in its prefix cache for `request` (text: an estimate)."""
-        return self._cached(inst, request)
+        picked, matches = self._matches
+        match = matches.get(inst) if picked is request else None
+        return self._cached(inst, request) if match is None else match
 
     def pick(self, role: str, candidates: Sequence[BackendState], request: RequestFacts) -> BackendState:
         """The best prefix match within the load bound (least loaded, then round, on a tie); nothing is recorded
@@ -444,8 +447,10 @@ class PrefixAffinity(Policy):
         least = min(inst.in_flight for inst in candidates)
         bound = least + self.load_bound
         best, best_match = candidates[turn % count], -1
-        matches: dict[BackendState, int] = {}
-        self._matches = (request, matches)
+        picked, matches = self._matches
+        if picked is not request or role != "prefill":  # a new routing pass
+            matches = {}
+            self._matches = (request, matches)
         for k in range(count):
             inst = candidates[(turn + k) % count]
             if inst.in_flight > bound:
@@ -458,11 +463,8 @@ class PrefixAffinity(Policy):
     def record(self, role: str, inst: BackendState, request: RequestFacts) -> None:
         """The prompt's blocks are expected on `inst` from now on, and its lookup is counted for `role`."""
         prompt = self._prompt(request)
-        picked, matches = self._matches
-        match = matches.get(inst) if picked is request else None
-        if match is None:
-            match = self._cached(inst, request) if prompt.chains else 0
-        self._matches = (None, {})
+        match = self.expected_cached_tokens(inst, request) if prompt.chains else 0
+        self._matches[1].pop(inst, None)  # it holds the prompt from now on
         index = self._index(inst)
         for chain in prompt.chains:
             index.add(chain)
