@@ -99,7 +99,7 @@ class OwnSettings(BaseModel):
     """A connector's own settings, the table [connector.<name>] of pdctl.toml: each connector that has some
     subclasses this (its settings_model); unknown keys are errors, so a typo never passes silently."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)

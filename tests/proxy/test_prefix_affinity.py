@@ -222,7 +222,7 @@ def test_an_instance_whose_probes_only_timed_out_is_not_forgotten() -> None:
     {"prompt": [[1] * 20, [1] * 17 + [{"a": 1}] * 20]},  # a batch whose second prompt holds objects
     {"prompt": [1] * 16 + [None] * 16 + [1.5] * 16},
     {"prompt": "x" * 100, "messages": 5},  # /v1/completions: vLLM ignores messages, so must the policy
-    {"prompt": "x" * 100, "cache_salt": {"a": [1]}, "tools": 7},
+    {"prompt": "x" * 100, "chat_template_kwargs": {"a": [1]}, "tools": 7},
 ], ids=["nested-list", "batch-with-objects", "null-and-float", "messages-on-completions", "odd-extras"])
 def test_a_malformed_prompt_is_routed_by_load_and_the_proxy_keeps_serving(body: dict[str, Any]) -> None:
     """What the engine answers a malformed prompt is its own business (vLLM says 400); the policy must neither fail
