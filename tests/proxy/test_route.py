@@ -17,7 +17,7 @@ from appliance.connector import get_connector, names
 from appliance.connector.base import Alone
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import RequestFacts
-from appliance.proxy.policies.conditional import RouteFacts, Rules, decide
+from appliance.proxy.policies.conditional import RouteFacts, Rules, decide, served_alone
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.policies.round_robin import RoundRobin
 from appliance.proxy.route import Refused, Router
@@ -94,12 +94,10 @@ def _facts(**changes: Any) -> RouteFacts:
 ])
 def test_no_rule_sends_a_prompt_alone_where_the_decode_cannot_serve_it(facts: RouteFacts) -> None:
     rules = Rules(decode_only_below=16, prefill_saturated_at=2, window_s=60.0)
-    assert decide(facts, rules)[0] == "decode-only"
-    assert decide(_with(facts, alone_served=False), rules) == ("disaggregated", "alone-unserved")
-
-
-def _with(facts: RouteFacts, **changes: Any) -> RouteFacts:
-    return RouteFacts(**{**{k: getattr(facts, k) for k in RouteFacts.__slots__}, **changes})
+    name, reason = decide(facts, rules)
+    assert name == "decode-only"
+    assert served_alone(reason, served=True, forced=True) == (name, reason)
+    assert served_alone(reason, served=False, forced=True) == ("disaggregated", "alone-unserved")
 
 
 @pytest.mark.parametrize(("changes", "reason"), [({"batch": True}, "batch"),
@@ -109,8 +107,8 @@ def test_a_request_with_no_correct_route_is_refused(changes: dict[str, Any], rea
     facts = _facts(**changes)
     assert decide(facts, CONDITIONAL) == ("decode-only", reason)
     # where alone_body serves it (MoRIIO READ: prompt logprobs skip the lookup), it goes alone all the same
-    assert decide(_with(facts, alone_served=False), CONDITIONAL) == ("decode-only", reason)
-    assert decide(_with(facts, alone_served=False, forced_served=False), CONDITIONAL) == ("refused", reason)
+    assert served_alone(reason, served=False, forced=True) == ("decode-only", reason)
+    assert served_alone(reason, served=False, forced=False) == ("refused", reason)
 
 
 def test_a_refused_request_books_nothing_and_says_why() -> None:

@@ -33,10 +33,10 @@ nothing over, hand over another prompt's KV or crash the engine):
   engine whose compute nobody else is using, and no running stream is slowed by it.
 - otherwise the prefill hop: `decode-busy` for a prompt shorter than `decode_only_below` that the room
   (the window, the decode's load) kept off the decode, else `policy`.
-- last, where the connector's decode cannot serve the client's prompt alone in this mode (Connector.alone:
-  MoRIIO READ), a rule that chose the decode gives way to the prefill hop (`alone-unserved`); a forced one
-  (`batch`, `handoff-impossible`) goes alone through the connector's alone_body, or, where that cannot serve
-  it either, leaves no correct route: `refused`.
+- last (`served_alone`), where the connector's decode cannot serve the client's prompt alone in this mode
+  (Connector.alone: MoRIIO READ), a rule that chose the decode gives way to the prefill hop
+  (`alone-unserved`); a forced one (`batch`, `handoff-impossible`) goes alone through the connector's
+  alone_body, or, where that cannot serve it either, leaves no correct route: `refused`.
 
 Every prompt a decode is sent to prefill itself counts in its window, whatever the rule (`window_tokens`): the
 forced ones (`batch`, `handoff-impossible`) have no other route but still fill the step, and one whose length
@@ -89,8 +89,6 @@ class RouteFacts:
     recent_tokens: int = 0  # uncached prompt tokens the decode was sent to prefill itself within the window
     engine_requests: int = 1  # n x the prompts of a batch: the decode prefills the prompt once for each
     backlog_tokens: int = 0  # uncached prompt tokens sent to the decode that it has not computed yet (estimate)
-    alone_served: bool = True  # the decode serves the client's prompt sent alone in this mode (Connector.alone)
-    forced_served: bool = True  # it serves a request that cannot be handed over, through alone_body
 
 
 def uncached(facts: RouteFacts) -> int | None:
@@ -136,13 +134,12 @@ def legs_without_room(rules: Rules) -> int | None:
 
 
 def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
-    """(route, reason) for one request of a disaggregated node, by the rules in the module's docstring; on a
-    connector whose decode cannot serve a prompt alone, a choice of the decode is `alone-unserved` (the
-    prefill hop), and a forced one where alone_body cannot serve it either `refused` (no correct route)."""
+    """(route, reason) for one request of a disaggregated node, by the rules in the module's docstring, before
+    the connector's answer for the decode alone (served_alone)."""
     if facts.batch:
-        return _alone(facts, "batch")
+        return "decode-only", "batch"
     if not facts.handoff_possible:
-        return _alone(facts, "handoff-impossible")
+        return "decode-only", "handoff-impossible"
     if not rules.decode_only_below:
         return "disaggregated", "policy"
     below, fresh = rules.decode_only_below, uncached(facts)
@@ -158,23 +155,25 @@ def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
             fits = facts.recent_tokens + fresh < room(rules, facts.decode_legs)
         if fits:
             short = facts.prompt_tokens is not None and facts.prompt_tokens < below
-            return _alone(facts, "short-prompt" if short else "cached-prefix")
+            return "decode-only", "short-prompt" if short else "cached-prefix"
         busy = True
     saturated = rules.prefill_saturated_at
     if saturated and facts.prefill_legs >= saturated and facts.decode_legs < facts.prefill_legs \
             and (facts.decode_legs == 0 or facts.recent_tokens < room(rules, facts.decode_legs)):
-        return _alone(facts, "prefill-saturated")
+        return "decode-only", "prefill-saturated"
     if facts.decode_legs == 0 and facts.prefill_legs > 0:
-        return _alone(facts, "decode-idle")
+        return "decode-only", "decode-idle"
     return "disaggregated", "decode-busy" if busy else "policy"
 
 
-def _alone(facts: RouteFacts, reason: str) -> tuple[RouteName, str]:
-    """The decode alone for `reason`, where its connector serves the request so: else the prefill hop for a
-    choice (`alone-unserved`), no route for a forced one (`refused`)."""
+def served_alone(reason: str, served: bool, forced: bool) -> tuple[RouteName, str]:
+    """The route of a request `decide` sent to the decode alone for `reason`, given whether the connector's decode
+    serves the client's prompt alone (`served`) and a request that cannot be handed over through its alone_body
+    (`forced`; Connector.alone): the decode alone where it serves it, else the prefill hop for a choice
+    (`alone-unserved`), no route for a forced one (`refused`)."""
     if reason in FORCED:
-        return ("decode-only", reason) if facts.forced_served else ("refused", reason)
-    return ("decode-only", reason) if facts.alone_served else ("disaggregated", "alone-unserved")
+        return ("decode-only", reason) if forced else ("refused", reason)
+    return ("decode-only", reason) if served else ("disaggregated", "alone-unserved")
 
 
 class PrefillWindow:

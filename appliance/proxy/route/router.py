@@ -26,6 +26,7 @@ from appliance.proxy.policies.conditional import (
     Rules,
     decide,
     drained_per_s,
+    served_alone,
     window_tokens,
 )
 from appliance.proxy.prompts import engine_requests, known_length, most_tokens
@@ -186,7 +187,7 @@ class Router:
         return bound is None or any(self.connector.handoff_possible(n, self.block_size) for n in range(bound + 1))
 
     def facts(self, request: RequestFacts, prefill_legs: int, decode: BackendState, recent_tokens: int,
-              backlog_tokens: int = 0, counted: Counted | None = None, alone: Alone | None = None) -> RouteFacts:
+              backlog_tokens: int = 0, counted: Counted | None = None) -> RouteFacts:
         """What the conditional decision reads of `request` on `decode`: the prompt's length where the body settles
         it (token ids), `counted` says it (route.length; its tokens None: the engine could not tell) or the body
         bounds it (a text prompt); whether the connector can hand it over (an unknown count: no, serving without a
@@ -194,7 +195,6 @@ class Router:
         `recent_tokens`: what the decode was sent to prefill itself over the last window; `backlog_tokens`: what
         it has not computed yet."""
         path, body = request.path, request.body
-        alone = alone or self.alone()
         tokens = bound = None
         if self.rules.decode_only_below or self.block_size is not None:  # else no rule reads the length
             tokens = known_length(path, body) if counted is None else counted.tokens
@@ -219,8 +219,6 @@ class Router:
             recent_tokens=recent_tokens,
             engine_requests=requests,
             backlog_tokens=backlog_tokens,
-            alone_served=alone.served,
-            forced_served=alone.forced,
         )
 
     async def routed(self, request: RequestFacts,
@@ -266,11 +264,14 @@ class Router:
             window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
             recent = window.recent(now, self.rules.window_s) if window else 0
             queued = backlog.level(now, drained_per_s(self.rules, decode.in_flight)) if backlog else 0
-        alone = self.alone(mode)
-        facts = self.facts(request, prefill_legs, decode, recent, queued, counted, alone)
+        facts = self.facts(request, prefill_legs, decode, recent, queued, counted)
         name, reason = decide(facts, self.rules)
-        if name == "refused":
-            raise Refused(reason, alone.why)
+        if name == "decode-only":
+            alone = self.alone(mode)
+            if not (alone.served and alone.forced):
+                name, reason = served_alone(reason, alone.served, alone.forced)
+                if name == "refused":
+                    raise Refused(reason, alone.why)
         if name == "decode-only":
             if self.rules.decode_only_below:
                 # every prompt the decode prefills counts, whatever the rule that sent it there
