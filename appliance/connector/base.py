@@ -251,6 +251,20 @@ class HandoffError(Exception):
         self.message = message
 
 
+def one_token(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` asking for one token, not streamed (a prefill leg, a release)."""
+    leg = dict(body)
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg.pop("stream_options", None)
+    # a 1-token leg cannot honour a minimum length; the decode leg keeps it
+    leg.pop("min_tokens", None)
+    leg.pop("min_completion_tokens", None)
+    return leg
+
+
 class Connector(ABC):
     """One KV connector: the single place that knows its vLLM class, flags, ports, simulation and proxy protocol."""
 
@@ -378,22 +392,15 @@ class Connector(ABC):
         to on_result. None: its engines do not register."""
         return None
 
-    def request_id(self, prefill: Peer, decode: Peer) -> str:
-        """The X-Request-Id both legs of one request carry."""
-        return uuid.uuid4().hex
+    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
+        """The X-Request-Id both legs of one request carry: unique to the request (connectors pair its legs by
+        it), led by the client's own X-Request-Id when it sent one (vLLM answers with the id cmpl-<this>)."""
+        unique = uuid.uuid4().hex
+        return f"{client_id}-{unique}" if client_id else unique
 
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         """The prefill leg: one token, not streamed; `handoff` is state shared with the decode leg of the request."""
-        leg = dict(body)
-        leg["stream"] = False
-        leg["max_tokens"] = 1
-        if "max_completion_tokens" in leg:
-            leg["max_completion_tokens"] = 1
-        leg.pop("stream_options", None)
-        # a 1-token leg cannot honour a minimum length; the decode leg keeps it
-        leg.pop("min_tokens", None)
-        leg.pop("min_completion_tokens", None)
-        return leg
+        return one_token(body)
 
     def serial(self, mode: Mode) -> bool:
         """Whether the decode leg needs the prefill's answer in `mode`, so the legs run one after the other (READ
@@ -411,9 +418,11 @@ class Connector(ABC):
         """Whether a decode instance in `mode` serves a request sent alone (alone_body) correctly: every
         connector answers, from what vLLM's scheduler side of it does with a request without a hand-off."""
 
-    def release_body(self, decode_body: dict[str, Any]) -> dict[str, Any] | None:
-        """What a decode instance is sent (POST /v1/completions) so that the prefill frees the KV it holds for
-        `decode_body`, a decode leg that will not be sent (its client left); None: nothing to release."""
+    def release_body(self, decode_body: dict[str, Any], path: str,
+                     mode: str) -> tuple[str, dict[str, Any]] | None:
+        """What a decode instance is sent (the path and body of a POST, with the legs' X-Request-Id) so that the
+        prefill frees the KV it holds for `decode_body`, a decode leg to `path` that will not be sent (its
+        client left); None: nothing to release."""
         return None
 
     def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:

@@ -91,6 +91,7 @@ class ProxyState:
         """Warm `inst` up (appliance.proxy.warmup), counted and logged; whether it may be admitted now."""
         result, took = await warmup.warm_up(inst, self.config.model, self.engine_key,
                                             self.config.health.warmup_timeout_s)
+        await warmup.forget_store(self.config.kv_store, self.config.block_size)
         self.metrics.warmups.labels(inst.name, result).inc()
         self.metrics.warmup_seconds.labels(inst.name).set(took)
         return warmup.admits(result)

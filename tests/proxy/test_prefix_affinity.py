@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.proxy.admin_client import AdminClient
-from appliance.proxy.policies.prefix_affinity import MAX_BLOCKS
+from appliance.proxy.policies.prefix_affinity import MAX_BLOCKS, seed_of
 from tests.support.fake_engines import FakeEngine, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post
 from tests.support.waiting import eventually
@@ -258,3 +258,14 @@ def test_the_hashed_prefix_is_bounded_whatever_the_prompt_size() -> None:
             assert await _prefix_counts(px.api_port) == {("both", "both-0"): (lookup, expected)}
 
     asyncio.run(scenario())
+
+
+def test_a_salt_is_keyed_apart_from_no_salt_whatever_its_text() -> None:
+    """Issue 34 defect 5: vLLM keys a salted prompt's blocks apart from unsalted ones for every non-empty salt,
+    the string "None" included; no salt, null and "" are one key there (an empty salt is none)."""
+    none = seed_of("m", None)
+    assert seed_of("m", "") == none and seed_of("m", 0) == none
+    salts = ["None", "null", "", "0", "salt-1", 0, 1, "1"]
+    seeds = {seed_of("m", s) for s in salts}
+    assert len(seeds) == len(salts) - 1  # "" and 0 are both no salt; each other one its own key
+    assert seed_of("m", "None") != none and seed_of("m", "1") != seed_of("m", 1)
