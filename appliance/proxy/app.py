@@ -141,6 +141,7 @@ class Proxy(ProxyState):
         elif self.config.registration.enabled:
             self._registration_bind = asyncio.create_task(self._bind_registration())
         self.health.start()
+        self.metrics.loop.start()
         if self.kv_events is not None:
             self.kv_events.start()
         if self.kv_sweeper is not None:
@@ -216,6 +217,7 @@ class Proxy(ProxyState):
         if self._registration_bind is not None:
             self._registration_bind.cancel()
         await self.health.stop()
+        await self.metrics.loop.stop()
         if self.kv_sweeper is not None:
             await self.kv_sweeper.stop()
         await self.planned.close()

@@ -17,7 +17,7 @@ from appliance.proxy.planned import PlannedStops
 from appliance.proxy.policies import POLICIES
 from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
-from appliance.proxy.routing import Router
+from appliance.proxy.route import Router
 from appliance.proxy.tenants import load_tenants
 
 log = logging.getLogger("appliance.proxy.state")
