@@ -52,7 +52,8 @@ def most_tokens(path: str, body: Mapping[str, Any]) -> int | None:
     prompt = body.get("prompt")
     if "messages" in body or not isinstance(prompt, str):
         return None
-    return len(prompt.encode()) + _SPECIAL_TOKENS
+    # surrogatepass: a lone surrogate counts its 3 bytes rather than raising (the body check refuses one anyway)
+    return len(prompt.encode("utf-8", "surrogatepass")) + _SPECIAL_TOKENS
 
 
 def tokenize_request(path: str, body: dict[str, Any], model: str) -> dict[str, Any] | None:

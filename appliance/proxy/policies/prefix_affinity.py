@@ -27,7 +27,7 @@ import json
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 from appliance.proxy.config import PrefixAffinityConfig, ProxyConfig
@@ -234,8 +234,18 @@ class EventBlocks:
         self.start_over()
 
     def apply(self, seq: int, events: list[Event]) -> str:
-        """Apply one batch of events; "gap" when batches were lost, before this one too where it is not the first
-        of its stream (the index starts over from this one), else
+        """Apply one batch of events at once (apply_steps says what the result means)."""
+        steps = self.apply_steps(seq, events, 1 << 62)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                result: str = done.value
+                return result
+
+    def apply_steps(self, seq: int, events: list[Event], step: int) -> Generator[None, None, str]:
+        """Apply one batch of events, yielding after every `step` blocks; returns "gap" when batches were lost,
+        before this one too where it is not the first of its stream (the index starts over from this one), else
         "applied", or the reason some of its events are of no use here ("block-size": blocks of another size than the
         stream's first; "unparented": blocks whose prefix the index does not know; "unmatchable": blocks of inputs
         other than token ids)."""
@@ -249,17 +259,17 @@ class EventBlocks:
         self.seq = seq
         for event in events:
             if isinstance(event, Stored):
-                why = self._store(event)
+                why = yield from self._store(event, step)
                 if why is not None and result == "applied":
                     result = why
             elif isinstance(event, Removed):
                 if event.medium in (None, "GPU") and event.group in (None, 0):
-                    self._remove(event.hashes)
+                    yield from self._remove(event.hashes, step)
             elif isinstance(event, Cleared):
                 self.reset()
         return result
 
-    def _store(self, event: Stored) -> str | None:
+    def _store(self, event: Stored, step: int) -> Generator[None, None, str | None]:
         if event.medium not in (None, "GPU") or event.group not in (None, 0):
             return None  # a copy in a CPU offload tier, or another KV cache group: not what a prefill reuses
         if self.block_size is None:
@@ -277,25 +287,31 @@ class EventBlocks:
                 return "unparented"
             parent = known
         size, tokens, extra = event.block_size, event.token_ids, event.extra_keys
-        for k, vllm_hash in enumerate(event.hashes):
-            if extra and _salt(extra[k], event.lora_name) is False:
-                return "unmatchable"  # multimodal or embedded input: no request's token ids name this block
-            parent = hash((parent, hash(tuple(tokens[k * size:(k + 1) * size]))))
-            old = self.by_vllm.pop(vllm_hash, None)
-            if old is not None:
-                self._drop(old)
-            self.by_vllm[vllm_hash] = parent
-            self.held[parent] = self.held.get(parent, 0) + 1
-            self.pending.pop(parent, None)
-        while len(self.by_vllm) > self.capacity:
-            self._drop(self.by_vllm.popitem(last=False)[1])
+        for start in range(0, len(event.hashes), step):
+            for k in range(start, min(start + step, len(event.hashes))):
+                if extra and _salt(extra[k], event.lora_name) is False:
+                    return "unmatchable"  # multimodal or embedded input: no request's token ids name this block
+                parent = hash((parent, hash(tuple(tokens[k * size:(k + 1) * size]))))
+                vllm_hash = event.hashes[k]
+                old = self.by_vllm.pop(vllm_hash, None)
+                if old is not None:
+                    self._drop(old)
+                self.by_vllm[vllm_hash] = parent
+                self.held[parent] = self.held.get(parent, 0) + 1
+                self.pending.pop(parent, None)
+            # over capacity the oldest go now, not after the batch: the index never holds more than a slice more
+            while len(self.by_vllm) > self.capacity:
+                self._drop(self.by_vllm.popitem(last=False)[1])
+            yield
         return None
 
-    def _remove(self, hashes: list[Any]) -> None:
-        for vllm_hash in hashes:
-            block = self.by_vllm.pop(vllm_hash, None)
-            if block is not None:
-                self._drop(block)
+    def _remove(self, hashes: list[Any], step: int) -> Generator[None, None, None]:
+        for start in range(0, len(hashes), step):
+            for vllm_hash in hashes[start:start + step]:
+                block = self.by_vllm.pop(vllm_hash, None)
+                if block is not None:
+                    self._drop(block)
+            yield
 
     def _drop(self, block: int) -> None:
         n = self.held[block] - 1
