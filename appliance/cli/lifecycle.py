@@ -386,17 +386,25 @@ def down(ctx: click.Context, manager: str | None, as_json: bool) -> None:
 @click.argument("targets", nargs=-1, metavar="[prefill|decode|proxy|INSTANCE]...")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
 @click.option("-n", "--lines", type=click.IntRange(min=0), default=50, show_default=True, help="Lines to show.")
+@click.option("--probes", is_flag=True,
+              help="Also show the access lines of pdctl's own health probes and /metrics scrapes (left out).")
 @click.option("--manager", type=MANAGER_CHOICE, help="Service manager [default: the one `pdctl up` used].")
 @click.pass_context
-def logs(ctx: click.Context, targets: tuple[str, ...], follow: bool, lines: int, manager: str | None) -> None:
-    """Show a role's, an instance's or the proxy's logs (journald or supervisor log files)."""
+def logs(ctx: click.Context, targets: tuple[str, ...], follow: bool, lines: int, probes: bool,
+         manager: str | None) -> None:
+    """Show a role's, an instance's or the proxy's logs (journald or supervisor log files), without the access
+    lines of pdctl's own probes (GET /health, /metrics) unless --probes."""
+    from appliance.cli.logview import SEARCH_LINES, follow_without_probes, without_probes
+
     _, plan, mgr = deployed(ctx, manager)
     names = resolve_targets(plan, targets)
     if not follow:
-        click.echo(mgr.logs(names, lines), nl=False)
+        text = mgr.logs(names, lines if probes else max(lines, SEARCH_LINES))
+        click.echo(text if probes else without_probes(text, lines, len(mgr.expand(names))), nl=False)
         return
     try:
-        for line in mgr.follow(names, lines):
+        stream = mgr.follow(names, lines)
+        for line in stream if probes else follow_without_probes(stream):
             click.echo(line, nl=False)
     except KeyboardInterrupt:
         pass
