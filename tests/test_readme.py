@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.pdctl import pdctl_in
+from tests.support.pdctl import pdctl, pdctl_in, status, write_config
 from tests.support.processes import ROOT
 
 README = (ROOT / "README.md").read_text()
@@ -53,3 +53,36 @@ def test_the_readme_explains_cached_tokens_in_each_mode() -> None:
     said = " ".join(README.split("`usage.prompt_tokens_details.cached_tokens`", 1)[1].split("\n\n", 1)[0].split())
     assert "In READ mode" in said and "whole blocks" in said and "reports `cached_tokens` 0" in said
     assert "In WRITE mode" in said and "`cached_tokens` equals `prompt_tokens` however short the prompt" in said
+
+
+MODE_LINES = re.compile(r"^(pdctl (?:mode|up --mode)[^#\n]*?)\s+#", re.MULTILINE)
+
+
+def _readme_command(prefix: str) -> list[str]:
+    """The arguments of the README's one command line that starts `prefix`."""
+    lines = [line for line in MODE_LINES.findall(README) if line.startswith(prefix)]
+    assert len(lines) == 1, (prefix, MODE_LINES.findall(README))
+    return lines[0].split()[1:]
+
+
+def test_the_readmes_mode_lines_work_as_written_on_the_node_install_makes(tmp_path: Path) -> None:
+    """Issue 37: `pdctl mode read|write` was refused on the CPU node (its connector has READ only), and on nixl
+    refused twice, first for --allow-downtime, then for --yes. Each README line runs as written, in order, on
+    the node `pdctl up` makes on the CPU (simulated engines: the same plan, connector and proxy)."""
+    config = write_config(tmp_path, tmp_path / "state")
+    pdctl(config, "up", check=True)
+    try:
+        # the CPU node runs the example connector, READ only: a switch is refused naming the README's `up` line
+        refused = pdctl(config, "mode", "write", "--allow-downtime", "--yes")
+        assert refused.returncode == 2 and "pdctl up --mode write" in refused.stderr, refused.stderr
+        pdctl(config, *_readme_command("pdctl up --mode write"), check=True)
+        assert status(config)["connector"] == "nixl"
+        # without the flags, one refusal names both
+        bare = pdctl(config, "mode", "read")
+        assert bare.returncode == 2 and "--allow-downtime --yes" in bare.stderr, bare.stderr
+        assert len(bare.stderr.strip().splitlines()) <= 2 and "Traceback" not in bare.stderr
+        done = pdctl(config, *_readme_command("pdctl mode "), "--hold", "60")
+        assert done.returncode == 0 and "mode read" in done.stdout, done.stdout + done.stderr
+        assert status(config)["proxy"]["mode"] == "read"
+    finally:
+        pdctl(config, "down")
