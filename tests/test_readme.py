@@ -84,5 +84,14 @@ def test_the_readmes_mode_lines_work_as_written_on_the_node_install_makes(tmp_pa
         done = pdctl(config, *_readme_command("pdctl mode "), "--hold", "60")
         assert done.returncode == 0 and "mode read" in done.stdout, done.stdout + done.stderr
         assert status(config)["proxy"]["mode"] == "read"
+        # issue 37: after `pdctl up --ignore-layout` (the settings' connector again: example), plan and doctor
+        # described the recorded nixl node without saying so, while status showed the running one
+        pdctl(config, "up", "--ignore-layout", check=True)
+        assert status(config)["connector"] == "example"
+        shown = pdctl(config, "plan", check=True).stdout
+        assert "not the deployed plan: this one has connector nixl (deployed: example)" in " ".join(shown.split())
+        rows = json.loads(pdctl(config, "doctor", "--json").stdout)
+        assert rows[1]["check"] == "deployed" and "connector nixl (deployed: example)" in rows[1]["detail"], rows
+        assert "not the deployed plan" not in pdctl(config, "plan", "--ignore-layout", check=True).stdout
     finally:
         pdctl(config, "down")
