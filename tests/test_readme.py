@@ -51,8 +51,20 @@ def test_the_readme_explains_cached_tokens_in_each_mode() -> None:
     # issue 27: in WRITE mode cached_tokens equals the whole prompt even for 11 tokens, which the README did not
     # explain; the behaviour itself is checked on real vLLM (tests/engine/test_pdctl_vllm_e2e.py, write mode)
     said = " ".join(README.split("`usage.prompt_tokens_details.cached_tokens`", 1)[1].split("\n\n", 1)[0].split())
-    assert "In READ mode" in said and "whole blocks" in said and "reports `cached_tokens` 0" in said
-    assert "In WRITE mode" in said and "`cached_tokens` equals `prompt_tokens` however short the prompt" in said
+    assert "In READ mode" in said and "whole blocks" in said and "report `cached_tokens` 0" in said
+    assert "In WRITE mode" in said and "`cached_tokens` equals `prompt_tokens`" in said
+    # issue 37: a 1-token WRITE prompt reported 0, and READ prompts of kB+1 tokens went decode-only
+    assert "however short" not in said and "one-token prompt reports 0" in said
+    assert "(129, 257, 385, ...:" in said and "(L-2)//128*128" in said
+
+
+def test_the_readmes_read_mode_rule_is_the_proxys() -> None:
+    """The lengths the README says are served by the decode alone are the ones the example connector routes so."""
+    from appliance.connector import get_connector
+
+    example = get_connector("example")
+    alone = [n for n in range(1, 520) if not example.handoff_possible(n, 128)]
+    assert alone == [*range(1, 130), 257, 385, 513], alone
 
 
 MODE_LINES = re.compile(r"^(pdctl (?:mode|up --mode)[^#\n]*?)\s+#", re.MULTILINE)
