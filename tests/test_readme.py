@@ -81,7 +81,8 @@ def test_the_readmes_mode_lines_work_as_written_on_the_node_install_makes(tmp_pa
     """Issue 37: `pdctl mode read|write` was refused on the CPU node (its connector has READ only), and on nixl
     refused twice, first for --allow-downtime, then for --yes. Each README line runs as written, in order, on
     the node `pdctl up` makes on the CPU (simulated engines: the same plan, connector and proxy)."""
-    config = write_config(tmp_path, tmp_path / "state")
+    # engines that "load" for 12 s, as vLLM does (for a while): the switch says what it waits for meanwhile
+    config = write_config(tmp_path, tmp_path / "state", extra='[engine.sim]\nextra_args = ["--load-s", "12"]\n')
     pdctl(config, "up", check=True)
     try:
         # the CPU node runs the example connector, READ only: a switch is refused naming the README's `up` line
@@ -95,6 +96,8 @@ def test_the_readmes_mode_lines_work_as_written_on_the_node_install_makes(tmp_pa
         assert len(bare.stderr.strip().splitlines()) <= 2 and "Traceback" not in bare.stderr
         done = pdctl(config, *_readme_command("pdctl mode "), "--hold", "60")
         assert done.returncode == 0 and "mode read" in done.stdout, done.stdout + done.stderr
+        # issue 37: on a pipe a mode switch said nothing for 31-74 s between "starting" and "admitted"
+        assert "still waiting for " in done.stdout and "loading the model" in done.stdout, done.stdout
         assert status(config)["proxy"]["mode"] == "read"
         # issue 37: after `pdctl up --ignore-layout` (the settings' connector again: example), plan and doctor
         # described the recorded nixl node without saying so, while status showed the running one

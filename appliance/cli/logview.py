@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 
-from appliance.engine.command import PROBE_PATHS
+from appliance.progress import is_probe
 
-# uvicorn's access line: '127.0.0.1:40312 - "GET /health HTTP/1.1" 200 OK' (vLLM older than 0.16 logs every one)
-_PATHS = "|".join(map(re.escape, PROBE_PATHS))
-_PROBE = re.compile(rf'"GET (?:{_PATHS})(?:\?\S*)? HTTP/[\d.]+" \d{{3}}')
 SEARCH_LINES = 5000  # lines read to find `-n` that are not probe lines (the proxy probes each engine every few s)
-
-
-def is_probe(line: str) -> bool:
-    """Whether `line` is the access line of a GET of /health or /metrics (pdctl's probes and scrapes)."""
-    return _PROBE.search(line) is not None
 
 
 def without_probes(text: str, lines: int, units: int) -> str:
