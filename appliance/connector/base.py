@@ -66,7 +66,7 @@ class OwnSettings(BaseModel):
     """A connector's own settings, the table [connector.<name>] of pdctl.toml: each connector that has some
     subclasses this (its settings_model); unknown keys are errors, so a typo never passes silently."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)
@@ -218,6 +218,20 @@ class HandoffError(Exception):
         self.message = message
 
 
+def one_token(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` asking for one token, not streamed (a prefill leg, a release)."""
+    leg = dict(body)
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg.pop("stream_options", None)
+    # a 1-token leg cannot honour a minimum length; the decode leg keeps it
+    leg.pop("min_tokens", None)
+    leg.pop("min_completion_tokens", None)
+    return leg
+
+
 class Connector(ABC):
     """One KV connector: the single place that knows its vLLM class, flags, ports, simulation and proxy protocol."""
 
@@ -350,31 +364,26 @@ class Connector(ABC):
         to on_result. None: its engines do not register."""
         return None
 
-    def request_id(self, prefill: Peer, decode: Peer) -> str:
-        """The X-Request-Id both legs of one request carry."""
-        return uuid.uuid4().hex
+    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
+        """The X-Request-Id both legs of one request carry: unique to the request (connectors pair its legs by
+        it), led by the client's own X-Request-Id when it sent one (vLLM answers with the id cmpl-<this>)."""
+        unique = uuid.uuid4().hex
+        return f"{client_id}-{unique}" if client_id else unique
 
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         """The prefill leg: one token, not streamed; `handoff` is state shared with the decode leg of the request."""
-        leg = dict(body)
-        leg["stream"] = False
-        leg["max_tokens"] = 1
-        if "max_completion_tokens" in leg:
-            leg["max_completion_tokens"] = 1
-        leg.pop("stream_options", None)
-        # a 1-token leg cannot honour a minimum length; the decode leg keeps it
-        leg.pop("min_tokens", None)
-        leg.pop("min_completion_tokens", None)
-        return leg
+        return one_token(body)
 
     def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
         """Whether a prompt of this many tokens can go through the hand-off (False: the proxy sends it to a
         decode instance alone, with alone_body)."""
         return True
 
-    def release_body(self, decode_body: dict[str, Any]) -> dict[str, Any] | None:
-        """What a decode instance is sent (POST /v1/completions) so that the prefill frees the KV it holds for
-        `decode_body`, a decode leg that will not be sent (its client left); None: nothing to release."""
+    def release_body(self, decode_body: dict[str, Any], path: str,
+                     mode: str) -> tuple[str, dict[str, Any]] | None:
+        """What a decode instance is sent (the path and body of a POST, with the legs' X-Request-Id) so that the
+        prefill frees the KV it holds for `decode_body`, a decode leg to `path` that will not be sent (its
+        client left); None: nothing to release."""
         return None
 
     def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:

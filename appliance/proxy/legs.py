@@ -543,14 +543,15 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
                 proxy.router.alone(route, "handoff-impossible", facts, tokens)
         proxy.metrics.routes.labels(route.name, route.reason).inc()
         request[ROUTE] = route.header()
+        # the client's X-Request-Id reaches the leg that answers it (vLLM's answer id is cmpl-<X-Request-Id>)
+        client_id = request.headers.get("X-Request-Id") or None
+        if route.prefill is not None:
+            return await _disaggregated(proxy, request, path, body, headers, started, route, client_id)
+        if client_id is not None:
+            headers.append(("X-Request-Id", client_id))
         if route.name == "colocated":
-            rid = request.headers.get("X-Request-Id") or None
-            if rid is not None:
-                headers.append(("X-Request-Id", rid))
             return await run_decode(proxy, request, route.decode, route.decode_rank, path, body, headers, started)
-        if route.prefill is None:
-            return await _decode_only(proxy, request, route, path, body, headers, started)
-        return await _disaggregated(proxy, request, path, body, headers, started, route)
+        return await _decode_only(proxy, request, route, path, body, headers, started)
 
 
 async def _decode_only(proxy: ProxyState, request: web.Request, route: Route, path: str, body: dict[str, Any],
@@ -612,25 +613,25 @@ async def can_hand_over(proxy: ProxyState, inst: BackendState, path: str, body: 
     return count is not None and connector.handoff_possible(count, block_size), count
 
 
-def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, decode_body: dict[str, Any],
-                    headers: list[tuple[str, str]]) -> None:
-    """Ask the decode instance to have the prefill free the KV it holds for a decode leg that will not be sent
-    (the client left after the prefill answered), rather than hold it until the connector's own timeout."""
-    body = proxy.connector.release_body(decode_body)
-    if body is None:
+def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, path: str,
+                    decode_body: dict[str, Any], headers: list[tuple[str, str]]) -> None:
+    """Ask the decode instance to have the prefill free the KV it holds for a decode leg to `path` that will not
+    be sent (the client left after the prefill answered), rather than hold it until the connector's own timeout."""
+    release = proxy.connector.release_body(decode_body, path, proxy.mode)
+    if release is None:
         return
-    task = asyncio.get_running_loop().create_task(_send_release(proxy, decode, rank, body, headers))
+    task = asyncio.get_running_loop().create_task(_send_release(proxy, decode, rank, *release, headers))
     proxy.releases.add(task)
     task.add_done_callback(proxy.releases.discard)
 
 
-async def _send_release(proxy: ProxyState, inst: BackendState, rank: int | None, body: dict[str, Any],
+async def _send_release(proxy: ProxyState, inst: BackendState, rank: int | None, path: str, body: dict[str, Any],
                         headers: list[tuple[str, str]]) -> None:
     if rank is not None:
         headers = [*headers, ("X-data-parallel-rank", str(rank))]
     payload = json.dumps(body, separators=(",", ":")).encode()
     try:
-        conn, _ = await inst.pool.open("POST", "/v1/completions", headers, payload, collect=True,
+        conn, _ = await inst.pool.open("POST", path, headers, payload, collect=True,
                                        head_timeout=proxy.config.timeouts.first_token_s)
         assert conn.done_fut is not None
         await conn.done_fut
@@ -650,14 +651,16 @@ async def _disaggregated(
     headers: list[tuple[str, str]],
     started: float,
     route: Route,
+    client_id: str | None = None,
 ) -> web.StreamResponse:
-    """The prefill and decode legs of one request on the route picked for it."""
+    """The prefill and decode legs of one request on the route picked for it; `client_id`: the client's
+    X-Request-Id, which leads the id both legs carry."""
     connector = proxy.connector
     prefill, prefill_rank, decode, decode_rank = route.prefill, route.prefill_rank, route.decode, route.decode_rank
     assert prefill is not None  # a route without a prefill instance is one leg (handle_completion)
     # what the connector carries from one leg of this request to the other
     handoff: dict[str, Any] = {"mode": proxy.mode}
-    rid = connector.request_id(prefill, decode)
+    rid = connector.request_id(prefill, decode, client_id)
     prefill_body = connector.prefill_body(body, prefill, decode, handoff)
     # Both legs carry the same id: connectors match the two halves of a request by it (NIXL push does).
     headers.append(("X-Request-Id", rid))
@@ -671,7 +674,7 @@ async def _disaggregated(
                 leg = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
             except HandoffError:
                 return  # an answer no decode leg could have used: nothing of it to release
-            release_handoff(proxy, decode, decode_rank, leg, headers)
+            release_handoff(proxy, decode, decode_rank, path, leg, headers)
 
         kv, answer = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers, abandoned)
         if kv is None:
@@ -684,7 +687,8 @@ async def _disaggregated(
                 raise LegFailure(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
         decode_body = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
         return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started,
-                                unsent=lambda: release_handoff(proxy, decode, decode_rank, decode_body, headers))
+                                unsent=lambda: release_handoff(proxy, decode, decode_rank, path, decode_body,
+                                                               headers))
 
     decode_body = connector.decode_body(body, prefill, decode, prefill_rank, None, handoff)
     prefill_task = asyncio.ensure_future(run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,6 +31,8 @@ from appliance.roles import Mode
 
 # kv_connector_extra_config keys that address pdctl's own proxy or a loopback host; cluster deployments
 # discover peers otherwise.
+# a client's X-Request-Id that may follow the router id: no "_", "," or ":", so no address can be read out of it
+_PLAIN_ID = re.compile(r"[A-Za-z0-9.-]{1,200}")
 NODE_LOCAL_KEYS = frozenset({"proxy_ip", "proxy_ping_port", "host_ip", "http_port"})
 
 
@@ -231,8 +234,11 @@ class MoriioConnector(Connector):
 
         return RegistrationListener(settings, find, current_mode, on_result)
 
-    def request_id(self, prefill: Peer, decode: Peer) -> str:
-        return router_request_id(_zmq(prefill), _zmq(decode))
+    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
+        rid = router_request_id(_zmq(prefill), _zmq(decode))
+        # vLLM reads both peers' addresses out of this id (moriio_common.py, _DECODE_ZMQ_RE ends
+        # "_<32 hex>(?:-.*)?$"): the client's id may follow it only where it cannot be read as an address
+        return f"{rid}-{client_id}" if client_id and _PLAIN_ID.fullmatch(client_id) else rid
 
     def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
         # Every length hands over in vLLM 0.32 (read, not run on AMD hardware here). moriio_connector.py

@@ -99,7 +99,11 @@ def render_chat(body: Mapping[str, Any]) -> str:
 def seed_of(model: str, cache_salt: Any) -> int:
     """The hash a prompt's chain starts from: requests with different `cache_salt`s (vLLM keeps their caches
     apart) or models (a LoRA adapter) never match each other. An empty salt is none, as in vLLM."""
-    return hash((model, str(cache_salt or None)))
+    # vLLM 0.32 keys a block by its salt only when the salt is truthy (v1/core/kv_cache_utils.py,
+    # _gen_extra_keys): no salt, null and "" are one key, and every other value its own (the string "None"
+    # too); the type keeps a value vLLM refuses (400) apart from its text
+    salt = (type(cache_salt).__name__, str(cache_salt)) if cache_salt else None
+    return hash((model, salt))
 
 
 def prompt_of(request: RequestFacts, block_size: int, model: str = "") -> Prompt:
