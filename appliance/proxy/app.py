@@ -141,6 +141,7 @@ class Proxy(ProxyState):
         elif self.config.registration.enabled:
             self._registration_bind = asyncio.create_task(self._bind_registration())
         self.health.start()
+        self.metrics.loop.start()
         if self.kv_events is not None:
             self.kv_events.start()
         if self.kv_sweeper is not None:
@@ -216,6 +217,7 @@ class Proxy(ProxyState):
         if self._registration_bind is not None:
             self._registration_bind.cancel()
         await self.health.stop()
+        await self.metrics.loop.stop()
         if self.kv_sweeper is not None:
             await self.kv_sweeper.stop()
         await self.planned.close()
@@ -266,7 +268,8 @@ class Proxy(ProxyState):
         return web.json_response(
             {
                 "object": "list",
-                "data": [{"id": self.config.model, "object": "model", "created": int(self.started_at), "owned_by": "pdctl"}],
+                "data": [{"id": self.config.model, "object": "model", "created": int(self.started_at), "owned_by": "pdctl",
+                          **_context_card(self.config.max_model_len)}],
             }
         )
 
@@ -394,6 +397,11 @@ class Proxy(ProxyState):
         if isinstance(checked, tuple):
             return None, error_response(*checked)
         return checked, None
+
+
+def _context_card(max_model_len: int | None) -> dict[str, int]:
+    """The context the plan serves, as vLLM's model card says it (clients such as `pdctl bench` size prompts by it)."""
+    return {} if max_model_len is None else {"max_model_len": max_model_len}
 
 
 def _client_left(request: web.Request) -> web.Response:
