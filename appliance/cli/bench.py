@@ -196,7 +196,7 @@ if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
 )
 @click.option(
     "--label",
-    default="target",
+    default="deployment",
     show_default=True,
     help="Shape name of a --url sweep in the result (e.g. disagg-read when each shape is swept separately).",
 )

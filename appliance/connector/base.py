@@ -33,7 +33,7 @@ class RdmaNeed:
     """How a connector depends on RDMA devices: without them it fails (required) or only slows (not)."""
 
     required: bool
-    fix: str
+    fix: str  # required: what to do without them; not: why the connector serves without them
 
 
 @dataclass(frozen=True)

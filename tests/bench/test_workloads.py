@@ -56,6 +56,8 @@ GOOD = '{"arrival_s": 0, "input_len": 5, "output_len": 2}'
         (['{"prompt": "hi", "output_len": 2, "prefix_group": "g"}'], 1, "literal prompt"),
         (['{"input_len": 5, "output_len": 2, "prefix_group": "g", "prefix_len": 6}'], 1, "longer than"),
         (['{"input_len": 5}'], 1, "output_len"),
+        # issue 37: a misspelt key was reported as "output_len: Field required", naming neither it nor the fix
+        (['{"input_len": 5, "outptu_len": 2}'], 1, "unknown key 'outptu_len' (did you mean 'output_len'?)"),
         (['{"input_length": 5, "output_length": 2, "hash_ids": [0, -1]}'], 1, "non-negative"),
         (['{"arrival_s": NaN, "input_len": 5, "output_len": 2}'], 1, "arrival_s"),
         (['{"input_len": 1048577, "output_len": 2}'], 1, "input_len"),

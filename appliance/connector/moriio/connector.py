@@ -137,8 +137,10 @@ class MoriioConnector(Connector):
         return settings.backend
 
     def rdma(self, settings: OwnSettings) -> RdmaNeed:
-        return RdmaNeed(required=self._backend(settings) == "rdma",
-                        fix='use backend = "xgmi" in [connector.moriio] on one node, or load the RDMA driver')
+        if self._backend(settings) == "rdma":
+            return RdmaNeed(required=True,
+                            fix='use backend = "xgmi" in [connector.moriio] on one node, or load the RDMA driver')
+        return RdmaNeed(required=False, fix="its xgmi backend moves the KV over XGMI")
 
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
         # Each rank binds base + rank_offset() (at most DP + TP - 2); a block of DP x TP ports from each base
