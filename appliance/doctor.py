@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -241,7 +242,10 @@ def check_rdma(connector: str, need: RdmaNeed | None, sysfs: Path = Path("/sys/c
     where = f"{', '.join(devices)} in {sysfs}, none ACTIVE" if devices else f"no RDMA devices in {sysfs}"
     if need is None:
         return Finding("rdma", "ok", f"{where}; the {connector} connector does not use RDMA")
-    return Finding("rdma", "fail" if need.required else "warn", where, need.fix)
+    if not need.required:
+        # nothing the user must change: the connector serves without RDMA on one node
+        return Finding("rdma", "ok", f"{where}; the {connector} connector does not need it here: {need.fix}")
+    return Finding("rdma", "fail", where, need.fix)
 
 
 def _limit_text(value: int) -> str:
@@ -285,18 +289,72 @@ def _systemd_bytes(value: str) -> int:
         return 0
 
 
-def check_memlock(settings: Settings, p: Plan, pins_memory: bool) -> Finding:
-    """RLIMIT_MEMLOCK in this shell and for the engines: RDMA/NIXL register (pin) the KV cache's memory."""
+CAP_IPC_LOCK = 14  # linux/capability.h: pin memory past RLIMIT_MEMLOCK (mlock, and ib_umem_get for RDMA)
+
+
+def engines_may_lock(euid: int | None = None, status: Path = Path("/proc/self/status")) -> bool:
+    """Whether the engines pdctl starts (as this user: neither renderer sets a User=) hold CAP_IPC_LOCK: root's
+    processes get every capability of their bounding set at exec, which they inherit from this one."""
+    if (os.geteuid() if euid is None else euid) != 0:
+        return False
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("CapBnd:"):
+                return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def active_rdma_ports(sysfs: Path = Path("/sys/class/infiniband")) -> int:
+    """How many RDMA ports are ACTIVE: the only way NIXL (UCX) or MORI-IO pins host memory on one node."""
+    count = 0
+    for state in sysfs.glob("*/ports/*/state") if sysfs.is_dir() else []:
+        with contextlib.suppress(OSError):
+            count += state.read_text().split(":")[-1].strip() == "ACTIVE"
+    return count
+
+
+def memlock_fix(manager: str, euid: int) -> str:
+    """What raises the engines' memlock limit under `manager`, for a user who may apply it."""
+    if manager == "systemd":
+        return "set LimitMEMLOCK=infinity in the engine units (pdctl up renders it; remove the override that caps it)"
+    if euid == 0:
+        # root without CAP_SYS_RESOURCE: a container, whose limit its runtime sets
+        return ("raise the limit where this container starts (docker/podman run --ulimit memlock=-1, or "
+                "--cap-add SYS_RESOURCE), then pdctl down && pdctl up")
+    return ("raise memlock's hard limit (/etc/security/limits.conf: * hard memlock unlimited), log in again, "
+            "then pdctl down && pdctl up; or run pdctl as root")
+
+
+def memlock_finding(detail: str, limited: bool, pins: bool, rdma_ports: int, may_lock: bool, fix: str) -> Finding:
+    """The memlock row: a finite limit fails only where the engines would pin memory through an RDMA device
+    (UCX over TCP, shared memory or cuda_ipc registers nothing with the kernel) without CAP_IPC_LOCK."""
+    if not limited:
+        return Finding("memlock", "ok", detail)
+    if not pins:
+        return Finding("memlock", "ok", f"{detail}; the connector pins no memory")
+    if may_lock:
+        return Finding("memlock", "ok", f"{detail}; the engines run as root with CAP_IPC_LOCK, which pins memory "
+                                        "past the limit")
+    if not rdma_ports:
+        return Finding("memlock", "ok", f"{detail}; no active RDMA port, so the connector pins no host memory (it "
+                                        "would with one: then the limit must be raised)")
+    return Finding("memlock", "fail", f"{detail}; {rdma_ports} active RDMA port(s): registering the KV cache "
+                                      "with them fails past the limit", fix)
+
+
+def check_memlock(settings: Settings, p: Plan, pins_memory: bool,
+                  sysfs: Path = Path("/sys/class/infiniband")) -> Finding:
+    """RLIMIT_MEMLOCK in this shell and for the engines, judged by whether the engines would pin memory."""
     shell = _limit_text(resource.getrlimit(resource.RLIMIT_MEMLOCK)[0])
     limit, source = engine_memlock(settings, p)
     engines = "unlimited" if limit is None else _limit_text(limit)
     detail = f"engines: {engines} ({source}); this shell (ulimit -l): {shell}"
-    if limit is None:
-        return Finding("memlock", "ok", detail)
-    if pins_memory and settings.engine.kind == "vllm":
-        return Finding("memlock", "fail", detail, "run pdctl as root, or raise memlock's hard limit "
-                       "(/etc/security/limits.conf: * hard memlock unlimited) and log in again")
-    return Finding("memlock", "ok", f"{detail}; the {p.connector} connector pins no memory")
+    manager = "systemd" if source.startswith(("LimitMEMLOCK", "systemd")) else "supervisor"
+    pins = pins_memory and settings.engine.kind == "vllm"
+    return memlock_finding(detail, limit is not None, pins, active_rdma_ports(sysfs) if pins else 0,
+                           engines_may_lock(), memlock_fix(manager, os.geteuid()))
 
 
 def kv_store_room(max_mib: float, free: int, used: int) -> Finding:

@@ -622,6 +622,9 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
                                           settings.slo.itl_ms, step_spread(settings))
         if step is None and sim.prefill_us_per_token > 0:  # free prefill: the load takes nothing off the room
             step = DecodeStep(ms_per_seq=sim.decode_step_ms_per_seq, prefill_us_per_token=sim.prefill_us_per_token)
+    if threshold:
+        _check_alone(connector, mode, f"decode_only_below = {threshold}" if p.decode_only_below else
+                     f"conditional_routing (decode_only_below {threshold})")
     queue_ms = p.decode_only_queue_ms
     if queue_ms is None and threshold:
         queue_ms = settings.slo.ttft_ms * DECODE_QUEUE_SHARE
@@ -642,6 +645,21 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
         fix = "set proxy.admin_token_file (a 0600 file), or keep admin_host on 127.0.0.1" if "admin" in problem else ""
         raise PlanError(f"proxy: {problem}", fix=fix) from None
+
+
+def _check_alone(name: str, mode: Mode, setting: str) -> None:
+    """Refuse conditional routing on a connector whose decode cannot serve a prompt alone in `mode`: every
+    request it sent there would be answered from KV nobody wrote (Connector.alone)."""
+    connector = get_connector(name)
+    alone = connector.alone(mode)
+    if not connector.disaggregated or alone.served:
+        return
+    fix = f"unset [proxy] {setting.split()[0]}"
+    served = [m for m in sorted(connector.modes) if connector.alone(m).served]
+    if served:
+        fix += f", or set [connector] mode = \"{served[0]}\""
+    raise PlanError(f"[proxy] {setting} sends short prompts to a decode instance "
+                    f"alone, which connector '{name}' cannot serve in {mode} mode: {alone.why}", fix=fix)
 
 
 def _tenant_files(settings: Settings, state: StateDir) -> dict[str, str | None]:

@@ -1,6 +1,6 @@
 """How long one full garbage collection stalls `pdctl bench`'s event loop in the middle of a rate.
 
-    python benchmarks/bench_client_gc.py [--requests 900] [--input-len 2000] [--output-len 1000] [--runs 5]
+    .venv/bin/python benchmarks/bench_client_gc.py [--requests 900] [--input-len 2000] [--output-len 1000] [--runs 5]
 
 A full collection walks every list the collector tracks, element by element, and every running stream's
 timestamps wait for it (appliance/bench/loadgen.py's docstring). This builds the heap a rate leaves alive:

@@ -1,7 +1,7 @@
 """How long the everyday commands take: `pdctl --help` and `pdctl status` against a running deployment, and
 `pdctl up` and `pdctl down` of a simulated node.
 
-    python benchmarks/cli_latency.py [--runs 20] [--lifecycle-runs 5] [--config FILE] [--against TREE]
+    .venv/bin/python benchmarks/cli_latency.py [--runs 20] [--lifecycle-runs 5] [--config FILE] [--against TREE]
 
 Without `--config` it brings up a deployment of simulated engines under supervisord (settings, state and
 ports of its own in a tmp folder, never /etc/pdctl), runs each command `--runs` times as an operator's loop
@@ -37,6 +37,21 @@ from tests.support.pdctl import write_config  # noqa: E402
 
 COMMANDS: dict[str, list[str]] = {"pdctl --help": ["--help"], "pdctl status": ["status"],
                                   "pdctl status --json": ["status", "--json"]}
+
+
+def require_pdctl() -> None:
+    """Exit with one line where this Python lacks pdctl's dependencies (they are in the project's .venv)."""
+    import importlib.metadata as metadata
+    import re
+
+    # the unconditional ones (a marker names an extra or another Python's backport)
+    names = [re.split(r"[^A-Za-z0-9._-]", r, maxsplit=1)[0] for r in metadata.requires("pdctl") or [] if ";" not in r]
+    for name in names:
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            sys.exit(f"cli_latency.py: pdctl's dependency {name} is not installed for {sys.executable}: run it with "
+                     "the project's Python, `.venv/bin/python benchmarks/cli_latency.py` (./scripts/test makes it)")
 
 
 def _pdctl(config: Path, args: list[str], env: dict[str, str], tree: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -130,12 +145,13 @@ def lifecycle(runs: int, env: dict[str, str], trees: dict[str, Path], tmp: Path)
 
 def main(argv: list[str] | None = None) -> int:
     """Bring up a simulated node (unless --config), time the commands, print the figures."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--lifecycle-runs", type=int, default=5, help="up and down of a node of its own (0: none)")
     parser.add_argument("--config", type=Path, help="measure the node this settings file deploys")
     parser.add_argument("--against", type=Path, help="another pdctl source tree to time on the same deployment")
     args = parser.parse_args(argv)
+    require_pdctl()
     # the commands see the host's GPUs as an operator's would (the inventory auto-detected); the simulated
     # deployment is planned for this node's CPU. Bytecode is written (the warm-up run) and used, as pip's
     # install of pdctl compiles it: with PYTHONDONTWRITEBYTECODE every run would compile pdctl's modules again.

@@ -2,7 +2,7 @@
 on a mixed workload (short and long prompts), with one `pdctl bench --compare` run of the three shapes (real
 proxy, real sockets, engines that follow a time model: results/conditional/sim.toml, the advisor's H200 profile).
 
-    python benchmarks/conditional_bench.py [--config results/conditional/sim.toml] [--inventory sim:h200-2]
+    .venv/bin/python benchmarks/conditional_bench.py [--config results/conditional/sim.toml] [--inventory sim:h200-2]
         [--rates 4,8,10,12,14] [-n 120] [--scale 3] [--seed 0] [--input-len 2000] [--output-len 100]
         [--shapes disagg-read,...] [--colocated colocated-2-mbt256] [--out results/conditional]
 

@@ -1,7 +1,7 @@
 """How the proxy's health probes treat a busy engine and a hung or dead one, on real processes (simulated engines,
 `python -m appliance.proxy`, loopback sockets; tests.reliability.node).
 
-    python benchmarks/health_probes.py [--interval 2] [--timeout 2] [--repeat 5] [--busy-s 20] [--clients 4]
+    .venv/bin/python benchmarks/health_probes.py [--interval 2] [--timeout 2] [--repeat 5] [--busy-s 20] [--clients 4]
                                        [--starve-s 3 5 8 15] [--every-s 0.1] [--only busy|eject|starved]
 
 Prints three things, under the proxy's probe settings (default: the proxy's defaults, 2 s and 2 s):

@@ -2,7 +2,7 @@
 with vLLM's ExampleConnector behind the proxy, distinct prompts (each leaves its KV in the store), first behind a
 proxy that bounds nothing (as before pdctl bounded the store), then behind one with a kv_store bound.
 
-    PDCTL_TEST_VLLM_PYTHON=/path/to/vllm/venv/bin/python python benchmarks/kv_store_cpu.py \\
+    PDCTL_TEST_VLLM_PYTHON=/path/to/vllm/venv/bin/python .venv/bin/python benchmarks/kv_store_cpu.py \\
         [--prompts 200] [--prompt-len 300] [--max-mib 16] [--min-idle 5] [--out results/cpu-kv-store]
 
 Prints, per phase, the store's size and folder count every --every requests (and, bounded, once more after

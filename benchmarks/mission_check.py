@@ -1,6 +1,6 @@
 """`pdctl plan --suggest`'s model on the mission's node against the reference deployment's published results.
 
-    python benchmarks/mission_check.py
+    .venv/bin/python benchmarks/mission_check.py
 
 The reference (vLLM blog "Next-Level Inference: Why Your Single-Node vLLM Setup Needs Prefill-Decode
 Disaggregation", AMD and Embedded LLM, 2026-04-07): 8 x MI300X, Qwen3-235B-A22B-FP8, 2000/1000 tokens, random

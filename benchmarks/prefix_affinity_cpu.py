@@ -2,7 +2,7 @@
 colocated (`both`) instances behind the proxy, a multi-turn workload (`pdctl bench --workload multi-turn`), and
 per policy the engines' own prefix-cache counters and the clients' TTFT.
 
-    PDCTL_TEST_VLLM_PYTHON=/path/to/vllm/venv/bin/python python benchmarks/prefix_affinity_cpu.py \\
+    PDCTL_TEST_VLLM_PYTHON=/path/to/vllm/venv/bin/python .venv/bin/python benchmarks/prefix_affinity_cpu.py \\
         [--policies round_robin,least_outstanding,prefix_affinity,prefix_affinity:events] [--conversations 15] \\
         [--turns 4] [--input-len 512] [--output-len 16] [--rate 2] [--kv-cache 64M] [--out results/cpu-prefix-affinity]
 

@@ -2,7 +2,7 @@
 role, the policy's pick, the DP rank, the bookings) and a lease per leg, as legs.py does for a disaggregated
 request, in process, with no I/O.
 
-    python benchmarks/routing_bench.py [--instances 1,4,16] [--dp 1,8] [--requests 20000] [--repeat 5]
+    .venv/bin/python benchmarks/routing_bench.py [--instances 1,4,16] [--dp 1,8] [--requests 20000] [--repeat 5]
                                        [--prompts text-44,text-4000,ids-1000,ids-8000]
 
 Prints, for each policy of appliance.proxy.policies, each prompt, conditional routing off and on
@@ -29,7 +29,7 @@ from appliance.proxy.kv_events import Stored
 from appliance.proxy.policies import POLICIES, Policy, RequestFacts
 from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
-from appliance.proxy.routing import Router
+from appliance.proxy.route import Router
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 MODEL = "bench-model"

@@ -3,7 +3,7 @@ engines, every gap between two tokens of a stream less the step the engines' tim
 figure behind plan.SIM_HOST_LATENESS_MS, from which a simulated node's decode step spread (and so its
 conditional room, docs/routing.md) follows.
 
-    python benchmarks/step_lateness.py RUN_DIR [RUN_DIR ...] [--shape disagg-read] [--config sim.toml]
+    .venv/bin/python benchmarks/step_lateness.py RUN_DIR [RUN_DIR ...] [--shape disagg-read] [--config sim.toml]
 
 RUN_DIR holds bench.json (or bench.json.gz) and the settings it ran with: `sim-scaled.toml` there, else
 `--config` (default results/conditional/sim.toml). Read on the always-disaggregated shape, whose decode steps

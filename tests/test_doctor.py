@@ -16,12 +16,23 @@ from pathlib import Path
 import pytest
 
 from appliance.connector import get_connector
-from appliance.doctor import Finding, check_extra_config, check_rdma, kv_store_room, summary_exit_code
+from appliance.doctor import (
+    Finding,
+    active_rdma_ports,
+    check_extra_config,
+    check_memlock,
+    check_rdma,
+    engines_may_lock,
+    kv_store_room,
+    memlock_finding,
+    memlock_fix,
+    summary_exit_code,
+)
 from appliance.inventory import load_inventory
 from appliance.node import Node
 from appliance.plan import plan
 from appliance.ports import free_ports, port_free
-from appliance.settings import load_settings
+from appliance.settings import Settings, load_settings
 from tests.support.pdctl import pdctl, write_config
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
@@ -165,7 +176,7 @@ def test_exit_code_follows_failures() -> None:
 
 
 def test_memlock_row_reads_the_installed_units_limit(tmp_path: Path) -> None:
-    """On systemd the engines get the unit's LimitMEMLOCK: a unit that caps it fails NIXL's check, with a fix."""
+    """On systemd the engines get the unit's LimitMEMLOCK, and the row says which and where from."""
     units = tmp_path / "units"
     units.mkdir()
     (units / "pd-prefill-0.service").write_text("[Service]\nExecStart=/bin/true\nLimitMEMLOCK=64K\n")
@@ -177,14 +188,53 @@ def test_memlock_row_reads_the_installed_units_limit(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "--inventory", "sim:h200-8", "doctor",
                         "--json"], capture_output=True, text=True, env=env, timeout=300)
     memlock = next(f for f in json.loads(r.stdout) if f["check"] == "memlock")
-    assert memlock["status"] == "fail" and "engines: 64 KiB (LimitMEMLOCK=64K in " in memlock["detail"], memlock
-    assert "ulimit -l" in memlock["detail"] and memlock["fix"]
+    assert "engines: 64 KiB (LimitMEMLOCK=64K in " in memlock["detail"], memlock
+    assert "ulimit -l" in memlock["detail"]
+    # a FAIL only where pinning would fail: an active RDMA port and engines without CAP_IPC_LOCK
+    would_fail = active_rdma_ports() and not engines_may_lock()
+    assert (memlock["status"] == "fail") == bool(would_fail), memlock
     # without an installed unit, the one `pdctl up` would render sets it unlimited
     (units / "pd-prefill-0.service").unlink()
     r = subprocess.run([sys.executable, "-m", "appliance", "--config", str(cfg), "--inventory", "sim:h200-8", "doctor",
                         "--json"], capture_output=True, text=True, env=env, timeout=300)
     memlock = next(f for f in json.loads(r.stdout) if f["check"] == "memlock")
     assert memlock["status"] == "ok" and "LimitMEMLOCK=infinity in the units pdctl up renders" in memlock["detail"]
+
+
+def test_memlock_fails_only_where_the_engines_would_pin_past_it() -> None:
+    """Issue 37: root without CAP_SYS_RESOURCE under supervisord (8 MiB), NIXL over host buffers with no RDMA
+    device, served WRITE hand-offs; doctor said FAIL and "run pdctl as root". UCX pins host memory only to
+    register it with an RDMA device, and CAP_IPC_LOCK (root's) lets the kernel pin past the limit."""
+    detail = "engines: 8192 KiB (supervisord ...)"
+    assert memlock_finding(detail, True, True, rdma_ports=0, may_lock=False, fix="f").status == "ok"
+    assert memlock_finding(detail, True, True, rdma_ports=2, may_lock=True, fix="f").status == "ok"
+    assert memlock_finding(detail, True, False, rdma_ports=2, may_lock=False, fix="f").status == "ok"
+    assert memlock_finding(detail, False, True, rdma_ports=2, may_lock=False, fix="f").status == "ok"
+    failed = memlock_finding(detail, True, True, rdma_ports=2, may_lock=False, fix="f")
+    assert failed.status == "fail" and "2 active RDMA port(s)" in failed.detail and failed.fix == "f"
+    # each fix is one the user can apply: root already, so a container's limit; a user, limits.conf
+    assert "--ulimit memlock=-1" in memlock_fix("supervisor", 0) and "as root" not in memlock_fix("supervisor", 0)
+    assert "limits.conf" in memlock_fix("supervisor", 1000) and "LimitMEMLOCK" in memlock_fix("systemd", 0)
+
+
+def test_engines_may_lock_reads_the_bounding_set(tmp_path: Path) -> None:
+    status = tmp_path / "status"
+    status.write_text("Name:\tpdctl\nCapEff:\t000001fffeffffff\nCapBnd:\t000001fffeffffff\n")
+    assert engines_may_lock(0, status)  # root without CAP_SYS_RESOURCE (bit 24) keeps CAP_IPC_LOCK (bit 14)
+    assert not engines_may_lock(1000, status)
+    status.write_text("CapBnd:\t000001ffffffbfff\n")
+    assert not engines_may_lock(0, status)
+
+
+def test_memlock_on_this_host_as_doctor_runs_it(tmp_path: Path) -> None:
+    """The issue's node is this one (root, CapEff without CAP_SYS_RESOURCE, ulimit -l 8192, no RDMA device):
+    doctor's row for a NIXL node on vLLM under supervisord fails only where pinning would."""
+    settings = Settings(state_dir=str(tmp_path / "state"), manager="supervisor",
+                        engine={"kind": "vllm", "python": sys.executable}, connector={"name": "nixl"})
+    p = plan(settings, load_inventory("sim:h200-2"))
+    found = check_memlock(settings, p, pins_memory=True, sysfs=tmp_path / "no-rdma")
+    assert found.status == "ok", found
+    assert "as root" not in found.fix
 
 
 def test_rdma_row_reads_port_states(tmp_path: Path) -> None:
@@ -200,7 +250,11 @@ def test_rdma_row_reads_port_states(tmp_path: Path) -> None:
     (sysfs / "mlx5_1" / "ports" / "1" / "state").write_text("1: DOWN\n")
     down = check_rdma("moriio", moriio_rdma, sysfs)
     assert down.status == "fail" and "none ACTIVE" in down.detail and "xgmi" in down.fix
-    assert check_rdma("nixl", get_connector("nixl").rdma(get_connector("nixl").settings_model()), tmp_path / "absent").status == "warn"
+    # not a warning with a "fix" that changes nothing: NIXL serves one node without RDMA, as MORI-IO over XGMI
+    nixl = check_rdma("nixl", get_connector("nixl").rdma(get_connector("nixl").settings_model()), tmp_path / "absent")
+    assert nixl.status == "ok" and "does not need it here" in nixl.detail and not nixl.fix
+    xgmi = check_rdma("moriio", moriio.rdma(moriio.settings_model(backend="xgmi")), tmp_path / "absent")
+    assert xgmi.status == "ok" and "XGMI" in xgmi.detail
     assert check_rdma("example", get_connector("example").rdma(get_connector("example").settings_model()), tmp_path / "absent").status == "ok"
 
 

@@ -234,7 +234,8 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
              "decode_only_queue_ms": 120.0, "api_keys_file": "/srv/keys.toml", "tenant_cache_salt": False,
              "metrics_token_file": "/srv/metrics-token"}
     assert set(proxy) == set(PROXY_KEYS)
-    planned = plan(Settings.model_validate({"connector": {"name": "moriio"}, "proxy": proxy}),
+    # WRITE: a MoRIIO decode in READ mode cannot serve the short prompts decode_only_below sends it alone
+    planned = plan(Settings.model_validate({"connector": {"name": "moriio", "mode": "write"}, "proxy": proxy}),
                    load_inventory("sim:mi300x-8"))
     for key, path in PROXY_KEYS.items():
         value: Any = planned.proxy
@@ -243,7 +244,7 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
         tables = {"limits": Limits, "prefix_affinity": PrefixAffinityConfig, "decode_step": DecodeStep}
         expected = tables[key](**proxy[key]) if key in tables else proxy[key]
         assert value == expected, key
-    assert planned.proxy.registration.enabled and planned.proxy.mode == "read"
+    assert planned.proxy.registration.enabled and planned.proxy.mode == "write"
 
 
 SIM_STEP = DecodeStep(ms_per_seq=0.05, prefill_us_per_token=20)  # engine.sim's defaults

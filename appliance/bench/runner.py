@@ -45,7 +45,7 @@ async def run_url(
     out_dir: Path,
     console: Console,
     stopper: Stopper,
-    label: str = "target",
+    label: str = "deployment",
 ) -> None:
     """One sweep against an already running URL, as the result's only shape (named `label`)."""
     shape = ShapeResult(

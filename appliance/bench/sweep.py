@@ -7,19 +7,21 @@ import asyncio
 import contextlib
 import signal
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import aiohttp
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from appliance.bench.analysis import Slo
 from appliance.bench.loadgen import RateRun, Target, probe_lifetime, request_count, run_rate, warm_up
 from appliance.bench.rate_schedule import RateSchedule
 from appliance.bench.results import RateResult, RequestResult, ShapeResult, shape_goodput
 from appliance.bench.steady import plan_window
+from appliance.progress import HEARTBEAT_S, Heartbeat
 
 
 @dataclass
@@ -82,8 +84,13 @@ class Stopper:
         return self.event.is_set()
 
 
-def make_progress(console: Console | None = None) -> Progress:
-    """The progress bar: one line per rate, requests done out of requests sent."""
+def make_progress(console: Console | None = None) -> Progress | LineProgress:
+    """The progress: on a terminal a bar per rate, requests done out of requests sent; on a pipe or in a log
+    (where rich draws the bars only once, at the end) a line per rate as it starts and ends, and one at least
+    every HEARTBEAT_S between."""
+    console = console or Console()
+    if not console.is_terminal:
+        return LineProgress(console)
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -95,10 +102,62 @@ def make_progress(console: Console | None = None) -> Progress:
     )
 
 
+@dataclass
+class _Line:
+    description: str
+    total: int
+    started: float
+    done: int = 0
+    status: str = ""
+
+
+class LineProgress:
+    """make_progress's line per event for a pipe; the part of rich's Progress that _RateProgress uses."""
+
+    def __init__(self, console: Console, every: float = HEARTBEAT_S) -> None:
+        self.console = console
+        self.tasks: list[_Line] = []
+        self.beat = Heartbeat(self._say, every)
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def _say(self, line: str) -> None:
+        self.console.print(line, highlight=False, soft_wrap=True)  # the texts are escaped rich markup
+        self.console.file.flush()
+
+    def _line(self, task: _Line) -> str:
+        took = time.monotonic() - task.started
+        return f"{task.description}: {task.done}/{task.total} done, {took:.0f}s" + (
+            f", {task.status}" if task.status else "")
+
+    def add_task(self, description: str, total: int, status: str = "") -> TaskID:
+        """A rate (or warm-up) starts: a line now."""
+        self.tasks.append(_Line(description, total, time.monotonic(), status=status))
+        self._say(self._line(self.tasks[-1]))
+        self.beat.said()
+        return TaskID(len(self.tasks) - 1)
+
+    def update(self, task_id: TaskID, advance: int = 0, status: str | None = None) -> None:
+        """Requests finished, or a new status (a rate's outcome: a line at once)."""
+        task = self.tasks[task_id]
+        task.done += advance
+        if status is not None and status != task.status and not status.startswith("failed "):
+            task.status = status
+            self._say(self._line(task))
+            self.beat.said()
+            return
+        task.status = status if status is not None else task.status
+        self.beat.beat(lambda: self._line(task))
+
+
 class _RateProgress:
     """One progress line for one rate: requests finished, and how many failed."""
 
-    def __init__(self, progress: Progress | None, description: str, total: int) -> None:
+    def __init__(self, progress: Progress | LineProgress | None, description: str, total: int) -> None:
         self.progress = progress
         self.failed = 0
         # a shape's name may be a user's --label: shown as written, never read as rich markup
@@ -115,6 +174,17 @@ class _RateProgress:
         if self.progress is not None and self.task is not None:
             self.progress.update(self.task, status=escape(text))
 
+    def tick(self) -> None:
+        """Time passed with no request finishing: a pipe's progress says so every HEARTBEAT_S."""
+        if self.progress is not None and self.task is not None:
+            self.progress.update(self.task)
+
+
+async def _ticking(counter: _RateProgress, every: float = 1.0) -> None:
+    while True:
+        await asyncio.sleep(every)
+        counter.tick()
+
 
 async def sweep(
     target: Target,
@@ -122,7 +192,7 @@ async def sweep(
     slo: Slo,
     shape: ShapeResult,
     stopper: Stopper,
-    progress: Progress | None = None,
+    progress: Progress | LineProgress | None = None,
     on_rate: Callable[[ShapeResult, RateResult], None] | None = None,
 ) -> ShapeResult:
     """Run every rate of `plan` against `target`, appending to `shape.rates`; stops early when asked."""
@@ -143,7 +213,11 @@ async def sweep(
         while not stopper.stopped and (rate := plan.schedule.next(done)) is not None:
             run = _rate_run(plan, shape, rate)
             counter = _RateProgress(progress, f"{shape.name} {rate:g} req/s", request_count(run, target))
-            result = await run_rate(session, target, run, slo, stopper.event, counter.advance)
+            ticks = asyncio.ensure_future(_ticking(counter))  # requests may finish seconds apart
+            try:
+                result = await run_rate(session, target, run, slo, stopper.event, counter.advance)
+            finally:
+                ticks.cancel()
             shape.rates.append(result)
             shape.rates.sort(key=lambda r: r.rate)  # adaptive rates come out of order
             done[rate] = result.summary.attainment_by_judgement

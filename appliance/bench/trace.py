@@ -8,12 +8,15 @@ A line is pdctl's own shape (`arrival_s`, `input_len`, `output_len`, `prompt`, `
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
 import random
-from collections.abc import Sequence
+import stat
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -24,6 +27,11 @@ from appliance.errors import PdctlError
 TRACE_BLOCK_TOKENS = 512
 # No served model takes a longer prompt; a line asking for more is a mistake that would only exhaust memory.
 MAX_PROMPT_TOKENS = 1 << 20
+# The prompt tokens of a whole file, at most: each rate builds every prompt before it sends them (about 36 bytes
+# a token id as Python ints, so ~1.2 GiB at this bound); more is refused before anything is sent.
+MAX_WORKLOAD_TOKENS = 1 << 25
+# The largest workload file read: 5,000 lines of a Mooncake trace are ~1 MB.
+MAX_WORKLOAD_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class WorkloadRequest:
     conversation: str | None = None
     turn: int | None = None
     blocks: tuple[int, ...] = ()
+    line: int = 0  # of its workload file (0: drawn from a mix)
 
 
 class _Line(BaseModel):
@@ -76,9 +85,14 @@ class _Line(BaseModel):
             raise ValueError("hash_ids already say what is shared: drop prefix_group/conversation")
         if any(h < 0 for h in self.hash_ids):
             raise ValueError("hash_ids are non-negative integers")
+        blocks = -(-(self.input_len or 0) // TRACE_BLOCK_TOKENS)
+        if len(self.hash_ids) > blocks:
+            # each id stands for 512 tokens of the prompt: more ids than input_len covers would only take memory
+            raise ValueError(f"{len(self.hash_ids)} hash_ids for input_len {self.input_len}: at most {blocks} "
+                             f"(one per {TRACE_BLOCK_TOKENS} tokens)")
         return self
 
-    def request(self) -> WorkloadRequest:
+    def request(self, line: int) -> WorkloadRequest:
         """The request this line asks for."""
         arrival = self.timestamp / 1000 if self.timestamp is not None else self.arrival_s
         return WorkloadRequest(
@@ -91,6 +105,7 @@ class _Line(BaseModel):
             conversation=self.conversation,
             turn=self.turn,
             blocks=tuple(self.hash_ids),
+            line=line,
         )
 
 
@@ -114,16 +129,26 @@ class WorkloadFile:
         return float(f"{(len(times) - 1) / span:.3g}") if len(times) > 1 and span > 0 else float(len(times))
 
 
-def parse_workload(lines: Sequence[str], path: str, max_requests: int) -> WorkloadFile:
+def prompt_tokens(request: WorkloadRequest, said: int) -> int:
+    """The token ids a request's prompt holds, `said` being its conversation's tokens before it."""
+    return said + request.input_len if request.conversation is not None else request.input_len
+
+
+def parse_workload(lines: Iterable[str], path: str, max_requests: int) -> WorkloadFile:
     """The requests of a workload file's lines; a PdctlError naming the first bad line's number."""
     requests: list[WorkloadRequest] = []
     turns: dict[str, int] = {}
     said: dict[str, int] = {}  # tokens of each conversation so far: its next prompt starts with them
+    total = 0
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         where = f"{path} line {number}"
-        request = _parse_line(raw, where)
+        request = _parse_line(raw, where, number)
+        total += prompt_tokens(request, said.get(request.conversation or "", 0))
+        if total > MAX_WORKLOAD_TOKENS:
+            raise PdctlError(f"{where}: the prompts up to here hold {total} tokens, over the {MAX_WORKLOAD_TOKENS} "
+                             "pdctl bench builds in memory", fix="cut the file or its lengths")
         if requests and (request.arrival_s is None) != (requests[0].arrival_s is None):
             raise PdctlError(f"{where}: every line or none has an arrival time (arrival_s or timestamp)",
                              fix="time every line, or none and pass --rates")
@@ -150,7 +175,21 @@ def parse_workload(lines: Sequence[str], path: str, max_requests: int) -> Worklo
     return WorkloadFile(path, tuple(requests))
 
 
-def _parse_line(raw: str, where: str) -> WorkloadRequest:
+def _known_keys() -> list[str]:
+    """Every key a workload line may have, its aliases (the Mooncake trace's names) included."""
+    keys = []
+    for name, field in _Line.model_fields.items():
+        alias = field.validation_alias
+        keys += [str(c) for c in alias.choices] if isinstance(alias, AliasChoices) else [name]
+    return keys
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, _known_keys(), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _parse_line(raw: str, where: str, number: int) -> WorkloadRequest:
     try:
         data: Any = json.loads(raw)
     except ValueError as exc:
@@ -158,9 +197,15 @@ def _parse_line(raw: str, where: str) -> WorkloadRequest:
     if not isinstance(data, dict):
         raise PdctlError(f"{where}: a JSON object is expected, not {type(data).__name__}")
     try:
-        return _Line.model_validate(data).request()
+        return _Line.model_validate(data).request(number)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        # an unknown key first: a misspelt one (outptu_len) also leaves its field missing, which alone misleads
+        unknown = [str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden"]
+        if unknown:
+            raise PdctlError(f"{where}: unknown key {', '.join(map(repr, unknown))}{_did_you_mean(unknown[0])}",
+                             fix=f"the keys are {', '.join(_known_keys())} (docs/bench.md, Workloads)") from None
+        err = errors[0]
         field = ".".join(str(p) for p in err["loc"])
         message = str(err["msg"]).removeprefix("Value error, ")
         raise PdctlError(f"{where}: {field + ': ' if field else ''}{message}",
@@ -168,14 +213,50 @@ def _parse_line(raw: str, where: str) -> WorkloadRequest:
 
 
 def read_workload(path: Path, max_requests: int) -> WorkloadFile:
-    """Read a workload file; a clear error when it is missing or not UTF-8."""
+    """Read a workload file line by line; a one-line error when it is missing, not a regular file (a FIFO, a
+    device), larger than MAX_WORKLOAD_BYTES or not UTF-8."""
     try:
-        text = path.read_text(encoding="utf-8")
+        # O_NONBLOCK: opening a FIFO would wait for a writer; a regular file ignores it
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise PdctlError(f"workload file {path} is not a regular file (a FIFO, a device or a folder)",
+                             fix="give a JSONL file")
+        with os.fdopen(fd, "rb") as f:
+            return parse_workload(_lines(f, path), str(path), max_requests)
     except FileNotFoundError:
         raise PdctlError(f"workload file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise PdctlError(f"workload file {path} cannot be read: {exc}") from None
-    return parse_workload(text.splitlines(), str(path), max_requests)
+
+
+def _lines(f: BinaryIO, path: Path) -> Iterator[str]:
+    """The file's lines as text, read one at a time, and no more than MAX_WORKLOAD_BYTES of them (a regular file
+    may grow while it is read, or say nothing of its size: /proc's)."""
+    left, number = MAX_WORKLOAD_BYTES, 0
+    while raw := f.readline(left + 1):
+        left, number = left - len(raw), number + 1
+        if left < 0:
+            raise PdctlError(f"workload file {path} is larger than {MAX_WORKLOAD_BYTES // 2**20} MiB",
+                             fix="cut the file (pdctl bench sends at most --max-requests lines of it)")
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PdctlError(f"{path} line {number}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def check_context(workload: WorkloadFile, context: int, source: str) -> None:
+    """A PdctlError naming the first request whose prompt and output do not fit the served model's context
+    (`source` says where it was read); vLLM would refuse each such request, and its prompt costs memory here."""
+    said: dict[str, int] = {}
+    for r in workload.requests:
+        prompt = prompt_tokens(r, said.get(r.conversation or "", 0))
+        if r.conversation is not None:
+            said[r.conversation] = prompt + r.output_len
+        if r.text is None and prompt + r.output_len > context:
+            raise PdctlError(f"{workload.path} line {r.line}: {prompt} prompt + {r.output_len} output tokens do not "
+                             f"fit the model's context of {context} tokens ({source})",
+                             fix="shorten the file's lengths, or serve a longer context")
 
 
 def build_prompts(requests: Sequence[WorkloadRequest], kind: PromptKind, token_range: tuple[int, int],

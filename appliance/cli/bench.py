@@ -196,7 +196,7 @@ if TYPE_CHECKING:  # the bench modules load lazily: `pdctl --help` stays fast
 )
 @click.option(
     "--label",
-    default="target",
+    default="deployment",
     show_default=True,
     help="Shape name of a --url sweep in the result (e.g. disagg-read when each shape is swept separately).",
 )
@@ -301,6 +301,7 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
     from appliance.bench.loadgen import Target, discover_model, model_root
     from appliance.bench.runner import run_compare, run_url
     from appliance.bench.sweep import Stopper
+    from appliance.bench.trace import WorkloadFile, check_context
     from appliance.bench.workload import request_lengths
     from appliance.bench.workload import token_range as resolve_token_range
 
@@ -327,6 +328,8 @@ async def _measure(ctx: click.Context, opts: dict[str, Any], settings: Settings,
         vocabulary = _vocabulary(settings, engine, opts["url"], loaded_from)
         token_range = resolve_token_range(work.token_range, vocabulary.size if vocabulary else None, model,
                                           vocabulary.source if vocabulary else "")
+        if isinstance(work.requests, WorkloadFile) and context is not None:
+            check_context(work.requests, *context)  # before any prompt is built
         if work.requests is None and context is not None:
             given = any(ctx.get_parameter_source(n) is not ParameterSource.DEFAULT for n in ("input_len", "output_len"))
             lengths = request_lengths(opts["input_len"], opts["output_len"], given, context[0], model, context[1])

@@ -8,7 +8,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from appliance.cli.options import console, layout_option, node_overrides, obtain, plan_options
+from appliance.cli.options import console, deployed_note, layout_option, node_overrides, obtain, plan_options
 from appliance.doctor import Finding, Say, as_json, refused_findings, run_checks, summary_exit_code
 from appliance.errors import ConfigError, PlanError
 from appliance.inventory import Inventory, load_inventory
@@ -80,7 +80,12 @@ def doctor(ctx: click.Context, /, as_json_: bool, **options: Any) -> None:
     else:
         try:
             layout = [Finding("layout", "ok", layout_note)] if layout_note else []
-            findings = layout + run_checks(settings, inventory, plan(settings, inventory), say=say)
+            planned = plan(settings, inventory)
+            other = deployed_note(Node(settings), planned)
+            # a warning, not a failure: the checks are sound, of the plan `pdctl up` would deploy
+            layout += [Finding("deployed", "warn", other, "pdctl up deploys it; the flags the deployment used "
+                               "(e.g. --ignore-layout) check that one")] if other else []
+            findings = layout + run_checks(settings, inventory, planned, say=say)
         except PlanError as exc:
             # No plan for these settings (a partitioned AMD node, a connector the node cannot run): the rest of
             # the checks still say what to change.

@@ -24,10 +24,12 @@ from appliance.settings import Settings, load_settings
 @click.option("--prefill-replicas", metavar="N|MIN:MAX",
               help="Prefill replicas (default: the plan's instances); MIN:MAX autoscales (ray-serve).")
 @click.option("--decode-replicas", metavar="N|MIN:MAX", help="Decode replicas, as --prefill-replicas.")
-@click.option("--http-host", default="0.0.0.0", show_default=True, help="ray-serve: Serve's HTTP host.")
+@click.option("--http-host", default="127.0.0.1", show_default=True,
+              help="ray-serve: Serve's HTTP host: loopback, as pdctl's own listeners (docs/threat-model.md); 0.0.0.0 "
+                   "serves other hosts, with no authentication of its own: put one in front.")
 @click.option("--http-port", type=click.IntRange(1, 65535), help="ray-serve: Serve's HTTP port [default: proxy.port].")
 @click.option("--namespace", default="llm-d", show_default=True, help="llm-d: Kubernetes namespace.")
-@click.option("--image", help="llm-d: vLLM image [default: ghcr.io/llm-d/llm-d-rocm or -cuda].")
+@click.option("--image", help="llm-d: vLLM image [default: vllm/vllm-openai:v0.24.0, on AMD rocm/vllm's vLLM 0.23.0].")
 @click.option("--sidecar-image", help="llm-d: routing sidecar image.")
 @click.option("--model-pvc", default="model-weights", show_default=True,
               help="llm-d: PVC holding a local model directory.")

@@ -215,11 +215,33 @@ def progress_lines(plan: Plan, snap: Snapshot, elapsed: float, seen: dict[str, s
     return out
 
 
+def awaited(plan: Plan, manager: ServiceManager, snap: Snapshot) -> tuple[list[str], str | None]:
+    """The units `pdctl up` still waits for, and what the first of them last logged."""
+    from appliance.progress import last_log_line
+
+    units = [instance_unit(i) for i in plan.instances if not snap.health.get(i.name)]
+    if proxy_health(plan, snap) != "ready":
+        units.append(PROXY_UNIT)
+    return units, last_log_line(manager, units[0]) if units else None
+
+
+def waiting_line(plan: Plan, manager: ServiceManager, snap: Snapshot, elapsed: float) -> str:
+    """A pipe's line while nothing changes: what `pdctl up` still waits for and what it last logged."""
+    units, said = awaited(plan, manager, snap)
+    return (f"{elapsed:5.0f}s  still waiting for {', '.join(units) or 'the proxy'}"
+            + (f"; {units[0]} last logged: {said}" if said else ""))
+
+
 def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: Console, live: bool,
                lines: bool = False, stopped: Callable[[], str | None] = lambda: None) -> Snapshot:
     """Poll until ready, a unit fails, another process holds a proxy port, `stopped` says why to give up, or time
     runs out; the last snapshot. Progress: a live table (`live`, a terminal) or a line per change (`lines`, a
-    pipe: flushed at once, so a log shows it as it goes)."""
+    pipe: flushed at once, so a log shows it as it goes), and while nothing changes one every HEARTBEAT_S with
+    what it waits for and its last log line."""
+    from rich.markup import escape
+
+    from appliance.progress import Heartbeat
+
     start = time.monotonic()
     snap = first = snapshot(plan, manager)
     from rich.live import Live  # only `up` draws a live view
@@ -227,14 +249,32 @@ def wait_ready(plan: Plan, manager: ServiceManager, timeout_s: float, console: C
     view = Live(progress_table(plan, snap, 0), console=console, transient=True, auto_refresh=False) if live else None
     seen: dict[str, str] = {}
 
+    def say(line: str) -> None:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)  # a log line is one line
+        console.file.flush()
+
+    beat = Heartbeat(say)
+    reread = Heartbeat(lambda _: None, every=2.0)  # the live view's last log line: read every 2 s
+    caption: list[str] = []
+
     def report() -> None:
         elapsed = time.monotonic() - start
         if view:
-            view.update(progress_table(plan, snap, elapsed), refresh=True)
+            if reread.due():
+                units, said = awaited(plan, manager, snap)
+                caption[:] = [f"{units[0]} last logged: {said}"] if said else []
+                reread.said()
+            table = progress_table(plan, snap, elapsed)
+            table.caption = escape(caption[0]) if caption else None
+            view.update(table, refresh=True)
         elif lines:
-            for line in progress_lines(plan, snap, elapsed, seen):
-                console.print(line, markup=False, highlight=False, soft_wrap=True)  # a log line is one line
-            console.file.flush()
+            changed = progress_lines(plan, snap, elapsed, seen)
+            for line in changed:
+                say(line)
+            if changed:
+                beat.said()
+            else:
+                beat.beat(lambda: waiting_line(plan, manager, snap, elapsed))
 
     try:
         if view:
@@ -386,17 +426,25 @@ def down(ctx: click.Context, manager: str | None, as_json: bool) -> None:
 @click.argument("targets", nargs=-1, metavar="[prefill|decode|proxy|INSTANCE]...")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
 @click.option("-n", "--lines", type=click.IntRange(min=0), default=50, show_default=True, help="Lines to show.")
+@click.option("--probes", is_flag=True,
+              help="Also show the access lines of pdctl's own health probes and /metrics scrapes (left out).")
 @click.option("--manager", type=MANAGER_CHOICE, help="Service manager [default: the one `pdctl up` used].")
 @click.pass_context
-def logs(ctx: click.Context, targets: tuple[str, ...], follow: bool, lines: int, manager: str | None) -> None:
-    """Show a role's, an instance's or the proxy's logs (journald or supervisor log files)."""
+def logs(ctx: click.Context, targets: tuple[str, ...], follow: bool, lines: int, probes: bool,
+         manager: str | None) -> None:
+    """Show a role's, an instance's or the proxy's logs (journald or supervisor log files), without the access
+    lines of pdctl's own probes (GET /health, /metrics) unless --probes."""
+    from appliance.cli.logview import SEARCH_LINES, follow_without_probes, without_probes
+
     _, plan, mgr = deployed(ctx, manager)
     names = resolve_targets(plan, targets)
     if not follow:
-        click.echo(mgr.logs(names, lines), nl=False)
+        text = mgr.logs(names, lines if probes else max(lines, SEARCH_LINES))
+        click.echo(text if probes else without_probes(text, lines, len(mgr.expand(names))), nl=False)
         return
     try:
-        for line in mgr.follow(names, lines):
+        stream = mgr.follow(names, lines)
+        for line in stream if probes else follow_without_probes(stream):
             click.echo(line, nl=False)
     except KeyboardInterrupt:
         pass

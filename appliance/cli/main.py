@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import io
+import sys
 from typing import NamedTuple
 
 import click
@@ -111,6 +113,9 @@ def cli(ctx: click.Context, config_path: str | None, inventory_source: str | Non
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry: user mistakes become one readable line and a non-zero exit code."""
+    if isinstance(sys.stdout, io.TextIOWrapper) and not sys.stdout.isatty():
+        # on a pipe or in a log every progress line goes out as it is said, not in one block at exit (issue 37)
+        sys.stdout.reconfigure(line_buffering=True)
     return run_command(cli, argv, "pdctl")
 
 

@@ -6,6 +6,8 @@ switch that needs --allow-downtime; 3 nothing deployed.
 
 from __future__ import annotations
 
+import sys
+
 import click
 from rich.console import Console
 
@@ -80,8 +82,10 @@ def mode(ctx: click.Context, new_mode: Mode | None, yes: bool, allow_downtime: b
                       f"engines cannot roll: the proxy switches first and holds new requests (up to {hold_s:g}s) "
                       "while the engines restart; in-flight requests finish first")
         if not allow_downtime:
+            # one refusal names every flag still missing (a script is not refused a second time for --yes)
+            flags = "--allow-downtime" + ("" if yes or sys.stdin.isatty() else " --yes")
             raise PdctlError("switching the mode here pauses serving while the engines restart",
-                             fix="add --allow-downtime (requests wait in the proxy, none fail while the restart "
+                             fix=f"add {flags} (requests wait in the proxy, none fail while the restart "
                                  "takes less than --hold)")
     if not yes:
         confirm(f"switch to {new_mode}?")

@@ -101,6 +101,33 @@ def node_overrides(node: Node, options: dict[str, Any]) -> tuple[dict[str, Any],
     return layered(kept, overrides), applied + given_up
 
 
+def _shape(p: Plan) -> list[str]:
+    return [f"{i.name} GPUs {i.gpus} TP{i.tp} DP{i.dp}" for i in p.instances]
+
+
+def plan_differences(deployed: Plan, planned: Plan) -> list[str]:
+    """What the plan `planned` changes of the `deployed` one, in a few words each (empty: the same node)."""
+    words = [f"{what} {getattr(planned, what)} (deployed: {getattr(deployed, what)})"
+             for what in ("connector", "mode", "engine") if getattr(planned, what) != getattr(deployed, what)]
+    if _shape(planned) != _shape(deployed):
+        words.append(f"instances {', '.join(_shape(planned))} (deployed: {', '.join(_shape(deployed))})")
+    return words
+
+
+def deployed_note(node: Node, planned: Plan) -> str | None:
+    """One line when `planned` is not what the node runs (e.g. after `pdctl up --ignore-layout`, or with other
+    flags or settings), so that a command describing `planned` says plainly that it describes another node."""
+    try:
+        deployed = node.installed()
+    except PdctlError:
+        return None
+    changes = plan_differences(deployed, planned) if deployed is not None else []
+    if not changes:
+        return None
+    return (f"not the deployed plan: this one has {'; '.join(changes)}. `pdctl status` describes what is deployed; "
+            "`pdctl up` (with these flags) would deploy this one")
+
+
 def overrides_from(options: dict[str, Any]) -> dict[str, Any]:
     """Settings overrides from the plan flags that were given."""
     out: dict[str, Any] = {}

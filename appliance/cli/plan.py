@@ -7,11 +7,13 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from appliance.cli.conditional import render_conditional
 from appliance.cli.options import (
     console,
+    deployed_note,
     layout_option,
     node_overrides,
     obtain,
@@ -110,3 +112,6 @@ def plan(ctx: click.Context, /, as_json: bool, suggest: bool, input_len: int, ou
         render_conditional(p, planned_settings, out)
         if layout_note:
             out.print(layout_note, markup=False, highlight=False)
+        other = deployed_note(Node(settings), p)
+        if other:
+            out.print(f"[yellow]note:[/yellow] {escape(other)}")

@@ -7,6 +7,7 @@ Exit codes: 0 done (or nothing to do); 1 a step failed (rolled back, or left con
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -109,7 +110,7 @@ def _tp_fits(new: Plan) -> None:
         raise PdctlError(bad[0].detail, fix=bad[0].fix)
 
 
-def _gap_error(sched: Schedule, old: Plan) -> PdctlError:
+def _gap_error(sched: Schedule, old: Plan, yes: bool) -> PdctlError:
     gaps = [s for s in sched.steps if s.gap]
     first = gaps[0]
     inst = old.instance(first.names[0])
@@ -117,8 +118,9 @@ def _gap_error(sched: Schedule, old: Plan) -> PdctlError:
     return PdctlError(
         f"this rebalance leaves no {roles} instance serving for a while: {inst.name} must stop before its "
         f"replacement can start (they need the same GPUs or ports, and a GPU serves one instance at a time)",
-        fix="add --allow-downtime (new requests wait in the proxy, up to --hold seconds, until the replacement "
-            "is healthy), or first grow that role to two instances",
+        fix=f"add --allow-downtime{'' if yes or sys.stdin.isatty() else ' --yes'} (new requests wait in the "
+            "proxy, up to --hold seconds, until the replacement is healthy), or first grow that role to two "
+            "instances",
     )
 
 
@@ -188,7 +190,7 @@ def rebalance(ctx: click.Context, /, reset: bool, dry_run: bool, yes: bool, allo
             node.record_layout(None if reset else new)
         return
     if sched.gaps and not allow_downtime:
-        raise _gap_error(sched, old)
+        raise _gap_error(sched, old, yes)
     problems = busy_new_ports(old, new, sched)
     if problems:
         raise PdctlError(problems[0], fix="stop what holds it, or move the role's base port in pdctl.toml")

@@ -134,7 +134,10 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
                     kv: dict[str, Any]) -> dict[str, Any]:
     """The `pdctl status --json` document (see the module docstring); `kv`: each engine's KV transfer figures."""
     now = time.time()
-    restarts = manager.restart_counts()
+    # counted since the node came up: a node that is down (`pdctl down`) has restarted nothing yet; the
+    # managers' records (supervisord's log, pd.target's journal) would still count the last run's
+    up = any(st.state in ACTIVE for st in snap.units.values())
+    restarts = manager.restart_counts() if up else {name: 0 for name in snap.units}
     instances = []
     for inst in plan.instances:
         st = snap.units[instance_unit(inst)]
@@ -151,7 +154,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
             "health": "healthy" if snap.health.get(inst.name) else ("unhealthy" if st.state in ACTIVE else "down"),
             "uptime_s": _uptime(st.started_at, now),
             "restarts": restarts.get(st.name, st.restarts),
-            "automatic_restarts": st.restarts,
+            "automatic_restarts": st.restarts if up else 0,
             "last_exit": st.last_exit,
             "kv_transfer": kv.get(inst.name),
         })
@@ -167,7 +170,7 @@ def status_document(plan: Plan, manager: ServiceManager, snap: Snapshot, invento
         "detail": pst.detail,
         "uptime_s": _uptime(pst.started_at, now),
         "restarts": restarts.get(PROXY_UNIT, pst.restarts),
-        "automatic_restarts": pst.restarts,
+        "automatic_restarts": pst.restarts if up else 0,
         "last_exit": pst.last_exit,
         "reachable": admin is not None,
         "ready": bool(admin and admin.get("ready")),

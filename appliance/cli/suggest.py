@@ -15,12 +15,13 @@ from rich.table import Table
 from appliance.cli.conditional import describe_room, describe_spread
 from appliance.cli.options import console as rich_console
 from appliance.cli.options import obtain
-from appliance.connector import disaggregated_name
+from appliance.connector import disaggregated_name, get_connector, resolve_name
+from appliance.connector.base import Alone
 from appliance.errors import PdctlError
 from appliance.inventory.models import Inventory
 from appliance.model_config import Heads, ModelShape, read_heads, read_model_shape, with_engine_quantization
 from appliance.node import Node
-from appliance.plan import step_spread
+from appliance.plan import platform_of, step_spread
 from appliance.proxy.config import DecodeStep
 from appliance.roles import Role
 from appliance.settings import EMBEDDED_MODEL, Settings
@@ -175,7 +176,8 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
                                "rate": rate, "requests": requests, "ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms,
                                "itl_judgement": slo.itl_judgement}, "suggestions": [_row(p, _band(prof, p, j)) for p in ranked],
                                "apply": _choice(prof, ranked, j)[0].candidate.bench_name,
-                               "decode_only_below": {"tokens": threshold, "why": why, "room": room_text},
+                               "decode_only_below": {"tokens": threshold, "why": why, "room": room_text,
+                                                     "served_alone": _alone(settings, inventory).served},
                                "decode_step": decode_step, "decode_step_spread": spread}, indent=2))
         return
     console = rich_console()
@@ -218,6 +220,11 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
                       f"is named for its better worst case ({low:.2f} req/s). To tell them apart, measure both: "
                       f"`pdctl bench --compare --shapes {best.candidate.bench_name},{rival.candidate.bench_name}`"
                       f"{'' if not advice else ', or calibrate first'}; then `{_apply(rival.candidate)}` if it wins")
+    alone = _alone(settings, inventory)
+    if not alone.served:
+        console.print(f"conditional routing: not on this node's connector and mode: {alone.why} (docs/routing.md, "
+                      "\"Routes per connector\")")
+        return
     set_by = "" if settings.proxy.decode_only_below is None else f" (set to {settings.proxy.decode_only_below})"
     console.print(f"conditional routing: decode_only_below = {threshold} prompt tokens{set_by}: {why}; "
                   "\\[proxy] decode_only_below sets it, 0 hands every prompt over (docs/routing.md)")
@@ -369,3 +376,11 @@ def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | 
                       f"{prof.band[1]:g}x wider): {advice}")
     if not rows:
         console.print("no shape in the file has a bench shape name (disagg-read, colocated-N[-mbtB]) with a measured rate")
+
+
+def _alone(settings: Settings, inventory: Inventory) -> Alone:
+    """Whether the node's connector, in its mode, serves a prompt on a decode alone (Connector.alone): where it
+    does not, conditional routing is refused and no decode_only_below is advised."""
+    mode = settings.connector.mode
+    name = resolve_name(disaggregated_name(settings.connector.name), platform_of(inventory), mode)
+    return get_connector(name).alone(mode)

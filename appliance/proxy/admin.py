@@ -13,7 +13,7 @@ from aiohttp import web
 from pydantic import Field, TypeAdapter, ValidationError
 
 from appliance.proxy.config import Backend
-from appliance.proxy.guard import bearer_matches, json_too_deep
+from appliance.proxy.guard import bearer_matches, json_too_deep, lone_surrogate
 from appliance.proxy.state import ProxyState
 from appliance.roles import parse_mode
 
@@ -73,12 +73,17 @@ async def _json(request: web.Request) -> Any:
         raise web.HTTPBadRequest(text=json.dumps({"error": f"body is nested more than {_MAX_DEPTH} deep"}),
                                  content_type="application/json")
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise web.HTTPBadRequest(
             text=json.dumps({"error": f"body is not valid JSON: {reason}"}), content_type="application/json"
         ) from None
+    if lone_surrogate(raw, value):
+        # a name or address with one would be a metrics label /metrics cannot encode
+        raise web.HTTPBadRequest(text=json.dumps({"error": "body is not valid JSON: a string holds a lone surrogate"}),
+                                 content_type="application/json")
+    return value
 
 
 def _instance_name(body: Any) -> str:

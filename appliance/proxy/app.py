@@ -268,7 +268,8 @@ class Proxy(ProxyState):
         return web.json_response(
             {
                 "object": "list",
-                "data": [{"id": self.config.model, "object": "model", "created": int(self.started_at), "owned_by": "pdctl"}],
+                "data": [{"id": self.config.model, "object": "model", "created": int(self.started_at), "owned_by": "pdctl",
+                          **_context_card(self.config.max_model_len)}],
             }
         )
 
@@ -396,6 +397,11 @@ class Proxy(ProxyState):
         if isinstance(checked, tuple):
             return None, error_response(*checked)
         return checked, None
+
+
+def _context_card(max_model_len: int | None) -> dict[str, int]:
+    """The context the plan serves, as vLLM's model card says it (clients such as `pdctl bench` size prompts by it)."""
+    return {} if max_model_len is None else {"max_model_len": max_model_len}
 
 
 def _client_left(request: web.Request) -> web.Response:

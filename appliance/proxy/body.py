@@ -1,22 +1,24 @@
 """A client's request body: its cost bounded before it is parsed, large ones parsed in a worker process.
 
 `check_body` decides (pure: bytes in, a body or a (status, message) out); `BodyReader` is the shell that
-runs it on the event loop for small bodies and in a worker process for large ones, a bounded number at once.
+runs it on the event loop for small bodies and in worker processes for large ones, a bounded number at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import multiprocessing
+import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
-from appliance.proxy.guard import STRING, json_too_deep
+from appliance.proxy.guard import STRING, json_too_deep, lone_surrogate
 
 Problem = tuple[int, str]  # an HTTP status and the message the client reads
 
@@ -25,6 +27,8 @@ _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "min_tokens")
 INLINE_BYTES = 64 * 1024
 # Python's floor for int digits: JSON integers of thousands of digits cost quadratic time to parse and print.
 INT_DIGITS = 640
+# How much less CPU a parsing worker asks for than the proxy's event loop (nice(2) steps).
+WORKER_NICE = 10
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,9 @@ def check_body(raw: bytes, chat: bool, rules: BodyRules) -> dict[str, Any] | Pro
         return 400, f"request body is not valid JSON: {reason}"
     if not isinstance(body, dict):
         return 400, "request body must be a JSON object"
+    if lone_surrogate(raw, body):
+        return 400, ("request body is not valid JSON: a string holds a lone surrogate (a \\ud800-\\udfff escape "
+                     "without its pair), which is no Unicode character")
     problem = _field_problem(body, chat, rules)
     if problem is not None:
         return problem
@@ -144,43 +151,99 @@ def walk_free(prompt: list[Any]) -> tuple[Any, ...]:
     return tuple(tuple(p) if isinstance(p, list) else p for p in prompt)
 
 
-def _worker_start() -> None:
+def _serve(conn: Connection) -> None:
+    """A parsing worker's life: check each body it is sent, until its pipe closes."""
     sys.set_int_max_str_digits(INT_DIGITS)
+    # below the proxy's event loop: on a busy host its streams go first, the large bodies wait
+    os.nice(WORKER_NICE)
+    while True:
+        try:
+            raw, chat, rules = conn.recv()
+        except (EOFError, OSError):
+            return
+        conn.send(check_body(raw, chat, rules))
+
+
+class _Worker:
+    """One parsing process (spawned, not forked: the proxy has an event loop and threads a fork would copy
+    mid-state) and its pipe."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child,), daemon=True, name="pd-proxy-body")
+        self.process.start()
+        child.close()
+
+    def check(self, raw: bytes, chat: bool, rules: BodyRules) -> dict[str, Any] | Problem:
+        """The worker's check_body (blocking: run in a thread); EOFError or OSError when the worker died."""
+        self.conn.send((raw, chat, rules))
+        answer: dict[str, Any] | Problem = self.conn.recv()
+        return answer
+
+    def kill(self) -> None:
+        """Stop the process at once, whatever it is doing."""
+        self.process.kill()
+        self.conn.close()
+
+
+def parsing_workers(slots: int) -> int:
+    """How many worker processes parse large bodies: one per CPU but one (the event loop's), at most `slots`."""
+    return max(1, min(slots, len(os.sched_getaffinity(0)) - 1))
 
 
 class BodyReader:
-    """Parses request bodies: small ones on the event loop, large ones in a worker process (json holds the
-    GIL while it parses, so a thread would stall the loop just the same), at most `slots` at once."""
+    """Parses request bodies: small ones on the event loop, large ones in worker processes (json holds the GIL
+    while it parses, so a thread would stall the loop just the same), `slots` read at once.
+
+    Every check is linear in the body (guard.STRING), so a worker's turn is bounded by the body's size (8 MiB:
+    a fraction of a second); a client that leaves while its body is parsed frees its turn when that ends, one
+    that leaves while it waits for a worker never takes one. Workers start at the first large body (the first
+    waits for it, about half a second): a proxy that never gets one never runs them."""
 
     def __init__(self, rules: BodyRules, slots: int) -> None:
         self.rules = rules
         self.slots = asyncio.Semaphore(slots)
-        self._pool: ProcessPoolExecutor | None = None
-
-    def _new_pool(self) -> ProcessPoolExecutor:
-        # spawn, not fork: the proxy's process has an event loop and threads that a fork would copy mid-state
-        return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_worker_start)
+        workers = parsing_workers(slots)
+        self._free = asyncio.Semaphore(workers)
+        self._idle: list[_Worker] = []
+        self._all: set[_Worker] = set()
+        self._threads = ThreadPoolExecutor(workers, thread_name_prefix="pd-proxy-body")
+        self._closed = False
 
     async def parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any] | Problem, bool]:
-        """The checked body (or its problem), and whether the worker process parsed it."""
+        """The checked body (or its problem), and whether a worker process parsed it."""
         if len(raw) <= INLINE_BYTES:
             return check_body(raw, chat, self.rules), False
-        if self._pool is None:
-            # started at the first large body (the first waits for it, about half a second): a proxy that
-            # never gets one never runs the process
-            self._pool = self._new_pool()
+        await self._free.acquire()
         try:
-            checked = await asyncio.get_running_loop().run_in_executor(self._pool, check_body, raw, chat, self.rules)
-        except BrokenProcessPool:
+            worker = self._idle.pop() if self._idle else _Worker()
+        except BaseException:
+            self._free.release()
+            raise
+        self._all.add(worker)
+        job = asyncio.get_running_loop().run_in_executor(self._threads, worker.check, raw, chat, self.rules)
+        job.add_done_callback(functools.partial(self._done, worker))
+        try:
+            # shielded: a client that leaves does not leave its worker mid-answer in the pipe
+            return await asyncio.shield(job), True
+        except (EOFError, OSError):
             # the worker died (killed, out of memory): this request fails, the next ones get a new worker
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = self._new_pool()
             return (503, "the proxy's body parser restarted; send the request again"), True
-        return checked, True
+
+    def _done(self, worker: _Worker, job: asyncio.Future[Any]) -> None:
+        if job.cancelled() or job.exception() is not None or self._closed:
+            worker.kill()
+            self._all.discard(worker)
+        else:
+            self._idle.append(worker)
+        self._free.release()
 
     def close(self) -> None:
-        """Stop the worker process."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Stop the worker processes at once: a retiring proxy does not wait for a body nobody will read."""
+        self._closed = True
+        for worker in self._all:
+            worker.kill()
+        self._all.clear()
+        self._idle.clear()
+        self._threads.shutdown(wait=False, cancel_futures=True)

@@ -112,7 +112,7 @@ class Limits(_Model):
     # when the plan does not know the context (vLLM reads it from the model).
     max_json_values: int | None = Field(default=None, ge=1024)
     max_n: int = Field(default=128, ge=1)  # completions per request (OpenAI's own limit)
-    # Bodies over 64 KiB are read and parsed (in a worker process) this many at a time; more wait for a turn,
+    # Bodies over 64 KiB are read and parsed (in worker processes) this many at a time; more wait for a turn,
     # up to body_timeout_s, then get 503: the memory large bodies take is bounded.
     large_bodies: int = Field(default=4, ge=1, le=1024)
     # Prefill legs read to their end after their client left, so that their KV can be released (legs.py):

@@ -9,16 +9,22 @@ import logging
 import re
 import resource
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
 log = logging.getLogger("appliance.proxy")
 
-STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A JSON string, or what is left of the text after an unterminated one. It matches at every quote it is tried
+# at, so re.sub's scan goes on after the match and never starts over inside it: one pass over the text. A
+# pattern that can fail there (an unterminated string) is retried at each later quote: quadratic (issue 36).
+STRING = re.compile(rb'"[^"\\]*(?:\\[\s\S][^"\\]*)*(?:"|\\?\Z)')
 # keep only brackets, and make every { a [ and every } a ]: nesting depth does not depend on the kind
 _SQUARE = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _OPENERS = bytes(b for b in range(256) if b not in b"[{")
+# a \u escape of a surrogate (U+D800-U+DFFF): a body may hold a lone one only where this occurs
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # Descriptors one client connection can hold at once: its socket, a prefill leg and a decode leg.
 _FDS_PER_CONNECTION = 3
 _FD_RESERVE = 128  # listeners, the ZMQ socket, health probes, log files, refused connections still lingering
@@ -56,6 +62,19 @@ def json_too_deep(raw: bytes, limit: int) -> bool:
             return False
         brackets = shorter
     return True
+
+
+def lone_surrogate(raw: bytes, value: Any) -> bool:
+    """Whether the JSON text `raw`, parsed as `value`, holds a string (a key too) with a lone surrogate: json
+    takes `"\\ud800"`, but no UTF-8 encoder does, and the proxy (routing, metrics labels) and the engines encode
+    what they get. Most bodies have no surrogate escape at all, which one search of the raw bytes tells."""
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return False
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 _BUSY_BODY = json.dumps({"error": {"message": "the proxy has too many open connections; retry shortly",

@@ -21,7 +21,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,17 +37,29 @@ log = logging.getLogger("appliance.proxy")
 
 # The largest message read: a batch of one scheduler step's events (a 64k-token prompt's BlockStored is ~300 KB of
 # token ids); ZMQ drops a larger one before it is buffered whole, so a hostile sender cannot make the proxy hold it.
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# Messages ZMQ queues for one stream while its reader is busy or waits out its budget; beyond, it drops them (in
+# its own thread): what a stream's queue holds is bounded by QUEUED_MESSAGES x MAX_MESSAGE_BYTES (issue 36: with
+# ZMQ's default of 1000, a flood of 8 MiB batches held 808 MiB).
+QUEUED_MESSAGES = 8
 # How often the listener follows the instance set (a rebalance changes it) and retries an endpoint it could not
 # bind (the proxy it takes over from may still hold the port).
 RECONCILE_S = 1.0
-# What one stream reads per second at most, in messages and bytes: a vLLM rank publishes one batch per scheduler
-# step that stored or evicted blocks (hundreds a second at most, each up to a few hundred KB). Past either, the
-# reader waits out the second and ZMQ drops what queues beyond its high-water mark (in its own thread, not the
-# proxy's event loop): a local process that floods a tcp events port costs the proxy a bounded share of its loop,
-# and the rank's next batch after the drop is a gap (its index starts over), never a wrong index.
+# What one stream reads per second at most, in messages, bytes and blocks: a vLLM rank publishes one batch per
+# scheduler step that stored or evicted blocks (hundreds a second at most, each up to a few hundred KB; 50,000
+# blocks a second are 800,000 tokens a second at vLLM's block size of 16, past any engine's prefill). Past any of
+# them the batch is dropped and counted, the reader waits out the second and ZMQ drops what comes meanwhile: a
+# local process that floods a tcp events port costs the proxy a bounded share of its loop, and the rank's next
+# batch after the drop is a gap (its index starts over), never a wrong index.
 MAX_BATCHES_PER_S = 2000
-MAX_BYTES_PER_S = 64 * 1024 * 1024
+MAX_BYTES_PER_S = 8 * 1024 * 1024
+MAX_BLOCKS_PER_S = 50_000
+# Blocks applied to an index between two turns of the event loop (about a millisecond's work): a batch of many
+# blocks never holds the loop longer than this.
+SLICE_BLOCKS = 1024
+# Messages up to this size are decoded on the event loop (well under a millisecond); larger ones in the listener's
+# thread, where the interpreter hands the loop its turn every few milliseconds.
+INLINE_BYTES = 64 * 1024
 UNBOUND_WARN_S = 10.0
 
 
@@ -141,9 +154,9 @@ def parse(frames: Sequence[bytes]) -> tuple[int, list[Event]]:
 class BlockSink(Protocol):
     """Where one instance rank's events go (the prefix-affinity policy's index of that rank)."""
 
-    def apply(self, seq: int, events: list[Event]) -> str:
-        """Apply one batch; the result counted ("applied", "gap" when the sequence broke, or did not begin at 0,
-        and it started over)."""
+    def apply_steps(self, seq: int, events: list[Event], step: int) -> Generator[None, None, str]:
+        """Apply one batch, yielding after every `step` blocks; returns the result counted ("applied", "gap" when
+        the sequence broke, or did not begin at 0, and it started over)."""
 
     def start_over(self) -> None:
         """Forget what the stream said; its next batch is the first of a new sequence."""
@@ -164,6 +177,47 @@ def socket_file(endpoint: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return info.st_dev, info.st_ino
+
+
+def blocks(events: Sequence[Event]) -> int:
+    """How many blocks a batch's events name: the work applying it takes."""
+    return sum(0 if isinstance(event, Cleared) else len(event.hashes) for event in events)
+
+
+class Budget:
+    """What one stream may cost per second: messages and bytes (known on arrival) and blocks (once decoded)."""
+
+    def __init__(self) -> None:
+        self.window = -1.0
+        self.messages = self.bytes = self.blocks = 0
+
+    def arrived(self, now: float, size: int) -> bool:
+        """Charge a message of `size` bytes arrived at `now`; False when it is over the second's budget."""
+        if now - self.window >= 1.0:
+            self.window, self.messages, self.bytes, self.blocks = now, 0, 0, 0
+        self.messages, self.bytes = self.messages + 1, self.bytes + size
+        return self.messages <= MAX_BATCHES_PER_S and self.bytes <= MAX_BYTES_PER_S
+
+    def decoded(self, count: int) -> bool:
+        """Charge a decoded batch of `count` blocks; False when it is over the second's budget."""
+        self.blocks += count
+        return self.blocks <= MAX_BLOCKS_PER_S
+
+    def rest(self, now: float) -> float:
+        """The seconds left of the current window."""
+        return max(0.0, self.window + 1.0 - now)
+
+
+async def apply_sliced(sink: BlockSink, seq: int, events: list[Event]) -> str:
+    """Apply a batch to `sink`, SLICE_BLOCKS blocks between two turns of the event loop."""
+    steps = sink.apply_steps(seq, events, SLICE_BLOCKS)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: str = done.value
+            return result
+        await asyncio.sleep(0)
 
 
 def summary(events: Sequence[Event]) -> str:
@@ -189,11 +243,12 @@ class _Stream:
     ipc:// socket file, or bound on the tcp:// port the engine connects to."""
 
     def __init__(self, ctx: zmq.asyncio.Context, inst: BackendState, rank: int, endpoint: str, sink: BlockSink,
-                 count: Callable[[str, str], None], left: Callable[[str], None]) -> None:
+                 listener: KvEventsListener) -> None:
         self.inst, self.rank, self.endpoint = inst, rank, endpoint
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, QUEUED_MESSAGES)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         # the engine binds an ipc endpoint (a file only its user reaches); ZMQ connects again when it is back
         connects = endpoint.startswith("ipc://")
@@ -215,29 +270,39 @@ class _Stream:
         self.connects = connects
         self.connected_to: tuple[int, int] | None = None  # the engine's socket file its connection is to
         self.peers = 0
-        self.tasks = [asyncio.create_task(self._read(sink, count)), asyncio.create_task(self._watch(sink, left))]
+        self.tasks = [asyncio.create_task(self._read(sink, listener)),
+                      asyncio.create_task(self._watch(sink, listener.left))]
 
-    async def _read(self, sink: BlockSink, count: Callable[[str, str], None]) -> None:
+    async def _decode(self, frames: list[bytes], size: int, decoder: ThreadPoolExecutor) -> tuple[int, list[Event]]:
+        if size <= INLINE_BYTES:
+            return parse(frames)
+        return await asyncio.get_running_loop().run_in_executor(decoder, parse, frames)
+
+    async def _read(self, sink: BlockSink, listener: KvEventsListener) -> None:
         name = self.inst.name
+        count = listener.count
         loop = asyncio.get_running_loop()
-        window, batches, size = loop.time(), 0, 0
+        budget = Budget()
         while True:
             frames = await self.sock.recv_multipart()
             now = loop.time()
-            if now - window >= 1.0:
-                window, batches, size = now, 0, 0
-            batches, size = batches + 1, size + sum(len(f) for f in frames)
-            if batches > MAX_BATCHES_PER_S or size > MAX_BYTES_PER_S:
+            size = sum(len(f) for f in frames)
+            if not budget.arrived(now, size):
                 count(name, "over-rate")
-                await asyncio.sleep(window + 1.0 - now)  # the rest of this second; ZMQ drops what comes meanwhile
+                await asyncio.sleep(budget.rest(now))  # the rest of this second; ZMQ drops what comes meanwhile
                 continue
             try:
-                seq, events = parse(frames)
+                seq, events = await self._decode(frames, size, listener.decoder)
             except BadMessage as exc:
                 count(name, str(exc))
                 continue
+            if not budget.decoded(blocks(events)):
+                count(name, "over-budget")
+                listener.dropped(name, blocks(events))
+                await asyncio.sleep(budget.rest(loop.time()))
+                continue
             try:
-                result = sink.apply(seq, events)
+                result = await apply_sliced(sink, seq, events)
             except Exception:
                 # a message parse() let through that the index cannot take: this reader must outlive it (the
                 # instance's routing would silently fall back to a stale index otherwise); its rank starts over
@@ -286,14 +351,23 @@ class KvEventsListener:
         self._streams: dict[tuple[str, int], _Stream] = {}
         self._unbound: dict[str, float | None] = {}  # endpoint -> since when it fails to bind (None: warned)
         self.counts: dict[tuple[str, str], int] = {}  # (instance, result) -> messages
+        self.dropped_blocks: dict[str, int] = {}  # instance -> blocks of batches dropped over MAX_BLOCKS_PER_S
         self.disconnects: dict[str, int] = {}  # instance -> times a rank's last publisher left
+        # decodes the large messages of every stream, one at a time: at most one core's worth, whatever the streams
+        self.decoder = ThreadPoolExecutor(1, thread_name_prefix="pd-proxy-kv-events")
         self._task: asyncio.Task[None] | None = None
 
-    def _count(self, instance: str, result: str) -> None:
+    def count(self, instance: str, result: str) -> None:
+        """Count one message of `instance`'s by what became of it."""
         key = (instance, result)
         self.counts[key] = self.counts.get(key, 0) + 1
 
-    def _left(self, instance: str) -> None:
+    def dropped(self, instance: str, count: int) -> None:
+        """Count blocks of `instance`'s dropped over the budget."""
+        self.dropped_blocks[instance] = self.dropped_blocks.get(instance, 0) + count
+
+    def left(self, instance: str) -> None:
+        """Count a rank of `instance` whose last publisher left."""
         self.disconnects[instance] = self.disconnects.get(instance, 0) + 1
 
     def reconcile(self) -> None:
@@ -312,13 +386,12 @@ class KvEventsListener:
                 stream.close()
                 del self._streams[key]
                 self._sink_for(stream.inst, stream.rank).disconnected()
-                self._left(stream.inst.name)
+                self.left(stream.inst.name)
         for key, (inst, endpoint) in wanted.items():
             if key in self._streams:
                 continue
             try:
-                self._streams[key] = _Stream(self._ctx, inst, key[1], endpoint, self._sink_for(inst, key[1]),
-                                             self._count, self._left)
+                self._streams[key] = _Stream(self._ctx, inst, key[1], endpoint, self._sink_for(inst, key[1]), self)
             except zmq.ZMQError as exc:
                 # the proxy this one takes over from releases a port in a moment; longer, something else holds it
                 since = self._unbound.setdefault(endpoint, time.monotonic())
@@ -347,3 +420,4 @@ class KvEventsListener:
             stream.close()
         self._streams.clear()
         self._ctx.term()
+        self.decoder.shutdown(wait=False, cancel_futures=True)

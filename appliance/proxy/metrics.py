@@ -51,11 +51,18 @@ class _LiveCollector(Collector):
                                      "KV cache event messages received from the instance's engine, by result "
                                      "(applied; gap: some were lost, its index started over; garbled; block-size, "
                                      "unparented, unmatchable: of no use to prefix matching; over-rate: dropped, the stream sent "
-                                     "more than kv_events.MAX_BATCHES_PER_S / MAX_BYTES_PER_S in a second)",
+                                     "more than kv_events.MAX_BATCHES_PER_S / MAX_BYTES_PER_S in a second; "
+                                     "over-budget: dropped, more than MAX_BLOCKS_PER_S blocks)",
                                      labels=["instance", "result"])
         for (name, result), n in list(m.kv_events().items()):
             events.add_metric([name, result], n)
         yield events
+        dropped = CounterMetricFamily("pdctl_proxy_kv_event_blocks_dropped",
+                                      "Blocks of KV event batches dropped because their stream sent more than "
+                                      "kv_events.MAX_BLOCKS_PER_S in a second", labels=["instance"])
+        for name, n in list(m.kv_dropped().items()):
+            dropped.add_metric([name], n)
+        yield dropped
         yield m.itl.family("pdctl_proxy_inter_token_latency_seconds", "Time between streamed chunks relayed")
         yield m.loop.lag.family("pdctl_proxy_event_loop_lag_seconds",
                                 f"How late the proxy's {TICK_S * 1e3:g} ms event-loop timer fired: every relayed "
@@ -112,12 +119,14 @@ class ProxyMetrics:
     def __init__(self, registry_source: Callable[[], InstanceRegistry | None],
                  prefix_source: Callable[[], Mapping[tuple[str, str], Sequence[int]]],
                  source_of: Callable[[BackendState], str | None] = lambda inst: None,
-                 kv_events: Callable[[], Mapping[tuple[str, str], int]] = dict) -> None:
+                 kv_events: Callable[[], Mapping[tuple[str, str], int]] = dict,
+                 kv_dropped: Callable[[], Mapping[str, int]] = dict) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry_source = registry_source
         self.prefix_source = prefix_source  # the routing policy's prefix token counts (policies/base.py)
         self.source_of = source_of  # where the policy's knowledge of an instance's cache comes from
         self.kv_events = kv_events  # KV event messages received, by (instance, result) (kv_events.py)
+        self.kv_dropped = kv_dropped  # blocks of KV event batches dropped over the budget, by instance
         self.requests = Counter(
             "pdctl_proxy_requests", "Client requests by HTTP status and mode", ["status", "mode"],
             registry=self.registry,

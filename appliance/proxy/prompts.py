@@ -1,5 +1,5 @@
 """How many tokens a request's prompt has, for routing (conditional disaggregation) and for connectors whose
-hand-off depends on it (lengths_matter). Pure: legs.can_hand_over asks an engine when the body does not settle it.
+hand-off depends on it (lengths_matter). Pure: route.length asks an engine when the body does not settle it.
 
 The proxy has no tokenizer. Token ids are counted; for a text prompt an upper bound comes from its UTF-8
 length (a byte-level BPE or byte-fallback tokenizer spends at least one byte of text per token, plus the few
@@ -52,7 +52,8 @@ def most_tokens(path: str, body: Mapping[str, Any]) -> int | None:
     prompt = body.get("prompt")
     if "messages" in body or not isinstance(prompt, str):
         return None
-    return len(prompt.encode()) + _SPECIAL_TOKENS
+    # surrogatepass: a lone surrogate counts its 3 bytes rather than raising (the body check refuses one anyway)
+    return len(prompt.encode("utf-8", "surrogatepass")) + _SPECIAL_TOKENS
 
 
 def tokenize_request(path: str, body: dict[str, Any], model: str) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ from appliance.proxy.planned import PlannedStops
 from appliance.proxy.policies import POLICIES
 from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
-from appliance.proxy.routing import Router
+from appliance.proxy.route import Router
 from appliance.proxy.tenants import load_tenants
 
 log = logging.getLogger("appliance.proxy.state")
@@ -41,7 +41,8 @@ class ProxyState:
         self.admin_token = read_secret(config.admin.token_file)
         self.metrics = ProxyMetrics(lambda: self.registry, lambda: self.router.policy.prefix_tokens(),
                                     source_of=lambda inst: self.router.policy.prefix_source(inst),
-                                    kv_events=lambda: self.kv_events.counts if self.kv_events is not None else {})
+                                    kv_events=lambda: self.kv_events.counts if self.kv_events is not None else {},
+                                    kv_dropped=lambda: self.kv_events.dropped_blocks if self.kv_events else {})
         self.registry = InstanceRegistry(config.timeouts.connect_s, on_added=lambda inst: self.health.probe_soon(inst))
         self.health = HealthChecker(self.registry, config.health,
                                     on_listener=lambda result: self.metrics.listener_checks.labels(result).inc(),

@@ -124,6 +124,7 @@ class Connection(asyncio.Protocol):
         self._state = _DONE
         self._hbuf = bytearray()
         self._cbuf = bytearray()
+        self._cneed = 0  # collected _CHUNKED: bytes _cbuf must hold before the next chunk is whole
         self._remaining = 0  # _LENGTH: body bytes still to come
         self._left = 0  # streamed _CHUNKED: bytes of the current chunk (data + CRLF) still to come
         self._frag = b""  # streamed _CHUNKED: an incomplete chunk-size line, kept for the next read
@@ -387,8 +388,9 @@ class Connection(asyncio.Protocol):
 
     def _feed_head(self, data: bytes) -> None:
         hbuf = self._hbuf
+        start = max(0, len(hbuf) - 3)  # the end may straddle reads; before that it was looked for already
         hbuf += data
-        end = hbuf.find(b"\r\n\r\n")
+        end = hbuf.find(b"\r\n\r\n", start)
         if end < 0:
             if len(hbuf) > _HEAD_LIMIT:
                 self._protocol_error("response head too large")
@@ -445,12 +447,15 @@ class Connection(asyncio.Protocol):
         cbuf = self._cbuf
         if cbuf:
             cbuf += data
+            if len(cbuf) < self._cneed:
+                return  # the chunk is not whole yet: copying what came of it at every read would be quadratic
             view = bytes(cbuf)
             cbuf.clear()
         else:
             view = data
         n = len(view)
         pos = 0
+        self._cneed = 0
         collect = self._collect
         assert collect is not None
         while pos < n:
@@ -481,6 +486,7 @@ class Connection(asyncio.Protocol):
                 return
             stop = eol + 2 + size + 2
             if stop > n:
+                self._cneed = stop - pos
                 break
             if view[stop - 2 : stop] != b"\r\n":
                 self._protocol_error("chunk data longer than its size")

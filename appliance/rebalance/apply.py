@@ -21,6 +21,7 @@ from appliance.manager import ACTIVE, ServiceManager
 from appliance.node import Node, http_answer
 from appliance.plan import Instance, Plan
 from appliance.ports import holders, port_free, taken
+from appliance.progress import Heartbeat, last_log_line
 from appliance.proxy.admin_client import AdminClient
 from appliance.rebalance.schedule import Schedule, Step, order, schedule
 from appliance.render.names import instance_unit
@@ -176,7 +177,10 @@ class Rebalancer:
         started = time.monotonic()
         deadline = started + self.options.health_timeout_s
         pending = {i.name: i for i in insts}
+        beat = Heartbeat(self.say)  # on a pipe a mode switch said nothing for 31-74 s (issue 37)
+        begun = started
         while pending:
+            beat.beat(lambda: self._waiting(mgr, list(pending.values()), time.monotonic() - begun))
             states = mgr.status()
             for inst in list(pending.values()):
                 st = states[instance_unit(inst)]
@@ -203,6 +207,15 @@ class Rebalancer:
                 names = ", ".join(pending)
                 raise StepFailed(f"{names} not healthy after {self.options.health_timeout_s:g}s")
             time.sleep(0.3)
+
+    @staticmethod
+    def _waiting(mgr: ServiceManager, insts: list[Instance], elapsed: float) -> str:
+        """What a step still waits for, and what the first of them last logged (rich markup escaped)."""
+        from rich.markup import escape
+
+        said = last_log_line(mgr, instance_unit(insts[0]))
+        return (f"  still waiting for {', '.join(i.name for i in insts)} to be healthy ({elapsed:.0f}s)"
+                + (f"; {insts[0].name} last logged: {escape(said)}" if said else ""))
 
     def run_steps(self, steps: list[Step], target: Plan) -> None:
         """Carry out `steps` towards `target`."""

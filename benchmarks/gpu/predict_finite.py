@@ -2,7 +2,7 @@
 budget 512 and a given max_num_seqs, 2000/1000 tokens, TTFT 1 s / ITL 50 ms, both as the steady state and as a
 run of 100 requests every one of which is judged (`pdctl bench --lifetimes 0 -n 100`).
 
-    python benchmarks/gpu/predict_finite.py MODEL_DIR bf16|fp8 MAX_NUM_SEQS [GRAPH_TOKENS] > predicted.json
+    .venv/bin/python benchmarks/gpu/predict_finite.py MODEL_DIR bf16|fp8 MAX_NUM_SEQS [GRAPH_TOKENS] > predicted.json
 
 GRAPH_TOKENS: the engine's `--compilation-config '{"max_cudagraph_capture_size": N}'` (default: vLLM's own).
 """

@@ -1,6 +1,6 @@
 """`pdctl plan --suggest`'s predictions against every goodput measured on H200 (results/gpu-h200x2, gpu-h200x1).
 
-    python benchmarks/gpu/suggest_check.py [--out DIR]
+    .venv/bin/python benchmarks/gpu/suggest_check.py [--out DIR]
 
 For each measured deployment (shape, chunked-prefill budget, KV hand-off layout), workload and SLO (TTFT
 target x ITL target x judgement) it prints the measured goodput interval and the h200 profile's prediction,

@@ -2,8 +2,8 @@
 (TTFT target x ITL target x judgement), and the KV hand-off figures each engine reported in its own
 /metrics (vLLM's vllm:nixl_* histograms, differences between the snapshots taken around each workload).
 
-    python benchmarks/gpu/summarize.py OUT.json STEP.tar.gz [STEP.tar.gz ...]
-    python benchmarks/gpu/summarize.py --joins BENCH.json [BENCH.json ...]
+    .venv/bin/python benchmarks/gpu/summarize.py OUT.json STEP.tar.gz [STEP.tar.gz ...]
+    .venv/bin/python benchmarks/gpu/summarize.py --joins BENCH.json [BENCH.json ...]
 
 Prints tables and writes every figure to OUT.json (small: no per-request data). `--joins` prints, per rate,
 what a request joining the engine costs the streams already running there: the p99 of the gaps during

@@ -37,6 +37,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "port": 0,
             "connector": "none",
             "model": "sim-model",
+            "max_model_len": 8192,  # the sim engine's default, as a plan would say it
             "admin": {"port": 0},
             "backends": [{"name": "both-0", "role": "both", "url": url}],
         }

@@ -337,3 +337,27 @@ def test_the_default_lengths_come_from_the_served_models_context(short_context_e
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "--input-len 50 + --output-len 20 = 70 tokens, but short's context is 64 tokens" in done.stderr
     assert not (tmp_path / "o2" / "bench.json").exists()
+
+
+def test_on_a_pipe_progress_lines_come_as_they_happen(deployment: str, tmp_path: Path) -> None:
+    """Issue 37: on a pipe `pdctl bench` said nothing for 143 s, then every progress line at once at the end. A
+    rate of 12 requests at 0.5 req/s lasts ~24 s: its start, a line at least every HEARTBEAT_S, and its outcome
+    arrive while it runs."""
+    from appliance.progress import HEARTBEAT_S
+
+    argv = [PY, "-m", "appliance", "bench", "--url", deployment, "--rates", "0.5", "--stop-on", "none",
+            "--lifetimes", "0", "-n", "12", "--input-len", "20", "--output-len", "8", "--out", "out", "--no-plots"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env_in(tmp_path))
+    arrived: list[tuple[float, str]] = []
+    assert proc.stderr is not None  # the progress goes to stderr, the results' path to stdout
+    for line in proc.stderr:
+        arrived.append((time.monotonic(), line.rstrip("\n")))
+    assert proc.wait(timeout=120) == 0, arrived
+    rate = [(t, line) for t, line in arrived if " 0.5 req/s: " in line]
+    # the deployment's series is not called "target", the SLO lines' word (issue 37)
+    assert rate and rate[0][1] == "deployment 0.5 req/s: 0/12 done, 0s", arrived
+    assert any("attainment" in line for _, line in rate), arrived
+    times = [t for t, _ in rate]
+    assert len(rate) >= 3 and max(b - a for a, b in zip(times, times[1:], strict=False)) < HEARTBEAT_S + 5, rate
+    assert arrived[-1][0] - times[0] > HEARTBEAT_S, "every line came at the end"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,15 @@ from appliance.bench.mixes import MultiTurn, parse_mix
 from appliance.bench.plots import plot_latency
 from appliance.bench.report import print_report
 from appliance.bench.results import BenchResult, ShapeResult, Workload
-from appliance.bench.trace import TRACE_BLOCK_TOKENS, build_prompts, parse_workload
+from appliance.bench.trace import (
+    MAX_WORKLOAD_BYTES,
+    MAX_WORKLOAD_TOKENS,
+    TRACE_BLOCK_TOKENS,
+    build_prompts,
+    check_context,
+    parse_workload,
+    read_workload,
+)
 from appliance.errors import PdctlError
 from tests.bench import PNG_MAGIC
 from tests.bench.test_loadgen import VllmShapedServer
@@ -47,6 +56,8 @@ GOOD = '{"arrival_s": 0, "input_len": 5, "output_len": 2}'
         (['{"prompt": "hi", "output_len": 2, "prefix_group": "g"}'], 1, "literal prompt"),
         (['{"input_len": 5, "output_len": 2, "prefix_group": "g", "prefix_len": 6}'], 1, "longer than"),
         (['{"input_len": 5}'], 1, "output_len"),
+        # issue 37: a misspelt key was reported as "output_len: Field required", naming neither it nor the fix
+        (['{"input_len": 5, "outptu_len": 2}'], 1, "unknown key 'outptu_len' (did you mean 'output_len'?)"),
         (['{"input_length": 5, "output_length": 2, "hash_ids": [0, -1]}'], 1, "non-negative"),
         (['{"arrival_s": NaN, "input_len": 5, "output_len": 2}'], 1, "arrival_s"),
         (['{"input_len": 1048577, "output_len": 2}'], 1, "input_len"),
@@ -293,6 +304,58 @@ def test_a_workload_name_with_brackets_is_printed_as_written() -> None:
     console = Console(record=True, width=200)
     print_report(result, console)
     assert "workload w[/x][bold].jsonl, the file's arrival times" in console.export_text()
+
+
+def test_what_is_not_a_regular_file_or_too_large_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Issue 36, finding 6: /dev/zero grew to a MemoryError traceback, a FIFO hung without a word."""
+    fifo = tmp_path / "w.fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero"), tmp_path):
+        with pytest.raises(PdctlError, match="is not a regular file") as err:
+            read_workload(path, 100)
+        assert "\n" not in str(err.value)
+    big = tmp_path / "big.jsonl"
+    with big.open("w") as f:
+        f.truncate(MAX_WORKLOAD_BYTES + 1)  # sparse: no disk, and a single line of NULs
+    with pytest.raises(PdctlError, match=f"larger than {MAX_WORKLOAD_BYTES // 2**20} MiB"):
+        read_workload(big, 100)
+    (tmp_path / "bad.jsonl").write_bytes(GOOD.encode() + b"\n\xff\xfe\n")
+    with pytest.raises(PdctlError, match="line 2: not UTF-8"):
+        read_workload(tmp_path / "bad.jsonl", 100)
+
+
+def test_a_file_asking_more_tokens_than_a_run_can_hold_is_refused_before_any_prompt_is_built() -> None:
+    """5,000 valid lines of 2^20 tokens each needed ~190 GB; 5,000 trace lines of 2,048 hash ids, a MemoryError.
+    The whole file's prompts are bounded, and hash ids by the prompt they stand for."""
+    lines = (json.dumps({"input_len": 1 << 20, "output_len": 1}) for _ in range(5000))
+    with pytest.raises(PdctlError, match=f"line {MAX_WORKLOAD_TOKENS // (1 << 20) + 1}: the prompts up to here"):
+        parse_workload(lines, "w.jsonl", 5000)
+    trace = json.dumps({"input_length": 100, "output_length": 1, "hash_ids": list(range(2048))})
+    with pytest.raises(PdctlError, match="line 1: 2048 hash_ids for input_len 100: at most 1"):
+        parse_workload([trace], "w.jsonl", 5000)
+
+
+def test_lengths_are_checked_against_the_served_context() -> None:
+    lines = [GOOD, json.dumps({"arrival_s": 1, "input_len": 100, "output_len": 29}),
+             json.dumps({"arrival_s": 2, "input_len": 60, "output_len": 8, "conversation": "c", "turn": 1}),
+             json.dumps({"arrival_s": 3, "input_len": 60, "output_len": 8, "conversation": "c", "turn": 2})]
+    workload = parse_workload(lines, "w.jsonl", 10)
+    check_context(workload, 136, "the engines' --max-model-len")  # turn 2: 60 + 8 + 60 prompt + 8 output
+    with pytest.raises(PdctlError, match=r"w.jsonl line 4: 128 prompt \+ 8 output tokens do not fit the model's "
+                                         r"context of 135 tokens \(the engines' --max-model-len\)"):
+        check_context(workload, 135, "the engines' --max-model-len")
+
+
+def test_a_file_over_the_served_context_fails_in_one_line(deployment: str, tmp_path: Path) -> None:
+    (tmp_path / "w.jsonl").write_text(GOOD + "\n" + json.dumps({"arrival_s": 1, "input_len": 8190,
+                                                                 "output_len": 3}) + "\n")
+    done = _bench(deployment, tmp_path, "--workload", "w.jsonl", check=False)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "w.jsonl line 2: 8190 prompt + 3 output tokens do not fit the model's context of 8192" in done.stderr
+    fifo = tmp_path / "w.fifo"
+    os.mkfifo(fifo)
+    hung = _bench(deployment, tmp_path, "--workload", "w.fifo", check=False)
+    assert hung.returncode != 0 and "w.fifo is not a regular file" in hung.stderr and "Traceback" not in hung.stderr
 
 
 def test_a_node_with_keys_by_name_needs_the_key_to_send(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -106,7 +107,7 @@ def test_a_first_run_on_a_pipe(tmp_path: Path) -> None:
     proxy_port = load_settings(config).proxy.port
     assert lines[-1] == f"proxy http://127.0.0.1:{proxy_port}", lines
     # no line of the log is cut in two at 80 columns
-    assert all(re.match(r"\s*\d+s  pd-[\w-]+: ", line) for line in lines[:-2]), lines
+    assert all(re.match(r"\s*\d+s  (pd-[\w-]+: |still waiting for )", line) for line in lines[:-2]), lines
 
     good = config.read_text()
     config.write_text(good + "[bogus]\nx = 1\n")
@@ -128,6 +129,34 @@ def test_a_first_run_on_a_pipe(tmp_path: Path) -> None:
     assert down.returncode == 0 and down.stdout.startswith("stopped "), down.stdout + down.stderr
     again = _pdctl(config, "down")
     assert again.returncode == 3 and "nothing was running" in again.stdout
+
+
+def test_a_slow_start_on_a_pipe_is_never_silent_for_long(tmp_path: Path) -> None:
+    """Issue 37: on a pipe `pdctl up` said nothing for 81 s while the engines loaded. Engines that "load" for 25 s
+    (logging that they do, as vLLM does): a line comes at least every HEARTBEAT_S (plus the time one look at the
+    node takes on a loaded box), naming what it waits for and what the engine's log last said."""
+    from appliance.progress import HEARTBEAT_S
+
+    config = _config(tmp_path, _free_port())
+    config.write_text(config.read_text() + '[engine.sim]\nextra_args = ["--load-s", "25"]\n')
+    env = dict(os.environ, PDCTL_INVENTORY="sim:cpu")
+    up = subprocess.Popen([sys.executable, "-m", "appliance", "--config", str(config), "up"], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    arrived: list[tuple[float, str]] = []
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:
+            arrived.append((time.monotonic(), line.rstrip("\n")))
+        up.wait(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+        _pdctl(config, "down")
+    assert up.returncode == 0, arrived
+    gaps = [b[0] - a[0] for a, b in zip(arrived, arrived[1:], strict=False)]
+    assert max(gaps) < HEARTBEAT_S + 5, list(zip(gaps, [line for _, line in arrived[1:]], strict=True))
+    waiting = [line for _, line in arrived if "still waiting for pd-prefill-0" in line]
+    assert waiting and "last logged:" in waiting[0] and "loading the model" in waiting[0], arrived
 
 
 def test_a_proxy_port_another_process_took_is_named_by_status_and_up(tmp_path: Path) -> None:

@@ -34,6 +34,10 @@ def test_pdctl_restart_under_load_fails_nothing(tmp_path: Path) -> None:
         assert figures["held"] > 0 and 0 < figures["max_hold_s"] < 120
         assert {i["name"]: i["restarts"] for i in doc["instances"]} == {"prefill-0": 1, "decode-0": 1}
         assert doc["proxy"]["restarts"] == 0
+        # issue 37: after `pdctl down` the restarts column still showed the last run's counts
+        pdctl(config, "down", check=True)
+        after = status(config)
+        assert [(i["restarts"], i["automatic_restarts"]) for i in after["instances"]] == [(0, 0), (0, 0)], after
     finally:
         pdctl(config, "down")
 

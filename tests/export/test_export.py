@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,12 +93,16 @@ def test_reference_plan_to_ray_serve() -> None:
     # The node's MoRIIO port bases become Ray's per-role bases.
     assert prefill["experimental_configs"] == {"MORI_HANDSHAKE_PORT_BASE": 6301, "MORI_NOTIFY_PORT_BASE": 6105}
     assert decode["experimental_configs"] == {"MORI_HANDSHAKE_PORT_BASE": 7301, "MORI_NOTIFY_PORT_BASE": 7501}
-    assert docs["ray-serve/serve.yaml"]["http_options"] == {"host": "0.0.0.0", "port": p.proxy.port}
+    # issue 37: it listened on 0.0.0.0, with no key asked of any client; loopback unless --http-host says
+    assert docs["ray-serve/serve.yaml"]["http_options"] == {"host": "127.0.0.1", "port": p.proxy.port}
 
 
 def test_reference_plan_to_llm_d() -> None:
     _, docs = export(REFERENCE, "sim:mi300x-8", target="llm-d")
     prefill, decode = docs["llm-d/modelserver.yaml"]
+    # issue 37: the vLLM image was untagged (whatever was pushed last); pinned to a vLLM release
+    images = [c["image"] for d in (prefill, decode) for c in d["spec"]["template"]["spec"]["containers"]]
+    assert images and all(re.search(r":\S*0\.2[34]\.0$", i) for i in images if "sidecar" not in i), images
     assert [d["metadata"]["name"] for d in (prefill, decode)] == ["pdctl-qwen3-235b-prefill", "pdctl-qwen3-235b-decode"]
     for dep, role, port in ((prefill, "prefill", 8000), (decode, "decode", 8200)):
         assert dep["spec"]["replicas"] == 1

@@ -414,3 +414,26 @@ def test_a_prompt_found_too_short_to_hand_over_fills_the_decodes_window(tmp_path
             await all_drained(p, d)
 
         run(scenario())
+
+
+def test_a_lone_surrogate_in_a_text_prompt_is_a_clean_400() -> None:
+    # Issue 36, finding 3: json takes "\ud800", UTF-8 does not; the router measures a text prompt by its UTF-8
+    # length, which raised (a 500 and a traceback). A lone surrogate is no character: refused at the door, paired
+    # ones (an emoji as a JSON client escapes it) are text like any other.
+    with cluster() as c:
+        _start(c, decode_only_below=32)
+
+        async def scenario() -> None:
+            await proxy_ready(c)
+            assert c.proxy is not None
+            for prompt in (b'"x \\ud800"', b'"\\udfff x"', b'["ok", "x \\ud800"]'):
+                raw = b'{"model": "%b", "prompt": %b, "max_tokens": 2}' % (MODEL.encode(), prompt)
+                status, answer, _ = await post(c.proxy.url, "/v1/completions", raw, headers=ASKING)
+                assert status == 400, answer
+                assert "lone surrogate" in json.loads(answer)["error"]["message"]
+            raw = b'{"model": "%b", "prompt": "x \\ud83d\\ude00", "max_tokens": 2}' % MODEL.encode()
+            status, answer, headers = await post(c.proxy.url, "/v1/completions", raw, headers=ASKING)
+            assert status == 200 and headers["x-pdctl-route"] == DECODE_ONLY, answer
+            assert "Traceback" not in c.logs()
+
+        run(scenario())

@@ -597,3 +597,45 @@ def test_a_flood_on_an_events_port_costs_the_proxy_a_bounded_rate_and_it_keeps_r
             # every second of the flood, at most the cap were parsed (+1 window for the one in progress)
             assert read <= MAX_BATCHES_PER_S * (elapsed + 2), (read, elapsed)
     asyncio.run(scenario())
+
+
+async def _loop_lag(stop: asyncio.Event, lags: list[float]) -> None:
+    """How late the event loop wakes a 10 ms sleep, each time, until `stop`: every stream and /health waits as long."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        before = loop.time()
+        await asyncio.sleep(0.01)
+        lags.append(loop.time() - before - 0.01)
+
+
+def test_valid_batches_of_many_blocks_are_bounded_by_a_budget_and_applied_in_slices() -> None:
+    """Issue 36, finding 2: any local process may publish to a tcp events port valid BlockStored batches of 300,000
+    one-token blocks (~2 MB) every 0.6 s. Each cost the proxy's loop over a second; now a stream applies at most
+    MAX_BLOCKS_PER_S blocks a second, decodes large batches off the loop and applies them in slices: the loop is
+    never late by more than a fraction of that, what is dropped is counted, and an engine's later batch applies."""
+    blocks = 300_000
+    flood = {"type": "BlockStored", "block_hashes": list(range(blocks)), "parent_block_hash": None,
+             "token_ids": [7] * blocks, "block_size": 1, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+    async def scenario() -> None:
+        async with _node() as (px, pubs):
+            stop, lags = asyncio.Event(), []
+            ticker = asyncio.ensure_future(_loop_lag(stop, lags))
+            for _ in range(8):
+                await pubs[0].send(flood)
+                await asyncio.sleep(0.6)
+            await asyncio.sleep(1.0)  # what was queued is read
+            stop.set()
+            await ticker
+            assert max(lags) < 0.25, f"the loop was {max(lags):.3f} s late ({len(lags)} ticks)"
+            assert px.kv_events.counts.get(("both-0", "over-budget"), 0) >= 2
+            assert px.kv_events.dropped_blocks["both-0"] >= 2 * blocks
+            headers = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+            async with aiohttp.ClientSession() as s, s.get(local(px.api_port) + "/metrics", headers=headers) as r:
+                text = await r.text()
+            assert 'pdctl_proxy_kv_event_blocks_dropped_total{instance="both-0"}' in text, text[:300]
+            await asyncio.sleep(1.0)  # a second of budget again: the engine's own batch is applied
+            await pubs[0].send(_stored(PROMPT[:BLOCK], [b"after"]))
+            await eventually(lambda: px.kv_events.counts.get(("both-0", "gap"), 0)
+                             + px.kv_events.counts.get(("both-0", "applied"), 0) >= 1, what="the batch after")
+    asyncio.run(scenario())

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from appliance.connector.base import (
+    Alone,
     Connector,
     FindInstance,
     HandoffError,
@@ -23,6 +24,8 @@ from appliance.connector.base import (
     RayServeBackend,
     RdmaNeed,
     SimOptions,
+    skipping_lookups,
+    without_prompt_logprobs,
 )
 from appliance.connector.extras import ExtraConfigTable
 from appliance.connector.moriio.address import router_request_id, zmq_address
@@ -111,7 +114,10 @@ class MoriioConnector(Connector):
     mode_fixed_at_start = True
     sim_flow = "appliance.connector.moriio.sim:MoriioSim"
     library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
-    read_needs_prefill_kv = True
+    # vLLM 0.32 answers a prefill leg with the first engine request's kv_transfer_params only, whatever the
+    # connector (entrypoints/openai/completion/serving.py: final_res_batch[0]): a batch's other prompts, or
+    # n samples, handed over would read the first one's blocks (NIXL showed it on real engines)
+    one_request_per_handoff = True
     extra_config_keys = EXTRA_CONFIG
     settings_model = MoriioSettings
     moved_settings = {"moriio_backend": "backend"}
@@ -131,8 +137,10 @@ class MoriioConnector(Connector):
         return settings.backend
 
     def rdma(self, settings: OwnSettings) -> RdmaNeed:
-        return RdmaNeed(required=self._backend(settings) == "rdma",
-                        fix='use backend = "xgmi" in [connector.moriio] on one node, or load the RDMA driver')
+        if self._backend(settings) == "rdma":
+            return RdmaNeed(required=True,
+                            fix='use backend = "xgmi" in [connector.moriio] on one node, or load the RDMA driver')
+        return RdmaNeed(required=False, fix="its xgmi backend moves the KV over XGMI")
 
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
         # Each rank binds base + rank_offset() (at most DP + TP - 2); a block of DP x TP ports from each base
@@ -249,6 +257,25 @@ class MoriioConnector(Connector):
         # when no token is external. An empty prompt never reaches an engine (vLLM's input processor: 400).
         return True
 
+    def alone(self, mode: Mode) -> Alone:
+        # vLLM 0.32 moriio_connector.py, MoRIIOConnectorScheduler.get_num_new_matched_tokens: WRITE asks for
+        # nothing without do_remote_prefill, READ for max(prompt - computed - 1, 0) whatever the params, and
+        # update_state_after_alloc returns early without params: nothing is read, and the decode attends over
+        # positions never written (a 100-token prompt: 99 external tokens, no receive; tests/connector).
+        if mode == "read":
+            # a request with prompt logprobs skips the connector's count (alone_body): correct, at the cost of
+            # the prompt's logprobs and of its prefix cache hits, so only for what cannot be handed over
+            return Alone(False, "vLLM's MoRIIO decode in READ mode counts every prompt token but the last as "
+                                "pulled from a prefill, with or without a hand-off, and pulls nothing without one")
+        return Alone(True, "vLLM's MoRIIO decode in WRITE mode loads nothing without do_remote_prefill: it "
+                           "computes the prompt itself")
+
+    def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:
+        return skipping_lookups(body) if mode == "read" else (body, False)
+
+    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        return without_prompt_logprobs(answer)
+
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         leg = super().prefill_body(body, prefill, decode, handoff)
         leg["kv_transfer_params"] = {
@@ -278,6 +305,8 @@ class MoriioConnector(Connector):
             "remote_block_ids": None,
             "transfer_id": _transfer_id(handoff),
         }
+        if prefill_kv is None and handoff.get("mode") == "read":
+            raise HandoffError(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
         if prefill_kv is not None:
             # READ: copy what the prefill returned (remote_engine_id, remote_block_ids, transfer_id, ...)
             if not prefill_kv.get("remote_block_ids") and "remote_engine_id" not in prefill_kv:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from appliance.connector.base import (
+    Alone,
     Connector,
     HandoffError,
     HandoffFacts,
@@ -94,11 +95,8 @@ class NixlConnector(Connector):
     modes = frozenset({"read", "write"})
     # vLLM 0.24+ ships the push flow as its own class: the mode is in the engines' flags.
     mode_fixed_at_start = True
-    # WRITE: the decode names the prefill's engine id, which only the prefill's answer carries.
-    write_waits_for_prefill = True
     sim_flow = "appliance.connector.nixl.sim:NixlSim"
     library = Library("nixl", "nixl._api:nixl_agent", "nixl")
-    read_needs_prefill_kv = True
     extra_config_keys = EXTRA_CONFIG
     settings_model = NixlSettings
     moved_settings = {"kv_buffer_device": "kv_buffer_device"}
@@ -221,6 +219,16 @@ class NixlConnector(Connector):
         # (push_scheduler.py update_state_after_alloc and request_finished). An empty prompt never reaches an
         # engine: vLLM's input processor refuses it (400).
         return True
+
+    def serial(self, mode: Mode) -> bool:
+        # WRITE too: the decode names the prefill's engine id, which only the prefill's answer carries
+        return True
+
+    def alone(self, mode: Mode) -> Alone:
+        # vLLM 0.32 nixl/pull_scheduler.py and push_scheduler.py, get_num_new_matched_tokens: (0, False) unless
+        # the request carries do_remote_prefill (real CPU engines: tests/engine)
+        return Alone(True, f"vLLM's NIXL decode ({mode}) loads nothing without do_remote_prefill: it computes "
+                           "the prompt itself")
 
     def release_body(self, decode_body: dict[str, Any], path: str,
                      mode: str) -> tuple[str, dict[str, Any]] | None:

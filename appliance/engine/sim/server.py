@@ -230,6 +230,8 @@ class SimServer:
 
     async def start(self) -> None:
         """Bind the side channels, then the HTTP port; /health answers 200 once this returns."""
+        if self.cfg.load_s:
+            log.info("loading the model (%gs before it listens, as vLLM does)", self.cfg.load_s)
         await asyncio.sleep(self.cfg.load_s)
         await self.connector.start()
         self.engine.start()
