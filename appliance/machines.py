@@ -23,6 +23,11 @@ MACHINES: dict[str, Machine | None] = {
     "h200-8": Machine("nvidia", "NVIDIA H200", 143_771, 8, "NVLINK"),
     "h200-2": Machine("nvidia", "NVIDIA H200", 143_771, 2, "NVLINK"),
     "h200-1": Machine("nvidia", "NVIDIA H200", 143_771, 1, "NVLINK"),
+    "h100-8": Machine("nvidia", "NVIDIA H100 80GB HBM3", 81_559, 8, "NVLINK"),
+    "h100-1": Machine("nvidia", "NVIDIA H100 80GB HBM3", 81_559, 1, "NVLINK"),
+    "b200-8": Machine("nvidia", "NVIDIA B200", 183_359, 8, "NVLINK"),
+    "mi325x-8": Machine("amd", "AMD Instinct MI325X", 262_128, 8, "XGMI"),
+    "mi355x-8": Machine("amd", "AMD Instinct MI355X", 294_896, 8, "XGMI"),
     "cpu": None,
 }
 

@@ -71,18 +71,25 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class Accelerator:
-    """One accelerator's public peaks, the shares of them vLLM reaches, and whether pdctl measured those."""
+    """One accelerator's public facts (docs/hardware.md cites them), the shares of its peaks vLLM reaches, and
+    what measured those shares: this card, a card of its family (carried), or nothing (assumed)."""
 
     name: str
+    vendor: Literal["nvidia", "amd"]
+    family: str  # the shares carry within a family: same compute units, same memory controller
+    names: tuple[str, ...]  # what NVML / amdsmi report for it, lower case, spaces dropped
+    hbm_gib: float  # what NVML / amdsmi report as total memory (the nearest-profile fact)
     hbm_tbps: float
     bf16_tflops: float  # dense
     fp8_tflops: float  # dense
+    link: str  # GPU-GPU, per GPU, both directions together
     weight_share: float  # of hbm_tbps, streaming a decode step's weights
     kv_share: float  # of hbm_tbps, each running sequence's KV read
     gemm_share: float  # of bf16_tflops in a prefill
     fp8_gemm_share: float  # of fp8_tflops in a prefill with FP8 weights (W8A8)
-    calibrated: str  # what measured the shares on this accelerator ("": nothing, they are assumed)
-    band: tuple[float, float] = (1.0, 1.0)  # uncalibrated: the goodput's plausible range, x the prediction
+    calibrated: str  # what measured the shares ("": measured on no card of this one's)
+    band: tuple[float, float] = (1.0, 1.0)  # the shares' transfer: goodput x this range on top of MODEL_BAND
+    carried_from: str = ""  # the card whose measured shares this one carries
 
 
 # Decode step, weights: the 1-GPU decode of issue14-s2/disagg-read-w8000x200.json at 0.4 req/s: median gap
@@ -99,16 +106,54 @@ class Accelerator:
 # 8000-token prompt in one step: TTFT p50 156 ms = 32 + 28.6 ms of bf16 attention + 111 TFLOP of FP8 linear
 # layers in 95 ms: 1,170 TFLOP/s, 0.59 of the FP8 peak (1.77x the bf16 rate). Weights streamed at the same
 # bytes/s as bf16 (the 8B's one-sequence step, 4.0 ms for 8.2 GB, is mostly per-step overhead: no calibration).
-H200 = Accelerator("H200", hbm_tbps=4.8, bf16_tflops=989.0, fp8_tflops=1979.0, weight_share=3.53 / 4.8,
-                   kv_share=3.9 / 4.8, gemm_share=660.0 / 989.0, fp8_gemm_share=1170.0 / 1979.0,
+H200 = Accelerator("H200", "nvidia", "hopper", ("h200",), 140.4, hbm_tbps=4.8, bf16_tflops=989.0, fp8_tflops=1979.0,
+                   link="NVLink 4, 900 GB/s", weight_share=3.53 / 4.8, kv_share=3.9 / 4.8, gemm_share=660.0 / 989.0,
+                   fp8_gemm_share=1170.0 / 1979.0,
                    calibrated="2 x H200, vLLM 0.24.0 (results/gpu-h200x2, results/gpu-h200x1)")
-# MI300X (docs/operations.md, "Hardware profiles"): AMD's data sheet: 192 GB HBM3 at 5.3 TB/s, 1,307 TFLOP/s
-# dense bf16, 2,615 dense FP8, 7 XGMI links per GPU. Shares are public measurements, not pdctl's: HBM streaming
-# reaches ~0.81 of peak in microbenchmarks (vLLM's decode reached 0.74 on the H200, so 0.70 is taken); dense
-# GEMMs deliver ~0.45 of the peak in practice (hipBLASLt, bf16 and FP8 alike). Hence the band.
-MI300X = Accelerator("MI300X", hbm_tbps=5.3, bf16_tflops=1307.0, fp8_tflops=2615.0, weight_share=0.70,
-                     kv_share=0.75, gemm_share=0.45, fp8_gemm_share=0.45, calibrated="", band=(0.6, 1.4))
-ACCELERATORS = (H200, MI300X)
+# Hopper cards carry the H200's shares: the same SM and HBM controller, so a decode step's weight stream is the
+# same share of each card's bandwidth and a prefill GEMM the same share of its tensor peak. The lent cards bear
+# it out: a device-to-device copy reached 0.90 of the peak bandwidth on both an H100 SXM (3.0 of 3.35 TB/s) and
+# an H200 (4.3 of 4.8), a bf16 GEMM 0.81 and 0.80 of 989 TFLOP/s (/work/.library/device/KINDS.md readings). The
+# band is what the shares' move between those two cards allows (2 %), widened by the one vLLM figure that was
+# not re-measured: the per-step launch time, which no bandwidth scales (the 8B's 4.0 ms H200 step for 2.3 ms of
+# weights): a step of a small model is up to 1.15 x slower or faster than its bytes say.
+HOPPER_BAND = (0.85, 1.15)
+H100_SXM = replace(H200, name="H100 SXM", names=("h10080gbhbm3", "h100sxm"), hbm_gib=79.6, hbm_tbps=3.35,
+                   link="NVLink 4, 900 GB/s", calibrated="", band=HOPPER_BAND, carried_from="H200")
+# The PCIe card: 350 W against 700 W, so its clocks (and the GEMM share of the peak its datasheet states) drop
+# further under a long prefill: a wider band on the low side.
+H100_PCIE = replace(H100_SXM, name="H100 PCIe", names=("h100pcie",), hbm_tbps=2.0, bf16_tflops=756.0,
+                    fp8_tflops=1513.0, link="NVLink bridge 600 GB/s (pairs), else PCIe 5 x16 128 GB/s", band=(0.7, 1.15))
+# Blackwell: other compute units (5th-generation tensor cores) and HBM3e at 8 TB/s: the H200's shares are taken
+# as a guess, with the assumed-shares band.
+ASSUMED_BAND = (0.6, 1.4)
+B200 = replace(H200, name="B200", family="blackwell", names=("b200",), hbm_gib=179.1, hbm_tbps=8.0,
+               bf16_tflops=2250.0, fp8_tflops=4500.0, link="NVLink 5, 1.8 TB/s", calibrated="", band=ASSUMED_BAND)
+# MI300X (docs/hardware.md): 192 GB HBM3 at 5.3 TB/s, 1,307 TFLOP/s dense bf16, 2,615 dense FP8, 7 XGMI links per
+# GPU. Shares are public measurements, not pdctl's: HBM streaming reaches ~0.81 of peak in microbenchmarks
+# (vLLM's decode reached 0.74 on the H200, so 0.70 is taken); dense GEMMs deliver ~0.45 of the peak in practice
+# (hipBLASLt, bf16 and FP8 alike). Hence the band.
+MI300X = Accelerator("MI300X", "amd", "cdna3", ("mi300x",), 192.0, hbm_tbps=5.3, bf16_tflops=1307.0,
+                     fp8_tflops=2615.0, link="7 x Infinity Fabric, 896 GB/s", weight_share=0.70, kv_share=0.75,
+                     gemm_share=0.45, fp8_gemm_share=0.45, calibrated="", band=ASSUMED_BAND)
+# MI325X: the MI300X's compute dies with HBM3e: its shares carry (same family) at its own bandwidth.
+MI325X = replace(MI300X, name="MI325X", names=("mi325x",), hbm_gib=256.0, hbm_tbps=6.0)
+# MI355X (CDNA 4): twice the matrix rate per compute unit, HBM3e at 8 TB/s: the MI300X's assumed shares.
+MI355X = replace(MI300X, name="MI355X", family="cdna4", names=("mi355x", "mi350x"), hbm_gib=288.0, hbm_tbps=8.0,
+                 bf16_tflops=2500.0, fp8_tflops=5000.0, link="7 x Infinity Fabric, 1,075 GB/s")
+ACCELERATORS = (H200, H100_SXM, H100_PCIE, B200, MI300X, MI325X, MI355X)
+# An accelerator with no profile: the nearest one by its vendor and memory, with the band widened by how far
+# the peaks of two neighbours in that table differ (H100 PCIe to SXM: 0.6 x the bandwidth, 0.76 x the compute).
+UNKNOWN_BAND = (0.5, 1.6)
+# How far measured goodput lay from the calibrated H200 profile's prediction on every recorded run
+# (benchmarks/gpu/suggest_check.py, 401 intervals; tests/bench/test_suggest_check.py holds every one inside):
+# per layout and ITL judgement, [the lowest b / predicted, the highest a / predicted] over the intervals [a, b),
+# rounded outward. A split judged by its max gap is the model's weak spot (join stalls near the target).
+MODEL_BAND: dict[tuple[str, str], tuple[float, float]] = {
+    ("colocated", "p99"): (0.75, 1.7), ("colocated", "mean"): (0.75, 1.3), ("colocated", "max"): (0.5, 1.3),
+    ("disaggregated", "p99"): (0.35, 3.4), ("disaggregated", "mean"): (0.35, 1.3),
+    ("disaggregated", "max"): (0.35, 34.0),
+}
 H200_TTFT_OVERHEAD_MS = 32.0
 # A prefill chunk rides in a decode step: its compute overlaps the step's weight streaming. The share of the
 # step's base hidden under the chunk, from issue14/long-colocated-2-mbt256.json (1 GPU, budget 256, 8000
@@ -184,7 +229,24 @@ def _default_graph_tokens(max_num_seqs: int, budget: int) -> int:
 
 def accelerator_of(gpu_name: str) -> Accelerator | None:
     """The hardware profile of a GPU by its reported name (None: no profile for it)."""
-    return next((a for a in ACCELERATORS if a.name.lower() in gpu_name.lower().replace(" ", "")), None)
+    name = gpu_name.lower().replace(" ", "")
+    return next((a for a in ACCELERATORS if any(n in name for n in a.names)), None)
+
+
+def nearest_accelerator(vendor: str, memory_mib: int) -> Accelerator:
+    """The profile nearest a card that has none: its vendor's, closest in memory (the fact NVML and amdsmi give
+    for every card), with the unknown card's band."""
+    same = [a for a in ACCELERATORS if a.vendor == vendor] or list(ACCELERATORS)
+    gib = max(memory_mib, 1) / 1024
+    near = min(same, key=lambda a: abs(math.log(gib / a.hbm_gib)))
+    return replace(near, calibrated="", band=UNKNOWN_BAND, carried_from=near.carried_from or near.name)
+
+
+def goodput_band(p: Profile, layout: str, judgement: str) -> tuple[float, float]:
+    """Where the goodput under `judgement` lies, x the prediction: the model's own spread on the runs that
+    calibrated it (MODEL_BAND) times the profile's transfer to this card (Profile.band)."""
+    low, high = MODEL_BAND[(layout, judgement)]
+    return low * p.band[0], high * p.band[1]
 
 
 @dataclass(frozen=True)
@@ -336,8 +398,7 @@ def gpu_profile(settings: Settings, inventory: Inventory, model: ModelShape, blo
     gpu = next((g for g in inventory.gpus if _usable(g)), None)
     name = gpu.name if gpu else "no GPU"
     acc = accelerator_of(name)
-    # an accelerator without a profile: the H200's rates, and a band as wide as the MI300X's
-    hw = acc or replace(H200, calibrated="", band=MI300X.band)
+    hw = acc or nearest_accelerator(gpu.vendor if gpu else "nvidia", gpu.memory_total_mib if gpu else 143_771)
     mem = (gpu.memory_total_mib if gpu else 143_771) * 2**20
     util = settings.decode.gpu_memory_utilization or 0.9
     kvb = model.kv_bytes_per_token
@@ -354,12 +415,14 @@ def gpu_profile(settings: Settings, inventory: Inventory, model: ModelShape, blo
     connector_name = resolve_name(disaggregated_name(settings.connector.name), platform)
     connector = get_connector(connector_name)
     facts = connector.handoff_facts(platform, cross_layer, settings.connector.own(connector_name))
-    what = f"{hw.name} profile" if acc else f"H200 profile on {name} (no profile for it)"
+    what = f"{hw.name} profile" if acc else f"{hw.name} profile on {name} (no profile for it: the nearest by memory)"
     if hw.calibrated:
         how = f"calibrated on {hw.calibrated}"
     else:
-        how = (f"NOT calibrated on this hardware (public peaks x assumed shares): goodput could be "
-               f"{hw.band[0]:g}-{hw.band[1]:g}x the figures; `pdctl plan --check` says how to calibrate it")
+        carried = (f"the {hw.carried_from}'s measured shares of the peaks" if hw.carried_from
+                   else "assumed shares of the peaks")
+        how = (f"NOT calibrated on this hardware (public peaks x {carried}): each band is the calibrated "
+               f"model's x {hw.band[0]:g}-{hw.band[1]:g}; the calibration command is below")
     terms = (f"; weights {model.quantization.upper()}" if model.quantization else "") + (
         "; MoE terms from 1 x H200 (Qwen3-30B-A3B shape)" if experts else "")
     return Profile(
@@ -391,9 +454,11 @@ def gpu_profile(settings: Settings, inventory: Inventory, model: ModelShape, blo
         kv_tokens_per_gpu=kv_tokens, default_budget=VLLM_GPU_DEFAULT_BUDGET)
 
 
-def bench_profile(path: Path, prefill_tp: int, decode_tp: int, fallback: Profile) -> Profile:
-    """Costs measured by `pdctl bench` (lowest rate of its first shape), per GPU for the TPs it ran with;
-    everything it cannot measure (hand-off, KV capacity, TP factors) comes from `fallback`."""
+def bench_profile(path: Path, cand: Candidate, fallback: Profile) -> Profile:
+    """The fallback profile fitted to a `pdctl bench` result of deployment `cand` (its lowest rate): the prefill
+    compute and the decode step scaled by measured over predicted, at that rate and prompt length. The shares
+    move, the model's shape stays (attention, the TTFT outside the engine, KV reads), so the fit carries to
+    other prompt and output lengths; what it cannot measure (hand-off, KV capacity, TP) stays the fallback's."""
     from appliance.bench.results import read_result
 
     result = read_result(path)
@@ -404,15 +469,28 @@ def bench_profile(path: Path, prefill_tp: int, decode_tp: int, fallback: Profile
     ok = [q for q in low.requests if q.error is None and q.chunk_times_s and q.prompt_tokens]
     if not ok:
         raise PdctlError(f"{path}: no successful request with timings at rate {low.rate}")
-    ttft_per_token = statistics.median(q.chunk_times_s[0] / q.prompt_tokens for q in ok)  # type: ignore[operator]
+    prompt = round(statistics.median(q.prompt_tokens or 0 for q in ok))
+    output = result.workload.output_len
+    ttft_ms = statistics.median(q.chunk_times_s[0] for q in ok) * 1000
     gaps = [b - a for q in ok for a, b in zip(q.chunk_times_s, q.chunk_times_s[1:], strict=False)]
-    itl_ms = statistics.median(gaps) * 1000 if gaps else fallback.decode_step_ms
-    # At the lowest rate the batch is small: the step is mostly its base cost.
-    return replace(fallback, prefill_us_per_token=ttft_per_token * 1e6 * _eff(prefill_tp, fallback.prefill_tp_factor),
-                   decode_step_ms=itl_ms * _eff(decode_tp, fallback.decode_tp_factor), ttft_overhead_ms=0.0,
-                   prefill_us_per_context_token=0.0,  # the measured TTFT per token holds its prompts' attention
-                   calibrated=True, band=(1.0, 1.0),  # its prefill and step, the bulk of every figure, measured here
-                   source=f"pdctl bench result {path} (hand-off and KV capacity: {fallback.source})")
+    gap_ms = statistics.median(gaps) * 1000 if gaps else None
+    # the TTFT of a lone request (no queue) and the mean gap at the run's rate, as the fallback predicts them
+    alone = state(fallback, cand, 1e-6, prompt, output, 1e9)
+    at_rate = state(fallback, cand, low.rate, prompt, output, 1e9)
+    if alone.ttft_ms is None or at_rate.gap_ms is None:
+        raise PdctlError(f"{path}: the profile saturates at rate {low.rate} ({prompt} + {output} tokens)",
+                         fix="calibrate with the command `pdctl plan --check` prints")
+    inside = alone.ttft_ms - fallback.ttft_overhead_ms
+    prefill = max(0.05, (ttft_ms - fallback.ttft_overhead_ms) / inside) if inside > 0 else 1.0
+    decode = gap_ms / at_rate.gap_ms if gap_ms else 1.0
+    return replace(fallback, prefill_us_per_token=fallback.prefill_us_per_token * prefill,
+                   prefill_us_per_context_token=fallback.prefill_us_per_context_token * prefill,
+                   decode_step_ms=fallback.decode_step_ms * decode, expert_step_ms=fallback.expert_step_ms * decode,
+                   kv_read_tbps=fallback.kv_read_tbps / decode if fallback.kv_read_tbps else None,
+                   calibrated=True, band=(1.0, 1.0),  # the prefill and the step, the bulk of every figure, measured
+                   source=(f"pdctl bench result {path}: prefill x{prefill:.2f}, decode step x{decode:.2f} of the "
+                           f"uncalibrated profile's ({prompt}-token TTFT {ttft_ms:.0f} ms, median gap "
+                           f"{gap_ms or 0:.1f} ms at {low.rate:g} req/s); the rest from {fallback.source}"))
 
 
 def handoff_of(settings: Settings, inventory: Inventory) -> tuple[int, bool]:

@@ -77,8 +77,9 @@ def render_plan(p: Plan, console: Console) -> None:
 @click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), help="--suggest: TTFT SLO [slo.ttft_ms].")
 @click.option("--itl-ms", type=click.FloatRange(min=0, min_open=True), help="--suggest: ITL SLO [slo.itl_ms].")
 @click.option("--profile", type=click.Path(dir_okay=False, exists=True),
-              help="--suggest: step costs from a `pdctl bench` result measured on this node [default: the "
-              "simulated engine's model, or on real vLLM the H200-calibrated constants scaled by config.json].")
+              help="--suggest: fit the profile to a `pdctl bench` result measured on this node (the calibration "
+              "run `plan --suggest` prints) [default: the simulated engine's model, or on real vLLM the node's "
+              "accelerator profile scaled by config.json (docs/hardware.md)].")
 @click.option("--check", "check", type=click.Path(dir_okay=False, exists=True), multiple=True,
               help="--suggest: print the predictions next to this `pdctl bench` result, shape by shape "
               "(its workload and SLOs; pass the inventory it ran on). Repeat it to check the shapes of "

@@ -36,6 +36,7 @@ from appliance.suggest import (
     decode_step_figures,
     default_profile,
     descriptors,
+    goodput_band,
     handoff,
     predict,
     state,
@@ -49,10 +50,20 @@ def _profile(settings: Settings, inventory: Inventory, model: ModelShape | None,
     fallback = default_profile(settings, inventory, model)
     if not explicit:
         return fallback
+    return bench_profile(Path(explicit), _measured(settings), fallback)
+
+
+def _measured(settings: Settings) -> Candidate:
+    """The deployment a calibration bench measured: the installed one, else one colocated engine (TP1, the
+    settings' budget), which is what `pdctl bench --url` against a lone vLLM server measures."""
     deployed = Node(settings).installed()
     roles: tuple[Role, ...] = ("prefill", "decode")
-    tp = {r: (deployed.role_instances(r)[0].tp if deployed and deployed.role_instances(r) else 1) for r in roles}
-    return bench_profile(Path(explicit), tp["prefill"], tp["decode"], fallback)
+    if deployed and all(deployed.role_instances(r) for r in roles):
+        pre, dec = (deployed.role_instances(r) for r in roles)
+        return Candidate("disaggregated", prefill=Shape(len(pre), pre[0].tp), decode=Shape(len(dec), dec[0].tp))
+    colocated = deployed.role_instances("both") if deployed else []
+    tp = colocated[0].tp if colocated else 1
+    return Candidate("colocated", colocated=Shape(1, tp), budget=settings.colocated.max_num_batched_tokens)
 
 
 def _model(settings: Settings) -> tuple[Heads | None, ModelShape | None]:
@@ -63,24 +74,42 @@ def _model(settings: Settings) -> tuple[Heads | None, ModelShape | None]:
     return read_heads(settings.model.path), with_engine_quantization(shape, args) if shape else None
 
 
-def calibration(prof: Profile, input_len: int, output_len: int) -> str | None:
-    """How to calibrate an uncalibrated profile on this node: one low rate of `pdctl bench` against the
-    running deployment measures its prefill and decode step (`--profile` fits them); None when calibrated."""
+CALIBRATION_OUTPUT = 64  # output tokens of a calibration request: 63 gaps, enough for the step's median
+CALIBRATION_REQUESTS = 20
+CALIBRATION_BUSY = 0.2  # the share of the time a request is in flight: prefill and step each measured alone
+
+
+def calibration(prof: Profile, input_len: int) -> str | None:
+    """How to calibrate an uncalibrated profile on this node: one `pdctl bench` run at a rate low enough that
+    requests rarely overlap (by this profile's own TTFT and step), at the workload's prompt length; None when
+    calibrated."""
     if prof.calibrated:
         return None
-    return (f"calibrate it on this node: with a deployment up, `pdctl bench --rates 0.2 -n 20 --input-len "
-            f"{input_len} --output-len {output_len} --stop-on none --out calibration` (one low rate: each prompt's "
-            "prefill and the decode step alone, a few minutes), then `pdctl plan --suggest --profile "
+    cand = Candidate("colocated", colocated=Shape(1, 1))
+    lone = state(prof, cand, 1e-6, input_len, CALIBRATION_OUTPUT, 1e9)
+    life_s = ((lone.ttft_ms or 0.0) + CALIBRATION_OUTPUT * (lone.gap_ms or 0.0)) / 1000
+    rate = float(f"{CALIBRATION_BUSY / max(life_s, 1e-3):.1g}")
+    minutes = (CALIBRATION_REQUESTS + 1) / rate / 60 + life_s / 60
+    return (f"calibrate it on this node: with a deployment up (or `--url` to one vLLM server), `pdctl bench "
+            f"--rates {rate:g} -n {CALIBRATION_REQUESTS} --lifetimes 0 --input-len {input_len} --output-len "
+            f"{CALIBRATION_OUTPUT} --stop-on none --no-plots --out calibration` (about {minutes:.1f} min: each "
+            f"prompt's prefill and the decode step, one request at a time), then `pdctl plan --suggest --profile "
             "calibration/bench.json` (and `pdctl plan --check` on a sweep to see how close it is)")
 
 
-def _row(p: Prediction) -> dict[str, Any]:
+def _band(prof: Profile, p: Prediction, judgement: str) -> tuple[float, float]:
+    """Where the candidate's goodput lies (req/s), by the profile's band for its layout and the judgement."""
+    low, high = goodput_band(prof, p.layout, judgement)
+    return low * p.goodput_rps, high * p.goodput_rps
+
+
+def _row(p: Prediction, band: tuple[float, float]) -> dict[str, Any]:
     c = p.candidate
     return {"layout": c.layout, "shape": str(c), "bench_shape": c.bench_name,
             "prefill": str(c.prefill) if c.prefill else None, "decode": str(c.decode) if c.decode else None,
             "colocated": str(c.colocated) if c.colocated else None, "max_num_batched_tokens": c.budget,
             "prefill_gpus": c.prefill.gpus if c.prefill else 0, "decode_gpus": c.decode.gpus if c.decode else 0,
-            "goodput_rps": p.goodput_rps, "goodput": p.goodput, "ttft_ms": p.ttft_ms, "itl_ms": p.itl_ms,
+            "goodput_rps": p.goodput_rps, "band_rps": list(band), "goodput": p.goodput, "ttft_ms": p.ttft_ms, "itl_ms": p.itl_ms,
             "running": p.running, "capacity": p.capacity, "meets_slo": p.meets_slo, "bottleneck": p.bottleneck}
 
 
@@ -142,9 +171,11 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
                               if us_per_token > 0 else None, slo.itl_ms)
     if as_json:
         profile = {k: v for k, v in asdict(prof).items() if k != "kv_tokens_per_gpu"}
+        j = slo.itl_judgement
         click.echo(json.dumps({"profile": profile, "workload": {"input_len": input_len, "output_len": output_len,
                                "rate": rate, "requests": requests, "ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms,
-                               "itl_judgement": slo.itl_judgement}, "suggestions": [_row(p) for p in ranked],
+                               "itl_judgement": slo.itl_judgement}, "suggestions": [_row(p, _band(prof, p, j)) for p in ranked],
+                               "apply": _choice(prof, ranked, j)[0].candidate.bench_name,
                                "decode_only_below": {"tokens": threshold, "why": why, "room": room_text,
                                                      "served_alone": _alone(settings, inventory).served},
                                "decode_step": decode_step, "decode_step_spread": spread}, indent=2))
@@ -158,34 +189,37 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
     _describe(console, prof, settings, inventory, model, heads, input_len, output_len, rate,
               split_fits=any(p.layout == "disaggregated" for p in ranked))
     table = Table(show_header=True, header_style="bold")
-    for col in ("rank", "shape", "goodput req/s", *(f"goodput {j}" for j in JUDGEMENTS), f"TTFT p90 @{rate:g}",
+    for col in ("rank", "shape", "goodput req/s", "band", *(f"goodput {j}" for j in JUDGEMENTS), f"TTFT p90 @{rate:g}",
                 f"ITL {slo.itl_judgement} @{rate:g}", "running / cap", "SLO", "limited by"):
         table.add_column(col)
     for n, p in enumerate(ranked[:16], 1):
         cap = f"{p.running:.0f} / {p.capacity:.0f}" if p.running is not None and p.capacity is not None else "-"
-        table.add_row(str(n), str(p.candidate), f"{p.goodput_rps:.2f}", *(f"{p.goodput[j]:.2f}" for j in JUDGEMENTS),
+        low, high = _band(prof, p, slo.itl_judgement)
+        table.add_row(str(n), str(p.candidate), f"{p.goodput_rps:.2f}", f"{low:.2f}-{high:.2f}",
+                      *(f"{p.goodput[j]:.2f}" for j in JUDGEMENTS),
                       f"{p.ttft_ms:.0f}" if p.ttft_ms is not None else "saturated",
                       f"{p.itl_ms:.1f}" if p.itl_ms is not None else "saturated", cap,
                       "[green]met[/green]" if p.meets_slo else "[red]missed[/red]", p.bottleneck)
     console.print(table)
-    best = ranked[0]
-    low, high = prof.band
-    band = "" if prof.calibrated else f" (uncalibrated here: {low * best.goodput_rps:.2f}-{high * best.goodput_rps:.2f})"
-    console.print(f"best: {best.candidate}: predicted goodput {best.goodput_rps:.2f} req/s ({slo.itl_judgement}){band}"
-                  f"{'' if best.meets_slo else ' (nothing meets the SLOs at this rate)'}")
+    best, rival = _choice(prof, ranked, slo.itl_judgement)
+    low, high = _band(prof, best, slo.itl_judgement)
+    state_of = "uncalibrated here" if not prof.calibrated else "the model's spread"
+    console.print(f"best: {best.candidate}: predicted goodput {best.goodput_rps:.2f} req/s ({slo.itl_judgement}), "
+                  f"{low:.2f}-{high:.2f} ({state_of}){'' if best.meets_slo else ' (nothing meets the SLOs at this rate)'}")
     for layout in ("colocated", "disaggregated"):
         top = next((p for p in ranked if p.layout == layout), None)
         if top is not None and top is not best:
             console.print(f"best {layout}: {top.candidate}: {top.goodput_rps:.2f} req/s")
-    advice = calibration(prof, input_len, output_len)
+    advice = calibration(prof, input_len)
     if advice:
         console.print(f"the profile is not calibrated on this hardware: {advice}")
-    c = best.candidate
-    if c.colocated is not None:
-        mbt = f" PDCTL_COLOCATED__MAX_NUM_BATCHED_TOKENS={c.budget}" if c.budget else ""
-        console.print(f"apply:{mbt} PDCTL_COLOCATED__INSTANCES={c.colocated.instances} pdctl up --connector none")
-    else:
-        console.print(f"apply: pdctl rebalance --prefill {c.prefill} --decode {c.decode}")
+    console.print(f"apply: {_apply(best.candidate)}")
+    if rival is not None:
+        r_low, r_high = _band(prof, rival, slo.itl_judgement)
+        console.print(f"  or {rival.candidate} ({r_low:.2f}-{r_high:.2f} req/s): its band overlaps; {best.candidate} "
+                      f"is named for its better worst case ({low:.2f} req/s). To tell them apart, measure both: "
+                      f"`pdctl bench --compare --shapes {best.candidate.bench_name},{rival.candidate.bench_name}`"
+                      f"{'' if not advice else ', or calibrate first'}; then `{_apply(rival.candidate)}` if it wins")
     alone = _alone(settings, inventory)
     if not alone.served:
         console.print(f"conditional routing: not on this node's connector and mode: {alone.why} (docs/routing.md, "
@@ -198,6 +232,27 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
                   f"{decode_step['prefill_us_per_token']:g}}}: each leg the decode runs takes "
                   f"{ms_per_seq * 1000 / us_per_token:.1f} prompt tokens off that room; {room_text}")
     console.print(f"  from the {describe_spread(settings)}; \\[proxy] decode_step_spread sets it")
+
+
+def _choice(prof: Profile, ranked: list[Prediction], judgement: str) -> tuple[Prediction, Prediction | None]:
+    """What to apply, and the runner-up whose band overlaps it (None: none does). Among the candidates that meet
+    the SLOs alike, overlapping bands are not told apart by the point estimate: the one with the better worst
+    case (the band's low end) is applied, and the best-placed other one is named beside it."""
+    top = ranked[0]
+    low, high = _band(prof, top, judgement)
+    overlapping = [p for p in ranked if p.meets_slo == top.meets_slo and _band(prof, p, judgement)[1] >= low]
+    by_worst = sorted(overlapping, key=lambda p: -_band(prof, p, judgement)[0])
+    pick = by_worst[0]
+    rival = next((p for p in by_worst if p is not pick), None)
+    return pick, rival
+
+
+def _apply(c: Candidate) -> str:
+    """The command that deploys candidate `c`."""
+    if c.colocated is not None:
+        mbt = f"PDCTL_COLOCATED__MAX_NUM_BATCHED_TOKENS={c.budget} " if c.budget else ""
+        return f"{mbt}PDCTL_COLOCATED__INSTANCES={c.colocated.instances} pdctl up --connector none"
+    return f"pdctl rebalance --prefill {c.prefill} --decode {c.decode}"
 
 
 # ---- --check: predictions against a measured sweep ---------------------------------------------------------
@@ -272,7 +327,12 @@ def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | 
         for j in BENCH_JUDGEMENTS:
             good = shape.goodput.get(j)
             failed = min((r.rate for r in measured if good is not None and r.rate > good), default=None)
+            low, high = (x * pred.goodput[j] for x in goodput_band(shape_prof, cand.layout, j))
+            # the measured interval: [good, failed), [0, lowest) when even the lowest rate failed
+            bottom, top = (good, failed) if good is not None else (0.0, lowest)
+            in_band = bottom <= high and (top is None or top > low)
             rows.append({"shape": shape.name, "candidate": str(cand), "judgement": j, "predicted": pred.goodput[j],
+                         "band": [low, high], "in_band": in_band,
                          "measured": good, "bound": ">=" if capped(shape, j) else "<" if good is None else "",
                          "verdict": _verdict(pred.goodput[j], good, lowest, capped(shape, j), failed)})
         for r in measured:
@@ -283,19 +343,21 @@ def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | 
                           "capacity": s.capacity})
     if as_json:
         click.echo(json.dumps({"bench": bench_path, "profile": prof.source, "calibrated": prof.calibrated,
-                               "band": prof.band, "calibrate": calibration(prof, w.input_len, w.output_len),
+                               "band": prof.band, "calibrate": calibration(prof, w.input_len),
                                "goodput": rows, "rates": rates}, indent=2))
         return
     console = rich_console()
     console.print(f"check: {bench_path} ({result.engine}, {w.input_len} + {w.output_len} tokens, SLO TTFT "
                   f"{slo.ttft_ms:g} ms, ITL {slo.itl_ms:g} ms) against {inventory.source}")
     console.print(f"profile: {prof.source}")
-    table = Table("shape", "modelled as", "judgement", "predicted req/s", "measured req/s", "verdict",
+    table = Table("shape", "modelled as", "judgement", "predicted req/s", "band", "measured req/s", "verdict",
                   title=f"goodput: predicted vs measured (target: within {WITHIN:.0%})", title_justify="left")
     for row in rows:
         m = row["measured"]
         shown = f"< {min(r['rate'] for r in rates if r['shape'] == row['shape']):g}" if m is None else f"{row['bound']} {m:g}".strip()
-        table.add_row(row["shape"], row["candidate"], row["judgement"], f"{row['predicted']:.2f}", shown, row["verdict"])
+        band = f"{row['band'][0]:.2f}-{row['band'][1]:.2f} ({'holds' if row['in_band'] else 'MISSED'})"
+        table.add_row(row["shape"], row["candidate"], row["judgement"], f"{row['predicted']:.2f}", band, shown,
+                      row["verdict"])
     console.print(table)
     per_rate = Table("shape", "req/s", "TTFT p90 pred", "TTFT p90 meas", "mean gap pred", "mean gap meas (TPOT)",
                      "running pred / cap", title="per rate (ms)", title_justify="left")
@@ -308,10 +370,10 @@ def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | 
         per_rate.add_row(row["shape"], f"{row['rate']:g}", ms(row["ttft_p90_predicted"]), ms(row["ttft_p90_measured"]),
                          ms(row["gap_predicted"]), ms(row["gap_measured"]), run)
     console.print(per_rate)
-    advice = calibration(prof, w.input_len, w.output_len)
+    advice = calibration(prof, w.input_len)
     if advice:
-        console.print(f"the profile is not calibrated on this hardware (goodput {prof.band[0]:g}-{prof.band[1]:g}x "
-                      f"the predictions): {advice}")
+        console.print(f"the profile is not calibrated on this hardware (its bands are {prof.band[0]:g}-"
+                      f"{prof.band[1]:g}x wider): {advice}")
     if not rows:
         console.print("no shape in the file has a bench shape name (disagg-read, colocated-N[-mbtB]) with a measured rate")
 

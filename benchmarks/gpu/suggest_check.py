@@ -29,7 +29,7 @@ from typing import Any
 from appliance.inventory import load_inventory
 from appliance.model_config import ModelShape, model_shape, with_engine_quantization
 from appliance.settings import Settings
-from appliance.suggest import Candidate, Profile, Shape, goodputs, gpu_profile
+from appliance.suggest import Candidate, Profile, Shape, goodput_band, goodputs, gpu_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results" / "gpu-h200x2"
@@ -220,6 +220,11 @@ def within(predicted: float, a: float | None, b: float | None) -> bool:
     return low <= predicted < high
 
 
+def in_band(low: float, high: float, a: float | None, b: float | None) -> bool:
+    """Whether the measured interval [a, b) meets the printed band [low, high] ([0, b) when a is None)."""
+    return (a or 0.0) <= high and (b is None or b > low)
+
+
 def shown(a: float | None, b: float | None) -> str:
     """The measured interval as the README writes it."""
     if a is None:
@@ -333,7 +338,9 @@ def check(results: Path = RESULTS) -> list[dict[str, Any]]:
         key = (row["deployment"], f"{row['input_len']}/{row['output_len']}",
                f"{row['ttft_ms']:g}/{row['itl_ms']:g}/{row['judgement']}")
         ok = within(predicted, row["a"], row["b"])
+        low, high = (x * predicted for x in goodput_band(profile(d, shape), d.candidate.layout, row["judgement"]))
         out.append({**row, "predicted": round(predicted, 3), "measured": shown(row["a"], row["b"]), "within": ok,
+                    "band": [round(low, 3), round(high, 3)], "in_band": in_band(low, high, row["a"], row["b"]),
                     "note": "" if ok else MISS_NOTES.get(key, "").format(predicted=predicted)})
     return out
 
@@ -352,14 +359,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "ITL ms / judgement (p99 or max of each request's gaps, or their mean).",
         "",
         f"**Within 25 %: {sum(r['within'] for r in rows)} of {len(rows)} rows; steady sweeps: "
-        f"{sum(r['within'] for r in steady)} of {len(steady)}.**",
+        f"{sum(r['within'] for r in steady)} of {len(steady)}. Inside the printed band (docs/hardware.md): "
+        f"{sum(r['in_band'] for r in rows)} of {len(rows)}.**",
         "",
-        "| deployment | workload | SLO | measured | predicted | within 25 % | source | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| deployment | workload | SLO | measured | predicted | band | within 25 % | source | note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['deployment']} | {r['input_len']}/{r['output_len']} | {r['ttft_ms']:g} / {r['itl_ms']:g} / "
-                     f"{r['judgement']} | {r['measured']} | {r['predicted']:.2f} | {'yes' if r['within'] else '**no**'} | "
+                     f"{r['judgement']} | {r['measured']} | {r['predicted']:.2f} | {r['band'][0]:.2f}-{r['band'][1]:.2f} | "
+                     f"{'yes' if r['within'] else '**no**'} | "
                      f"{r['source']} | {r['note']} |")
     return "\n".join(lines) + "\n"
 
