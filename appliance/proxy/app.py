@@ -296,9 +296,8 @@ class Proxy(ProxyState):
                 status = str(problem.status)
                 return problem
             assert body is not None
-            wait_s = self.hold_wait()
-            if wait_s > 0:
-                await self.wait_for_instances(wait_s)
+            if self.hold_wait() > 0:
+                await self.wait_for_instances()
             response = await handle_completion(self, request, path, body)
             status = request.get(OUTCOME, str(response.status))
             return response

@@ -120,6 +120,12 @@ class ProxyMetrics:
         self.leg_failures = Counter(
             "pdctl_proxy_leg_failures", "Failed engine legs", ["leg", "reason"], registry=self.registry,
         )
+        self.crashes = Counter(
+            "pdctl_proxy_engine_crashes",
+            "Engine processes that ended by themselves, as their service manager reported them (systemd's ExecStop "
+            "hook, supervisord's pd-reaper); the proxy held their role's requests while they came back",
+            ["instance"], registry=self.registry,
+        )
         self.registrations = Counter(
             "pdctl_proxy_registrations", "MORI-IO registration messages by outcome", ["result"],
             registry=self.registry,
@@ -197,6 +203,7 @@ class ProxyMetrics:
             buckets=HOLD_BUCKETS, registry=self.registry,
         )
         self.held_requests = 0
+        self.engine_crashes = 0
         self.max_hold_s = 0.0
         self.itl = FastHistogram(ITL_BUCKETS)
         self.streamed_chunks = 0  # folded into `tokens` at scrape time (no per-token Counter call)
@@ -209,6 +216,11 @@ class ProxyMetrics:
         self.held.observe(waited_s)
         self.held_requests += 1
         self.max_hold_s = max(self.max_hold_s, waited_s)
+
+    def observe_crash(self, instance: str) -> None:
+        """Record one engine process that ended by itself."""
+        self.crashes.labels(instance).inc()
+        self.engine_crashes += 1
 
     def observe_kv_store(self, result: SweepResult) -> None:
         """Record one sweep of the KV store."""

@@ -529,6 +529,8 @@ class UpstreamPool:
         # when any connection of this pool last received bytes (monotonic): the engine is serving (health.py)
         self.last_rx = 0.0
         self.busy: set[Connection] = set()  # connections with a request whose answer has not ended
+        # when a connect was first refused since the last one that succeeded (monotonic); None while it accepts
+        self.refused_since: float | None = None
 
     async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
@@ -540,10 +542,13 @@ class UpstreamPool:
         except asyncio.TimeoutError:
             raise UpstreamError("connect", f"connecting to {self.address} timed out", timed_out=True) from None
         except ConnectionRefusedError:
+            if self.refused_since is None:
+                self.refused_since = time.monotonic()
             self.end_busy()
             raise UpstreamError("connect", f"cannot connect to {self.address}: connection refused") from None
         except OSError as exc:
             raise UpstreamError("connect", f"cannot connect to {self.address}: {exc.strerror or exc}") from None
+        self.refused_since = None
         return conn
 
     def end_busy(self) -> None:
