@@ -15,6 +15,7 @@ import sys
 from appliance.errors import PdctlError
 from appliance.proxy.body import INT_DIGITS
 from appliance.proxy.config import load_config
+from appliance.proxy.keeper import RETIRE_SIGNAL
 
 _PR_SET_PDEATHSIG = 1
 # a successor serves once its engines answer /health, or after this long (the instances only registered
@@ -71,9 +72,18 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         gc.freeze()
         stop = asyncio.Event()
+        retire = False
+
+        def retired() -> None:
+            nonlocal retire
+            retire = True
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # the keeper's word that another proxy serves the sockets now: retire without cutting kept-alive clients
+        loop.add_signal_handler(RETIRE_SIGNAL, retired)
         # a hang-up is not a stop: under the keeper it hands over (the keeper gets it), alone it does nothing
         loop.add_signal_handler(signal.SIGHUP, lambda: None if listeners else logging.getLogger("appliance.proxy")
                                 .warning("SIGHUP ignored: a planned restart needs the proxy run by "
@@ -83,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             await stop.wait()
         finally:
-            await proxy.stop()
+            await proxy.stop(retire=retire)
 
     try:
         asyncio.run(run())

@@ -29,6 +29,7 @@ from appliance.proxy.config import ProxyConfig, load_config
 log = logging.getLogger("appliance.proxy.keeper")
 
 _SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
+RETIRE_SIGNAL = signal.SIGUSR2  # to a proxy: a successor serves the listening sockets now; finish and exit
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -122,7 +123,7 @@ class Keeper:
         worker.ready = bool(got)
         if worker is self.successor and worker.ready and self.current is not None:
             old = self.current
-            old.proc.terminate()  # it stops accepting and finishes its requests
+            old.proc.send_signal(RETIRE_SIGNAL)  # it stops accepting and finishes its requests
             self.retiring.append(old)
             self.current, self.successor = worker, None
             log.info("proxy pid %d serves; pid %d finishes its requests and exits", worker.proc.pid, old.proc.pid)
