@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--listen-fds", help="API,ADMIN: listening sockets inherited from the keeper")
     parser.add_argument("--ready-fd", type=int, help="a pipe to write one byte to once serving (the keeper's)")
+    parser.add_argument("--crashes", type=int, default=0,
+                        help="serving proxies that crashed under the keeper before this one (its metrics show them)")
     parser.add_argument("--successor", action="store_true",
                         help="take over from a running proxy: serve once the engines are healthy")
     args = parser.parse_args(argv)
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         proxy = Proxy(config, listeners)
+        proxy.metrics.set_proxy_crashes(args.crashes)
         await proxy.start(serve=not args.successor)
         if args.successor:
             await proxy.serve_once_ready(_TAKEOVER_WAIT_S)

@@ -45,6 +45,7 @@ def state(proxy: ProxyState) -> dict[str, Any]:
             "requests": proxy.metrics.held_requests,
             "max_wait_s": round(proxy.metrics.max_hold_s, 3),
             "engine_crashes": proxy.metrics.engine_crashes,
+            "proxy_crashes": proxy.metrics.proxy_crash_count,
         },
         "requests": proxy.metrics.request_totals(),
         "planned_stops": sorted(proxy.planned.active),

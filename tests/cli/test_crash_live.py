@@ -4,11 +4,14 @@ unit's ExecStop hook) and as for a planned restart; only the requests on the eng
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -64,3 +67,39 @@ def test_a_killed_engine_is_held_for_under_supervisord(tmp_path: Path, target: s
         assert figures["held"] > 0 and figures["crashes"] == 1
     finally:
         pdctl(config, "down")
+
+
+def test_a_killed_keeper_leaves_its_proxy_finishing_its_streams(tmp_path: Path) -> None:
+    """kill -KILL of the proxy's keeper (issue 35 item 3) with 6 long streams in flight: supervisord's pd-reaper
+    kills what the dead keeper left in its process group, which took the proxy and its streams with it; each
+    proxy now runs in a session of its own, finishes its streams (its keeper's death stops it) and exits."""
+    config = write_config(tmp_path, tmp_path / "state", extra="[engine.sim]\ndecode_step_ms = 20.0\n")
+    try:
+        up = pdctl(config, "up", "--json")
+        assert up.returncode == 0, up.stderr
+        url = json.loads(up.stdout)["proxy"]
+        body = {"prompt": "hello", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        with ThreadPoolExecutor(6) as pool:
+            streams = [pool.submit(_stream, url, body) for _ in range(6)]
+            time.sleep(1.0)  # under way: 150 tokens take 3 s
+            keeper = status(config)["proxy"]["pid"]
+            os.kill(keeper, signal.SIGKILL)
+            answers = [f.result() for f in streams]
+        cut = [a for a in answers if "data: [DONE]" not in a or '"error"' in a]
+        print(f"supervisord, kill -KILL of the keeper: 6 streams in flight, {len(cut)} cut")
+        assert cut == [], [a[-200:] for a in cut]
+    finally:
+        pdctl(config, "down")
+
+
+def _stream(url: str, body: dict) -> str:
+    """One streamed completion's whole body, or what went wrong."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        return conn.getresponse().read().decode()
+    except OSError as exc:
+        return repr(exc)
+    finally:
+        conn.close()
