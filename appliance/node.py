@@ -29,6 +29,7 @@ from appliance.errors import PdctlError
 from appliance.manager import ACTIVE, ServiceManager, choose_manager
 from appliance.plan import Plan, busy_ports
 from appliance.ports import holders, port_free, taken
+from appliance.proxy.tenants import read_keys
 from appliance.render.names import PROXY_UNIT, TARGET, instance_unit
 from appliance.render.templates import RenderOptions, secret_env
 from appliance.roles import ROLES
@@ -237,6 +238,17 @@ class Applied:
         return self.units | ({PROXY_UNIT} if self.proxy_config else set())
 
 
+
+def _generated(target: Path, tx: Transaction) -> bool:
+    """A random secret at `target` (0600, pdctl's user): kept when it is there and ours (the units' hooks and
+    scripts hold it; the write tightens its mode), else generated; True when it was (re)generated."""
+    try:
+        info = target.lstat()
+        value = target.read_text().strip() if info.st_uid == os.geteuid() and stat.S_ISREG(info.st_mode) else ""
+    except (FileNotFoundError, UnicodeDecodeError):
+        value = ""
+    return tx.write(target, (value or token_urlsafe(32)) + "\n", 0o600) and not value
+
 class Node:
     """The node that `settings.state_dir` describes."""
 
@@ -334,6 +346,8 @@ class Node:
         """Stage plan.json (secrets redacted), secrets.json (0600) and proxy.json in the state directory (0700)
         and make the KV store and the KV events sockets' folder (0700); True when proxy.json changed."""
         make_private_dir(self.state.root)
+        if plan.proxy.api_keys_file:
+            read_keys(plan.proxy.api_keys_file)  # a file the proxy would refuse fails `pdctl up` first, in one line
         connector = get_connector(plan.connector)
         for inst in plan.instances:
             for folder in connector.kv_folders(inst.kv_transfer_config or {}):
@@ -345,6 +359,8 @@ class Node:
                 make_private_dir(Path(inst.kv_events_socket).parent)
         # the token before the proxy's config that names it: a proxy (re)started meanwhile finds it
         new_token = self.ensure_admin_token(plan, tx)
+        for path in (plan.proxy.metrics_token_file, plan.proxy.cache_salt_secret_file):
+            new_token = self.ensure_generated_secret(path, tx) or new_token
         changed = tx.write(self.state.proxy_config, plan.proxy.model_dump_json(indent=2) + "\n") or new_token
         public, secrets = redacted(plan)
         tx.write(self.state.secrets, json.dumps(secrets, indent=2) + "\n", 0o600)
@@ -358,19 +374,19 @@ class Node:
         path = plan.proxy.admin.token_file
         if path is None:
             return False
-        target = Path(path)
         if path != str(self.state.admin_token):
-            if not os.access(target, os.R_OK):
+            if not os.access(path, os.R_OK):
                 raise PdctlError(f"proxy.admin_token_file {path} cannot be read",
                                  fix="write a random token into it (mode 0600), or unset it to let pdctl make one")
             return False
-        try:
-            info = target.lstat()
-            token = target.read_text().strip() if info.st_uid == os.geteuid() and stat.S_ISREG(info.st_mode) else ""
-        except (FileNotFoundError, UnicodeDecodeError):
-            token = ""
-        # an existing token is kept (the units' hooks and scripts hold it); the write tightens its mode
-        return tx.write(target, (token or token_urlsafe(32)) + "\n", 0o600) and not token
+        return _generated(Path(path), tx)
+
+    def ensure_generated_secret(self, path: str | None, tx: Transaction) -> bool:
+        """The metrics token or cache salt secret at `path`, when it is one the state directory holds: generated
+        (0600, pdctl's user) when missing, empty or not ours, as the admin token is; True when (re)written."""
+        if path not in (str(self.state.metrics_token), str(self.state.cache_salt_secret)):
+            return False
+        return _generated(Path(path), tx)
 
     def apply(self, plan: Plan, manager: ServiceManager, previous: Plan | None) -> Applied:
         """Write the state files for `plan`, record the manager and write its configuration: all of it, or (on

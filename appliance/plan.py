@@ -62,9 +62,10 @@ UNIX_SOCKET_PATH_MAX = 107
 
 
 class Frozen(BaseModel):
-    """Plan records: unknown fields are rejected, so a plan file from elsewhere cannot smuggle keys in."""
+    """Plan records: unknown fields are rejected, so a plan file from elsewhere cannot smuggle keys in, and no
+    number is inf or nan (the plan's figures reach generated JSON and YAML)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Instance(Frozen):
@@ -578,8 +579,9 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     # the hand-off's length rules are vLLM's (connector.handoff_possible): a simulated engine has none
     proxy = _proxy_config(settings, connector_name, mode, model.served_name,
                           block if settings.engine.kind == "vllm" else None, state)
-    if not is_loopback(settings.proxy.host) and not settings.proxy.api_key_file:
-        warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file is set")
+    if not is_loopback(settings.proxy.host) and not (settings.proxy.api_key_file or settings.proxy.api_keys_file):
+        warnings.append(f"proxy.host {settings.proxy.host} serves other hosts and no proxy.api_key_file or "
+                        "api_keys_file is set")
     _check_ports(instances, proxy)
     checks.append(
         Check(name="ports-unique", ok=True, detail=f"{sum(len(v) for i in instances for v in i.ports.values())} ports")
@@ -620,6 +622,9 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
                                           settings.slo.itl_ms, step_spread(settings))
         if step is None and sim.prefill_us_per_token > 0:  # free prefill: the load takes nothing off the room
             step = DecodeStep(ms_per_seq=sim.decode_step_ms_per_seq, prefill_us_per_token=sim.prefill_us_per_token)
+    if threshold:
+        _check_alone(connector, mode, f"decode_only_below = {threshold}" if p.decode_only_below else
+                     f"conditional_routing (decode_only_below {threshold})")
     queue_ms = p.decode_only_queue_ms
     if queue_ms is None and threshold:
         queue_ms = settings.slo.ttft_ms * DECODE_QUEUE_SHARE
@@ -631,6 +636,7 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         "max_model_len": settings.model.max_model_len,
         "registration": {"enabled": get_connector(connector).registers_with_proxy},
         "admin": {"token_file": p.admin_token_file or str(state.admin_token)},
+        **_tenant_files(settings, state),
     }
     try:
         return ProxyConfig.model_validate(deep_merge(proxy_config_data(p.model_dump()), from_plan))
@@ -639,6 +645,31 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
         fix = "set proxy.admin_token_file (a 0600 file), or keep admin_host on 127.0.0.1" if "admin" in problem else ""
         raise PlanError(f"proxy: {problem}", fix=fix) from None
+
+
+def _check_alone(name: str, mode: Mode, setting: str) -> None:
+    """Refuse conditional routing on a connector whose decode cannot serve a prompt alone in `mode`: every
+    request it sent there would be answered from KV nobody wrote (Connector.alone)."""
+    connector = get_connector(name)
+    alone = connector.alone(mode)
+    if not connector.disaggregated or alone.served:
+        return
+    fix = f"unset [proxy] {setting.split()[0]}"
+    served = [m for m in sorted(connector.modes) if connector.alone(m).served]
+    if served:
+        fix += f", or set [connector] mode = \"{served[0]}\""
+    raise PlanError(f"[proxy] {setting} sends short prompts to a decode instance "
+                    f"alone, which connector '{name}' cannot serve in {mode} mode: {alone.why}", fix=fix)
+
+
+def _tenant_files(settings: Settings, state: StateDir) -> dict[str, str | None]:
+    """While the API has keys: the token /metrics needs (an API key does not do) and the secret the keys' cache
+    salts derive from, the state directory's (which `pdctl up` generates) unless the settings name them."""
+    p = settings.proxy
+    keyed = bool(p.api_key_file or p.api_keys_file)
+    metrics = p.metrics_token_file or (str(state.metrics_token) if keyed else None)
+    salt = str(state.cache_salt_secret) if keyed and p.tenant_cache_salt else None
+    return {"metrics_token_file": metrics, "cache_salt_secret_file": salt}
 
 
 def _kv_store(connector: Connector, own: OwnSettings, instances: list[Instance]) -> KvStoreConfig | None:

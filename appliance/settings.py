@@ -7,6 +7,7 @@ Nested fields use a double underscore in the environment: PDCTL_DECODE__TP=2, PD
 from __future__ import annotations
 
 import copy
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -45,9 +46,10 @@ ManagerName = Literal["auto", "systemd", "supervisor"]
 
 
 class Section(BaseModel):
-    """A settings table: unknown keys are errors, so a typo never passes silently."""
+    """A settings table: unknown keys are errors, so a typo never passes silently; no number may be inf or nan
+    (they reach generated files: JSON that strict parsers refuse, comparisons that are always false)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSettings(Section):
@@ -110,7 +112,7 @@ class ConnectorSettings(Section):
     table, [connector.<its name>] (e.g. [connector.moriio] backend = "xgmi")."""
 
     # the extra keys are the connectors' own tables, each validated by its connector's settings_model
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
 
     name: str = Field(default="auto", description="a registered connector, or 'module:Class' for one outside pdctl; "
                       "auto: moriio on AMD, nixl on NVIDIA, example on CPU (nixl for WRITE)")
@@ -266,6 +268,8 @@ def _proxy_field(path: str, *tighter: Any) -> Any:
 # stay flat, as operators have written them; proxy_config_data() nests them, for the plan and for schema-1 plans.
 PROXY_KEYS: dict[str, str] = {
     "host": "host", "port": "port", "routing": "routing", "api_key_file": "api_key_file",
+    "api_keys_file": "api_keys_file", "tenant_cache_salt": "tenant_cache_salt",
+    "metrics_token_file": "metrics_token_file",
     "registration_host": "registration.host", "ping_port": "registration.port",
     "allowed_hosts": "registration.allowed_hosts", "peer_hosts": "registration.peer_hosts",
     "registration_max_per_s": "registration.max_per_s",
@@ -289,6 +293,10 @@ class ProxySettings(Section):
     port: Port = _proxy_field("port", Ge(1))
     routing: Routing = _proxy_field("routing")
     api_key_file: str | None = _proxy_field("api_key_file")
+    api_keys_file: str | None = _proxy_field("api_keys_file")
+    tenant_cache_salt: bool = _proxy_field("tenant_cache_salt")
+    # unset while the API has keys: the state directory's, which `pdctl up` writes (docs/threat-model.md)
+    metrics_token_file: str | None = _proxy_field("metrics_token_file")
     registration_host: str = _proxy_field("registration.host")
     ping_port: Port = _proxy_field("registration.port", _UNPRIVILEGED)
     allowed_hosts: list[str] = _proxy_field("registration.allowed_hosts")
@@ -357,7 +365,7 @@ class Settings(BaseModel):
     whose import (asyncio, argparse, dotenv: ~0.12 s of CPU) every `pdctl status` would pay.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True, allow_inf_nan=False)
 
     model: ModelSettings = Field(default_factory=ModelSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
@@ -409,6 +417,18 @@ def leaves(data: dict[str, Any], prefix: str = "") -> list[str]:
         dotted = f"{prefix}{key}"
         out.extend(leaves(value, dotted + ".") if isinstance(value, dict) and value else [dotted])
     return out
+
+
+def non_finite(data: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """The dotted keys of inf and nan floats anywhere in nested settings data, free-form tables included (their
+    values reach generated JSON and YAML, whose strict readers refuse them)."""
+    if isinstance(data, float):
+        return [] if math.isfinite(data) else [(prefix.rstrip("."), data)]
+    if isinstance(data, dict):
+        return [found for k, v in data.items() for found in non_finite(v, f"{prefix}{k}.")]
+    if isinstance(data, (list, tuple)):
+        return [found for i, v in enumerate(data) for found in non_finite(v, f"{prefix}{i}.")]
+    return []
 
 
 def env_name(key: str) -> str:
@@ -501,6 +521,10 @@ def load_settings(path: str | os.PathLike[str] | None = None, overrides: dict[st
     origins.update({key: env_name(key) for key in leaves(env)})
     named = override_origins or {}
     origins.update({key: _lookup(named, key) or "a command-line override" for key in leaves(overrides or {})})
+    if bad := non_finite(merged):
+        key, value = bad[0]
+        raise ConfigError(f"{_lookup(origins, key) or source}: {key} = {value!r} is not allowed: "
+                          "a setting must be a finite number (not inf or nan)")
     try:
         settings = Settings.model_validate(merged)
     except ValidationError as exc:

@@ -31,13 +31,14 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def start_proxy(name: str, config: dict[str, Any], work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """`python -m appliance.proxy` with `config` (a ProxyConfig as data, its port set), its config and log in
-    `work` as NAME.json and NAME.log; returns it and its URL once /health answers 200."""
+def start_proxy(name: str, config: dict[str, Any], work: Path,
+                entry: tuple[str, ...] = ("-m", "appliance.proxy")) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m appliance.proxy` (or python ENTRY...) with `config` (a ProxyConfig as data, its port set), its
+    config and log in `work` as NAME.json and NAME.log; returns it and its URL once /health answers 200."""
     path = work / f"{name}.json"
     path.write_text(json.dumps(config))
     log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - the process writes it until it stops
-    proc = subprocess.Popen([sys.executable, "-m", "appliance.proxy", "--config", str(path)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, *entry, "--config", str(path)], cwd=REPO,
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{config['port']}"
     deadline = time.monotonic() + PROXY_READY_S

@@ -29,7 +29,7 @@ from appliance.proxy.kv_events import Stored
 from appliance.proxy.policies import POLICIES, Policy, RequestFacts
 from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
-from appliance.proxy.routing import Router
+from appliance.proxy.route import Router
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 MODEL = "bench-model"

@@ -99,14 +99,17 @@ async def direct_prefills(prefill: str, decode: str, model: str, connector_name:
         async def one(i: int) -> None:
             body = {"model": model, "prompt": prompt(i, tokens), "max_tokens": 64}
             leg = connector.prefill_body(body, peer, peer, {"mode": mode})
-            async with session.post(prefill + "/v1/completions", json=leg) as resp:
+            # both legs of a request carry one id, as the proxy's do (NIXL's push pairs them by it)
+            headers = {"X-Request-Id": connector.request_id(peer, peer)}
+            async with session.post(prefill + "/v1/completions", json=leg, headers=headers) as resp:
                 answer = await resp.json()
             if resp.status != 200:
                 raise SystemExit(f"prefill answered {resp.status}: {answer}")
-            freeing = connector.release_body(connector.decode_body(body, peer, peer, 0, answer["kv_transfer_params"],
-                                                                   {"mode": mode}))
+            decode_leg = connector.decode_body(body, peer, peer, 0, answer["kv_transfer_params"], {"mode": mode})
+            freeing = connector.release_body(decode_leg, "/v1/completions", mode)
             if release and freeing is not None:
-                async with session.post(decode + "/v1/completions", json=freeing) as resp:
+                path, release_body = freeing
+                async with session.post(decode + path, json=release_body, headers=headers) as resp:
                     print(f"release {i}: decode answered {resp.status} {(await resp.text())[:80]}")
         await asyncio.gather(*(one(i) for i in range(count)))
 

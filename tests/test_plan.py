@@ -469,3 +469,22 @@ def test_the_proxy_knows_the_decodes_budget_and_how_long_a_prompt_may_queue_ther
     settings = make(deep_merge({"engine": {"kind": "sim"}, "proxy": {"conditional_routing": True}}, overrides))
     proxy = plan(settings, load_inventory("sim:h200-2")).proxy
     assert (proxy.decode_budget, proxy.decode_only_queue_ms) == expected
+
+
+# ---- routes the connector cannot serve: refused at plan time (issue 34, defect 1) -------------------------------
+@pytest.mark.parametrize(("proxy", "setting"), [
+    ({"decode_only_below": 300}, "[proxy] decode_only_below = 300"),
+    ({"conditional_routing": True}, "[proxy] conditional_routing (decode_only_below 1497)"),
+])
+def test_conditional_routing_on_moriio_read_is_refused_with_what_to_do(proxy: dict[str, Any], setting: str) -> None:
+    # vLLM's MoRIIO decode in READ mode takes a prompt sent alone as pulled from a prefill (tests/connector)
+    settings = Settings.model_validate({"engine": {"kind": "sim"}, "connector": {"name": "moriio", "mode": "read"},
+                                        "proxy": proxy})
+    with pytest.raises(PlanError) as refused:
+        plan(settings, load_inventory("sim:mi300x-8"))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(setting)
+    assert "cannot serve in read mode" in message
+    assert message.endswith(f'(fix: unset [proxy] {setting.split()[1]}, or set [connector] mode = "write")')
+    write = Settings.model_validate({**settings.model_dump(), "connector": {"name": "moriio", "mode": "write"}})
+    assert plan(write, load_inventory("sim:mi300x-8")).proxy.decode_only_below  # WRITE serves a prompt alone

@@ -189,6 +189,7 @@ NOT_PROXY_KEYS = {"mode", "connector", "model", "block_size", "max_model_len", "
                   "health.fail_threshold", "health.probe_timeout_s", "health.listener_check_interval_s",
                   "health.engine_uid", "health.timeout_threshold", "health.panic_max_silence_s", "health.crash_grace_s",
                   "decode_only_window_ms",  # the plan writes slo.itl_ms
+                  "cache_salt_secret_file",  # the state directory's, which `pdctl up` generates
                   "decode_budget",  # the plan writes [decode] max_num_batched_tokens
                   "kv_store"}  # the plan writes the connector's KV folders and its [connector.<name>] bounds
 
@@ -230,9 +231,11 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
              "limits": {"max_connections": 99, "max_n": 4}, "decode_only_below": 300, "prefill_saturated_at": 6,
              "prefix_affinity": {"load_bound": 2, "cache_tokens": 4096},
              "decode_step": {"ms_per_seq": 0.5, "prefill_us_per_token": 40.0}, "warmup_timeout_s": 30.0,
-             "decode_only_queue_ms": 120.0}
+             "decode_only_queue_ms": 120.0, "api_keys_file": "/srv/keys.toml", "tenant_cache_salt": False,
+             "metrics_token_file": "/srv/metrics-token"}
     assert set(proxy) == set(PROXY_KEYS)
-    planned = plan(Settings.model_validate({"connector": {"name": "moriio"}, "proxy": proxy}),
+    # WRITE: a MoRIIO decode in READ mode cannot serve the short prompts decode_only_below sends it alone
+    planned = plan(Settings.model_validate({"connector": {"name": "moriio", "mode": "write"}, "proxy": proxy}),
                    load_inventory("sim:mi300x-8"))
     for key, path in PROXY_KEYS.items():
         value: Any = planned.proxy
@@ -241,7 +244,7 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
         tables = {"limits": Limits, "prefix_affinity": PrefixAffinityConfig, "decode_step": DecodeStep}
         expected = tables[key](**proxy[key]) if key in tables else proxy[key]
         assert value == expected, key
-    assert planned.proxy.registration.enabled and planned.proxy.mode == "read"
+    assert planned.proxy.registration.enabled and planned.proxy.mode == "write"
 
 
 SIM_STEP = DecodeStep(ms_per_seq=0.05, prefill_us_per_token=20)  # engine.sim's defaults
@@ -298,3 +301,20 @@ def test_command_line_choices_are_the_settings_types(command: str, param: str, k
     module, name = command.split(":")
     found = {p.name: p for p in getattr(importlib.import_module(module), name).params}[param]
     assert tuple(found.type.choices) == get_args(kind)
+
+
+def test_keyed_api_gets_the_state_directorys_metrics_token_and_salt_secret(tmp_path: Path) -> None:
+    """While the API has keys the plan names a metrics token and a cache salt secret (the state directory's, which
+    `pdctl up` generates), so /metrics is never left to API keys; without keys, neither (one trusted tenant)."""
+    state = tmp_path / "state"
+    inventory = load_inventory("sim:mi300x-8")
+    open_ = plan(Settings.model_validate({"state_dir": str(state)}), inventory).proxy
+    assert open_.metrics_token_file is None and open_.cache_salt_secret_file is None
+    keyed = plan(Settings.model_validate({"state_dir": str(state), "proxy": {"api_keys_file": "/srv/k"}}),
+                 inventory).proxy
+    assert keyed.metrics_token_file == str(state / "metrics-token")
+    assert keyed.cache_salt_secret_file == str(state / "cache-salt-secret")
+    trusted = plan(Settings.model_validate({"state_dir": str(state),
+                                            "proxy": {"api_key_file": "/srv/k", "tenant_cache_salt": False}}),
+                   inventory).proxy
+    assert trusted.metrics_token_file == str(state / "metrics-token") and trusted.cache_salt_secret_file is None

@@ -70,8 +70,8 @@ class Target:
         return self.base_url.rstrip("/") + self.endpoint
 
 
-# The proxy names the route it gave a request in this response header (docs/bench.md, "Routes"):
-# `x-pdctl-route: disaggregated; prefill=prefill-0; decode=decode-1`.
+# The proxy names the route it gave a request in this response header when the request carries it (docs/bench.md,
+# "Routes"): `x-pdctl-route: disaggregated; prefill=prefill-0; decode=decode-1` (the instances to a keyed client).
 ROUTE_HEADER = "x-pdctl-route"
 UNKNOWN_ROUTE = "unknown"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -228,7 +228,8 @@ async def send(
 async def _stream(
     session: aiohttp.ClientSession, target: Target, req: InFlight, prompt_value: Sequence[int] | str
 ) -> None:
-    headers = {"X-Request-Id": req.request_id}
+    # asks the proxy for its route (a proxy answers only a client that asks; the instances only to one with a key)
+    headers = {"X-Request-Id": req.request_id, ROUTE_HEADER: "1"}
     if target.api_key:
         headers["Authorization"] = f"Bearer {target.api_key}"
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=target.request_timeout_s)

@@ -220,11 +220,15 @@ def bench(ctx: click.Context, /, **opts: Any) -> None:
     overrides: dict[str, Any] = {"engine": {"kind": opts["engine"]}} if opts["engine"] else {}
     settings, inventory = obtain(ctx, overrides)
     slo = _slo(opts, settings)
+    api_key = read_secret(opts["api_key_file"]) or read_secret(settings.proxy.api_key_file if not opts["url"] else None)
+    if api_key is None and settings.proxy.api_keys_file and not opts["url"]:
+        # the keys file names one key per client: which one the bench sends is the operator's choice
+        raise click.UsageError(f"the node's API takes the keys of {settings.proxy.api_keys_file}: pass the one to "
+                               "send with --api-key-file")
     stamp = datetime.now(timezone.utc)
     out_dir = Path(opts["out_dir"] or f"bench-{stamp:%Y%m%d-%H%M%S}")
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep = _sweep_plan(opts, slo)
-    api_key = read_secret(opts["api_key_file"]) or read_secret(settings.proxy.api_key_file if not opts["url"] else None)
     work = _Workload(sweep, slo, opts["token_range"], api_key, workload)
     result = asyncio.run(_measure(ctx, opts, settings, inventory, work, stamp, out_dir))
     _report(result, opts, out_dir)

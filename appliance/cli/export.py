@@ -95,7 +95,8 @@ def grafana(ctx: click.Context, /, out: str | None) -> None:
     import it."""
     from appliance.export.grafana import dashboard
 
-    _emit(json.dumps(dashboard(_settings(ctx).slo), indent=2) + "\n", out)
+    # strict JSON: Grafana's import refuses Infinity and NaN (settings refuse them first; this is the guard)
+    _emit(json.dumps(dashboard(_settings(ctx).slo), indent=2, allow_nan=False) + "\n", out)
 
 
 @export.command()

@@ -56,11 +56,13 @@ import click
 from appliance.cli.lifecycle import EXIT_UNHEALTHY, MANAGER_CHOICE, Snapshot, deployed, snapshot
 from appliance.cli.options import console
 from appliance.connector import get_connector
+from appliance.errors import PdctlError
 from appliance.inventory import Inventory, load_inventory
 from appliance.manager import ACTIVE, ServiceManager
 from appliance.model_config import read_model_shape
 from appliance.node import EXIT_DOWN, PORT_FIX, NotDeployed, admin_url
 from appliance.plan import Plan, _usable
+from appliance.proxy.config import read_secret
 from appliance.render.names import PROXY_UNIT, instance_unit
 from appliance.settings import load_settings_despite_errors
 
@@ -91,9 +93,11 @@ def proxy_counters(plan: Plan) -> dict[str, Any] | None:
 
     url = f"http://{plan.proxy.url.split('://', 1)[1]}/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=3) as response:
+        token = read_secret(plan.proxy.metrics_token_file)  # the API has keys: /metrics needs the node's token
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        with urllib.request.urlopen(request, timeout=3) as response:
             text = response.read().decode()
-    except (OSError, ValueError):
+    except (OSError, ValueError, PdctlError):
         return None
     by_status: dict[str, int] = {}
     out: dict[str, Any] = {"total": 0, "by_status": by_status, "leg_failures": 0, "client_aborts": 0, "held": 0,

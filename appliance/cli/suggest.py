@@ -15,12 +15,13 @@ from rich.table import Table
 from appliance.cli.conditional import describe_room, describe_spread
 from appliance.cli.options import console as rich_console
 from appliance.cli.options import obtain
-from appliance.connector import disaggregated_name
+from appliance.connector import disaggregated_name, get_connector, resolve_name
+from appliance.connector.base import Alone
 from appliance.errors import PdctlError
 from appliance.inventory.models import Inventory
 from appliance.model_config import Heads, ModelShape, read_heads, read_model_shape, with_engine_quantization
 from appliance.node import Node
-from appliance.plan import step_spread
+from appliance.plan import platform_of, step_spread
 from appliance.proxy.config import DecodeStep
 from appliance.roles import Role
 from appliance.settings import EMBEDDED_MODEL, Settings
@@ -144,7 +145,8 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
         click.echo(json.dumps({"profile": profile, "workload": {"input_len": input_len, "output_len": output_len,
                                "rate": rate, "requests": requests, "ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms,
                                "itl_judgement": slo.itl_judgement}, "suggestions": [_row(p) for p in ranked],
-                               "decode_only_below": {"tokens": threshold, "why": why, "room": room_text},
+                               "decode_only_below": {"tokens": threshold, "why": why, "room": room_text,
+                                                     "served_alone": _alone(settings, inventory).served},
                                "decode_step": decode_step, "decode_step_spread": spread}, indent=2))
         return
     console = rich_console()
@@ -184,6 +186,11 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
         console.print(f"apply:{mbt} PDCTL_COLOCATED__INSTANCES={c.colocated.instances} pdctl up --connector none")
     else:
         console.print(f"apply: pdctl rebalance --prefill {c.prefill} --decode {c.decode}")
+    alone = _alone(settings, inventory)
+    if not alone.served:
+        console.print(f"conditional routing: not on this node's connector and mode: {alone.why} (docs/routing.md, "
+                      "\"Routes per connector\")")
+        return
     set_by = "" if settings.proxy.decode_only_below is None else f" (set to {settings.proxy.decode_only_below})"
     console.print(f"conditional routing: decode_only_below = {threshold} prompt tokens{set_by}: {why}; "
                   "\\[proxy] decode_only_below sets it, 0 hands every prompt over (docs/routing.md)")
@@ -307,3 +314,11 @@ def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | 
                       f"the predictions): {advice}")
     if not rows:
         console.print("no shape in the file has a bench shape name (disagg-read, colocated-N[-mbtB]) with a measured rate")
+
+
+def _alone(settings: Settings, inventory: Inventory) -> Alone:
+    """Whether the node's connector, in its mode, serves a prompt on a decode alone (Connector.alone): where it
+    does not, conditional routing is refused and no decode_only_below is advised."""
+    mode = settings.connector.mode
+    name = resolve_name(disaggregated_name(settings.connector.name), platform_of(inventory), mode)
+    return get_connector(name).alone(mode)

@@ -55,6 +55,39 @@ class HandoffFacts:
 
 
 @dataclass(frozen=True)
+class Alone:
+    """How a decode instance serves a request sent alone (no hand-off) in one transfer mode, and the vLLM
+    behaviour that says so (docs/routing.md, "Routes per connector"). `served`: the client's prompt as it is
+    (False: vLLM's scheduler side of the connector would skip prompt tokens nobody wrote, so conditional
+    routing never chooses the decode alone); `forced`: a request that cannot be handed over (a batch, a length
+    the hand-off cannot carry), through alone_body (False: the proxy refuses it)."""
+
+    served: bool
+    why: str
+    forced: bool = True
+
+
+def skipping_lookups(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """`body` asking for prompt logprobs, which make vLLM skip every cache lookup, its KV connector's included
+    (v1/core/sched/scheduler.py: skip_reading_prefix_cache sets the connector's count to 0), and whether the
+    answer must lose them again (without_prompt_logprobs): a body that asks for them already needs neither."""
+    if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+        return body, False
+    return {**body, "prompt_logprobs": 0}, True
+
+
+def without_prompt_logprobs(answer: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed answer to skipping_lookups' body as vLLM's own to the client's body: no prompt logprobs."""
+    if "prompt_logprobs" in answer:
+        answer = {**answer, "prompt_logprobs": None}
+    choices = answer.get("choices")
+    if isinstance(choices, list):
+        answer = {**answer, "choices": [{**c, "prompt_logprobs": None} if isinstance(c, dict) and
+                                        "prompt_logprobs" in c else c for c in choices]}
+    return answer
+
+
+@dataclass(frozen=True)
 class KvStoreLimits:
     """How far pdctl lets a connector's KV folders grow: beyond either bound the proxy evicts, oldest first."""
 
@@ -66,7 +99,7 @@ class OwnSettings(BaseModel):
     """A connector's own settings, the table [connector.<name>] of pdctl.toml: each connector that has some
     subclasses this (its settings_model); unknown keys are errors, so a typo never passes silently."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)
@@ -218,6 +251,20 @@ class HandoffError(Exception):
         self.message = message
 
 
+def one_token(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` asking for one token, not streamed (a prefill leg, a release)."""
+    leg = dict(body)
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg.pop("stream_options", None)
+    # a 1-token leg cannot honour a minimum length; the decode leg keeps it
+    leg.pop("min_tokens", None)
+    leg.pop("min_completion_tokens", None)
+    return leg
+
+
 class Connector(ABC):
     """One KV connector: the single place that knows its vLLM class, flags, ports, simulation and proxy protocol."""
 
@@ -231,8 +278,6 @@ class Connector(ABC):
     registers_with_proxy: ClassVar[bool] = False
     # True: switching read/write needs the engines restarted (the mode is in their flags).
     mode_fixed_at_start: ClassVar[bool] = False
-    # True: in WRITE mode too the decode leg needs the prefill's answer, so the legs run one after the other.
-    write_waits_for_prefill: ClassVar[bool] = False
     # Its own settings, the table [connector.<name>] (OwnSettings: none).
     settings_model: ClassVar[type[OwnSettings]] = OwnSettings
     # Keys of its settings that older releases read from [connector] itself: old key -> key in its own table.
@@ -243,9 +288,6 @@ class Connector(ABC):
     extra_config_keys: ClassVar[ExtraConfigTable | None] = None
     # The library vLLM loads for this connector, if any.
     library: ClassVar[Library | None] = None
-    # True: in READ mode the decode needs the prefill's kv_transfer_params; a prefill that returns none without
-    # having finished the request is an error (False: the shared-storage connector's prefill never returns any).
-    read_needs_prefill_kv: ClassVar[bool] = False
     # Variables of env() that pin an engine to this node's addresses or ports: a cluster export leaves them out,
     # the cluster engine (Ray's backend, a pod's own IP) sets its own.
     node_local_env: ClassVar[frozenset[str]] = frozenset()
@@ -350,36 +392,42 @@ class Connector(ABC):
         to on_result. None: its engines do not register."""
         return None
 
-    def request_id(self, prefill: Peer, decode: Peer) -> str:
-        """The X-Request-Id both legs of one request carry."""
-        return uuid.uuid4().hex
+    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
+        """The X-Request-Id both legs of one request carry: unique to the request (connectors pair its legs by
+        it), led by the client's own X-Request-Id when it sent one (vLLM answers with the id cmpl-<this>)."""
+        unique = uuid.uuid4().hex
+        return f"{client_id}-{unique}" if client_id else unique
 
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         """The prefill leg: one token, not streamed; `handoff` is state shared with the decode leg of the request."""
-        leg = dict(body)
-        leg["stream"] = False
-        leg["max_tokens"] = 1
-        if "max_completion_tokens" in leg:
-            leg["max_completion_tokens"] = 1
-        leg.pop("stream_options", None)
-        # a 1-token leg cannot honour a minimum length; the decode leg keeps it
-        leg.pop("min_tokens", None)
-        leg.pop("min_completion_tokens", None)
-        return leg
+        return one_token(body)
+
+    def serial(self, mode: Mode) -> bool:
+        """Whether the decode leg needs the prefill's answer in `mode`, so the legs run one after the other (READ
+        always; WRITE where the decode must name what only the prefill's answer carries, else both legs start
+        together and the prefill pushes)."""
+        return mode == "read"
 
     def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
         """Whether a prompt of this many tokens can go through the hand-off (False: the proxy sends it to a
         decode instance alone, with alone_body)."""
         return True
 
-    def release_body(self, decode_body: dict[str, Any]) -> dict[str, Any] | None:
-        """What a decode instance is sent (POST /v1/completions) so that the prefill frees the KV it holds for
-        `decode_body`, a decode leg that will not be sent (its client left); None: nothing to release."""
+    @abstractmethod
+    def alone(self, mode: Mode) -> Alone:
+        """Whether a decode instance in `mode` serves a request sent alone (alone_body) correctly: every
+        connector answers, from what vLLM's scheduler side of it does with a request without a hand-off."""
+
+    def release_body(self, decode_body: dict[str, Any], path: str,
+                     mode: str) -> tuple[str, dict[str, Any]] | None:
+        """What a decode instance is sent (the path and body of a POST, with the legs' X-Request-Id) so that the
+        prefill frees the KV it holds for `decode_body`, a decode leg to `path` that will not be sent (its
+        client left); None: nothing to release."""
         return None
 
-    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """The request a decode instance serves without a hand-off, and whether alone_answer must mend its
-        non-streamed answer."""
+    def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:
+        """The request a decode instance in `mode` serves without a hand-off, and whether alone_answer must mend
+        its non-streamed answer."""
         return body, False
 
     def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
@@ -397,7 +445,8 @@ class Connector(ABC):
     ) -> dict[str, Any]:
         """The decode leg: the client's request plus what the decode needs from the prefill.
 
-        `prefill_kv` is the prefill's returned kv_transfer_params in READ mode, None in WRITE mode (both legs
-        start together) unless write_waits_for_prefill; handoff["mode"] is the proxy's mode.
+        `prefill_kv` is the prefill's returned kv_transfer_params where the legs run one after the other
+        (serial), None where both start together or the prefill returned none; handoff["mode"] is the proxy's
+        mode. Raises HandoffError where the decode cannot go ahead without what is missing.
         """
         return body

@@ -21,6 +21,7 @@ from appliance.connector import described, get_connector, implementing
 from appliance.engine.command import NODE_LOCAL_ENV, server_args
 from appliance.errors import ExportError
 from appliance.plan import Instance, Plan
+from appliance.render.templates import secret_env
 
 Target = Literal["ray-serve", "llm-d"]
 ClusterRole = Literal["prefill", "decode"]
@@ -69,8 +70,10 @@ class RoleShape:
     gpus_per_replica: int
     engine_kwargs: dict[str, Any]
     kv_transfer_config: dict[str, Any]
-    env: dict[str, str]
+    env: dict[str, str]  # the plain environment, values and all
     ports: dict[str, list[int]]
+    # the names of the secret environment variables (HF_TOKEN, ...): an export references them, never their values
+    secret_env: tuple[str, ...] = ()
 
 
 @dataclass
@@ -202,7 +205,7 @@ def role_shape(plan: Plan, role: ClusterRole, replicas: Replicas) -> RoleShape:
         kwargs.pop(key, None)
     # the engine's GPU pinning and addresses, and what the plan's connector pins to this node
     node_local = NODE_LOCAL_ENV | get_connector(plan.connector).node_local_env
-    env = {k: v for k, v in first.env.items() if k not in node_local}
+    plain, secret = secret_env({k: v for k, v in first.env.items() if k not in node_local})
     return RoleShape(
         role=role,
         replicas=replicas,
@@ -211,8 +214,9 @@ def role_shape(plan: Plan, role: ClusterRole, replicas: Replicas) -> RoleShape:
         gpus_per_replica=len(first.gpus),
         engine_kwargs=kwargs,
         kv_transfer_config=json.loads(json.dumps(kv)),
-        env=env,
+        env=plain,
         ports={k: v for k, v in first.ports.items()},
+        secret_env=tuple(secret),
     )
 
 
@@ -258,6 +262,12 @@ def write_files(out_dir: str | os.PathLike[str], files: dict[str, str],
     except OSError as exc:
         raise ExportError(f"cannot write the export to {root}: {exc.strerror or exc}", fix=fix) from None
     return written
+
+
+def comment(text: str) -> str:
+    """`text` as one YAML comment line, escaped as a JSON string is (ASCII: YAML also breaks lines at U+0085,
+    U+2028 and U+2029), so that no value (a model path with a newline) can end the comment and add keys."""
+    return "# " + json.dumps(text)[1:-1] + "\n"
 
 
 def dns_label(text: str, limit: int = 40) -> str:

@@ -98,8 +98,11 @@ def scrape_config(plan: Plan, host: str | None = None) -> dict[str, Any]:
     """Prometheus scrape_configs for the proxy's and each engine's /metrics, at the plan's addresses (or `host`).
     Each engine target is labelled with its instance name, the label the proxy's per-instance series carry
     (so the proxy's job honours the scraped labels) and the dashboard's `instance` variable lists."""
-    proxy = {"job_name": PROXY_JOB, "honor_labels": True,
-             "static_configs": [{"targets": [_target(host or plan.proxy.host, plan.proxy.port)]}]}
+    proxy: dict[str, Any] = {"job_name": PROXY_JOB, "honor_labels": True,
+                             "static_configs": [{"targets": [_target(host or plan.proxy.host, plan.proxy.port)]}]}
+    if plan.proxy.metrics_token_file:
+        # the API has keys: /metrics answers the node's metrics token only; Prometheus reads it from the file
+        proxy["authorization"] = {"type": "Bearer", "credentials_file": plan.proxy.metrics_token_file}
     engines = {"job_name": ENGINES_JOB, "static_configs": [
         {"targets": [_target(host or inst.host, inst.http_port)], "labels": {"instance": inst.name, "role": inst.role}}
         for inst in plan.instances]}

@@ -19,6 +19,7 @@ from appliance.export.cluster import (
     ExportResult,
     RoleShape,
     argv_from_engine_kwargs,
+    comment,
     dns_label,
     target_connectors,
     to_yaml,
@@ -69,13 +70,18 @@ def _model_volume(model_source: str, pvc: str) -> tuple[list[dict[str, Any]], li
     return mounts, volumes
 
 
+def _secret_ref(secret: str, key: str) -> dict[str, Any]:
+    """An env entry whose value Kubernetes reads from key `key` of Secret `secret`: the manifest holds no value."""
+    return {"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
 def _vllm_container(plan: Plan, shape: RoleShape, *, image: str, model_source: str, vllm_port: int,
-                    health_timeout_s: float, model_mounts: list[dict[str, Any]]) -> dict[str, Any]:
+                    health_timeout_s: float, model_mounts: list[dict[str, Any]], env_secret: str) -> dict[str, Any]:
     pod = _pod(plan, shape, vllm_port)
     args = [model_source, f"--served-model-name={plan.model.served_name}", f"--port={vllm_port}",
             *argv_from_engine_kwargs({**shape.engine_kwargs, "kv_transfer_config": pod.kv_transfer_config})]
-    env = ([{"name": k, "value": v} for k, v in shape.env.items()] + [{"name": k, **POD_IP} for k in pod.pod_ip_env]
-           + [{"name": k, "value": v} for k, v in pod.env.items()])
+    env = ([{"name": k, "value": v} for k, v in shape.env.items()] + [_secret_ref(env_secret, k) for k in shape.secret_env]
+           + [{"name": k, **POD_IP} for k in pod.pod_ip_env] + [{"name": k, "value": v} for k, v in pod.env.items()])
     gpus = {GPU_RESOURCE[plan.platform]: str(shape.gpus_per_replica)}
     container: dict[str, Any] = {
         "name": "vllm",
@@ -124,14 +130,15 @@ def _sidecar(plan: Plan, decode: RoleShape, image: str) -> dict[str, Any]:
 
 
 def deployment(plan: Plan, shape: RoleShape, *, name: str, labels: dict[str, str], image: str, sidecar_image: str,
-               model_source: str, model_pvc: str, health_timeout_s: float) -> dict[str, Any]:
+               model_source: str, model_pvc: str, health_timeout_s: float, env_secret: str) -> dict[str, Any]:
     """One role's apps/v1 Deployment (as data)."""
     vllm_port = DECODE_VLLM_PORT if shape.role == "decode" else SERVE_PORT
     mounts, volumes = _model_volume(model_source, model_pvc)
     pod_labels = {**labels, "llm-d.ai/role": shape.role}
     spec: dict[str, Any] = {
         "containers": [_vllm_container(plan, shape, image=image, model_source=model_source, vllm_port=vllm_port,
-                                       health_timeout_s=health_timeout_s, model_mounts=mounts)],
+                                       health_timeout_s=health_timeout_s, model_mounts=mounts,
+                                       env_secret=env_secret)],
         "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}, *volumes],
         "terminationGracePeriodSeconds": 90,
     }
@@ -199,15 +206,15 @@ def export(plan: Plan, prefill: RoleShape, decode: RoleShape, *, model_source: s
               "app.kubernetes.io/managed-by": "pdctl"}
     common: dict[str, Any] = {"name": name, "labels": labels, "image": image or DEFAULT_IMAGE[plan.platform],
               "sidecar_image": sidecar_image or DEFAULT_SIDECAR_IMAGE, "model_source": model_source,
-              "model_pvc": model_pvc, "health_timeout_s": health_timeout_s}
+              "model_pvc": model_pvc, "health_timeout_s": health_timeout_s, "env_secret": f"{name}-env"}
     objects = [deployment(plan, prefill, **common), deployment(plan, decode, **common)]
-    header = (
-        "# llm-d prefill/decode model servers, written by `pdctl export --target llm-d`.\n"
-        f"# From the pdctl plan: {plan.platform}, connector {plan.connector} ({plan.mode}), "
+    header = "".join(comment(line) for line in (
+        "llm-d prefill/decode model servers, written by `pdctl export --target llm-d`.",
+        f"From the pdctl plan: {plan.platform}, connector {plan.connector} ({plan.mode}), "
         f"{prefill.replicas.min} prefill x {prefill.gpus_per_replica} GPU, "
-        f"{decode.replicas.min} decode x {decode.gpus_per_replica} GPU.\n"
-        f"# Validated against the Kubernetes {KUBERNETES_VERSION} object schemas (strict).\n"
-    )
+        f"{decode.replicas.min} decode x {decode.gpus_per_replica} GPU.",
+        f"Validated against the Kubernetes {KUBERNETES_VERSION} object schemas (strict).",
+    ))
     manifests = header + to_yaml_all(objects)
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
@@ -217,6 +224,14 @@ def export(plan: Plan, prefill: RoleShape, decode: RoleShape, *, model_source: s
     }
     values = inferencepool_values(labels)
     notes = list(_pod(plan, prefill, SERVE_PORT).notes)
+    secrets = sorted({*prefill.secret_env, *decode.secret_env})
+    create_secret = []
+    if secrets:
+        # the manifests reference the values; the Secret holding them is made apart, never written by pdctl
+        literals = " ".join(f"--from-literal={k}=..." for k in secrets)
+        create_secret = [f"kubectl create secret generic {name}-env -n {namespace} {literals}"]
+        notes.append(f"the pods read {', '.join(secrets)} from Secret {name}-env, which you create (see the next "
+                     "steps): modelserver.yaml holds no secret value")
     if model_source.startswith("/"):
         notes.append(f"pods mount PVC '{model_pvc}' at {posixpath.dirname(model_source.rstrip('/'))}: it must hold "
                      f"{posixpath.basename(model_source.rstrip('/'))}/ (or pass --model-source HUB/NAME)")
@@ -229,6 +244,7 @@ def export(plan: Plan, prefill: RoleShape, decode: RoleShape, *, model_source: s
         },
         next_steps=[
             f"kubectl create namespace {namespace}   # llm-d's prerequisites (Gateway API + inference CRDs) installed",
+            *create_secret,
             "kubectl apply -k {out}/llm-d/",
             f"helm install {name} oci://registry.k8s.io/gateway-api-inference-extension/charts/inferencepool "
             f"-n {namespace} -f {{out}}/llm-d/inferencepool.values.yaml   # then route your Gateway's HTTPRoute to it",

@@ -16,6 +16,7 @@ from appliance.export.cluster import (
     ExportResult,
     Replicas,
     RoleShape,
+    comment,
     dns_label,
     target_connectors,
     to_yaml,
@@ -92,8 +93,11 @@ def llm_config(plan: Plan, shape: RoleShape, model_source: str, gpu_name: str | 
         config["accelerator_config"] = {"kind": "cpu"}
     elif accel := accelerator_type(gpu_name):
         config["accelerator_type"] = accel
-    if shape.env:
-        config["runtime_env"] = {"env_vars": dict(shape.env)}
+    # a secret is a reference Ray expands from the environment its nodes were started with (`ray start`), so
+    # serve.yaml can be committed; its value never leaves this node
+    env = {**shape.env, **{name: f"${{{name}}}" for name in shape.secret_env}}
+    if env:
+        config["runtime_env"] = {"env_vars": env}
     if backend.experimental_configs:
         config["experimental_configs"] = backend.experimental_configs
     return config
@@ -125,12 +129,12 @@ def _header(plan: Plan, prefill: RoleShape, decode: RoleShape) -> str:
         count = f"{s.replicas.min}" if s.replicas.fixed else f"{s.replicas.min}..{s.replicas.max}"
         return f"{count} x {s.role} (TP{s.tp} x DP{s.dp}, {s.gpus_per_replica or 'no'} GPU(s) each)"
 
-    return (
-        "# Ray Serve LLM prefill/decode application, written by `pdctl export --target ray-serve`.\n"
-        f"# From the pdctl plan: {plan.platform}, connector {plan.connector} ({plan.mode}), model {plan.model.path}\n"
-        f"#   {role(prefill)}; {role(decode)}\n"
-        f"# Validated against ray[serve]=={RAY_VERSION}. Deploy: serve deploy serve.yaml (or: serve run serve.yaml)\n"
-    )
+    return "".join(comment(line) for line in (
+        "Ray Serve LLM prefill/decode application, written by `pdctl export --target ray-serve`.",
+        f"From the pdctl plan: {plan.platform}, connector {plan.connector} ({plan.mode}), model {plan.model.path}",
+        f"  {role(prefill)}; {role(decode)}",
+        f"Validated against ray[serve]=={RAY_VERSION}. Deploy: serve deploy serve.yaml (or: serve run serve.yaml)",
+    ))
 
 
 def export(plan: Plan, prefill: RoleShape, decode: RoleShape, *, model_source: str, gpu_name: str | None,
@@ -140,6 +144,10 @@ def export(plan: Plan, prefill: RoleShape, decode: RoleShape, *, model_source: s
                           http_host=http_host, http_port=http_port)
     text = _header(plan, prefill, decode) + to_yaml(config)
     notes = list(_backend(plan, prefill).notes)
+    secrets = sorted({*prefill.secret_env, *decode.secret_env})
+    if secrets:
+        notes.append(f"serve.yaml references {', '.join(secrets)} as ${{NAME}}: export them in the environment of "
+                     "`ray start` on every node (their values are not in the file)")
     if plan.model.generate:
         notes.append(f"the embedded tiny model must exist at {model_source} on every node "
                      f"(python -m appliance.engine.tinymodel {model_source})")

@@ -22,10 +22,14 @@ from appliance.proxy.kvstore import KvStoreSweeper
 from appliance.proxy.legs import OUTCOME, ROUTE, STAGE, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE
 from appliance.proxy.state import ProxyState
+from appliance.proxy.tenants import ANONYMOUS, client_salt_problem
 
 log = logging.getLogger("appliance.proxy")
 
 _CHECKED_HEADERS = ("Authorization", "X-Request-Id")
+# a client asks for its request's route by sending this header (any value); the answer carries it (docs/bench.md)
+ROUTE_HEADER = "x-pdctl-route"
+TENANT: web.RequestKey[str] = web.RequestKey("pdctl_tenant", str)  # the API key's name (tenants.py)
 
 
 
@@ -38,10 +42,15 @@ _NOT_SPLIT = {
 
 async def _route_header(request: web.Request, response: web.StreamResponse) -> None:
     # aiohttp calls this as the response's head is about to be sent: the header precedes the body's first byte
-    # on every path, streamed, whole or an error after routing
+    # on every path, streamed, whole or an error after routing. Only a client that asks gets it, about its own
+    # request, and the instances only when it sent a key: under prefix affinity (or conditional routing's
+    # cached-prefix) the instance a prompt went to says what the instances hold, which a tenant's cache salt
+    # keeps to that tenant; clients without keys share one cache (docs/threat-model.md)
     route = request.get(ROUTE)
-    if route is not None:
-        response.headers["x-pdctl-route"] = route
+    if route is None or ROUTE_HEADER not in request.headers:
+        return
+    keyed = request.get(TENANT, ANONYMOUS) != ANONYMOUS
+    response.headers[ROUTE_HEADER] = route if keyed else route.split(";", 1)[0]
 
 
 @web.middleware
@@ -132,6 +141,7 @@ class Proxy(ProxyState):
         elif self.config.registration.enabled:
             self._registration_bind = asyncio.create_task(self._bind_registration())
         self.health.start()
+        self.metrics.loop.start()
         if self.kv_events is not None:
             self.kv_events.start()
         if self.kv_sweeper is not None:
@@ -218,6 +228,7 @@ class Proxy(ProxyState):
         if retire:
             await self._connections_closed(deadline)
         await self.health.stop()
+        await self.metrics.loop.stop()
         if self.kv_sweeper is not None:
             await self.kv_sweeper.stop()
         await self.planned.close()
@@ -261,7 +272,9 @@ class Proxy(ProxyState):
 
     # handlers
     def _unauthorized(self, request: web.Request) -> web.Response | None:
-        if self.api_key is None or bearer_matches(request.headers.get("Authorization"), self.api_key):
+        tenant = self.tenants.identify(request.headers.get("Authorization"))
+        if tenant is not None:
+            request[TENANT] = tenant
             return None
         return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
@@ -292,6 +305,13 @@ class Proxy(ProxyState):
         return web.json_response(body, status=200 if ok else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        # the counters say what every client's requests did (prefix hits among them): the node's token only,
+        # never an API key; without a token, open only while every client is the one tenant (no API key)
+        token = self.metrics_token
+        if token is None and self.tenants.required:
+            return error_response(403, "/metrics needs the proxy's metrics_token_file, which is not set")
+        if token is not None and not bearer_matches(request.headers.get("Authorization"), token):
+            return error_response(401, "missing or wrong metrics token: send 'Authorization: Bearer <token>'")
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -312,6 +332,9 @@ class Proxy(ProxyState):
                 status = str(problem.status)
                 return problem
             assert body is not None
+            if (problem := self._salt(request, body)) is not None:
+                status = "400"
+                return problem
             if self.hold_wait() > 0:
                 await self.wait_for_instances()
             response = await handle_completion(self, request, path, body)
@@ -335,6 +358,17 @@ class Proxy(ProxyState):
             return error_response(500, "internal proxy error (see the proxy log)")
         finally:
             self.metrics.requests.labels(status, mode_label).inc()
+
+    def _salt(self, request: web.Request, body: dict[str, Any]) -> web.Response | None:
+        """Give the request its tenant's cache salt (combined with the client's own, if any), before it is
+        routed: the engines and the proxy's prefix affinity both key on it."""
+        given = body.get("cache_salt")
+        if (why := client_salt_problem(given)) is not None:
+            return error_response(400, why)
+        salt = self.tenants.salt(request[TENANT], given)
+        if salt is not None:
+            body["cache_salt"] = salt
+        return None
 
     async def _read_body(self, request: web.Request, chat: bool) -> tuple[dict[str, Any] | None, web.Response | None]:
         for name in _CHECKED_HEADERS:

@@ -222,6 +222,19 @@ class ProxyConfig(_Model):
     routing: Routing = "least_outstanding"
     model: str = Field(min_length=1)
     api_key_file: str | None = Field(default=None, description="Clients must send this key (file mode 0600)")
+    # several clients, each with a key of its own: TOML `name = "key"` lines (tenants.py); with api_key_file, its
+    # key is the tenant "default"
+    api_keys_file: str | None = Field(default=None, description=(
+        "Clients must send one of these keys: a TOML file (mode 0600) of name = \"key\" lines, one per client"))
+    tenant_cache_salt: bool = Field(default=True, description=(
+        "Each API key's requests carry a vLLM cache_salt of its own, so no two keys share prefix-cache entries "
+        "(docs/threat-model.md); false: one trusted tenant, whose keys share the cache"))
+    cache_salt_secret_file: str | None = Field(default=None, description=(
+        "The node secret the keys' cache salts derive from (mode 0600; pdctl up writes one); unset: a random one "
+        "per proxy start"))
+    metrics_token_file: str | None = Field(default=None, description=(
+        "GET /metrics must send this token (Authorization: Bearer); an API key does not do; unset: /metrics is "
+        "open only while the API has no key"))
     # sent to the engines as their Bearer key (vLLM --api-key); the client's own key is never forwarded
     engine_api_key_file: str | None = None
     # the engines' KV block size (tokens), for connectors whose hand-off depends on the prompt's length

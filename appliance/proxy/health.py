@@ -94,7 +94,7 @@ class HealthChecker:
         self._listener_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, refusals since
         self._slow_logged: dict[str, tuple[float, int]] = {}  # per instance: last log line, slow probes since
         self._sockets: dict[str, frozenset[int]] = {}  # per instance: its listening sockets at its last good probe
-        self._tables: list[str] | None = None
+        self._tables: list[listeners.Listener] | None = None
         self._tables_at = -1.0
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[bool]] = set()  # the loop's probes running
@@ -255,7 +255,7 @@ class HealthChecker:
             return False
         now = time.monotonic()
         if fresh or now - self._tables_at >= 1.0:
-            self._tables, self._tables_at = listeners.read_tables(), now
+            self._tables, self._tables_at = listeners.read_listening(), now
         if self._tables is None:
             return False
         seen = listeners.sockets(self._tables, inst.host, inst.port)
@@ -272,9 +272,9 @@ class HealthChecker:
     def _listener_ok(self, inst: BackendState) -> bool:
         """Whether the instance's listener belongs to the engines' user (listeners.verdict); counted, and logged
         once per LOG_EVERY_S per instance when it does not. Unreadable socket tables admit the instance."""
-        # read inline: a few hundred bytes per socket, well under a millisecond, and an instance waiting for
-        # admission at start must not wait for a thread
-        tables = listeners.read_tables()
+        # read inline: the listening sockets alone, well under a millisecond (listeners.read_listening), and an
+        # instance waiting for admission at start must not wait for a thread
+        tables = listeners.read_listening()
         result = listeners.verdict(tables, inst.host, inst.port, self.engine_uid, listeners.is_local(inst.host, self._local))
         if self.on_listener is not None:
             self.on_listener(result)

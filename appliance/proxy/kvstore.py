@@ -15,6 +15,7 @@ again, which moves its ctime) so that the next read updates the atime under rela
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import re
@@ -98,6 +99,20 @@ def scan(folder: str) -> list[Entry]:
             if entry is not None:
                 entries.append(entry)
     return entries
+
+
+def prompt_folders(token_ids: list[int], block_size: int | None) -> set[str]:
+    """The folder names (md5, and sha256 in FIPS mode) an ExampleConnector engine saves a prompt of these token
+    ids under: the hash of its first (L-1)//B*B ids as int64 (vLLM 0.32 example_connector.py, make_meta and
+    _generate_foldername_debug); block_size None: a prompt under any block (its key is that of no tokens)."""
+    kept = (len(token_ids) - 1) // block_size * block_size if block_size else 0
+    data = b"".join(t.to_bytes(8, "little", signed=True) for t in token_ids[:kept])
+    return {hashlib.md5(data, usedforsecurity=False).hexdigest(), hashlib.sha256(data).hexdigest()}
+
+
+def forget(folders: Iterable[str], names: Iterable[str]) -> int:
+    """Remove the prompt folders `names` from each of `folders` (as evict does); how many there were."""
+    return sum(evict(Entry(os.path.join(folder, name), 0, 0.0, 0)) for folder in folders for name in names)
 
 
 def evict(entry: Entry) -> bool:

@@ -7,17 +7,19 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import HttpVersion11, web
 
 from appliance.connector import HandoffError
 from appliance.proxy.instances import BackendState, Booking
 from appliance.proxy.policies import RequestFacts
-from appliance.proxy.prompts import known_length, most_tokens, tokenize_request
-from appliance.proxy.routing import Route, Unroutable
+from appliance.proxy.prompts import tokenize_request
+from appliance.proxy.route import Refused, Route, Unroutable
+from appliance.proxy.route.length import count_tokens
 from appliance.proxy.state import ProxyState
 from appliance.proxy.upstream import Connection, Unchunked, UpstreamError
+from appliance.roles import Mode
 
 log = logging.getLogger("appliance.proxy.legs")
 
@@ -530,27 +532,27 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
     if proxy.engine_key is not None:
         headers.append(("Authorization", f"Bearer {proxy.engine_key}"))
     facts = RequestFacts(path, body)
+    timeout = proxy.config.timeouts.prefill_s
     try:
-        route = proxy.router.route(facts)
+        route = await proxy.router.routed(facts, lambda inst: count_tokens(
+            inst, tokenize_request(path, body, proxy.config.model), headers, timeout))
     except Unroutable as exc:
         raise LegFailure(503, f"no healthy {exc} instance is available; try again shortly") from None
+    except Refused as exc:
+        proxy.metrics.routes.labels("refused", exc.reason).inc()
+        raise LegFailure(400, str(exc)) from None
     with route:
-        block = proxy.router.block_size
-        if route.prefill is not None and block is not None and known_length(path, body) is None:
-            # the router settles what the body tells; a text prompt over its bound is counted by the decode
-            possible, tokens = await can_hand_over(proxy, route.decode, path, body, headers, block)
-            if not possible:
-                proxy.router.alone(route, "handoff-impossible", facts, tokens)
         proxy.metrics.routes.labels(route.name, route.reason).inc()
         request[ROUTE] = route.header()
+        # the client's X-Request-Id reaches the leg that answers it (vLLM's answer id is cmpl-<X-Request-Id>)
+        client_id = request.headers.get("X-Request-Id") or None
+        if route.prefill is not None:
+            return await _disaggregated(proxy, request, path, body, headers, started, route, client_id)
+        if client_id is not None:
+            headers.append(("X-Request-Id", client_id))
         if route.name == "colocated":
-            rid = request.headers.get("X-Request-Id") or None
-            if rid is not None:
-                headers.append(("X-Request-Id", rid))
             return await run_decode(proxy, request, route.decode, route.decode_rank, path, body, headers, started)
-        if route.prefill is None:
-            return await _decode_only(proxy, request, route, path, body, headers, started)
-        return await _disaggregated(proxy, request, path, body, headers, started, route)
+        return await _decode_only(proxy, request, route, path, body, headers, started)
 
 
 async def _decode_only(proxy: ProxyState, request: web.Request, route: Route, path: str, body: dict[str, Any],
@@ -558,7 +560,7 @@ async def _decode_only(proxy: ProxyState, request: web.Request, route: Route, pa
     """A request of a disaggregated node that its decode instance prefills itself: the connector's alone_body,
     which no hand-off can be waited for or read from."""
     connector = proxy.connector
-    alone, mend = connector.alone_body(body)
+    alone, mend = connector.alone_body(body, cast(Mode, proxy.mode))
     response = await run_decode(proxy, request, route.decode, route.decode_rank, path, alone, headers, started)
     if mend and isinstance(response, web.Response) and response.status == 200 and response.body:
         answer = json.loads(response.body or b"")  # type: ignore[arg-type]
@@ -566,71 +568,25 @@ async def _decode_only(proxy: ProxyState, request: web.Request, route: Route, pa
     return response
 
 
-async def count_tokens(proxy: ProxyState, inst: BackendState, path: str, body: dict[str, Any],
-                       headers: list[tuple[str, str]]) -> int | None:
-    """The prompt's token count from the instance's /tokenize; None when it cannot tell (several prompts, an
-    answer that is not a count): the caller then takes the way that works for every length."""
-    request = tokenize_request(path, body, proxy.config.model)
-    if request is None:
-        return None
-    payload = json.dumps(request, separators=(",", ":")).encode()
-    try:
-        conn, head = await inst.pool.open("POST", "/tokenize", headers, payload, collect=True,
-                                          head_timeout=proxy.config.timeouts.prefill_s)
-    except UpstreamError:
-        return None
-    assert conn.done_fut is not None
-    try:
-        answer = await conn.done_fut
-    except UpstreamError:
-        return None
-    except BaseException:
-        conn.abort()
-        raise
-    inst.pool.release(conn)
-    if head.status != 200:
-        return None
-    try:
-        count = json.loads(answer or b"").get("count")
-    except (ValueError, AttributeError):
-        return None
-    return count if isinstance(count, int) else None
-
-
-async def can_hand_over(proxy: ProxyState, inst: BackendState, path: str, body: dict[str, Any],
-                        headers: list[tuple[str, str]], block_size: int) -> tuple[bool, int | None]:
-    """Whether the connector can hand this request's prompt over, and its tokens as far as known (the count,
-    or its bound; None: unknown); asks `inst` to count it only when the body does not settle it. Unknown
-    counts as no: serving without a hand-off works for every length."""
-    connector = proxy.connector
-    count = known_length(path, body)
-    if count is None:
-        most = most_tokens(path, body)
-        if most is not None and not any(connector.handoff_possible(n, block_size) for n in range(most + 1)):
-            return False, most
-        count = await count_tokens(proxy, inst, path, body, headers)
-    return count is not None and connector.handoff_possible(count, block_size), count
-
-
-def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, decode_body: dict[str, Any],
-                    headers: list[tuple[str, str]]) -> None:
-    """Ask the decode instance to have the prefill free the KV it holds for a decode leg that will not be sent
-    (the client left after the prefill answered), rather than hold it until the connector's own timeout."""
-    body = proxy.connector.release_body(decode_body)
-    if body is None:
+def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, path: str,
+                    decode_body: dict[str, Any], headers: list[tuple[str, str]]) -> None:
+    """Ask the decode instance to have the prefill free the KV it holds for a decode leg to `path` that will not
+    be sent (the client left after the prefill answered), rather than hold it until the connector's own timeout."""
+    release = proxy.connector.release_body(decode_body, path, proxy.mode)
+    if release is None:
         return
-    task = asyncio.get_running_loop().create_task(_send_release(proxy, decode, rank, body, headers))
+    task = asyncio.get_running_loop().create_task(_send_release(proxy, decode, rank, *release, headers))
     proxy.releases.add(task)
     task.add_done_callback(proxy.releases.discard)
 
 
-async def _send_release(proxy: ProxyState, inst: BackendState, rank: int | None, body: dict[str, Any],
+async def _send_release(proxy: ProxyState, inst: BackendState, rank: int | None, path: str, body: dict[str, Any],
                         headers: list[tuple[str, str]]) -> None:
     if rank is not None:
         headers = [*headers, ("X-data-parallel-rank", str(rank))]
     payload = json.dumps(body, separators=(",", ":")).encode()
     try:
-        conn, _ = await inst.pool.open("POST", "/v1/completions", headers, payload, collect=True,
+        conn, _ = await inst.pool.open("POST", path, headers, payload, collect=True,
                                        head_timeout=proxy.config.timeouts.first_token_s)
         assert conn.done_fut is not None
         await conn.done_fut
@@ -650,14 +606,16 @@ async def _disaggregated(
     headers: list[tuple[str, str]],
     started: float,
     route: Route,
+    client_id: str | None = None,
 ) -> web.StreamResponse:
-    """The prefill and decode legs of one request on the route picked for it."""
+    """The prefill and decode legs of one request on the route picked for it; `client_id`: the client's
+    X-Request-Id, which leads the id both legs carry."""
     connector = proxy.connector
     prefill, prefill_rank, decode, decode_rank = route.prefill, route.prefill_rank, route.decode, route.decode_rank
     assert prefill is not None  # a route without a prefill instance is one leg (handle_completion)
     # what the connector carries from one leg of this request to the other
     handoff: dict[str, Any] = {"mode": proxy.mode}
-    rid = connector.request_id(prefill, decode)
+    rid = connector.request_id(prefill, decode, client_id)
     prefill_body = connector.prefill_body(body, prefill, decode, handoff)
     # Both legs carry the same id: connectors match the two halves of a request by it (NIXL push does).
     headers.append(("X-Request-Id", rid))
@@ -665,26 +623,25 @@ async def _disaggregated(
         # registration data reaches the request id: nothing may end a header line or leave latin-1 ASCII
         if not (value.isascii() and value.isprintable()):
             raise LegFailure(502, f"refusing to send an unsafe {name} header to the engines")
-    if proxy.mode == "read" or connector.write_waits_for_prefill:
+    if connector.serial(cast(Mode, proxy.mode)):
         def abandoned(kv: dict[str, Any]) -> None:
             try:
                 leg = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
             except HandoffError:
                 return  # an answer no decode leg could have used: nothing of it to release
-            release_handoff(proxy, decode, decode_rank, leg, headers)
+            release_handoff(proxy, decode, decode_rank, path, leg, headers)
 
         kv, answer = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers, abandoned)
-        if kv is None:
+        if kv is None and ended_at_prefill(body, answer):
             # vLLM hands no KV over for a prefill that finished the request (its one token was EOS or a stop;
             # MoRIIO, and the shared-storage connector always): the prefill's answer is the whole answer.
-            if ended_at_prefill(body, answer):
-                proxy.metrics.ttft.observe(time.monotonic() - started)
-                return answer_from_prefill(body, answer)
-            if connector.read_needs_prefill_kv:
-                raise LegFailure(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
+            proxy.metrics.ttft.observe(time.monotonic() - started)
+            return answer_from_prefill(body, answer)
+        # a connector whose decode needs the prefill's kv_transfer_params raises HandoffError without them
         decode_body = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
         return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started,
-                                unsent=lambda: release_handoff(proxy, decode, decode_rank, decode_body, headers))
+                                unsent=lambda: release_handoff(proxy, decode, decode_rank, path, decode_body,
+                                                               headers))
 
     decode_body = connector.decode_body(body, prefill, decode, prefill_rank, None, handoff)
     prefill_task = asyncio.ensure_future(run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from prometheus_client.samples import Sample
 from appliance.proxy.histogram import FastHistogram
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.kvstore import SweepResult
+from appliance.proxy.loopwatch import TICK_S, WINDOW_S, LoopWatch
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -55,6 +57,13 @@ class _LiveCollector(Collector):
             events.add_metric([name, result], n)
         yield events
         yield m.itl.family("pdctl_proxy_inter_token_latency_seconds", "Time between streamed chunks relayed")
+        yield m.loop.lag.family("pdctl_proxy_event_loop_lag_seconds",
+                                f"How late the proxy's {TICK_S * 1e3:g} ms event-loop timer fired: every relayed "
+                                "stream waits as long while something else runs on the loop")
+        pause = GaugeMetricFamily("pdctl_proxy_event_loop_max_pause_seconds",
+                                  f"The longest pdctl_proxy_event_loop_lag_seconds of the last {WINDOW_S} s")
+        pause.add_metric([], m.loop.longest(time.monotonic()))
+        yield pause
         in_flight = GaugeMetricFamily(
             "pdctl_proxy_in_flight_requests", "Requests in flight per instance", labels=["instance", "role"]
         )
@@ -212,6 +221,7 @@ class ProxyMetrics:
         self.proxy_crash_count = 0
         self.max_hold_s = 0.0
         self.itl = FastHistogram(ITL_BUCKETS)
+        self.loop = LoopWatch()
         self.streamed_chunks = 0  # folded into `tokens` at scrape time (no per-token Counter call)
         self._tokens_reported = 0
         self.registry.register(_LiveCollector(self))

@@ -1,5 +1,5 @@
 """How many tokens a request's prompt has, for routing (conditional disaggregation) and for connectors whose
-hand-off depends on it (lengths_matter). Pure: legs.can_hand_over asks an engine when the body does not settle it.
+hand-off depends on it (lengths_matter). Pure: route.length asks an engine when the body does not settle it.
 
 The proxy has no tokenizer. Token ids are counted; for a text prompt an upper bound comes from its UTF-8
 length (a byte-level BPE or byte-fallback tokenizer spends at least one byte of text per token, plus the few
@@ -14,9 +14,14 @@ from typing import Any
 
 # BOS, EOS and a SentencePiece prefix piece: more than any tokenizer adds to a completion prompt by itself
 _SPECIAL_TOKENS = 3
-# what /tokenize takes from a chat request besides the messages (they change the template's output)
-_CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
-              "chat_template_kwargs", "tools", "documents")
+# What vLLM 0.32's chat renders a prompt with besides the messages (ChatCompletionRequest.build_chat_params and
+# render_chat, entrypoints/openai/chat_completion/protocol.py, renderers/online_renderer.py), as /tokenize takes
+# it (TokenizeChatRequest, entrypoints/serve/tokenize/protocol.py): these as its own fields, and the rest
+# (_TEMPLATE_KWARGS) only inside chat_template_kwargs; a field /tokenize does not know it ignores.
+_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template", "tools",
+                "media_io_kwargs", "mm_processor_kwargs")
+_TEMPLATE_KWARGS = ("documents", "reasoning_effort")
+_UNSET = (None, "auto")  # values vLLM's merge_kwargs leaves out (renderers/params.py)
 
 
 # the proxy holds a prompt list as a tuple (app.walk_free); a list is what JSON gives before that
@@ -53,7 +58,11 @@ def most_tokens(path: str, body: Mapping[str, Any]) -> int | None:
 def tokenize_request(path: str, body: dict[str, Any], model: str) -> dict[str, Any] | None:
     """The /tokenize body that counts the request's prompt, or None when it has no single prompt."""
     if "messages" in body:
-        return {"model": model, "messages": body["messages"], **{k: body[k] for k in _CHAT_KEYS if k in body}}
+        chat = {"model": model, "messages": body["messages"], **{k: body[k] for k in _CHAT_FIELDS if k in body}}
+        kwargs = chat_template_kwargs(body)
+        if kwargs is not None:
+            chat["chat_template_kwargs"] = kwargs
+        return chat
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         out: dict[str, Any] = {"model": model, "prompt": prompt}
@@ -61,3 +70,22 @@ def tokenize_request(path: str, body: dict[str, Any], model: str) -> dict[str, A
             out["add_special_tokens"] = body["add_special_tokens"]
         return out
     return None
+
+
+def chat_template_kwargs(body: Mapping[str, Any]) -> Any:
+    """The chat_template_kwargs vLLM's chat renders the request's template with, but for what /tokenize adds
+    itself (the generation prompt flags); a value vLLM refuses is passed as it is (the count fails alike)."""
+    own = body.get("chat_template_kwargs")
+    if own is not None and not isinstance(own, Mapping):
+        return own
+    extra = {k: body.get(k) for k in _TEMPLATE_KWARGS}
+    effort = body.get("reasoning_effort")
+    if effort is not None and "enable_thinking" not in (own or {}):
+        extra["enable_thinking"] = effort != "none"  # chat opts templates in or out of thinking by it
+    merged = {**(own or {}), **{k: v for k, v in extra.items() if not _unset(v)}}
+    return merged or own
+
+
+def _unset(value: Any) -> bool:
+    """Whether vLLM's merge_kwargs leaves this value out (compared by type: a list is never unset)."""
+    return value is None or (isinstance(value, str) and value in _UNSET)

@@ -17,7 +17,8 @@ from appliance.proxy.planned import PlannedStops
 from appliance.proxy.policies import POLICIES
 from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
-from appliance.proxy.routing import Router
+from appliance.proxy.route import Router
+from appliance.proxy.tenants import load_tenants
 
 log = logging.getLogger("appliance.proxy.state")
 
@@ -31,7 +32,11 @@ class ProxyState:
         self.config = config
         self.mode: str = config.mode
         self.connector = get_connector(config.connector)
-        self.api_key = read_secret(config.api_key_file)
+        # the clients' keys by tenant name, and each tenant's cache salt (tenants.py); reread by a new proxy
+        # process, as every file it reads is: `pdctl restart proxy` (SIGHUP to the keeper) reloads them
+        self.tenants = load_tenants(config.api_key_file, config.api_keys_file, config.tenant_cache_salt,
+                                    config.cache_salt_secret_file, read_secret(config.api_key_file))
+        self.metrics_token = read_secret(config.metrics_token_file)
         self.engine_key = read_secret(config.engine_api_key_file)
         self.admin_token = read_secret(config.admin.token_file)
         self.metrics = ProxyMetrics(lambda: self.registry, lambda: self.router.policy.prefix_tokens(),
@@ -86,6 +91,7 @@ class ProxyState:
         """Warm `inst` up (appliance.proxy.warmup), counted and logged; whether it may be admitted now."""
         result, took = await warmup.warm_up(inst, self.config.model, self.engine_key,
                                             self.config.health.warmup_timeout_s)
+        await warmup.forget_store(self.config.kv_store, self.config.block_size)
         self.metrics.warmups.labels(inst.name, result).inc()
         self.metrics.warmup_seconds.labels(inst.name).set(took)
         return warmup.admits(result)

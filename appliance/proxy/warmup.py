@@ -17,6 +17,8 @@ import json
 import logging
 import time
 
+from appliance.proxy import kvstore
+from appliance.proxy.config import KvStoreConfig
 from appliance.proxy.instances import BackendState
 from appliance.proxy.upstream import UpstreamError
 
@@ -29,14 +31,18 @@ TIMEOUT = "timeout"  # not answered within warmup_timeout_s
 UNREACHABLE = "unreachable"  # the connection was refused or reset: the engine went away
 _WORST_FIRST = (UNREACHABLE, TIMEOUT, REFUSED, OK)
 
-PROMPT = "pdctl warm-up: is this engine ready to serve?"  # several tokens in any tokenizer
+# Token ids every vocabulary has, so the proxy knows the KV store key an ExampleConnector engine saves the
+# prompt under (kvstore.prompt_folders) and can remove what the warm-up left there (none is a client's: two
+# tokens are under a block, whose key, that of no tokens, only a 1-token lookup would read).
+PROMPT = [72, 105]
 REQUEST_ID = "pdctl-warmup"  # X-Request-Id prefix: an engine's log tells the warm-up from a client's request
 
 
 def body(model: str) -> bytes:
     """The warm-up request: greedy, two tokens, with logprobs and prompt logprobs (what sets off vLLM's compile).
 
-    Prompt logprobs also make vLLM skip its KV connector's lookup, so the warm-up never reads a hand-off."""
+    Prompt logprobs also make vLLM skip its KV connector's lookup, so the warm-up never reads a hand-off (it
+    still writes one: forget_store removes it)."""
     request = {"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "logprobs": 1,
                "prompt_logprobs": 0}
     return json.dumps(request, separators=(",", ":")).encode()
@@ -77,3 +83,16 @@ async def warm_up(inst: BackendState, model: str, engine_key: str | None, timeou
         log.warning("%s (%s) warm-up: %s after %.2fs%s", inst.name, inst.url, result, took,
                     "" if admits(result) else "; not admitted")
     return result, took
+
+
+async def forget_store(store: KvStoreConfig | None, block_size: int | None) -> int:
+    """Remove the KV the warm-up's prompt left in the store (vLLM's ExampleConnector saves every prompt it
+    computes, prompt logprobs or not); how many folders went."""
+    if store is None:
+        return 0
+    names = kvstore.prompt_folders(PROMPT, block_size)
+    try:
+        return await asyncio.to_thread(kvstore.forget, store.folders, names)
+    except OSError as exc:  # a store the proxy cannot write: the sweeper says so too; keep serving
+        log.warning("could not remove the warm-up's KV from the store: %s", exc)
+        return 0

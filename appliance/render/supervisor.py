@@ -48,17 +48,20 @@ def command_value(argv: list[str]) -> str:
 
 def environment_value(env: dict[str, str]) -> str:
     """An environment= value: KEY="v",KEY2='v' (supervisor's lexer keeps quotes and strips them after)."""
+    # the errors name the variable, never its value: it may be a secret (HF_TOKEN), and they reach terminals and logs
     pairs = []
     for name, value in sorted(env.items()):
         check_env_name(name)
         if value[:1] in "'\"" and value or value[-1:] in ("'", '"'):
-            raise PdctlError(f"{name}: supervisor cannot carry a value that starts or ends with a quote: {value!r}")
+            raise PdctlError(f"{name}: supervisor cannot carry a value that starts or ends with a quote")
+        if "\n" in value or "\r" in value:
+            raise PdctlError(f"{name}: an environment value cannot span lines in supervisord.conf")
         if '"' not in value:
             quoted = f'"{value}"'
         elif "'" not in value:
             quoted = f"'{value}'"
         else:
-            raise PdctlError(f"{name}: supervisor cannot carry a value holding both quote kinds: {value!r}")
+            raise PdctlError(f"{name}: supervisor cannot carry a value holding both quote kinds")
         pairs.append(f"{name}={quoted}")
     return _value(",".join(pairs), "an environment value")
 

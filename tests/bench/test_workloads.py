@@ -243,8 +243,9 @@ def test_a_timed_file_is_replayed_in_order_never_early(deployment: str, tmp_path
     assert [(r["prefix_group"], r["conversation"], r["turn"]) for r in reqs] == [
         ("sys-a", None, None), (None, "c1", 1), ("sys-a", None, None), (None, None, None), (None, "c1", 2),
         (None, None, None)]
-    # the proxy's x-pdctl-route header, recorded per request (one route: no "by route" table)
-    assert {r["route"] for r in reqs} == {"colocated"} and all(set(r["route_instances"]) == {"both"} for r in reqs)
+    # the proxy's x-pdctl-route header, which the bench asks for, recorded per request (one route: no "by route"
+    # table); a proxy without API keys names no instance to its (unauthenticated) clients
+    assert {r["route"] for r in reqs} == {"colocated"} and all(r["route_instances"] == {} for r in reqs)
     assert "by route" not in done.stderr and "workload w.jsonl, the file's arrival times" in done.stderr
 
 
@@ -292,3 +293,15 @@ def test_a_workload_name_with_brackets_is_printed_as_written() -> None:
     console = Console(record=True, width=200)
     print_report(result, console)
     assert "workload w[/x][bold].jsonl, the file's arrival times" in console.export_text()
+
+
+def test_a_node_with_keys_by_name_needs_the_key_to_send(tmp_path: Path) -> None:
+    """A node whose API takes the keys of api_keys_file: `pdctl bench` against it must be told which key to send
+    (it is one client among them), in one line, before it deploys or writes anything."""
+    (tmp_path / "pdctl.toml").write_text(f'state_dir = {json.dumps(str(tmp_path / "state"))}\n[engine]\nkind = "sim"\n'
+                                         '[proxy]\napi_keys_file = "/nonexistent/keys.toml"\n')
+    done = pdctl_in("bench", "--engine", "sim", "--no-plots", "--out", "out", cwd=tmp_path, check=False)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode != 0 and "--api-key-file" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert len([line for line in lines if "api_keys_file" in line or "keys.toml" in line]) == 1, done.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()

@@ -162,9 +162,11 @@ def _suggest_json(tmp_path: Path, *args: str, model: Path = REFERENCE) -> dict[s
 
 def test_the_plan_flags_connector_and_mode_reach_the_suggestion(tmp_path: Path) -> None:
     # `plan --suggest --mode write` models the prefill pushing the KV, not the settings' READ
-    read, write = (_suggest_json(tmp_path, "--connector", "moriio", "--mode", mode)["profile"] for mode in ("read", "write"))
-    assert read["post_on_decode"] is True and write["post_on_decode"] is False
-    assert write["write_overlaps_prefill"] is True and "MORI-IO" in write["handoff_source"]
+    read, write = (_suggest_json(tmp_path, "--connector", "moriio", "--mode", mode) for mode in ("read", "write"))
+    assert read["profile"]["post_on_decode"] is True and write["profile"]["post_on_decode"] is False
+    assert write["profile"]["write_overlaps_prefill"] is True and "MORI-IO" in write["profile"]["handoff_source"]
+    # conditional routing is advised only where the decode serves a prompt alone: not MoRIIO READ (docs/routing.md)
+    assert read["decode_only_below"]["served_alone"] is False and write["decode_only_below"]["served_alone"] is True
 
 
 def test_the_mission_model_is_sized_from_its_quantization_config_on_the_mi300x_profile() -> None:

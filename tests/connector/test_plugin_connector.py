@@ -40,7 +40,7 @@ PACKAGE = {
         from typing import Any
 
         from appliance.connector import Connector, HandoffError, InstanceContext, Peer, RayServeBackend
-        from appliance.connector.base import OwnSettings, SimOptions
+        from appliance.connector.base import Alone, OwnSettings, SimOptions
         from appliance.roles import Mode
 
 
@@ -88,6 +88,9 @@ PACKAGE = {
             def check_sim(self, options: SimOptions) -> None:
                 if options.role == "both" or not options.shared_storage:
                     raise ValueError("connector 'ticket' hands KV from a prefill to a decode engine via an office")
+
+            def alone(self, mode: Mode) -> Alone:
+                return Alone(True, "a decode without a ticket computes the prompt itself")
 
             def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer,
                              handoff: dict[str, Any]) -> dict[str, Any]:

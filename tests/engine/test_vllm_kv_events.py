@@ -8,6 +8,8 @@ proxy connects to it, and an engine's restart is followed."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import stat
@@ -44,16 +46,26 @@ def _tokens(start: int, n: int) -> list[int]:
     return [100 + (start + k) % (VOCABULARY - 100) for k in range(n)]
 
 
+# Two clients, each with its API key: each gets its own vLLM cache_salt from the proxy (issue 36, finding 4)
+KEYS = {"alice": "alice-key-0123456789", "mallory": "mallory-key-0123456789"}
+
+
 def _config(tmp: Path) -> Path:
-    cfg = write_config(tmp, tmp / "state", extra='routing = "prefix_affinity"\n[model]\npath = "embedded:tiny-qwen3"\n')
+    keys = tmp / "keys.toml"
+    keys.write_text("".join(f'{name} = "{key}"\n' for name, key in KEYS.items()))
+    keys.chmod(0o600)
+    cfg = write_config(tmp, tmp / "state", extra=f'routing = "prefix_affinity"\napi_keys_file = {json.dumps(str(keys))}\n'
+                       '[model]\npath = "embedded:tiny-qwen3"\n')
     text = cfg.read_text().replace('kind = "sim"\nhealth_timeout_s = 60',
                                    f'kind = "vllm"\npython = {json.dumps(VLLM_PYTHON)}\nhealth_timeout_s = 900')
     cfg.write_text(text.replace("[colocated]\n", "[colocated]\ninstances = 2\n"))
     return cfg
 
 
-def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+def _scrape(url: str, token: str = "") -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of `url`'s /metrics; the proxy's (an API with keys) answers its metrics token alone."""
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=30) as resp:
         text = resp.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
@@ -64,10 +76,14 @@ def _value(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
     return sum(v for (n, ls), v in metrics.items() if n == name and set(labels.items()) <= set(ls))
 
 
-def _complete(url: str, prompt: list[int]) -> tuple[dict[str, Any], str | None]:
+def _complete(url: str, prompt: list[int], tenant: str = "alice", salt: str | None = None
+              ) -> tuple[dict[str, Any], str | None]:
+    """A completion through the proxy as `tenant` (asking for its route), or with `salt` straight to an engine."""
     body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 2, "temperature": 0}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEYS[tenant]}", "x-pdctl-route": "1"}
+    if salt is not None:
+        body["cache_salt"] = salt
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=300) as resp:
             return json.loads(resp.read()), resp.headers.get("x-pdctl-route")
@@ -106,7 +122,11 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
         assert stat.S_IMODE(events.stat().st_mode) == 0o700 and events.stat().st_uid == os.geteuid()
         assert all(stat.S_ISSOCK((events / f"{n}.sock").stat().st_mode) for n in backends)
         proxy = f"http://127.0.0.1:{proxy_cfg['port']}"
-        wait_until(lambda: {ls[-1][1] for (n, ls), v in _scrape(proxy).items()
+        token = (tmp_path / "state" / "metrics-token").read_text().strip()
+        secret = (tmp_path / "state" / "cache-salt-secret").read_bytes().strip()
+        # what the proxy sends the engines as alice's cache_salt (tenants.py): HMAC of the node secret and her name
+        alice_salt = hmac.new(secret, b"alice\x00", hashlib.sha256).hexdigest()
+        wait_until(lambda: {ls[-1][1] for (n, ls), v in _scrape(proxy, token).items()
                             if n == "pdctl_proxy_prefix_source" and v == 1} == {"events"},
                    timeout=120, what="both engines' event streams live")
         status = json.loads(pdctl(cfg, "status", "--json").stdout)
@@ -116,17 +136,17 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
         # `pdctl up` returns once every engine answers /health and each role has an instance in the proxy's rotation;
         # the proxy admits the others at its next probe, up to probe_interval_s later. Seen: every request below
         # routed while one instance was not yet admitted (CI: both went to both-0 while both-1 held their prefix)
-        wait_until(lambda: all(_value(_scrape(proxy), "pdctl_proxy_instance_healthy", instance=n) == 1
+        wait_until(lambda: all(_value(_scrape(proxy, token), "pdctl_proxy_instance_healthy", instance=n) == 1
                                for n in backends), timeout=60, what="both instances in the proxy's rotation")
 
-        # Another client of both-1 (straight to the engine) caches a prompt the proxy never saw.
+        # Another client of both-1 (straight to the engine, with alice's salt) caches a prompt the proxy never saw.
         shared = _tokens(0, 3 * BLOCK + 40)
-        applied = _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1", result="applied")
-        _complete(backends["both-1"]["url"], shared)
-        wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1",
+        applied = _value(_scrape(proxy, token), "pdctl_proxy_kv_events_total", instance="both-1", result="applied")
+        _complete(backends["both-1"]["url"], shared, salt=alice_salt)
+        wait_until(lambda: _value(_scrape(proxy, token), "pdctl_proxy_kv_events_total", instance="both-1",
                                   result="applied") > applied, timeout=60, what="both-1's events of the prompt")
         engines_before = {name: _scrape(b["url"]) for name, b in backends.items()}
-        proxy_before = _scrape(proxy)
+        proxy_before = _scrape(proxy, token)
 
         # Its continuation through the proxy goes to both-1 (the estimate would know nothing), twice in a row, and
         # a conversation's later turn goes where its first turn went.
@@ -141,9 +161,14 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
         assert routes == ["colocated; both=both-1"] * 2, routes
         assert cached == [3 * BLOCK] * 2, cached
         assert second_route == first_route and second["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BLOCK
+        # Another tenant sending alice's prefix to the engine that holds it, with the salt the proxy gives him,
+        # hits nothing: her blocks hash under her salt (the prefix cache's timing side channel is closed).
+        mallory_salt = hmac.new(secret, b"mallory\x00", hashlib.sha256).hexdigest()
+        stranger, _ = _complete(backends["both-1"]["url"], shared + [9] * 25, salt=mallory_salt)
+        assert stranger["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
         # The proxy expected exactly what vLLM's own counters say was cached, instance by instance.
-        proxy_after = _scrape(proxy)
+        proxy_after = _scrape(proxy, token)
         for name, b in backends.items():
             vllm_hits = (_value(_scrape(b["url"]), "vllm:prefix_cache_hits_total")
                          - _value(engines_before[name], "vllm:prefix_cache_hits_total"))
@@ -165,9 +190,9 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
             spy.connect(f"tcp://127.0.0.1:{port}")
             spies.append(spy)
         try:
-            applied = _value(_scrape(proxy), "pdctl_proxy_kv_events_total", result="applied")
+            applied = _value(_scrape(proxy, token), "pdctl_proxy_kv_events_total", result="applied")
             _complete(proxy, _tokens(250, 2 * BLOCK))
-            wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", result="applied") > applied,
+            wait_until(lambda: _value(_scrape(proxy, token), "pdctl_proxy_kv_events_total", result="applied") > applied,
                        timeout=60, what="the proxy receives the new blocks")
             poller = zmq.Poller()
             for spy in spies:
@@ -189,13 +214,13 @@ def test_kv_events_make_prefix_affinity_exact_on_real_vllm(tmp_path: Path) -> No
         server.kill()
         try:
             wait_until(lambda: _healthy(url), timeout=900, what="both-1's engine started again")
-            metrics = _scrape(proxy)
+            metrics = _scrape(proxy, token)
             applied, gaps = (_value(metrics, "pdctl_proxy_kv_events_total", instance="both-1", result=r)
                              for r in ("applied", "gap"))
             _complete(url, _tokens(400, 2 * BLOCK))
-            wait_until(lambda: _value(_scrape(proxy), "pdctl_proxy_kv_events_total", instance="both-1",
+            wait_until(lambda: _value(_scrape(proxy, token), "pdctl_proxy_kv_events_total", instance="both-1",
                                       result="applied") > applied, timeout=60, what="the new engine's events")
-            metrics = _scrape(proxy)
+            metrics = _scrape(proxy, token)
             assert _value(metrics, "pdctl_proxy_kv_events_total", instance="both-1", result="gap") == gaps
             assert _value(metrics, "pdctl_proxy_prefix_source", instance="both-1", source="events") == 1
         finally:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -183,3 +184,31 @@ def write_tiny_model_with(python: str, model_dir: Path) -> Path:
         capture_output=True,
     )  # fmt: skip
     return model_dir
+
+
+def free_port() -> int:
+    """A loopback port free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_pair(home: Path, model_dir: Path, served_name: str, kv_transfer_config: dict[str, Any],
+               env: dict[str, dict[str, str]] | None = None,
+               extra_argv: dict[str, list[str]] | None = None) -> list[VllmProcess]:
+    """A prefill (kv_producer) and a decode (kv_consumer) engine with this connector config, on free ports, ready;
+    `env` and `extra_argv` add to one role's environment and command line."""
+    python = os.environ["PDCTL_TEST_VLLM_PYTHON"]
+    servers = []
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        port = free_port()
+        argv = vllm_argv(python, model_dir, port, served_name, {**kv_transfer_config, "kv_role": kv_role})
+        servers.append(start_vllm(role, argv + (extra_argv or {}).get(role, []),
+                                  {**vllm_env(), **(env or {}).get(role, {})}, home, port))
+    try:
+        wait_ready(servers)
+    except BaseException:
+        for server in servers:
+            stop_vllm(server)
+        raise
+    return servers

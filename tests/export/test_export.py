@@ -275,3 +275,74 @@ def test_cli_exports_the_layout_a_rebalance_left(tmp_path: Path) -> None:
     args = yaml.safe_load((tmp_path / "out" / "ray-serve" / "serve.yaml").read_text())["applications"][0]["args"]
     assert args["prefill_config"]["engine_kwargs"]["tensor_parallel_size"] == 2
     assert args["decode_config"]["engine_kwargs"]["tensor_parallel_size"] == 2
+
+
+# An [engine] env secret (a name the units keep in 0600 files) beside a plain variable.
+SECRET = "hf_do_not_commit_0123456789"
+WITH_SECRET = {**XPYD_NVIDIA, "engine": {"env": {"HF_TOKEN": SECRET, "NCCL_DEBUG": "WARN"}}}
+
+
+def test_secret_env_is_a_reference_never_a_value() -> None:
+    """[engine] env secrets reach neither file meant to be committed: llm-d's pods read them from a Secret
+    (secretKeyRef), Ray expands ${HF_TOKEN} from its nodes' environment; plain variables keep their values."""
+    for target in ("ray-serve", "llm-d"):
+        settings, p = make_plan(WITH_SECRET, "sim:h200-8")
+        result = build_export(p, settings, ExportOptions(target=target), load_inventory("sim:h200-8"))
+        assert not [name for name, text in result.files.items() if SECRET in text], target
+        assert any("HF_TOKEN" in note for note in result.notes), result.notes
+    _, docs = export(WITH_SECRET, "sim:h200-8", target="ray-serve")
+    for cfg in app_args(docs).values():
+        assert cfg["runtime_env"]["env_vars"]["HF_TOKEN"] == "${HF_TOKEN}"
+        assert cfg["runtime_env"]["env_vars"]["NCCL_DEBUG"] == "WARN"
+    _, docs = export(WITH_SECRET, "sim:h200-8", target="llm-d")
+    for dep in docs["llm-d/modelserver.yaml"]:
+        env = {e["name"]: e for e in containers(dep)["vllm"]["env"]}
+        assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": f"{dep['metadata']['name'].rsplit('-', 1)[0]}-env", "key": "HF_TOKEN"}}}
+        assert env["NCCL_DEBUG"]["value"] == "WARN"
+
+
+@pytest.mark.parametrize("breaker", ["\n", "\r", "\x85", "\u2028"])
+def test_a_line_break_in_a_value_adds_no_key(breaker: str) -> None:
+    """A model path holding a line break stays inside its comment and its string: serve.yaml and the manifests
+    load to exactly the keys pdctl writes, and the path reads back whole."""
+    path = f"/models/x{breaker}injected: true{breaker}proxy_location: Disabled"
+    hostile = {**XPYD_NVIDIA, "model": {"path": path, "served_name": "qwen3-32b"}}
+    _, docs = export(hostile, "sim:h200-8", target="ray-serve")
+    serve = docs["ray-serve/serve.yaml"]
+    assert set(serve) == {"proxy_location", "http_options", "applications"} and serve["proxy_location"] == "EveryNode"
+    assert app_args(docs)["decode_config"]["model_loading_config"]["model_source"] == path
+    _, docs = export(hostile, "sim:h200-8", target="llm-d")
+    for dep in docs["llm-d/modelserver.yaml"]:
+        assert set(dep) == {"apiVersion", "kind", "metadata", "spec"}
+        assert containers(dep)["vllm"]["args"][0] == path
+
+
+@pytest.mark.parametrize("key, value", [("slo.ttft_ms", "inf"), ("slo.itl_ms", "nan"),
+                                         ("proxy.limits.body_timeout_s", "inf"),
+                                         ("engine.sim.prefill_us_per_token", "nan"),
+                                         ("connector.extra_config.x", "-inf"), ("decode.tp", "inf")])
+def test_non_finite_numbers_are_refused_in_one_line(tmp_path: Path, key: str, value: str) -> None:
+    """inf and nan in any setting (typed or free-form) are refused at settings time in one line, so that no
+    generated file (grafana.json, engine argv JSON, proxy.json) can carry them."""
+    *tables, name = key.split(".")
+    toml = tmp_path / "pdctl.toml"
+    toml.write_text(f"[{'.'.join(tables)}]\n{name} = {value}\n")
+    r = pdctl("export", "grafana", "-o", str(tmp_path / "g.json"), env={"PDCTL_CONFIG": str(toml)})
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and key in lines[0] and "finite" in lines[0], r.stderr
+    assert not (tmp_path / "g.json").exists()
+
+
+def test_grafana_export_is_strict_json(tmp_path: Path) -> None:
+    """The dashboard `pdctl export grafana` writes parses under a JSON parser that refuses Infinity and NaN."""
+    toml = tmp_path / "pdctl.toml"
+    toml.write_text("[slo]\nttft_ms = 1e308\nitl_ms = 25.5\n")
+    r = pdctl("export", "grafana", "-o", str(tmp_path / "g.json"), env={"PDCTL_CONFIG": str(toml)})
+    assert r.returncode == 0, r.stderr
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    board = json.loads((tmp_path / "g.json").read_text(), parse_constant=refuse)
+    assert board["panels"]

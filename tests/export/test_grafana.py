@@ -334,3 +334,19 @@ def test_every_metric_the_dashboard_reads_is_on_the_nodes_metrics(tmp_path: Path
         for bound in bounds:
             buckets = slo_buckets(bounds, bound)
             assert {buckets.le_lo, buckets.le_hi} <= le[name], (name, bound)
+
+
+def test_a_keyed_nodes_scrape_config_reads_the_metrics_token(tmp_path: Path) -> None:
+    """While the API has keys the proxy's /metrics answers the node's metrics token alone: the scrape job names the
+    file Prometheus reads it from (never the token itself); a keyless node's job needs none."""
+    from appliance.export.grafana import PROXY_JOB, scrape_config
+    from appliance.inventory import load_inventory
+    from appliance.plan import plan
+    from appliance.settings import Settings
+
+    inventory = load_inventory("sim:cpu")
+    for proxy, expected in (({"api_keys_file": "/srv/keys.toml"}, str(tmp_path / "metrics-token")), ({}, None)):
+        planned = plan(Settings.model_validate({"state_dir": str(tmp_path), "engine": {"kind": "sim"},
+                                                "proxy": proxy}), inventory)
+        job = next(j for j in scrape_config(planned)["scrape_configs"] if j["job_name"] == PROXY_JOB)
+        assert job.get("authorization") == ({"type": "Bearer", "credentials_file": expected} if expected else None)

@@ -29,7 +29,7 @@ from appliance.settings import Settings
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from test_export import REFERENCE, XPYD_NVIDIA  # noqa: E402
+from test_export import REFERENCE, WITH_SECRET, XPYD_NVIDIA  # noqa: E402
 
 
 def tools_python() -> str:
@@ -55,6 +55,8 @@ CASES = {
     "h200-2p1d-nixl": (XPYD_NVIDIA, "sim:h200-8", {}),
     "h200-dp2-autoscaled": ({**XPYD_NVIDIA, "decode": {"gpu_count": 4, "dp": 2}}, "sim:h200-8",
                             {"prefill_replicas": "1:4"}),
+    # secrets as references: llm-d's secretKeyRef and Ray's ${NAME} pass the targets' own schemas
+    "h200-2p1d-nixl-secret-env": (WITH_SECRET, "sim:h200-8", {}),
 }
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.proxy.cluster import (
     MODEL,
@@ -28,6 +30,25 @@ from tests.support.waiting import eventually as wait_until
 TOKENS = 16
 DISAGGREGATED = "disaggregated; prefill=prefill-0; decode=decode-0"
 DECODE_ONLY = "decode-only; decode=decode-0"
+# the proxy names a request's instances in x-pdctl-route only to a client that asks and sent an API key, and then
+# its /metrics answers only the node's metrics token
+KEY, METRICS_TOKEN = "conditional-key-0123456789", "conditional-metrics-0123456789"
+ASKING = {"Authorization": f"Bearer {KEY}", "x-pdctl-route": "1"}
+_SECRETS: dict[str, str] = {}  # api_key_file and metrics_token_file, written for each test
+
+
+@pytest.fixture(autouse=True)
+def _secret_files(tmp_path: Path) -> None:
+    for field, value in (("api_key_file", KEY), ("metrics_token_file", METRICS_TOKEN)):
+        path = tmp_path / field
+        path.write_text(value + "\n")
+        path.chmod(0o600)
+        _SECRETS[field] = str(path)
+
+
+def _keyed(connector: str, **settings: Any) -> dict[str, Any]:
+    """proxy_config with the clients' API key and the node's metrics token."""
+    return proxy_config(connector, **_SECRETS, **settings)
 
 
 def _start(c: Cluster, prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
@@ -35,8 +56,8 @@ def _start(c: Cluster, prefill_args: tuple[str, ...] = (), decode_args: tuple[st
     p = c.sim("prefill-0", "prefill", "nixl", "--side-channel-port", "0", *prefill_args)
     d = c.sim("decode-0", "decode", "nixl", *decode_args)
     c.ready()
-    c.start_proxy(proxy_config("nixl", backends=static_backends(("prefill-0", "prefill", p), ("decode-0", "decode", d)),
-                               **settings))
+    c.start_proxy(_keyed("nixl", backends=static_backends(("prefill-0", "prefill", p), ("decode-0", "decode", d)),
+                         **settings))
     c.ready()
     return p, d
 
@@ -69,7 +90,7 @@ async def _through_proxy(c: Cluster, tokens: int | str, stream: bool = False,
     body = _body(tokens, max_tokens)
     if stream:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    status, raw, headers = await post(c.proxy.url, "/v1/completions", body)
+    status, raw, headers = await post(c.proxy.url, "/v1/completions", body, headers=ASKING)
     assert status == 200, raw
     if stream:
         events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
@@ -85,7 +106,8 @@ async def _through_proxy(c: Cluster, tokens: int | str, stream: bool = False,
 async def _routes(c: Cluster) -> dict[tuple[str, str], float]:
     """The proxy's pdctl_proxy_routes_total samples by (route, reason)."""
     assert c.proxy is not None
-    async with aiohttp.ClientSession() as s, s.get(c.proxy.url + "/metrics") as r:
+    async with aiohttp.ClientSession() as s, s.get(c.proxy.url + "/metrics",
+                                                   headers={"Authorization": f"Bearer {METRICS_TOKEN}"}) as r:
         text = await r.text()
     out = {}
     for line in text.splitlines():
@@ -98,7 +120,8 @@ async def _routes(c: Cluster) -> dict[tuple[str, str], float]:
 async def _decode_idle(c: Cluster) -> bool:
     """True when the proxy counts no leg running on decode-0 (its pdctl_proxy_in_flight_requests)."""
     assert c.proxy is not None
-    async with aiohttp.ClientSession() as s, s.get(c.proxy.url + "/metrics") as r:
+    async with aiohttp.ClientSession() as s, s.get(c.proxy.url + "/metrics",
+                                                   headers={"Authorization": f"Bearer {METRICS_TOKEN}"}) as r:
         text = await r.text()
     return 'pdctl_proxy_in_flight_requests{instance="decode-0",role="decode"} 0.0' in text.splitlines()
 
@@ -272,8 +295,8 @@ def test_a_colocated_node_says_so_on_every_answer_errors_included() -> None:
     with cluster() as c:
         a, b = c.sim("both-0", "both", "none"), c.sim("both-1", "both", "none")
         c.ready()
-        c.start_proxy(proxy_config("none", routing="round_robin",
-                                   backends=static_backends(("both-0", "both", a), ("both-1", "both", b))))
+        c.start_proxy(_keyed("none", routing="round_robin",
+                             backends=static_backends(("both-0", "both", a), ("both-1", "both", b))))
         c.ready()
 
         async def scenario() -> None:
@@ -286,10 +309,10 @@ def test_a_colocated_node_says_so_on_every_answer_errors_included() -> None:
                 assert cached == 0 and text
             assert seen == ["colocated; both=both-0", "colocated; both=both-1"]
             # the engine's own 400 (a prompt longer than its context) goes back with the route it took
-            status, _, headers = await post(c.proxy.url, "/v1/completions", _body(600, TOKENS))
+            status, _, headers = await post(c.proxy.url, "/v1/completions", _body(600, TOKENS), headers=ASKING)
             assert status == 400 and headers["x-pdctl-route"] == "colocated; both=both-0"
             # a request refused before routing (no prompt) took no route: no header
-            status, _, headers = await post(c.proxy.url, "/v1/completions", {"model": MODEL})
+            status, _, headers = await post(c.proxy.url, "/v1/completions", {"model": MODEL}, headers=ASKING)
             assert status == 400 and "x-pdctl-route" not in headers
             assert await _routes(c) == {("colocated", "colocated"): 3}
 
@@ -318,7 +341,7 @@ def test_a_chat_prompt_a_decode_prefills_keeps_short_prompts_off_its_next_step()
             await wait_until(lambda: _prefilling(p, 1), what="the long prompt on the prefill")
             chat = asyncio.ensure_future(post(c.proxy.url, "/v1/chat/completions", {
                 "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 100,
-                "ignore_eos": True}))  # ~5 s of steps
+                "ignore_eos": True}, headers=ASKING))  # ~5 s of steps
             await wait_until(lambda: _decoding(d, 1), what="the chat request decoding")
             route, cached = await _ask(c, d, 4, max_tokens=2)
             assert route == DISAGGREGATED and cached > 0
@@ -374,9 +397,9 @@ def test_a_prompt_found_too_short_to_hand_over_fills_the_decodes_window(tmp_path
         p = c.sim("prefill-0", "prefill", "example", "--shared-storage", storage)
         d = c.sim("decode-0", "decode", "example", "--shared-storage", storage, "--decode-step-ms", "50")
         c.ready()
-        c.start_proxy(proxy_config("example", backends=static_backends(("prefill-0", "prefill", p),
-                                                                       ("decode-0", "decode", d)),
-                                   block_size=16, decode_only_below=32, decode_only_window_ms=60_000))
+        c.start_proxy(_keyed("example", backends=static_backends(("prefill-0", "prefill", p),
+                                                                 ("decode-0", "decode", d)),
+                             block_size=16, decode_only_below=32, decode_only_window_ms=60_000))
         c.ready()
 
         async def scenario() -> None:

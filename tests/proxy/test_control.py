@@ -155,11 +155,13 @@ def test_api_key_models_health_and_metrics(tmp_path: Path) -> None:
     key.write_text("s3cret\n")
     engine_key = tmp_path / "engine-key"
     engine_key.write_text("engine-s3cret\n")
+    metrics_token = tmp_path / "metrics-token"
+    metrics_token.write_text("m3trics\n")
 
     async def scenario() -> None:
         async with engines("both") as (e,), running_proxy(
             proxy_config("none", [backend("both-0", "both", e)], api_key_file=str(key),
-                         engine_api_key_file=str(engine_key))
+                         engine_api_key_file=str(engine_key), metrics_token_file=str(metrics_token))
         ) as px:
             assert (await post(local(px.api_port), "/v1/completions", {"prompt": "x"}))[0] == 401
             ok = await post(local(px.api_port), "/v1/completions", {"prompt": "x", "max_tokens": 2},
@@ -175,13 +177,21 @@ def test_api_key_models_health_and_metrics(tmp_path: Path) -> None:
                     assert (await r.json())["data"][0]["id"] == MODEL
                 async with s.get(base + "/health") as r:
                     assert r.status == 200
-                async with s.get(base + "/metrics") as r:
+                # /metrics answers the node's metrics token, never a client's API key (issue 36, finding 4)
+                for headers in ({}, {"Authorization": "Bearer s3cret"}):
+                    async with s.get(base + "/metrics", headers=headers) as r:
+                        assert r.status == 401
+                async with s.get(base + "/metrics", headers={"Authorization": "Bearer m3trics"}) as r:
                     text = await r.text()
             for name in ("pdctl_proxy_requests_total", "pdctl_proxy_time_to_first_token_seconds_bucket",
                          "pdctl_proxy_inter_token_latency_seconds_bucket", "pdctl_proxy_in_flight_requests",
                          "pdctl_proxy_leg_failures_total", "pdctl_proxy_registrations_total"):
                 assert name in text or name.replace("_total", "") in text, name
             assert 'pdctl_proxy_requests_total{mode="colocated",status="401"} 1.0' in text
+            # a hand-written config with keys and no metrics token: /metrics is closed, not open
+            px.metrics_token = None
+            async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+                assert r.status == 403
 
     asyncio.run(scenario())
 
@@ -334,10 +344,13 @@ def test_the_admin_state_carries_the_request_counters_metrics_has(tmp_path: Path
 
     key = tmp_path / "key"
     key.write_text("s3cret\n")
+    metrics_token = tmp_path / "metrics-token"
+    metrics_token.write_text("m3trics\n")
 
     async def scenario() -> None:
         async with engines("both") as (e,), running_proxy(
-            proxy_config("none", [backend("both-0", "both", e)], api_key_file=str(key))
+            proxy_config("none", [backend("both-0", "both", e)], api_key_file=str(key),
+                         metrics_token_file=str(metrics_token))
         ) as px:
             auth = {"Authorization": "Bearer s3cret"}
             assert (await post(local(px.api_port), "/v1/completions", {"prompt": "x"}))[0] == 401
@@ -346,7 +359,8 @@ def test_the_admin_state_carries_the_request_counters_metrics_has(tmp_path: Path
                                    headers=auth))[0] == 200
             assert (await post(local(px.api_port), "/v1/completions", b"{not json", headers=auth))[0] == 400
             async with aiohttp.ClientSession() as s:
-                async with s.get(f"http://127.0.0.1:{px.api_port}/metrics") as r:
+                async with s.get(f"http://127.0.0.1:{px.api_port}/metrics",
+                                 headers={"Authorization": "Bearer m3trics"}) as r:
                     text = await r.text()
                 async with s.get(f"http://127.0.0.1:{px.admin_port}/admin/state") as r:
                     state = await r.json()

@@ -10,6 +10,9 @@ import asyncio
 import json
 import re
 
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post, sse_events
 
@@ -104,5 +107,55 @@ def test_dp_ranks_rotate_per_instance() -> None:
             # decode learns which prefill rank holds the KV
             assert [str(r["body"]["kv_transfer_params"]["remote_dp_rank"]) for r in d.requests] == p_ranks
             assert all(r["body"]["kv_transfer_params"]["remote_dp_size"] == 2 for r in d.requests)
+
+    asyncio.run(scenario())
+
+
+async def _routes(port: int) -> dict[tuple[str, str], float]:
+    """The proxy's pdctl_proxy_routes_total samples by (route, reason)."""
+    async with aiohttp.ClientSession() as s, s.get(local(port) + "/metrics") as r:
+        text = await r.text()
+    return {(sample.labels["route"], sample.labels["reason"]): sample.value
+            for family in text_string_to_metric_families(text) if family.name == "pdctl_proxy_routes"
+            for sample in family.samples if sample.name.endswith("_total")}
+
+
+def test_a_moriio_read_decode_never_gets_a_short_prompt_alone() -> None:
+    # vLLM's MoRIIO decode in READ mode takes a prompt sent alone as pulled from a prefill and reads nothing
+    # (tests/connector/test_moriio_vllm.py): the short prompt takes the prefill hop, counted with its reason;
+    # in WRITE mode the decode computes it itself
+    async def scenario(mode: str) -> None:
+        async with engines("prefill", "decode") as (p, d), running_proxy(
+            proxy_config("moriio", moriio_backends(p, d), mode=mode, decode_only_below=100)
+        ) as px:
+            status, _, _ = await post(local(px.api_port), "/v1/completions",
+                                      {"model": MODEL, "prompt": "hello", "max_tokens": 3})
+            assert status == 200
+            routes = await _routes(px.api_port)
+            if mode == "read":
+                assert len(p.requests) == 1 and d.requests[0]["body"]["kv_transfer_params"]["do_remote_prefill"]
+                assert routes == {("disaggregated", "alone-unserved"): 1.0}
+            else:
+                assert not p.requests and "kv_transfer_params" not in d.requests[0]["body"]
+                assert routes == {("decode-only", "short-prompt"): 1.0}
+
+    asyncio.run(scenario("read"))
+    asyncio.run(scenario("write"))
+
+
+def test_a_moriio_read_batch_goes_to_the_decode_alone_skipping_its_lookups() -> None:
+    # a batch cannot be handed over (the prefill answers with its first prompt's KV only); on READ its body asks
+    # for prompt logprobs, which make vLLM skip the connector's count, and the client's answer has none
+    async def scenario() -> None:
+        async with engines("prefill", "decode") as (p, d), running_proxy(
+            proxy_config("moriio", moriio_backends(p, d), mode="read")
+        ) as px:
+            status, raw, _ = await post(local(px.api_port), "/v1/completions",
+                                        {"model": MODEL, "prompt": ["hello", "world"], "max_tokens": 3})
+            assert status == 200 and not p.requests
+            sent = d.requests[0]["body"]
+            assert sent["prompt_logprobs"] == 0 and "kv_transfer_params" not in sent
+            assert all(c.get("prompt_logprobs") is None for c in json.loads(raw)["choices"])
+            assert await _routes(px.api_port) == {("decode-only", "batch"): 1.0}
 
     asyncio.run(scenario())

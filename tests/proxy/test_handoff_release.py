@@ -13,8 +13,11 @@ import aiohttp
 from aiohttp import web
 
 from appliance.connector import get_connector
+from appliance.connector.nixl.connector import RELEASE_MODEL
 from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
 from tests.support.waiting import eventually
+
+CHAT = "/v1/chat/completions"
 
 
 class Decode:
@@ -101,8 +104,7 @@ def test_a_prefill_whose_client_left_before_its_decode_leg_is_released_through_t
                 assert kv["do_remote_prefill"] is True and kv["remote_block_ids"] == [3, 4, 5]
                 assert kv["remote_engine_id"] == f"127.0.0.1:{p.handshake_port}"
                 # the release, not the decode leg (which never left the proxy)
-                assert [r["model"] for r in decode.requests] == [get_connector("nixl").release_body(
-                    {"kv_transfer_params": kv})["model"]]  # type: ignore[index]
+                assert [r["model"] for r in decode.requests] == [RELEASE_MODEL]
                 await eventually(lambda: px.releases == set(), what="release task done")
                 text = await _metrics(px.api_port)
                 assert 'pdctl_proxy_handoff_releases_total{result="answered"} 1.0' in text, text
@@ -121,12 +123,35 @@ def test_release_body_carries_the_prefills_kv_under_a_model_no_engine_serves() -
     nixl = get_connector("nixl")
     kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[6]],
           "remote_engine_id": "e", "remote_request_id": "cmpl-x-0-1", "remote_host": "127.0.0.1", "remote_port": 5600}
-    release = nixl.release_body({"model": MODEL, "prompt": "hello", "kv_transfer_params": kv})
-    assert release is not None and release["kv_transfer_params"] == kv and release["model"] != MODEL
-    assert json.dumps(release)  # sent as it is
+    release = nixl.release_body({"model": MODEL, "prompt": "hello", "kv_transfer_params": kv}, CHAT, "read")
+    assert release is not None
+    path, body = release
+    assert path == "/v1/completions" and body["kv_transfer_params"] == kv and body["model"] == RELEASE_MODEL != MODEL
+    assert json.dumps(body)  # sent as it is
     # a decode leg without the prefill's KV, or a connector that holds none, has nothing to release
-    assert nixl.release_body({"model": MODEL, "prompt": "hello"}) is None
-    assert get_connector("example").release_body({"model": MODEL, "kv_transfer_params": kv}) is None
+    assert nixl.release_body({"model": MODEL, "prompt": "hello"}, CHAT, "read") is None
+    assert get_connector("example").release_body({"model": MODEL, "kv_transfer_params": kv}, CHAT, "read") is None
+
+
+def test_a_push_release_is_the_decode_leg_cut_to_one_token_that_loads_the_kv() -> None:
+    """Issue 34 defect 2: in WRITE a refused request frees nothing on the prefill (vLLM's push scheduler parks
+    an empty receive): the release is the decode leg itself (the same path and served model, so that the
+    decode registers its blocks for the prefill's push), one token, nothing that would skip the load, and a
+    salt of its own (a prefix the decode caches would leave it nothing to register)."""
+    kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e", "remote_host": "h",
+          "remote_port": 5600, "tp_size": 1}
+    leg = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True,
+           "stream_options": {"include_usage": True}, "prompt_logprobs": 1, "logprobs": True, "top_logprobs": 2,
+           "min_tokens": 4, "cache_salt": "tenant-a", "kv_transfer_params": kv}
+    release = get_connector("nixl").release_body(leg, CHAT, "write")
+    assert release is not None
+    path, body = release
+    assert path == CHAT and body["model"] == MODEL and body["kv_transfer_params"] == kv
+    assert (body["max_tokens"], body["stream"], body["messages"]) == (1, False, leg["messages"])
+    assert not {"prompt_logprobs", "logprobs", "top_logprobs", "min_tokens", "stream_options"} & body.keys()
+    assert body["cache_salt"].startswith("pdctl-release-")
+    again = get_connector("nixl").release_body(leg, CHAT, "write")
+    assert again is not None and again[1]["cache_salt"] != body["cache_salt"]
 
 
 def _kept(outcome: str) -> str:
@@ -168,8 +193,7 @@ def test_a_prefill_that_answers_after_its_client_left_is_released_through_the_de
                 assert p.aborted == [] and p.finished == [rid]
                 kv = decode.requests[0]["kv_transfer_params"]
                 assert kv["do_remote_prefill"] is True and kv["remote_block_ids"] == [3, 4, 5]
-                assert [r["model"] for r in decode.requests] == [get_connector("nixl").release_body(
-                    {"kv_transfer_params": kv})["model"]]  # type: ignore[index]
+                assert [r["model"] for r in decode.requests] == [RELEASE_MODEL]
                 await eventually(lambda: not px.releases and not px.kept, what="release and kept leg done")
                 assert prefill.routed == 0 and prefill.in_flight == 0
                 text = await _metrics(px.api_port)

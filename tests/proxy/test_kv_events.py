@@ -96,8 +96,23 @@ class Publisher:
         self.sock.close(linger=0)
 
 
+# The proxies of _node have one client key without per-key salts (one trusted tenant, so the events' unsalted
+# blocks match its prompts), which the route header's instances need; /metrics then answers the metrics token.
+KEY, METRICS_TOKEN = "kv-events-key-0123456789", "kv-events-metrics-0123456789"
+
+
+def _secret_files(folder: Path) -> dict[str, Any]:
+    files: dict[str, Any] = {"tenant_cache_salt": False}
+    for field, value in (("api_key_file", KEY), ("metrics_token_file", METRICS_TOKEN)):
+        (folder / field).write_text(value + "\n")
+        (folder / field).chmod(0o600)
+        files[field] = str(folder / field)
+    return files
+
+
 async def _metrics(px: Proxy) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as s, s.get(local(px.api_port) + "/metrics") as r:
+    headers = {"Authorization": f"Bearer {METRICS_TOKEN}"} if px.metrics_token else {}
+    async with aiohttp.ClientSession() as s, s.get(local(px.api_port) + "/metrics", headers=headers) as r:
         text = await r.text()
     out: dict[str, Any] = {"source": {}, "events": {}}
     for family in text_string_to_metric_families(text):
@@ -112,7 +127,9 @@ async def _metrics(px: Proxy) -> dict[str, Any]:
 async def _route(px: Proxy, prompt: list[int] | str, **extra: Any) -> str:
     """The instance the proxy routes a completion of `prompt` to (its x-pdctl-route header)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
-    async with aiohttp.ClientSession() as s, s.post(local(px.api_port) + "/v1/completions", json=body) as r:
+    headers = {"Authorization": f"Bearer {KEY}", "x-pdctl-route": "1"}
+    async with aiohttp.ClientSession() as s, s.post(local(px.api_port) + "/v1/completions", json=body,
+                                                    headers=headers) as r:
         assert r.status == 200, await r.text()
         await r.read()
         return r.headers["x-pdctl-route"].rsplit("=", 1)[1]
@@ -123,21 +140,23 @@ async def _node(**settings: Any) -> AsyncIterator[tuple[Proxy, list[Publisher]]]
     """Two `both` fake engines, each with a KV events port the proxy binds and a publisher connected to it."""
     ports = free_ports(2)
     ctx = zmq.asyncio.Context()
-    async with engines("both", "both") as pair:
-        config = proxy_config("none", [backend(f"both-{k}", "both", pair[k], kv_events_ports=[ports[k]])
-                                       for k in range(2)],
-                              routing="prefix_affinity", block_size=16, prefix_affinity=settings)
-        async with running_proxy(config) as px:
-            pubs = [Publisher(ctx, f"tcp://127.0.0.1:{port}") for port in ports]
-            try:
-                for pub in pubs:
-                    await pub.subscribed()
-                await eventually(lambda: set(_sources(px).values()) == {"events"}, what="both streams live")
-                yield px, pubs
-            finally:
-                for pub in pubs:
-                    pub.close()
-                ctx.term()
+    with tempfile.TemporaryDirectory() as folder:
+        async with engines("both", "both") as pair:
+            config = proxy_config("none", [backend(f"both-{k}", "both", pair[k], kv_events_ports=[ports[k]])
+                                           for k in range(2)],
+                                  routing="prefix_affinity", block_size=16, prefix_affinity=settings,
+                                  **_secret_files(Path(folder)))
+            async with running_proxy(config) as px:
+                pubs = [Publisher(ctx, f"tcp://127.0.0.1:{port}") for port in ports]
+                try:
+                    for pub in pubs:
+                        await pub.subscribed()
+                    await eventually(lambda: set(_sources(px).values()) == {"events"}, what="both streams live")
+                    yield px, pubs
+                finally:
+                    for pub in pubs:
+                        pub.close()
+                    ctx.term()
 
 
 def _sources(px: Proxy) -> dict[str, str | None]:
@@ -337,7 +356,7 @@ def test_an_engines_ipc_socket_feeds_the_proxy_through_a_stale_file_its_restart_
         async with engines("both", "both") as pair:
             config = proxy_config("none", [backend(f"both-{k}", "both", pair[k], kv_events_socket=str(paths[k]))
                                            for k in range(2)],
-                                  routing="prefix_affinity", block_size=16)
+                                  routing="prefix_affinity", block_size=16, **_secret_files(folder))
             try:
                 async with running_proxy(config) as px:
                     for pub in pubs:
@@ -403,7 +422,7 @@ def test_an_engine_bound_over_a_stale_file_keeps_what_it_reported_when_the_liste
         async with engines("both", "both") as pair:
             config = proxy_config("none", [backend(f"both-{k}", "both", pair[k], kv_events_socket=str(paths[k]))
                                            for k in range(2)],
-                                  routing="prefix_affinity", block_size=16)
+                                  routing="prefix_affinity", block_size=16, **_secret_files(folder))
             try:
                 async with running_proxy(config) as px:
                     pubs.append(Publisher(ctx, f"ipc://{paths[1]}"))  # the engine binds over the stale file

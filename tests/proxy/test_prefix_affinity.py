@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.proxy.admin_client import AdminClient
-from appliance.proxy.policies.prefix_affinity import MAX_BLOCKS
+from appliance.proxy.policies.prefix_affinity import MAX_BLOCKS, seed_of
 from tests.support.fake_engines import FakeEngine, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post
 from tests.support.waiting import eventually
@@ -222,7 +222,7 @@ def test_an_instance_whose_probes_only_timed_out_is_not_forgotten() -> None:
     {"prompt": [[1] * 20, [1] * 17 + [{"a": 1}] * 20]},  # a batch whose second prompt holds objects
     {"prompt": [1] * 16 + [None] * 16 + [1.5] * 16},
     {"prompt": "x" * 100, "messages": 5},  # /v1/completions: vLLM ignores messages, so must the policy
-    {"prompt": "x" * 100, "cache_salt": {"a": [1]}, "tools": 7},
+    {"prompt": "x" * 100, "chat_template_kwargs": {"a": [1]}, "tools": 7},
 ], ids=["nested-list", "batch-with-objects", "null-and-float", "messages-on-completions", "odd-extras"])
 def test_a_malformed_prompt_is_routed_by_load_and_the_proxy_keeps_serving(body: dict[str, Any]) -> None:
     """What the engine answers a malformed prompt is its own business (vLLM says 400); the policy must neither fail
@@ -252,7 +252,20 @@ def test_the_hashed_prefix_is_bounded_whatever_the_prompt_size() -> None:
                 assert (await post(local(px.api_port), "/v1/completions", {"prompt": prompt, "max_tokens": 1}))[0] == 200
             lookup = 2 * len(long) + 3 * len(batch[0])
             # the second request finds the first's MAX_BLOCKS blocks; the batch's first prompt finds its half of
-            # them and its second the same half (counted again, as vLLM would), the third is past the bound
-            assert await _prefix_counts(px.api_port) == {("both", "both-0"): (lookup, 2 * MAX_BLOCKS * BLOCK)}
+            # them and its second the same half (counted again, as vLLM would), the third is past the bound; each
+            # half is a whole number of blocks, whose last vLLM recomputes (its hit stops at the last token less one)
+            expected = 2 * MAX_BLOCKS * BLOCK - 2 * BLOCK
+            assert await _prefix_counts(px.api_port) == {("both", "both-0"): (lookup, expected)}
 
     asyncio.run(scenario())
+
+
+def test_a_salt_is_keyed_apart_from_no_salt_whatever_its_text() -> None:
+    """Issue 34 defect 5: vLLM keys a salted prompt's blocks apart from unsalted ones for every non-empty salt,
+    the string "None" included; no salt, null and "" are one key there (an empty salt is none)."""
+    none = seed_of("m", None)
+    assert seed_of("m", "") == none and seed_of("m", 0) == none
+    salts = ["None", "null", "", "0", "salt-1", 0, 1, "1"]
+    seeds = {seed_of("m", s) for s in salts}
+    assert len(seeds) == len(salts) - 1  # "" and 0 are both no salt; each other one its own key
+    assert seed_of("m", "None") != none and seed_of("m", "1") != seed_of("m", 1)

@@ -46,7 +46,7 @@ from appliance.proxy.policies.conditional import (
 )
 from appliance.proxy.policies.least_outstanding import LeastOutstanding
 from appliance.proxy.policies.round_robin import RoundRobin
-from appliance.proxy.routing import Router, Unroutable
+from appliance.proxy.route import Counted, Router, Unroutable
 
 FACTS = RequestFacts("/v1/completions", {"model": "m", "prompt": "hi"})
 OFF = Rules(decode_only_below=0, prefill_saturated_at=0, window_s=0.05)  # conditional routing off: every prompt disaggregated
@@ -514,8 +514,9 @@ def test_a_router_queues_short_prompts_on_a_budgeted_decode_while_the_prefill_is
 def test_a_route_decided_decode_only_books_only_the_decode_and_says_so() -> None:
     registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
     prefill, decode = registry.instances["prefill-0"], registry.instances["decode-0"]
-    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), Rules(16, 0, 60.0))
-    short = RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3]})
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), Rules(16, 0, 60.0),
+                    block_size=4)
+    short = RequestFacts("/v1/completions", {"model": "m", "prompt": list(range(7))})
     with router.route(short) as route:
         assert (route.name, route.reason, route.prefill) == ("decode-only", "short-prompt", None)
         assert route.header() == "decode-only; decode=decode-0"
@@ -525,8 +526,11 @@ def test_a_route_decided_decode_only_books_only_the_decode_and_says_so() -> None
         assert (route.name, route.reason) == ("disaggregated", "policy")
         assert route.header() == "disaggregated; prefill=prefill-0; decode=decode-0"
         assert (prefill.routed, decode.routed) == (1, 1)
-        route.alone("handoff-impossible")  # the decode counted the prompt: too short to hand over after all
-        assert (route.name, route.prefill, prefill.routed, decode.routed) == ("decode-only", None, 0, 1)
+    text = RequestFacts("/v1/completions", {"model": "m", "prompt": "a text prompt the decode counted"})
+    assert router.needs_count(text)
+    with router.route(text, Counted(5)) as route:  # counted beforehand: too short to hand over, decided once
+        assert (route.name, route.reason, route.prefill) == ("decode-only", "handoff-impossible", None)
+        assert (prefill.routed, decode.routed) == (0, 1)
         assert route.header() == "decode-only; decode=decode-0"
     assert (prefill.routed, decode.routed) == (0, 0)
 
@@ -647,16 +651,13 @@ def test_a_forced_decode_only_route_fills_the_decodes_window(connector: str, bod
 def test_a_prompt_found_too_short_to_hand_over_fills_the_decodes_window() -> None:
     registry = _registry(("prefill-0", "prefill"), ("decode-0", "decode"))
     decode = registry.instances["decode-0"]
-    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), Rules(16, 0, 60.0))
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), Rules(16, 0, 60.0),
+                    block_size=4)
     text = RequestFacts("/v1/completions", {"model": "m", "prompt": "a text prompt the decode counted"})
-    with router.route(text) as first, decode.lease(None):
-        assert (first.name, first.reason) == ("disaggregated", "policy")
-        router.alone(first, "handoff-impossible", text, 10)  # the decode counted 10 tokens: none handed over
+    with router.route(text, Counted(13)) as first, decode.lease(None):  # 13 = 3 x 4 + 1: none handed over
         assert (first.name, first.reason, first.prefill) == ("decode-only", "handoff-impossible", None)
         with router.route(RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3, 4, 5, 6]})) as short:
-            assert (short.name, short.reason) == ("disaggregated", "decode-busy")  # 10 + 6 is not below 16
-        with router.route(RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3, 4, 5]})) as shorter:
-            assert (shorter.name, shorter.reason) == ("decode-only", "short-prompt")  # 10 + 5 is
+            assert (short.name, short.reason) == ("disaggregated", "decode-busy")  # 13 + 6 is not below 16
 
 
 def test_a_decode_already_prefilling_a_short_prompt_sends_the_next_one_through_the_prefill() -> None:
@@ -691,10 +692,35 @@ def test_the_listening_sockets_of_an_address_are_read_from_the_kernels_table() -
         "   2: 0100007F:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 333 1 0 100 0 0 10 0",
         "   3: 0100007F:1F90 0100007F:D431 01 00000000:00000000 00:00000000 00000000  1000        0 444 1 0 100 0 0 10 0",
     ]
-    table = header + "\n".join(rows) + "\n"
-    assert listeners.sockets([table], "127.0.0.1", 0x1F90) == {111, 222}
-    assert listeners.owners([table], "127.0.0.1", 0x1F90) == {1000}
-    assert listeners.sockets([table], "127.0.0.1", 0x1F91) == {333}
-    assert listeners.sockets([table], "127.0.0.1", 9) == frozenset()
-    assert listeners.verdict([table], "127.0.0.1", 0x1F90, 1000, True) == listeners.OK
-    assert listeners.verdict([table], "127.0.0.1", 0x1F91, 1000, True) == listeners.FOREIGN_OWNER
+    table = listeners.listeners(header + "\n".join(rows) + "\n")
+    assert listeners.sockets(table, "127.0.0.1", 0x1F90) == {111, 222}
+    assert listeners.owners(table, "127.0.0.1", 0x1F90) == {1000}
+    assert listeners.sockets(table, "127.0.0.1", 0x1F91) == {333}
+    assert listeners.sockets(table, "127.0.0.1", 9) == frozenset()
+    assert listeners.verdict(table, "127.0.0.1", 0x1F90, 1000, True) == listeners.OK
+    assert listeners.verdict(table, "127.0.0.1", 0x1F91, 1000, True) == listeners.FOREIGN_OWNER
+
+
+def test_the_kernel_answers_who_listens_over_netlink_as_its_proc_tables_do() -> None:
+    """listeners.read_listening asks the kernel for the LISTEN sockets alone (sock_diag); what it finds, owner and
+    inode included, is what /proc/net/tcp{,6} lists in the LISTEN state for the sockets bound here."""
+    import os
+    import socket
+    from pathlib import Path
+
+    from appliance.proxy import listeners
+
+    with socket.socket() as v4, socket.socket(socket.AF_INET6) as v6:
+        v4.bind(("127.0.0.1", 0))
+        v6.bind(("::1", 0))
+        for sock in (v4, v6):
+            sock.listen()
+        found = listeners.read_listening()
+        from_proc = [one for path in listeners.TABLES for one in listeners.listeners(Path(path).read_text())]
+        assert found is not None
+        for sock in (v4, v6):
+            host, port = sock.getsockname()[:2]
+            # (other processes on the host bind and close meanwhile: compare this test's own sockets)
+            assert [one for one in found if one.port == port] == [one for one in from_proc if one.port == port]
+            assert listeners.sockets(found, host, port) == {os.fstat(sock.fileno()).st_ino}
+            assert listeners.owners(found, host, port) == {os.geteuid()}

@@ -26,6 +26,7 @@ from tests.support.processes import http_status
 
 API_KEY = "client-key-0123"
 ADMIN_TOKEN = "admin-token-4567"
+METRICS_TOKEN = "metrics-token-89ab"
 ENGINE = ("--max-model-len", "256", "--decode-step-ms", "1", "--prefill-us-per-token", "1")
 
 
@@ -60,7 +61,9 @@ def http(port: int, method: str, path: str, body: Any = None, headers: dict[str,
 
 
 def metrics(node: Node) -> str:
-    with urllib.request.urlopen(node.proxy_url + "/metrics", timeout=5) as resp:
+    # the keyed node's /metrics answers the metrics token alone; the others' are open (no API key) and ignore it
+    request = urllib.request.Request(node.proxy_url + "/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
         return str(resp.read().decode())
 
 
@@ -74,6 +77,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """A colocated node whose proxy wants an API key and an admin token."""
     work = tmp_path_factory.mktemp("keyed")
     with colocated_node(work, *ENGINE, api_key_file=_secret(work / "key", API_KEY),
+                        metrics_token_file=_secret(work / "metrics-token", METRICS_TOKEN),
                         admin={"token_file": _secret(work / "token", ADMIN_TOKEN)}) as node:
         yield node
 

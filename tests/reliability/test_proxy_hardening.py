@@ -326,3 +326,27 @@ def test_the_new_proxy_takes_the_registration_socket_over(tmp_path: Path) -> Non
                                  {"model": MODEL, "prompt": "hello", "max_tokens": 4})
         assert status == 200, answer[:300]
         no_traceback(node)
+
+
+def test_a_planned_proxy_restart_reloads_the_api_keys(tmp_path: Path) -> None:
+    """The keys file is read when a proxy starts: after an edit, the handover `pdctl restart proxy` makes (SIGHUP
+    to the keeper) serves the new key and refuses the removed one, with no request refused meanwhile but those."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text('alice = "alice-key-0123456789"\n')
+    keys.chmod(0o600)
+
+    def status(key: str) -> int:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 1}
+        return http(node.proxy_port, "POST", "/v1/completions", body, headers={"Authorization": f"Bearer {key}"})[0]
+
+    with colocated_node(tmp_path, "--max-model-len", "256", api_keys_file=str(keys),
+                        module="appliance.proxy.keeper") as node:
+        keeper = next(p for p in node.procs if p.name == "proxy")
+        node.wait_http(keeper, node.proxy_url + "/health")
+        assert (status("alice-key-0123456789"), status("bob-key-0123456789")) == (200, 401)
+        old = _admin_pid(node)
+        keys.write_text('bob = "bob-key-0123456789"\n')
+        keeper.popen.send_signal(signal.SIGHUP)
+        wait_for(lambda: _admin_pid(node) != old, "the new proxy answering")
+        assert (status("alice-key-0123456789"), status("bob-key-0123456789")) == (401, 200)
+        no_traceback(node)

@@ -129,9 +129,14 @@ def test_admin_token_and_api_key(tmp_path: Path) -> None:
 
 def test_secrets_are_compared_in_constant_time() -> None:
     """Every comparison against a configured secret goes through hmac.compare_digest (in guard.bearer_matches)."""
-    guard = ast.parse((PACKAGE / "proxy" / "guard.py").read_text())
-    assert any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "compare_digest"
-               for n in ast.walk(guard))
+    for module in ("guard.py", "tenants.py"):
+        tree = ast.parse((PACKAGE / "proxy" / module).read_text())
+        assert any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "compare_digest"
+                   for n in ast.walk(tree)), module
+    # the API keys (tenants.py) are all compared on every request: no loop over them stops at the first match
+    tenants = ast.parse((PACKAGE / "proxy" / "tenants.py").read_text())
+    loops = [n for n in ast.walk(tenants) if isinstance(n, ast.For) and "compare_digest" in ast.unparse(n)]
+    assert loops and not any(isinstance(n, (ast.Break, ast.Return)) for loop in loops for n in ast.walk(loop))
     for name in ("app.py", "admin.py"):
         tree = ast.parse((PACKAGE / "proxy" / name).read_text())
         calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "bearer_matches"]

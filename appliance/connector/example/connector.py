@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.connector.base import (
+    Alone,
     Connector,
     InstanceContext,
     KvStoreLimits,
@@ -13,6 +14,8 @@ from appliance.connector.base import (
     Platform,
     RayServeBackend,
     SimOptions,
+    skipping_lookups,
+    without_prompt_logprobs,
 )
 from appliance.connector.example.settings import ExampleSettings
 from appliance.connector.extras import ExtraConfigTable
@@ -50,22 +53,17 @@ class ExampleConnector(Connector):
         # engine core dies (IndexError in _prepare_inputs), prefill and decode alike.
         return prompt_tokens >= block_size + 2 and prompt_tokens % block_size != 1
 
-    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        # A request with prompt logprobs skips every cache lookup (vLLM sets skip_reading_prefix_cache), the
-        # ExampleConnector's included: the only per-request way to keep the lookup above from running.
-        if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
-            return body, False
-        return {**body, "prompt_logprobs": 0}, True
+    def alone(self, mode: Mode) -> Alone:
+        return Alone(True, "with prompt logprobs (alone_body) vLLM skips every cache lookup, the "
+                           "ExampleConnector's included (scheduler.py: skip_reading_prefix_cache): the decode "
+                           "computes the prompt itself")
+
+    def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:
+        # the only per-request way to keep the ExampleConnector's lookup above from running
+        return skipping_lookups(body)
 
     def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-        # the client did not ask for prompt logprobs: the answer carries none, as vLLM's own would
-        if "prompt_logprobs" in answer:
-            answer = {**answer, "prompt_logprobs": None}
-        choices = answer.get("choices")
-        if isinstance(choices, list):
-            answer = {**answer, "choices": [{**c, "prompt_logprobs": None} if isinstance(c, dict) and
-                                            "prompt_logprobs" in c else c for c in choices]}
-        return answer
+        return without_prompt_logprobs(answer)
 
     @staticmethod
     def _storage(ctx: InstanceContext) -> str:

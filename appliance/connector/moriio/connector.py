@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from appliance.connector.base import (
+    Alone,
     Connector,
     FindInstance,
     HandoffError,
@@ -22,6 +24,8 @@ from appliance.connector.base import (
     RayServeBackend,
     RdmaNeed,
     SimOptions,
+    skipping_lookups,
+    without_prompt_logprobs,
 )
 from appliance.connector.extras import ExtraConfigTable
 from appliance.connector.moriio.address import router_request_id, zmq_address
@@ -30,6 +34,8 @@ from appliance.roles import Mode
 
 # kv_connector_extra_config keys that address pdctl's own proxy or a loopback host; cluster deployments
 # discover peers otherwise.
+# a client's X-Request-Id that may follow the router id: no "_", "," or ":", so no address can be read out of it
+_PLAIN_ID = re.compile(r"[A-Za-z0-9.-]{1,200}")
 NODE_LOCAL_KEYS = frozenset({"proxy_ip", "proxy_ping_port", "host_ip", "http_port"})
 
 
@@ -108,7 +114,10 @@ class MoriioConnector(Connector):
     mode_fixed_at_start = True
     sim_flow = "appliance.connector.moriio.sim:MoriioSim"
     library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
-    read_needs_prefill_kv = True
+    # vLLM 0.32 answers a prefill leg with the first engine request's kv_transfer_params only, whatever the
+    # connector (entrypoints/openai/completion/serving.py: final_res_batch[0]): a batch's other prompts, or
+    # n samples, handed over would read the first one's blocks (NIXL showed it on real engines)
+    one_request_per_handoff = True
     extra_config_keys = EXTRA_CONFIG
     settings_model = MoriioSettings
     moved_settings = {"moriio_backend": "backend"}
@@ -229,8 +238,11 @@ class MoriioConnector(Connector):
 
         return RegistrationListener(settings, find, current_mode, on_result)
 
-    def request_id(self, prefill: Peer, decode: Peer) -> str:
-        return router_request_id(_zmq(prefill), _zmq(decode))
+    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
+        rid = router_request_id(_zmq(prefill), _zmq(decode))
+        # vLLM reads both peers' addresses out of this id (moriio_common.py, _DECODE_ZMQ_RE ends
+        # "_<32 hex>(?:-.*)?$"): the client's id may follow it only where it cannot be read as an address
+        return f"{rid}-{client_id}" if client_id and _PLAIN_ID.fullmatch(client_id) else rid
 
     def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
         # Every length hands over in vLLM 0.32 (read, not run on AMD hardware here). moriio_connector.py
@@ -242,6 +254,25 @@ class MoriioConnector(Connector):
         # prefill to free; WRITE notifies the prefill of the decode's blocks for the same prompt, and of none
         # when no token is external. An empty prompt never reaches an engine (vLLM's input processor: 400).
         return True
+
+    def alone(self, mode: Mode) -> Alone:
+        # vLLM 0.32 moriio_connector.py, MoRIIOConnectorScheduler.get_num_new_matched_tokens: WRITE asks for
+        # nothing without do_remote_prefill, READ for max(prompt - computed - 1, 0) whatever the params, and
+        # update_state_after_alloc returns early without params: nothing is read, and the decode attends over
+        # positions never written (a 100-token prompt: 99 external tokens, no receive; tests/connector).
+        if mode == "read":
+            # a request with prompt logprobs skips the connector's count (alone_body): correct, at the cost of
+            # the prompt's logprobs and of its prefix cache hits, so only for what cannot be handed over
+            return Alone(False, "vLLM's MoRIIO decode in READ mode counts every prompt token but the last as "
+                                "pulled from a prefill, with or without a hand-off, and pulls nothing without one")
+        return Alone(True, "vLLM's MoRIIO decode in WRITE mode loads nothing without do_remote_prefill: it "
+                           "computes the prompt itself")
+
+    def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:
+        return skipping_lookups(body) if mode == "read" else (body, False)
+
+    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        return without_prompt_logprobs(answer)
 
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         leg = super().prefill_body(body, prefill, decode, handoff)
@@ -272,6 +303,8 @@ class MoriioConnector(Connector):
             "remote_block_ids": None,
             "transfer_id": _transfer_id(handoff),
         }
+        if prefill_kv is None and handoff.get("mode") == "read":
+            raise HandoffError(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
         if prefill_kv is not None:
             # READ: copy what the prefill returned (remote_engine_id, remote_block_ids, transfer_id, ...)
             if not prefill_kv.get("remote_block_ids") and "remote_engine_id" not in prefill_kv:

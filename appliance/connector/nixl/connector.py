@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from appliance.connector.base import (
+    Alone,
     Connector,
     HandoffError,
     HandoffFacts,
@@ -19,6 +21,7 @@ from appliance.connector.base import (
     RayServeBackend,
     RdmaNeed,
     SimOptions,
+    one_token,
 )
 from appliance.connector.extras import ExtraConfigTable
 from appliance.connector.nixl.settings import NixlSettings
@@ -69,6 +72,21 @@ def _cross_layer_blocks(extra_config: Mapping[str, Any]) -> bool:
     return str(extra_config.get("enable_cross_layers_blocks", "False")).lower() == "true"
 
 
+def _push_release(decode_body: dict[str, Any]) -> dict[str, Any]:
+    """The decode leg of a NIXL push, cut to one token: the one request that frees the prefill's blocks."""
+    # WRITE: the same refused request frees nothing (push_scheduler.py request_finished parks an empty receive
+    # on the decode, and push_worker.start_load_kv only files it: no notification leaves). The prefill frees
+    # its blocks when its push completes (push_worker.get_transfer_results, finished_sending), which needs the
+    # decode to register blocks for the prompt under the prefill's request id (_pop_matching_finished_blocks:
+    # the same path and X-Request-Id). So the release is the decode leg itself, one token long, without what
+    # would skip the load (prompt logprobs, echo: skip_reading_prefix_cache) and under a salt of its own, so
+    # that no prefix the decode caches leaves no token to register (update_state_after_alloc returns early).
+    leg = {k: v for k, v in one_token(decode_body).items()
+           if k not in ("prompt_logprobs", "echo", "logprobs", "top_logprobs", "n", "best_of")}
+    leg["cache_salt"] = f"pdctl-release-{uuid.uuid4().hex}"
+    return leg
+
+
 class NixlConnector(Connector):
     """NixlConnector (READ: decode pulls) or NixlPushConnector (WRITE: decode registers, prefill writes)."""
 
@@ -77,11 +95,8 @@ class NixlConnector(Connector):
     modes = frozenset({"read", "write"})
     # vLLM 0.24+ ships the push flow as its own class: the mode is in the engines' flags.
     mode_fixed_at_start = True
-    # WRITE: the decode names the prefill's engine id, which only the prefill's answer carries.
-    write_waits_for_prefill = True
     sim_flow = "appliance.connector.nixl.sim:NixlSim"
     library = Library("nixl", "nixl._api:nixl_agent", "nixl")
-    read_needs_prefill_kv = True
     extra_config_keys = EXTRA_CONFIG
     settings_model = NixlSettings
     moved_settings = {"kv_buffer_device": "kv_buffer_device"}
@@ -198,25 +213,41 @@ class NixlConnector(Connector):
         # k*B+1, with or without a prefix hit; a load that covers the whole prompt recomputes its last token
         # (_update_waiting_for_remote_kv). The worker moves only the decode's uncached blocks, end-trimming the
         # prefill's list to them (nixl/base_worker.py _apply_prefix_caching, which asserts decode <= prefill:
-        # the prefill holds every block of the same prompt). A decode that loads nothing (prompt logprobs)
-        # still tells the prefill to free its blocks (request_finished / the notification-only read). An empty
-        # prompt never reaches an engine: vLLM's input processor refuses it (400).
+        # the prefill holds every block of the same prompt). A READ decode that loads nothing (prompt logprobs:
+        # skip_reading_prefix_cache) still tells the prefill to free its blocks (the notification-only read); a
+        # WRITE one does not: it registers no blocks, so the prefill holds them until its lease ends
+        # (push_scheduler.py update_state_after_alloc and request_finished). An empty prompt never reaches an
+        # engine: vLLM's input processor refuses it (400).
         return True
 
-    def release_body(self, decode_body: dict[str, Any]) -> dict[str, Any] | None:
-        # A prefill that answered keeps its blocks until a decode reads them (READ) or registers for them
+    def serial(self, mode: Mode) -> bool:
+        # WRITE too: the decode names the prefill's engine id, which only the prefill's answer carries
+        return True
+
+    def alone(self, mode: Mode) -> Alone:
+        # vLLM 0.32 nixl/pull_scheduler.py and push_scheduler.py, get_num_new_matched_tokens: (0, False) unless
+        # the request carries do_remote_prefill (real CPU engines: tests/engine)
+        return Alone(True, f"vLLM's NIXL decode ({mode}) loads nothing without do_remote_prefill: it computes "
+                           "the prompt itself")
+
+    def release_body(self, decode_body: dict[str, Any], path: str,
+                     mode: str) -> tuple[str, dict[str, Any]] | None:
+        # A prefill that answered keeps its blocks until the decode reads them (READ) or they are written to it
         # (WRITE), or until its lease ends: kv_lease_duration, 30 s in vLLM 0.32 (nixl/base_scheduler.py,
         # _reqs_need_send; freed by base_worker._reap_expired_send_leases, counted as
-        # vllm:nixl_num_kv_expired_reqs). vLLM frees them early on the decode's word only: a request that
-        # carries do_remote_prefill and is refused by the decode's OpenAI layer is submitted as an aborted
-        # request (entrypoints/generate/base/serving.py _with_kv_transfer_rejection_cleanup ->
-        # AsyncLLM.notify_kv_transfer_request_rejected), whose request_finished sends the prefill a
-        # notification without a transfer (pull_scheduler.py and push_scheduler.py, do_remote_prefill still
-        # set). A model no instance serves is refused before anything else is done (_check_model).
+        # vllm:nixl_num_kv_expired_reqs). Early, READ and WRITE differ:
         params = decode_body.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None
-        return {"model": RELEASE_MODEL, "prompt": [0], "max_tokens": 1, "kv_transfer_params": params}
+        if mode == "write":
+            return path, _push_release(decode_body)
+        # READ: the decode's word frees them. A request that carries do_remote_prefill and is refused by the
+        # decode's OpenAI layer is submitted as an aborted request (entrypoints/generate/base/serving.py
+        # _with_kv_transfer_rejection_cleanup -> AsyncLLM.notify_kv_transfer_request_rejected), whose
+        # request_finished has the worker send the prefill a notification without a transfer
+        # (pull_scheduler.py, do_remote_prefill still set). A model no instance serves is refused before
+        # anything else is done (_check_model).
+        return "/v1/completions", {"model": RELEASE_MODEL, "prompt": [0], "max_tokens": 1, "kv_transfer_params": params}
 
     def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
         leg = super().prefill_body(body, prefill, decode, handoff)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.connector.base import Connector, InstanceContext
+from appliance.connector.base import Alone, Connector, InstanceContext
+from appliance.roles import Mode
 
 
 class NoConnector(Connector):
@@ -18,3 +19,6 @@ class NoConnector(Connector):
 
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any] | None:
         return None
+
+    def alone(self, mode: Mode) -> Alone:
+        return Alone(True, "no connector: every engine computes its prompts itself")

@@ -1,6 +1,6 @@
 """What a routing policy is: given one request's facts and the routable instances of a role, pick one.
 
-The router (appliance.proxy.routing) does what every policy shares: it keeps out what may not be routed (unhealthy,
+The router (appliance.proxy.route) does what every policy shares: it keeps out what may not be routed (unhealthy,
 draining, in a planned stop, the other transfer mode), picks each role's instance through the policy, a DP rank
 through the instance, and books the request on them. A policy only chooses; it reads the instances' live counters
 (in_flight, routed, dp_in_flight) and never changes them: the instance does, through its leases and bookings.
@@ -9,13 +9,13 @@ Adding a policy is one module here and one line in POLICIES (policies/__init__.p
 make one call, Router.route, whatever the policy. What the policies that come next need (issue 25):
 - prefix-cache affinity (prefix_affinity.py) reads the prompt from RequestFacts.body (text, chat messages or token
   ids) and keeps its own per-instance estimate of cached prefixes, keyed by the instance's BackendState, fed by the
-  prefixes of the requests it has sent there (it sees each pick it makes); bounded by load through the same
-  counters least_outstanding reads. expected_cached_tokens is what it tells the route decision.
+  prefixes of the requests routed there (Policy.record, called once the route is decided, on the instances that
+  compute the prompt); bounded by load through the same counters least_outstanding reads.
+  expected_cached_tokens is what it tells the route decision.
 - conditional disaggregation (policies/conditional.py) decides per request whether the prefill hop is taken at
   all, from the prompt's length, its uncached part (Policy.expected_cached_tokens) and the prefill and decode
-  instances' load: a decision over the whole route, made in Router.route, which then returns a Route without a
-  prefill instance. legs.py serves that on one leg, with the connector's alone_body (as it serves a prompt the
-  connector cannot hand over, which the same decision names).
+  instances' load: a decision over the whole route, made in Router.route before any prefill instance is picked,
+  which then returns a Route without one. legs.py serves that on one leg, with the connector's alone_body.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ class Policy(ABC):
     @abstractmethod
     def pick(self, role: str, candidates: Sequence[BackendState], request: RequestFacts) -> BackendState:
         """One of `candidates`: the routable instances of `role` (never empty), in the plan's order."""
+
+    def record(self, role: str, inst: BackendState, request: RequestFacts) -> None:
+        """`request` was routed to `inst` as `role` and its prompt will be computed there (the pipeline calls it
+        after the decision, on the instances the route uses); a policy that keeps no estimate ignores it."""
+        return None
 
     def expected_cached_tokens(self, inst: BackendState, request: RequestFacts) -> int:
         """How many of the request's prompt tokens this policy expects cached on `inst` (conditional routing

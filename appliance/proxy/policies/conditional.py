@@ -1,6 +1,6 @@
 """Conditional disaggregation: whether one request of a disaggregated node is prefilled on a prefill instance
 (`disaggregated`) or by its decode instance itself (`decode-only`), and why. Pure: the router gathers the facts
-(appliance.proxy.routing) and serves the answer; docs/routing.md says what each rule is for.
+(appliance.proxy.route) and serves the answer; docs/routing.md says what each rule is for.
 
 The rules, first match wins (the first two are not choices: such a prompt sent down the hand-off would hand
 nothing over, hand over another prompt's KV or crash the engine):
@@ -33,6 +33,10 @@ nothing over, hand over another prompt's KV or crash the engine):
   engine whose compute nobody else is using, and no running stream is slowed by it.
 - otherwise the prefill hop: `decode-busy` for a prompt shorter than `decode_only_below` that the room
   (the window, the decode's load) kept off the decode, else `policy`.
+- last (`served_alone`), where the connector's decode cannot serve the client's prompt alone in this mode
+  (Connector.alone: MoRIIO READ), a rule that chose the decode gives way to the prefill hop
+  (`alone-unserved`); a forced one (`batch`, `handoff-impossible`) goes alone through the connector's
+  alone_body, or, where that cannot serve it either, leaves no correct route: `refused`.
 
 Every prompt a decode is sent to prefill itself counts in its window, whatever the rule (`window_tokens`): the
 forced ones (`batch`, `handoff-impossible`) have no other route but still fill the step, and one whose length
@@ -46,9 +50,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-RouteName = Literal["disaggregated", "decode-only", "colocated"]
+RouteName = Literal["disaggregated", "decode-only", "colocated", "refused"]
 REASONS = ("policy", "short-prompt", "cached-prefix", "decode-busy", "prefill-saturated", "decode-idle",
-           "handoff-impossible", "batch", "colocated")
+           "handoff-impossible", "batch", "colocated", "alone-unserved")
+# the rules that leave no other route than the decode alone
+FORCED = frozenset({"batch", "handoff-impossible"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +134,8 @@ def legs_without_room(rules: Rules) -> int | None:
 
 
 def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
-    """(route, reason) for one request of a disaggregated node, by the rules in the module's docstring."""
+    """(route, reason) for one request of a disaggregated node, by the rules in the module's docstring, before
+    the connector's answer for the decode alone (served_alone)."""
     if facts.batch:
         return "decode-only", "batch"
     if not facts.handoff_possible:
@@ -157,6 +164,16 @@ def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
     if facts.decode_legs == 0 and facts.prefill_legs > 0:
         return "decode-only", "decode-idle"
     return "disaggregated", "decode-busy" if busy else "policy"
+
+
+def served_alone(reason: str, served: bool, forced: bool) -> tuple[RouteName, str]:
+    """The route of a request `decide` sent to the decode alone for `reason`, given whether the connector's decode
+    serves the client's prompt alone (`served`) and a request that cannot be handed over through its alone_body
+    (`forced`; Connector.alone): the decode alone where it serves it, else the prefill hop for a choice
+    (`alone-unserved`), no route for a forced one (`refused`)."""
+    if reason in FORCED:
+        return ("decode-only", reason) if forced else ("refused", reason)
+    return ("decode-only", reason) if served else ("disaggregated", "alone-unserved")
 
 
 class PrefillWindow:

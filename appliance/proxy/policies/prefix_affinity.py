@@ -54,15 +54,26 @@ PENDING_S = 30.0
 
 class Prompt:
     """One request's prompt as chained block hashes (one chain per prompt of a batch), each block `block_tokens`
-    tokens (exact for token ids, estimated for text), and its token count (the same way)."""
+    tokens (exact for token ids, estimated for text), and its token count (the same way). `hits`: per chain, the
+    most of its blocks an engine's prefix cache can serve: vLLM's lookup stops at the prompt's last token less
+    one (v1/core/kv_cache_manager.py get_computed_blocks, max_cache_hit_length = num_tokens - 1: that token is
+    always computed, for its logits), so a prompt of a whole number of blocks recomputes its last block."""
 
-    __slots__ = ("chains", "tokens", "block_tokens", "token_ids")
+    __slots__ = ("chains", "hits", "tokens", "block_tokens", "token_ids")
 
-    def __init__(self, chains: list[list[int]], tokens: int, block_tokens: int, token_ids: bool = False) -> None:
+    def __init__(self, chains: list[list[int]], tokens: int, block_tokens: int, token_ids: bool = False,
+                 hits: list[int] | None = None) -> None:
         self.chains = chains
+        self.hits = hits if hits is not None else [len(chain) for chain in chains]
         self.tokens = tokens
         self.block_tokens = block_tokens
         self.token_ids = token_ids  # every prompt is token ids: its blocks are the engine's, as its events name them
+
+
+def most_hit(items: int, size: int) -> int:
+    """The most blocks of `size` items vLLM serves from its prefix cache for a prompt of `items` items: whole
+    blocks of its first items - 1 (get_computed_blocks' cap)."""
+    return max(0, items - 1) // size
 
 
 def _chain(seed: int, items: Sequence[Any], size: int, most: int) -> list[int]:
@@ -99,7 +110,11 @@ def render_chat(body: Mapping[str, Any]) -> str:
 def seed_of(model: str, cache_salt: Any) -> int:
     """The hash a prompt's chain starts from: requests with different `cache_salt`s (vLLM keeps their caches
     apart) or models (a LoRA adapter) never match each other. An empty salt is none, as in vLLM."""
-    return hash((model, str(cache_salt or None)))
+    # vLLM 0.32 keys a block by its salt only when the salt is truthy (v1/core/kv_cache_utils.py,
+    # _gen_extra_keys): no salt, null and "" are one key, and every other value its own (the string "None"
+    # too); the type keeps a value vLLM refuses (400) apart from its text
+    salt = (type(cache_salt).__name__, str(cache_salt)) if cache_salt else None
+    return hash((model, salt))
 
 
 def prompt_of(request: RequestFacts, block_size: int, model: str = "") -> Prompt:
@@ -109,22 +124,26 @@ def prompt_of(request: RequestFacts, block_size: int, model: str = "") -> Prompt
     text_block = block_size * CHARS_PER_TOKEN
     if request.path.endswith("/chat/completions"):  # the body validator made sure messages is a list
         text = render_chat(body)
-        return Prompt([_chain(seed, text, text_block, MAX_BLOCKS)], len(text) // CHARS_PER_TOKEN, block_size)
+        return Prompt([_chain(seed, text, text_block, MAX_BLOCKS)], len(text) // CHARS_PER_TOKEN, block_size,
+                      hits=[most_hit(len(text), text_block)])
     prompt = body.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) or _is_token_ids(prompt) else prompt
     if not isinstance(prompts, _SEQUENCES):
         return Prompt([], 0, block_size)
     chains: list[list[int]] = []
+    hits: list[int] = []
     tokens = hashed = 0
     token_ids = True
     try:
         for one in prompts:
             if isinstance(one, str):
                 chains.append(_chain(seed, one, text_block, MAX_BLOCKS - hashed))
+                hits.append(most_hit(len(one), text_block))
                 tokens += len(one) // CHARS_PER_TOKEN
                 token_ids = False
             elif _is_token_ids(one):
                 chains.append(_chain(seed, tuple(one), block_size, MAX_BLOCKS - hashed))
+                hits.append(most_hit(len(one), block_size))
                 tokens += len(one)
             else:
                 continue
@@ -133,7 +152,7 @@ def prompt_of(request: RequestFacts, block_size: int, model: str = "") -> Prompt
         # a list or object among the token ids (the engine answers 400): no prefix, the request goes by load; checked
         # here rather than id by id, so that a well-formed prompt pays nothing for it
         return Prompt([], 0, block_size)
-    return Prompt(chains, tokens, block_size, token_ids)
+    return Prompt(chains, tokens, block_size, token_ids, hits)
 
 
 def _run(chain: list[int], held: Mapping[int, int], pending: Mapping[int, float]) -> int:
@@ -317,6 +336,10 @@ class PrefixAffinity(Policy):
         # the request last looked at and its prompt: the router asks for each role, the conditional decision asks
         # expected_cached_tokens, and the prompt is hashed once for all of them
         self._last: tuple[RequestFacts, dict[int, Prompt]] | None = None
+        # the request being routed and its match per candidate, shared by its picks, its decision and its
+        # records within one routing pass: the pass picks the decode (or a colocated instance) first, which
+        # starts it over, and a record drops the instance it changed
+        self._matches: tuple[RequestFacts | None, dict[BackendState, int]] = (None, {})
         # (role, instance name) -> [prompt tokens looked up, tokens expected cached]: kept across restarts of the
         # instance, as counters must be (metrics.py exposes them)
         self._tokens: dict[tuple[str, str], list[int]] = {}
@@ -393,7 +416,11 @@ class PrefixAffinity(Policy):
         ranks = self._live_ranks(inst) if prompt.token_ids else None
         if ranks is None:
             index = self._index(inst)
-            return sum(index.matched(chain) for chain in prompt.chains) * prompt.block_tokens
+            chains, hits = prompt.chains, prompt.hits
+            if len(chains) == 1:  # one prompt: no generator (this runs for every candidate of every request)
+                return min(index.matched(chains[0]), hits[0]) * prompt.block_tokens
+            return sum(min(index.matched(chain), hit) for chain, hit in zip(chains, hits, strict=True)) \
+                * prompt.block_tokens
         pending = self._pending_of(inst, time.monotonic())
         best = 0
         alone: dict[int | None, int] = {}  # a rank that reports nothing matches on the pending blocks alone: once
@@ -401,7 +428,8 @@ class PrefixAffinity(Policy):
             if not rank.held and (not pending or rank.block_size in alone):
                 continue
             ranked = self._prompt(request, rank.block_size)
-            match = sum(_run(chain, rank.held, pending) for chain in ranked.chains) * ranked.block_tokens
+            match = sum(min(_run(chain, rank.held, pending), hit)
+                        for chain, hit in zip(ranked.chains, ranked.hits, strict=True)) * ranked.block_tokens
             if not rank.held:
                 alone[rank.block_size] = match
             best = max(best, match)
@@ -409,11 +437,13 @@ class PrefixAffinity(Policy):
 
     def expected_cached_tokens(self, inst: BackendState, request: RequestFacts) -> int:
         """The prompt tokens `inst` is expected to hold in its prefix cache for `request` (text: an estimate)."""
-        return self._cached(inst, request)
+        picked, matches = self._matches
+        match = matches.get(inst) if picked is request else None
+        return self._cached(inst, request) if match is None else match
 
     def pick(self, role: str, candidates: Sequence[BackendState], request: RequestFacts) -> BackendState:
-        """The best prefix match within the load bound (least loaded, then round, on a tie); the prompt's blocks
-        are then expected on it."""
+        """The best prefix match within the load bound (least loaded, then round, on a tie); nothing is recorded
+        until the route is decided (record)."""
         prompt = self._prompt(request)
         turn = self._turn.get(role, 0)
         self._turn[role] = turn + 1
@@ -421,41 +451,54 @@ class PrefixAffinity(Policy):
         least = min(inst.in_flight for inst in candidates)
         bound = least + self.load_bound
         best, best_match = candidates[turn % count], -1
+        picked, matches = self._matches
+        if picked is not request or role != "prefill":  # a new routing pass
+            matches = {}
+            self._matches = (request, matches)
         for k in range(count):
             inst = candidates[(turn + k) % count]
             if inst.in_flight > bound:
                 continue
-            match = self._cached(inst, request) if prompt.chains else 0
+            match = matches[inst] = self._cached(inst, request) if prompt.chains else 0
             if match > best_match or (match == best_match and inst.in_flight < best.in_flight):
                 best, best_match = inst, match
-        index = self._index(best)
+        return best
+
+    def record(self, role: str, inst: BackendState, request: RequestFacts) -> None:
+        """The prompt's blocks are expected on `inst` from now on, and its lookup is counted for `role`."""
+        prompt = self._prompt(request)
+        match = self.expected_cached_tokens(inst, request) if prompt.chains else 0
+        self._matches[1].pop(inst, None)  # it holds the prompt from now on
+        index = self._index(inst)
         for chain in prompt.chains:
             index.add(chain)
-        if best.kv_events_endpoints and prompt.token_ids:
-            # its events report the blocks its engine computes for this prompt once it has; until then they count
-            # as held (those it holds already are the events' to vouch for, evictions included)
-            ranks = self._events.get(best) or {}
-            first = ranks.get(0)
-            held = [rank.held for rank in ranks.values()]
-            now = time.monotonic()
-            pending = self._pending_of(best, now)
-            until = now + PENDING_S
-            for chain in self._prompt(request, first.block_size if first else None).chains:
-                for block in reversed(chain):  # head last: the bound below drops a prompt's tail first
-                    for h in held:
-                        if block in h:
-                            break
-                    else:
-                        pending[block] = until
-                        pending.move_to_end(block)
-            while len(pending) > self.capacity:  # a flood of new prompts: the oldest stop counting first
-                pending.popitem(last=False)
-        counts = self._tokens.get((role, best.name))
+        if inst.kv_events_endpoints and prompt.token_ids:
+            self._expect(inst, request)
+        counts = self._tokens.get((role, inst.name))
         if counts is None:
-            counts = self._tokens[(role, best.name)] = [0, 0]
+            counts = self._tokens[(role, inst.name)] = [0, 0]
         counts[0] += prompt.tokens
-        counts[1] += min(best_match, prompt.tokens)
-        return best
+        counts[1] += min(match, prompt.tokens)
+
+    def _expect(self, inst: BackendState, request: RequestFacts) -> None:
+        # its events report the blocks its engine computes for this prompt once it has; until then they count
+        # as held (those it holds already are the events' to vouch for, evictions included)
+        ranks = self._events.get(inst) or {}
+        first = ranks.get(0)
+        held = [rank.held for rank in ranks.values()]
+        now = time.monotonic()
+        pending = self._pending_of(inst, now)
+        until = now + PENDING_S
+        for chain in self._prompt(request, first.block_size if first else None).chains:
+            for block in reversed(chain):  # head last: the bound below drops a prompt's tail first
+                for h in held:
+                    if block in h:
+                        break
+                else:
+                    pending[block] = until
+                    pending.move_to_end(block)
+        while len(pending) > self.capacity:  # a flood of new prompts: the oldest stop counting first
+            pending.popitem(last=False)
 
     def prefix_tokens(self) -> Mapping[tuple[str, str], Sequence[int]]:
         """(role, instance) -> (prompt tokens looked up, tokens expected cached) for the requests routed there."""

@@ -1,15 +1,21 @@
-"""Choosing where a request goes: the routable instances of each role its connector needs, one picked by the
-routing policy (appliance.proxy.policies), whether the prefill hop is taken (policies/conditional.py), a DP rank
-inside each instance picked by the instance, the request booked on them."""
+"""Choosing where a request goes, in one pass and this order (as llm-d's disaggregated profile handler does):
+keep the routable instances of each role; pick the decode (the routing policy, appliance.proxy.policies);
+gather the facts (the prompt's length, counted beforehand by route.length where the body does not settle it;
+its cached prefix on that decode; the loads); decide disaggregated or decode-only (policies/conditional.py,
+pure, with a reason, never decode-only where the connector's decode cannot serve a prompt alone); pick a
+prefill only for a disaggregated request; record the prompt on the instances that compute it; book them,
+each on a DP rank it picks. Nothing downstream re-decides."""
 
 from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 from appliance.connector import Connector
+from appliance.connector.base import Alone
 from appliance.proxy.instances import BackendState, Booking, InstanceRegistry
 from appliance.proxy.policies import Policy, RequestFacts
 from appliance.proxy.policies.conditional import (
@@ -20,9 +26,18 @@ from appliance.proxy.policies.conditional import (
     Rules,
     decide,
     drained_per_s,
+    served_alone,
     window_tokens,
 )
 from appliance.proxy.prompts import engine_requests, known_length, most_tokens
+from appliance.roles import Mode
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """The prompt's length as a decode instance counted it (route.length); None: it could not tell."""
+
+    tokens: int | None
 
 
 class Unroutable(Exception):
@@ -32,6 +47,16 @@ class Unroutable(Exception):
     def __init__(self, roles: tuple[str, ...]) -> None:
         super().__init__(" and ".join(roles) or "engine")
         self.roles = roles
+
+
+class Refused(Exception):
+    """No route serves the request correctly: its connector must serve it on a decode alone (`reason`: a batch,
+    a prompt it cannot hand over) and cannot in this mode (Connector.alone); the text says why."""
+
+    def __init__(self, reason: str, why: str) -> None:
+        super().__init__(f"this node cannot serve the request: it must go to a decode instance alone ({reason}), "
+                         f"and {why}")
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -48,15 +73,6 @@ class Route:
     bookings: tuple[Booking, ...]
     name: RouteName
     reason: str
-
-    def alone(self, reason: str) -> None:
-        """Serve the request on its decode instance alone after all (a prompt found too short to hand over):
-        the prefill instance no longer counts it."""
-        for booking in self.bookings:
-            if booking.inst is self.prefill:
-                booking.end()
-        self.prefill, self.prefill_rank = None, None
-        self.name, self.reason = "decode-only", reason
 
     def header(self) -> str:
         """The x-pdctl-route header's value (docs/bench.md, "Routes")."""
@@ -85,6 +101,8 @@ class Router:
         self._stand_in = stand_in
         self.on_stand_in = on_stand_in  # a request routed to an instance out of rotation, each time
         self.policy = policy
+        # the policy keeps an estimate fed by where prompts are computed (a call per instance saved otherwise)
+        self._records = type(policy).record is not Policy.record
         self.mode = mode
         self.connector = connector
         self.checks_mode = connector.mode_fixed_at_start  # the connector's engines fix their transfer mode at start
@@ -94,6 +112,8 @@ class Router:
         self.block_size = block_size if connector.lengths_matter else None
         # per decode instance, the prompts it was sent to prefill itself lately (the decode-busy rule)
         self._windows: weakref.WeakKeyDictionary[BackendState, PrefillWindow] = weakref.WeakKeyDictionary()
+        # per transfer mode, whether the connector's decode serves a prompt sent alone (Connector.alone)
+        self._alone: dict[str, Alone] = {}
         # per decode instance whose chunked-prefill budget is known, what it was sent to prefill and has not yet
         self._backlogs: weakref.WeakKeyDictionary[BackendState, PrefillBacklog] = weakref.WeakKeyDictionary()
 
@@ -119,14 +139,6 @@ class Router:
         if backlog is not None:
             backlog.add(now, tokens, drained_per_s(self.rules, decode.in_flight))
 
-    def alone(self, route: Route, reason: str, request: RequestFacts, tokens: int | None) -> None:
-        """Serve `route` on its decode instance alone after all (`request`'s prompt of `tokens` tokens, None: not
-        known, found too short to hand over), counted in that decode's window like every prompt it prefills."""
-        route.alone(reason)
-        if self.rules.decode_only_below:
-            counted = RouteFacts(tokens, 0, False, False, 0, 0, engine_requests=engine_requests(request.path, request.body))
-            self._count_prefill(route.decode, time.monotonic(), window_tokens(counted, self.rules))
-
     def routable(self, inst: BackendState) -> bool:
         """Healthy, not draining or in a planned stop, and running the proxy's transfer mode (where known)."""
         return inst.healthy and self.in_service(inst)
@@ -142,29 +154,58 @@ class Router:
         """The instance of `role` that takes its requests while none is routable (health.stand_in), or None."""
         return self._stand_in(i for i in self.registry.by_role[role] if self.in_service(i))
 
-    def pick(self, role: str, request: RequestFacts) -> BackendState | None:
+    def candidates(self, role: str, mode: str | None = None) -> list[BackendState]:
+        """The routable instances of `role`, in the plan's order (`mode`: the proxy's, read once per pass)."""
+        # routable()'s rule, inlined: it runs for every instance of every request
+        if self.checks_mode:
+            mode = mode or self.mode()
+            return [i for i in self.registry.by_role[role] if i.healthy and not (i.draining or i.stopping)
+                    and (i.transfer_mode is None or i.transfer_mode == mode)]
+        return [i for i in self.registry.by_role[role] if i.healthy and not (i.draining or i.stopping)]
+
+    def pick(self, role: str, request: RequestFacts, mode: str | None = None) -> BackendState | None:
         """The policy's instance of `role` for `request`; its stand-in when none is routable; or None."""
-        candidates = [i for i in self.registry.by_role[role] if self.routable(i)]
+        candidates = self.candidates(role, mode)
         if not candidates:
             return self.stand_in(role)
         return self.policy.pick(role, candidates, request)
 
-    def facts(self, request: RequestFacts, prefill: BackendState, decode: BackendState,
-              recent_tokens: int, backlog_tokens: int = 0) -> RouteFacts:
-        """What the conditional decision reads of `request` on these instances: the prompt's length where the body
-        settles it (token ids) or bounds it (a text prompt), and whether the connector can hand it over as far
-        as the body tells (a text prompt over the bound is counted later, by legs.py); `recent_tokens`: what the
-        decode was sent to prefill itself over the last window; `backlog_tokens`: what it has not computed yet."""
+    def alone(self, mode: str | None = None) -> Alone:
+        """Whether the connector's decode serves a prompt sent alone in `mode` (the proxy's mode now)."""
+        mode = mode or self.mode()
+        answer = self._alone.get(mode)
+        if answer is None:
+            answer = self._alone[mode] = self.connector.alone(cast(Mode, mode))
+        return answer
+
+    def needs_count(self, request: RequestFacts) -> bool:
+        """Whether the hand-off depends on the prompt's exact length and neither the body nor its bound settles it:
+        route.length then counts it on a decode instance before the pass (Router.routed)."""
+        if self.block_size is None or not self.disaggregated or known_length(request.path, request.body) is not None:
+            return False
+        bound = most_tokens(request.path, request.body)
+        return bound is None or any(self.connector.handoff_possible(n, self.block_size) for n in range(bound + 1))
+
+    def facts(self, request: RequestFacts, prefill_legs: int, decode: BackendState, recent_tokens: int,
+              backlog_tokens: int = 0, counted: Counted | None = None) -> RouteFacts:
+        """What the conditional decision reads of `request` on `decode`: the prompt's length where the body settles
+        it (token ids), `counted` says it (route.length; its tokens None: the engine could not tell) or the body
+        bounds it (a text prompt); whether the connector can hand it over (an unknown count: no, serving without a
+        hand-off works for every length); `prefill_legs`: the least loaded routable prefill's legs;
+        `recent_tokens`: what the decode was sent to prefill itself over the last window; `backlog_tokens`: what
+        it has not computed yet."""
         path, body = request.path, request.body
         tokens = bound = None
         if self.rules.decode_only_below or self.block_size is not None:  # else no rule reads the length
-            tokens = known_length(path, body)
-            bound = most_tokens(path, body) if tokens is None else tokens
+            tokens = known_length(path, body) if counted is None else counted.tokens
+            bound = most_tokens(path, body) if tokens is None and counted is None else tokens
         possible = True
         if self.block_size is not None:
             block, connector = self.block_size, self.connector
             if tokens is not None:
                 possible = connector.handoff_possible(tokens, block)
+            elif counted is not None:
+                possible = False
             elif bound is not None:
                 possible = any(connector.handoff_possible(n, block) for n in range(bound + 1))
         requests = engine_requests(path, body)
@@ -173,41 +214,82 @@ class Router:
             cached_tokens=self.policy.expected_cached_tokens(decode, request) if bound is not None else 0,
             batch=self.connector.one_request_per_handoff and requests > 1,
             handoff_possible=possible,
-            prefill_legs=prefill.in_flight,
+            prefill_legs=prefill_legs,
             decode_legs=decode.in_flight,
             recent_tokens=recent_tokens,
             engine_requests=requests,
             backlog_tokens=backlog_tokens,
         )
 
-    def route(self, request: RequestFacts) -> Route:
-        """The route for `request`, booked on its instances at once (no await in between: a drain that starts
-        afterwards waits for it); raises Unroutable when a role it needs has no routable instance and no stand-in."""
+    async def routed(self, request: RequestFacts,
+                     count: Callable[[BackendState], Awaitable[int | None]]) -> Route:
+        """Router.route, the prompt counted first by `count` on a decode instance where the hand-off depends on a
+        length the body does not settle (needs_count)."""
+        counted = None
+        if self.needs_count(request):
+            # the least loaded decode counts (any serves the model's tokenizer); not the policy's pick, which
+            # would take the request's turn (round robin) before the pass
+            decodes = self.candidates("decode")
+            counter = min(decodes, key=lambda inst: inst.in_flight) if decodes else self.stand_in("decode")
+            counted = Counted(await count(counter) if counter is not None else None)
+        return self.route(request, counted)
+
+    def route(self, request: RequestFacts, counted: Counted | None = None) -> Route:
+        """The route for `request` (`counted`: its prompt's length, route.length's count), decided in one pass and
+        booked on its instances at once (no await in between: a drain that starts afterwards waits for it);
+        raises Unroutable when a role it needs has no routable instance and no stand-in, Refused when no route
+        serves it correctly."""
         if not self.disaggregated:
             inst = self.pick("both", request)
             if inst is None:
                 raise Unroutable(())
             self._count_stand_ins(inst)
+            if self._records:
+                self.policy.record("both", inst, request)
             return Route(inst, inst.pick_rank(), None, None, (inst.book(),), "colocated", "colocated")
-        prefill = self.pick("prefill", request)
-        decode = self.pick("decode", request)
-        if prefill is None or decode is None:
-            raise Unroutable(tuple(r for r, i in (("prefill", prefill), ("decode", decode)) if i is None))
-        window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
-        facts = self.facts(request, prefill, decode, window.recent(now, self.rules.window_s) if window else 0,
-                           backlog.level(now, drained_per_s(self.rules, decode.in_flight)) if backlog else 0)
+        mode = self.mode()
+        prefills = self.candidates("prefill", mode)
+        stand_in = None if prefills else self.stand_in("prefill")
+        decode = self.pick("decode", request, mode)
+        if decode is None or not (prefills or stand_in):
+            missing = (("prefill", bool(prefills or stand_in)), ("decode", decode is not None))
+            raise Unroutable(tuple(role for role, found in missing if not found))
+        if len(prefills) == 1:
+            prefill_legs = prefills[0].in_flight
+        else:
+            prefill_legs = min(i.in_flight for i in prefills) if prefills else cast(BackendState, stand_in).in_flight
+        recent = queued = 0
+        now = 0.0
+        if self.rules.decode_only_below:  # else no rule reads the decode's window or backlog
+            window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
+            recent = window.recent(now, self.rules.window_s) if window else 0
+            queued = backlog.level(now, drained_per_s(self.rules, decode.in_flight)) if backlog else 0
+        facts = self.facts(request, prefill_legs, decode, recent, queued, counted)
         name, reason = decide(facts, self.rules)
+        if name == "decode-only":
+            alone = self.alone(mode)
+            if not (alone.served and alone.forced):
+                name, reason = served_alone(reason, alone.served, alone.forced)
+                if name == "refused":
+                    raise Refused(reason, alone.why)
         if name == "decode-only":
             if self.rules.decode_only_below:
                 # every prompt the decode prefills counts, whatever the rule that sent it there
                 self._count_prefill(decode, now, window_tokens(facts, self.rules))
             self._count_stand_ins(decode)
+            if self._records:
+                self.policy.record("decode", decode, request)
             return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason)
+        prefill = self.policy.pick("prefill", prefills, request) if prefills else cast(BackendState, stand_in)
+        if self._records:
+            self.policy.record("prefill", prefill, request)
+            self.policy.record("decode", decode, request)  # it keeps the KV it is handed as its own prefix cache
         # Both instances count the request until it ends: the decode leg starts only after the prefill leg in
         # READ mode, and a drain of the decode instance in between must wait for it rather than let it be
         # stopped under the request (a 502 "cannot connect").
         bookings = (prefill.book(), decode.book())
-        self._count_stand_ins(prefill, decode)
+        if not (prefill.healthy and decode.healthy):
+            self._count_stand_ins(prefill, decode)
         return Route(decode, decode.pick_rank(), prefill, prefill.pick_rank(), bookings, name, reason)
 
     def _count_stand_ins(self, *chosen: BackendState) -> None:

@@ -1,0 +1,116 @@
+"""What vLLM 0.32's own MoRIIO scheduler does with the requests pdctl sends a MoRIIO decode, in each mode: its
+real MoRIIOConnectorScheduler class, run in vLLM's environment (PDCTL_TEST_VLLM_PYTHON) with a fake of AMD's
+`mori` library (fake_mori/: the module's names and shapes; the scheduler side never calls it). Its answers
+are what Connector.alone says for MoRIIO, and what the proxy's routes rest on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from appliance.connector import get_connector
+from appliance.proxy import warmup
+
+VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
+HERE = Path(__file__).parent
+MODEL = "m"
+
+
+def _probe(cases: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
+    """vLLM's answers to `cases`, one per case, from one process (importing vLLM takes ~10 s)."""
+    assert VLLM_PYTHON
+    # vLLM's MoRIIO module imports msgpack, which its CPU build does not install: pdctl's own is lent to it
+    lent = tmp_path / "lent"
+    lent.mkdir()
+    (lent / "msgpack").symlink_to(Path(msgpack.__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(lent), str(HERE / "fake_mori")])}
+    done = subprocess.run([VLLM_PYTHON, str(HERE / "vllm_moriio_probe.py")], input="\n".join(map(json.dumps, cases)),
+                          capture_output=True, text=True, timeout=600, env=env)
+    answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(answers) == len(cases), done.stderr[-3000:]
+    assert all(a["mori"] for a in answers)  # vLLM took the fake for the library: its "available" path ran
+    return answers
+
+
+def _alone(mode: str, tokens: int, through_alone_body: bool = True) -> dict[str, Any]:
+    """The case of a prompt of `tokens` token ids sent to a MoRIIO decode alone: the body pdctl sends (alone_body),
+    or the client's as it is."""
+    body: dict[str, Any] = {"model": MODEL, "prompt": list(range(1, tokens + 1))}
+    if through_alone_body:
+        body, _ = get_connector("moriio").alone_body(body, mode)  # type: ignore[arg-type]
+    return {"mode": mode, "tokens": tokens, "params": body.get("kv_transfer_params"),
+            "prompt_logprobs": body.get("prompt_logprobs")}
+
+
+READ_KV = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "transfer_id": "t",
+           "remote_block_ids": [list(range(7))]}
+WRITE_KV = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1", "remote_notify_port": 1}
+WARM_UP = json.loads(warmup.body(MODEL))
+CASES = {
+    "read alone": _alone("read", 100, through_alone_body=False),
+    "read alone_body": _alone("read", 100),
+    "write alone": _alone("write", 100, through_alone_body=False),
+    "write alone_body": _alone("write", 100),
+    "read handed over": {"mode": "read", "tokens": 100, "params": READ_KV},
+    "write handed over": {"mode": "write", "tokens": 100, "params": WRITE_KV},
+    "read warm-up": {"mode": "read", "tokens": 100, "prompt_logprobs": WARM_UP["prompt_logprobs"]},
+}
+vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return dict(zip(CASES, _probe(list(CASES.values()), tmp_path_factory.mktemp("moriio")), strict=True))
+
+
+@pytest.mark.vllm
+@vllm
+def test_a_moriio_decode_serves_a_prompt_alone_exactly_where_pdctl_says(answers: dict[str, dict[str, Any]]) -> None:
+    read, write = answers["read alone"], answers["write alone"]
+    # READ: 99 of 100 tokens taken as pulled from a prefill, synchronously, and nothing recorded to pull them
+    assert (read["external"], read["load_async"], read["recv"], read["skips_lookups"]) == (99, False, False, False)
+    # WRITE: nothing external, nothing to push: the decode computes the prompt itself
+    assert (write["external"], write["load_async"], write["recv"], write["save"]) == (0, False, False, False)
+    # what pdctl sends alone where it must (a batch, n > 1): READ's body skips every lookup, so vLLM's scheduler
+    # drops the connector's count; WRITE's is the client's
+    body_read, body_write = answers["read alone_body"], answers["write alone_body"]
+    assert (body_read["external"], body_read["recv"], body_read["skips_lookups"]) == (99, False, True)
+    assert body_write == write
+    moriio = get_connector("moriio")
+    for mode in ("read", "write"):
+        plain, sent = answers[f"{mode} alone"], answers[f"{mode} alone_body"]
+        alone = moriio.alone(mode)  # type: ignore[arg-type]
+        assert alone.served == _computes_itself(plain), mode
+        assert alone.forced == _computes_itself(sent), mode
+
+
+def _computes_itself(answer: dict[str, Any]) -> bool:
+    """The decode computes the whole prompt itself: nothing external is counted (or the scheduler drops the count
+    of a request that skips every lookup) and nothing is to be read or pushed."""
+    external = 0 if answer["skips_lookups"] else answer["external"]
+    return external == 0 and not answer["recv"] and not answer["save"]
+
+
+@pytest.mark.vllm
+@vllm
+def test_a_moriio_decode_leg_of_a_handoff_loads_the_prompt(answers: dict[str, dict[str, Any]]) -> None:
+    # the disaggregated route: READ pulls all but the last token from the prefill's blocks; WRITE waits for the
+    # prefill's push of all of them
+    read, write = answers["read handed over"], answers["write handed over"]
+    assert (read["external"], read["load_async"], read["recv"]) == (99, False, True)
+    assert (write["external"], write["load_async"]) == (100, True)
+
+
+@pytest.mark.vllm
+@vllm
+def test_the_warm_up_reads_no_handoff_on_a_moriio_read_decode(answers: dict[str, dict[str, Any]]) -> None:
+    # the warm-up goes to each instance alone (proxy/warmup.py): on a READ decode the connector counts 99 tokens
+    # as external, but its prompt logprobs make the request skip every lookup, so vLLM's scheduler loads none
+    warmed = answers["read warm-up"]
+    assert (warmed["external"], warmed["recv"], warmed["skips_lookups"]) == (99, False, True)

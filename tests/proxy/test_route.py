@@ -1,0 +1,208 @@
+"""The routing pipeline (appliance.proxy.route): one pass that picks the decode, decides, picks a prefill only
+for a disaggregated request, records the prompt on the instances that compute it, and never sends a decode a
+prompt alone where its connector cannot serve one (Connector.alone)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance.connector import get_connector, names
+from appliance.connector.base import Alone
+from appliance.proxy.instances import BackendState, InstanceRegistry
+from appliance.proxy.policies import RequestFacts
+from appliance.proxy.policies.conditional import RouteFacts, Rules, decide, served_alone
+from appliance.proxy.policies.prefix_affinity import PrefixAffinity
+from appliance.proxy.policies.round_robin import RoundRobin
+from appliance.proxy.route import Refused, Router
+
+VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
+CONDITIONAL = Rules(decode_only_below=16, prefill_saturated_at=0, window_s=60.0)
+
+
+def _registry() -> InstanceRegistry:
+    registry = InstanceRegistry(1.0)
+    for port, (name, role) in enumerate((("prefill-0", "prefill"), ("decode-0", "decode"))):
+        inst = BackendState(name, role, f"http://127.0.0.1:{9000 + port}", connect_timeout=1.0)
+        inst.healthy = True
+        registry.instances[name] = inst
+        registry.by_role[role].append(inst)
+    return registry
+
+
+def _tokens(n: int, first: int = 1) -> RequestFacts:
+    return RequestFacts("/v1/completions", {"model": "m", "prompt": list(range(first, first + n))})
+
+
+def test_prefix_affinity_records_a_decode_only_prompt_on_the_decode_alone() -> None:
+    # a decode-only request never reaches the prefill: the prefill holds none of its blocks, and its lookups
+    # count none of its tokens; the decode's own estimate of what it holds is not inflated by the pick either
+    registry = _registry()
+    prefill, decode = registry.instances["prefill-0"], registry.instances["decode-0"]
+    policy = PrefixAffinity(block_size=4)
+    router = Router(registry, policy, lambda: "read", get_connector("nixl"), CONDITIONAL, block_size=4)
+    short = _tokens(12)
+    with router.route(short) as route:
+        assert (route.name, route.reason) == ("decode-only", "short-prompt")
+    assert policy.expected_cached_tokens(prefill, short) == 0
+    assert policy.expected_cached_tokens(decode, short) == 8  # 3 blocks held; vLLM's hit stops at 11 tokens
+    assert ("prefill", "prefill-0") not in policy.prefix_tokens()
+    assert policy.prefix_tokens()[("decode", "decode-0")] == [12, 0]
+
+
+def test_prefix_affinity_with_conditional_routing_hands_a_new_long_prompt_over() -> None:
+    # the prompt's blocks are recorded after the decision: a prompt no instance has seen is not "cached"
+    registry = _registry()
+    policy = PrefixAffinity(block_size=4)
+    router = Router(registry, policy, lambda: "read", get_connector("nixl"), CONDITIONAL, block_size=4)
+    with router.route(_tokens(40)) as route:
+        assert (route.name, route.reason) == ("disaggregated", "policy")
+    assert policy.prefix_tokens()[("prefill", "prefill-0")] == [40, 0]
+    assert policy.prefix_tokens()[("decode", "decode-0")] == [40, 0]
+    with router.route(_tokens(40)) as again:  # now held on the decode: 36 of 40 cached, 4 to compute
+        assert (again.name, again.reason) == ("decode-only", "cached-prefix")
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_connector_that_cannot_serve_a_prompt_alone_gets_none(mode: str) -> None:
+    # MoRIIO READ: vLLM's decode takes a prompt sent alone as pulled from a prefill (tests/connector)
+    registry = _registry()
+    router = Router(registry, RoundRobin(), lambda: mode, get_connector("moriio"), CONDITIONAL)
+    with router.route(_tokens(3)) as route:
+        if mode == "read":
+            assert (route.name, route.reason, route.prefill) == ("disaggregated", "alone-unserved",
+                                                                 registry.instances["prefill-0"])
+        else:
+            assert (route.name, route.reason) == ("decode-only", "short-prompt")
+
+
+def _facts(**changes: Any) -> RouteFacts:
+    base: dict[str, Any] = {"prompt_tokens": 3, "cached_tokens": 0, "batch": False, "handoff_possible": True,
+                            "prefill_legs": 4, "decode_legs": 0}
+    return RouteFacts(**{**base, **changes})
+
+
+@pytest.mark.parametrize("facts", [
+    _facts(), _facts(prompt_tokens=None), _facts(prompt_tokens=100, cached_tokens=99),
+    _facts(prompt_tokens=100),  # decode-idle
+])
+def test_no_rule_sends_a_prompt_alone_where_the_decode_cannot_serve_it(facts: RouteFacts) -> None:
+    rules = Rules(decode_only_below=16, prefill_saturated_at=2, window_s=60.0)
+    name, reason = decide(facts, rules)
+    assert name == "decode-only"
+    assert served_alone(reason, served=True, forced=True) == (name, reason)
+    assert served_alone(reason, served=False, forced=True) == ("disaggregated", "alone-unserved")
+
+
+@pytest.mark.parametrize(("changes", "reason"), [({"batch": True}, "batch"),
+                                                 ({"handoff_possible": False}, "handoff-impossible")])
+def test_a_request_with_no_correct_route_is_refused(changes: dict[str, Any], reason: str) -> None:
+    # forced off the hand-off onto a decode that cannot serve it alone: no route serves it correctly
+    facts = _facts(**changes)
+    assert decide(facts, CONDITIONAL) == ("decode-only", reason)
+    # where alone_body serves it (MoRIIO READ: prompt logprobs skip the lookup), it goes alone all the same
+    assert served_alone(reason, served=False, forced=True) == ("decode-only", reason)
+    assert served_alone(reason, served=False, forced=False) == ("refused", reason)
+
+
+def test_a_refused_request_books_nothing_and_says_why() -> None:
+    registry = _registry()
+
+    class Batchless:  # a connector that hands over one request at a time (NIXL's) and serves nothing alone
+        def __getattr__(self, name: str) -> Any:
+            return getattr(get_connector("nixl"), name)
+
+        def alone(self, mode: str) -> Alone:
+            return Alone(False, "its decode serves nothing alone", forced=False)
+
+    router = Router(registry, RoundRobin(), lambda: "read", Batchless(), CONDITIONAL)  # type: ignore[arg-type]
+    with pytest.raises(Refused) as refused:
+        router.route(RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3], "n": 2}))
+    assert refused.value.reason == "batch" and "serves nothing alone" in str(refused.value)
+    assert all(inst.routed == 0 for inst in registry.instances.values())
+
+
+def test_every_connector_says_whether_its_decode_serves_a_prompt_alone_in_each_mode() -> None:
+    answers = {(name, mode): get_connector(name).alone(mode).served
+               for name in names() for mode in sorted(get_connector(name).modes)}
+    assert answers == {("moriio", "read"): False, ("moriio", "write"): True, ("nixl", "read"): True,
+                       ("nixl", "write"): True, ("example", "read"): True, ("none", "read"): True,
+                       ("none", "write"): True}
+
+
+# prompt tokens -> the most vLLM's prefix cache serves of them, blocks of 4 (get_computed_blocks: num_tokens - 1)
+HITS = [(1, 0), (3, 0), (4, 0), (5, 4), (8, 4), (9, 8), (12, 8), (13, 12)]
+
+
+@pytest.mark.parametrize(("tokens", "cached"), HITS)
+def test_a_prompt_held_whole_is_expected_cached_up_to_vllms_hit_cap(tokens: int, cached: int) -> None:
+    # a prompt of a whole number of blocks recomputes its last block: the cached-prefix rule counts it
+    registry = _registry()
+    decode = registry.instances["decode-0"]
+    policy = PrefixAffinity(block_size=4)
+    prompt = _tokens(tokens)
+    policy.record("decode", decode, prompt)
+    assert policy.expected_cached_tokens(decode, prompt) == cached
+    longer = _tokens(tokens + 4)  # the same prompt and a block more: every block of the first is a hit
+    assert policy.expected_cached_tokens(decode, longer) == tokens // 4 * 4
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
+def test_the_hit_cap_table_is_vllms_own() -> None:
+    # vLLM's KVCacheManager.get_computed_blocks on a prompt cached whole, and on it with a block more
+    assert VLLM_PYTHON
+    case = {"block": 4, "tokens": [tokens for tokens, _ in HITS]}
+    done = subprocess.run([VLLM_PYTHON, str(Path(__file__).parent / "vllm_prefix_hits_probe.py")],
+                          input=json.dumps(case), capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-3000:]
+    assert json.loads(lines[-1]) == {str(tokens): [cached, tokens // 4 * 4] for tokens, cached in HITS}
+
+
+def test_counting_a_prompt_takes_no_turn_of_the_policy() -> None:
+    # round robin over two decodes: a prompt counted first still alternates them
+    registry = InstanceRegistry(1.0)
+    for port, (name, role) in enumerate((("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"))):
+        inst = BackendState(name, role, f"http://127.0.0.1:{9000 + port}", connect_timeout=1.0)
+        inst.healthy = True
+        registry.instances[name] = inst
+        registry.by_role[role].append(inst)
+    router = Router(registry, RoundRobin(), lambda: "read", get_connector("example"), CONDITIONAL, block_size=4)
+    text = RequestFacts("/v1/completions", {"model": "m", "prompt": "a text prompt the decode counts"})
+    counters: list[str] = []
+
+    async def count(inst: BackendState) -> int:
+        counters.append(inst.name)
+        return 30
+
+    async def decodes() -> list[str]:
+        out = []
+        for _ in range(4):
+            with await router.routed(text, count) as route:
+                out.append(route.decode.name)
+        return out
+
+    assert asyncio.run(decodes()) == ["decode-0", "decode-1", "decode-0", "decode-1"]
+    assert len(counters) == 4
+
+
+@pytest.mark.parametrize("body", [{"prompt": [[1, 2, 3], [4, 5, 6]]}, {"prompt": [1, 2, 3], "n": 2}])
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_moriio_batch_goes_to_the_decode_alone_with_a_body_it_serves(body: dict[str, Any], mode: str) -> None:
+    # the prefill's answer carries the first engine request's kv_transfer_params only (vLLM's OpenAI layer):
+    # a batch or n samples are the decode's alone; on READ with prompt logprobs, which skip the lookup
+    registry = _registry()
+    moriio = get_connector("moriio")
+    router = Router(registry, RoundRobin(), lambda: mode, moriio, CONDITIONAL)
+    request = RequestFacts("/v1/completions", {"model": "m", **body})
+    with router.route(request) as route:
+        assert (route.name, route.reason, route.prefill) == ("decode-only", "batch", None)
+    sent, mend = moriio.alone_body(dict(request.body), mode)  # type: ignore[arg-type]
+    assert (sent.get("prompt_logprobs"), mend) == ((0, True) if mode == "read" else (None, False))
