@@ -11,6 +11,7 @@ at a time, so a role with two instances keeps serving throughout.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -215,7 +216,9 @@ def proxy_notify(event: str, instance: str, admin: str, token_file: str | None, 
     try:
         client = AdminClient(admin, token_file=token_file, timeout=5)
         if event == "stopping":
-            answer = client.stopping(instance, hold_s, drain_timeout, expires)
+            # systemd sets EXIT_CODE for ExecStop= only when the main process has ended already: a crash (or an
+            # exit) that Restart= answers, not a stop asked for
+            answer = client.stopping(instance, hold_s, drain_timeout, expires, crashed="EXIT_CODE" in os.environ)
         else:
             answer = client.started(instance)
         click.echo(f"pdctl proxy-notify {event} {instance}: {json.dumps(answer)}")

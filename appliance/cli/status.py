@@ -26,7 +26,9 @@ engines themselves report them.
                     instance in rotation whose requests go to one out for silence alone: docs/operations.md),
                     requests {total, by_status{code: n},
                     leg_failures, client_aborts, held (requests that waited for a role with no instance:
-                    a restart, rebalance or mode switch), max_hold_s} | null,
+                    a restart, rebalance, mode switch or engine crash), max_hold_s, engine_crashes (engine
+                    processes that ended by themselves, as their manager reported them to the proxy),
+                    proxy_crashes (serving proxies that crashed and were replaced by the keeper)} | null,
                     port_conflict (why it cannot answer: which of its ports, on which address, another process
                     holds, and which process where pdctl may see it) | null,
                     refused (the proxy answers but refuses pdctl's admin token: the line and its fix) | null
@@ -81,7 +83,8 @@ def request_counters(plan: Plan, admin: dict[str, Any]) -> dict[str, Any] | None
     if not isinstance(totals, dict):
         return proxy_counters(plan)
     holds = admin.get("holds") or {}
-    return {**totals, "held": int(holds.get("requests", 0)), "max_hold_s": float(holds.get("max_wait_s", 0.0))}
+    return {**totals, "held": int(holds.get("requests", 0)), "max_hold_s": float(holds.get("max_wait_s", 0.0)),
+            "engine_crashes": int(holds.get("engine_crashes", 0)), "proxy_crashes": int(holds.get("proxy_crashes", 0))}
 
 
 def proxy_counters(plan: Plan) -> dict[str, Any] | None:
@@ -98,7 +101,7 @@ def proxy_counters(plan: Plan) -> dict[str, Any] | None:
         return None
     by_status: dict[str, int] = {}
     out: dict[str, Any] = {"total": 0, "by_status": by_status, "leg_failures": 0, "client_aborts": 0, "held": 0,
-                           "max_hold_s": 0.0}
+                           "max_hold_s": 0.0, "engine_crashes": 0, "proxy_crashes": 0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if family.name == "pdctl_proxy_hold_seconds" and sample.name.endswith("_count"):
@@ -115,6 +118,8 @@ def proxy_counters(plan: Plan) -> dict[str, Any] | None:
                 out["leg_failures"] += int(sample.value)
             elif family.name == "pdctl_proxy_client_aborts":
                 out["client_aborts"] += int(sample.value)
+            elif family.name == "pdctl_proxy_engine_crashes":
+                out["engine_crashes"] += int(sample.value)
     return out
 
 
@@ -307,7 +312,8 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         codes = " ".join(f"{k}:{v}" for k, v in sorted(req.get("by_status", {}).items()))
         console.print(f"proxy {p['url']} mode {p['mode']}; backends: {escape(reg) or 'none'}; "
                       f"requests {req.get('total', '?')} ({codes or '-'}), leg failures {req.get('leg_failures', '?')}, "
-                      f"held {req.get('held', '?')} (longest {req.get('max_hold_s', 0):g}s)")
+                      f"held {req.get('held', '?')} (longest {req.get('max_hold_s', 0):g}s), "
+                      f"engine crashes {req.get('engine_crashes', 0)}, proxy crashes {req.get('proxy_crashes', 0)}")
     for i in doc["instances"]:
         kv = i.get("kv_transfer")
         if kv and kv["transfers"]:

@@ -15,6 +15,7 @@ import sys
 from appliance.errors import PdctlError
 from appliance.proxy.body import INT_DIGITS
 from appliance.proxy.config import load_config
+from appliance.proxy.keeper import RETIRE_SIGNAL
 
 _PR_SET_PDEATHSIG = 1
 # a successor serves once its engines answer /health, or after this long (the instances only registered
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--listen-fds", help="API,ADMIN: listening sockets inherited from the keeper")
     parser.add_argument("--ready-fd", type=int, help="a pipe to write one byte to once serving (the keeper's)")
+    parser.add_argument("--crashes", type=int, default=0,
+                        help="serving proxies that crashed under the keeper before this one (its metrics show them)")
     parser.add_argument("--successor", action="store_true",
                         help="take over from a running proxy: serve once the engines are healthy")
     args = parser.parse_args(argv)
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         proxy = Proxy(config, listeners)
+        proxy.metrics.set_proxy_crashes(args.crashes)
         await proxy.start(serve=not args.successor)
         if args.successor:
             await proxy.serve_once_ready(_TAKEOVER_WAIT_S)
@@ -71,9 +75,18 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         gc.freeze()
         stop = asyncio.Event()
+        retire = False
+
+        def retired() -> None:
+            nonlocal retire
+            retire = True
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # the keeper's word that another proxy serves the sockets now: retire without cutting kept-alive clients
+        loop.add_signal_handler(RETIRE_SIGNAL, retired)
         # a hang-up is not a stop: under the keeper it hands over (the keeper gets it), alone it does nothing
         loop.add_signal_handler(signal.SIGHUP, lambda: None if listeners else logging.getLogger("appliance.proxy")
                                 .warning("SIGHUP ignored: a planned restart needs the proxy run by "
@@ -83,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             await stop.wait()
         finally:
-            await proxy.stop()
+            await proxy.stop(retire=retire)
 
     try:
         asyncio.run(run())

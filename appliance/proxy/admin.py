@@ -44,6 +44,8 @@ def state(proxy: ProxyState) -> dict[str, Any]:
         "holds": {
             "requests": proxy.metrics.held_requests,
             "max_wait_s": round(proxy.metrics.max_hold_s, 3),
+            "engine_crashes": proxy.metrics.engine_crashes,
+            "proxy_crashes": proxy.metrics.proxy_crash_count,
         },
         "requests": proxy.metrics.request_totals(),
         "planned_stops": sorted(proxy.planned.active),
@@ -185,6 +187,8 @@ async def post_stopping(request: web.Request) -> web.Response:
     inst = proxy.registry.get(name)
     if inst is None:
         return _error(404, f"no instance named {name!r}; known: {', '.join(sorted(proxy.registry.instances))}")
+    if isinstance(body, dict) and body.get("crashed") is True:
+        proxy.metrics.observe_crash(name)
     proxy.planned.begin(inst, hold_s, max(expires, drain_s))
     started = time.monotonic()
     deadline = started + drain_s

@@ -119,13 +119,13 @@ class AdminClient:
         result: dict[str, Any] = self._call("POST", "/admin/undrain", {"instance": instance})
         return result
 
-    def stopping(self, instance: str, hold_s: float, drain_timeout_s: float, expires_in_s: float) -> dict[str, Any]:
-        """A planned stop of `instance` begins: drain it (bounded) and hold its role's requests while it is away."""
-        result: dict[str, Any] = self._call(
-            "POST", "/admin/stopping",
-            {"instance": instance, "hold_s": hold_s, "drain_timeout_s": drain_timeout_s, "expires_in_s": expires_in_s},
-            timeout=drain_timeout_s + self.timeout,
-        )
+    def stopping(self, instance: str, hold_s: float, drain_timeout_s: float, expires_in_s: float,
+                 crashed: bool = False) -> dict[str, Any]:
+        """A stop of `instance` begins (planned, or `crashed`: its process ended by itself and its manager
+        restarts it): drain it (bounded) and hold its role's requests while it is away."""
+        body = {"instance": instance, "hold_s": hold_s, "drain_timeout_s": drain_timeout_s,
+                "expires_in_s": expires_in_s} | ({"crashed": True} if crashed else {})
+        result: dict[str, Any] = self._call("POST", "/admin/stopping", body, timeout=drain_timeout_s + self.timeout)
         return result
 
     def started(self, instance: str) -> dict[str, Any]:

@@ -211,11 +211,22 @@ class Proxy(ProxyState):
         self._servers.append(server)
         return int(server.sockets[0].getsockname()[1])
 
-    async def stop(self) -> None:
-        """Stop accepting, let the requests in flight finish (limits.stop_drain_s), close every socket and pool."""
+    async def stop(self, retire: bool = False) -> None:
+        """Stop accepting, let the requests in flight finish (limits.stop_drain_s), close every socket and pool.
+
+        retire (a handover: another proxy serves the listening sockets now): a kept-alive client connection is
+        closed only after an answer that says so, or when it has been idle for limits.idle_timeout_s, as it
+        would be anyway; never while the client may be sending its next request on it."""
         self.stopping = True
         if self._registration_bind is not None:
             self._registration_bind.cancel()
+        if self.listener is not None:
+            await self.listener.stop()  # the successor binds it
+        for server in self._servers:
+            server.close()
+        deadline = time.monotonic() + self.config.limits.stop_drain_s
+        if retire:
+            await self._connections_closed(deadline)
         await self.health.stop()
         await self.metrics.loop.stop()
         if self.kv_sweeper is not None:
@@ -223,18 +234,23 @@ class Proxy(ProxyState):
         await self.planned.close()
         if self.kv_events is not None:
             self.kv_events.close()
-        if self.listener is not None:
-            await self.listener.stop()
-        for server in self._servers:
-            server.close()
-        deadline = time.monotonic() + self.config.limits.stop_drain_s
         for runner in reversed(self._runners):
+            if runner.server is not None:
+                # what is left: requests in flight get the rest of the drain, idle connections close now
+                await runner.server.shutdown(max(deadline - time.monotonic(), 0.0))
             await runner.cleanup()
         self._runners.clear()
         await self._finish_after_clients(deadline)
         self._servers.clear()
         self.bodies.close()
         await self.registry.close()
+
+    async def _connections_closed(self, deadline: float) -> None:
+        """Until the deadline, while any client connection is open: each closes after its next answer (which
+        says `Connection: close`), when its client closes it, or at its idle timeout (aiohttp's keep-alive)."""
+        while time.monotonic() < deadline and any(r.server is not None and r.server.connections
+                                                  for r in self._runners):
+            await asyncio.sleep(0.05)
 
     async def _finish_after_clients(self, deadline: float) -> None:
         # kept prefill legs and releases outlive their clients' requests: they get what is left of the drain
@@ -320,9 +336,8 @@ class Proxy(ProxyState):
             if (problem := self._salt(request, body)) is not None:
                 status = "400"
                 return problem
-            wait_s = self.hold_wait()
-            if wait_s > 0:
-                await self.wait_for_instances(wait_s)
+            if self.hold_wait() > 0:
+                await self.wait_for_instances()
             response = await handle_completion(self, request, path, body)
             status = request.get(OUTCOME, str(response.status))
             return response

@@ -281,6 +281,8 @@ class HealthChecker:
         if result in (listeners.OK, listeners.REMOTE):
             self._listener_checked[inst.name] = time.monotonic()
             return True
+        if result == listeners.NO_LISTENER:
+            inst.pool.end_busy()  # its engine closed its listener: it is stopping (or gone), its legs end now
         now = time.monotonic()
         last, since = self._listener_logged.get(inst.name, (0.0, 0))
         if now - last >= LOG_EVERY_S:

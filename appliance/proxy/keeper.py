@@ -6,8 +6,13 @@ The keeper binds the proxy's client and admin listening sockets once and runs th
 sockets; once that one is ready it tells the old one to stop (SIGTERM), and the old one stops accepting and
 finishes its requests while the new one serves the kernel's queue of connections: no connection is refused
 or cut (socket passing, as nginx's and HAProxy's reloads do). The service manager, systemd or supervisord,
-only ever sees the keeper, so the same handover works under both. A proxy that exits on its own (a crash)
-takes the keeper down with its exit status, and the manager restarts the unit as before.
+only ever sees the keeper, so the same handover works under both.
+
+A serving proxy that exits on its own (a crash) is replaced on the same sockets by the keeper (connections wait
+in the kernel's queue meanwhile), and the proxies retiring before it finish their streams; one that exits before
+it ever served (a bad config, a port taken) takes the keeper down with its exit status, for the manager to
+restart. Each proxy runs in a session of its own: supervisord's pd-reaper, which kills what a dead keeper left
+in its process group, leaves a retiring proxy to finish its streams (it stops when the keeper dies).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from appliance.proxy.config import ProxyConfig, load_config
 log = logging.getLogger("appliance.proxy.keeper")
 
 _SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
+RETIRE_SIGNAL = signal.SIGUSR2  # to a proxy: a successor serves the listening sockets now; finish and exit
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -67,14 +73,16 @@ class Keeper:
         self.successor: Worker | None = None
         self.retiring: list[Worker] = []
         self.signals: list[int] = []
+        self.crashes = 0  # serving proxies that exited on their own and were replaced
 
     def spawn(self, successor: bool) -> Worker:
         """Start a proxy on the keeper's sockets; a successor serves only once its engines are healthy."""
         read_end, write_end = os.pipe()
         fds = [s.fileno() for s in self.sockets]
         argv = [sys.executable, "-m", "appliance.proxy", "--config", self.config_path, "--log-level", self.log_level,
-                "--listen-fds", ",".join(map(str, fds)), "--ready-fd", str(write_end)]
-        proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=(*fds, write_end))
+                "--listen-fds", ",".join(map(str, fds)), "--ready-fd", str(write_end), "--crashes", str(self.crashes)]
+        proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=(*fds, write_end),
+                                start_new_session=True)
         os.close(write_end)
         return Worker(proc, read_end)
 
@@ -122,7 +130,7 @@ class Keeper:
         worker.ready = bool(got)
         if worker is self.successor and worker.ready and self.current is not None:
             old = self.current
-            old.proc.terminate()  # it stops accepting and finishes its requests
+            old.proc.send_signal(RETIRE_SIGNAL)  # it stops accepting and finishes its requests
             self.retiring.append(old)
             self.current, self.successor = worker, None
             log.info("proxy pid %d serves; pid %d finishes its requests and exits", worker.proc.pid, old.proc.pid)
@@ -145,11 +153,27 @@ class Keeper:
         code = self.current.proc.poll()
         if code is None:
             return None
-        log.error("the proxy (pid %d) exited with %d", self.current.proc.pid, code)
+        if self.current.ready:
+            self._replace_crashed(code)
+            return None
+        log.error("the proxy (pid %d) exited with %d before it served", self.current.proc.pid, code)
         for worker in (self.successor, *self.retiring):
             if worker is not None:
                 worker.proc.terminate()
         return code if code >= 0 else 128 - code
+
+    def _replace_crashed(self, code: int) -> None:
+        """The serving proxy exited on its own: a handover under way completes, else a new proxy takes over the
+        sockets (once its engines answer); the retiring proxies keep finishing their streams."""
+        assert self.current is not None
+        self.crashes += 1
+        crashed = self.current.proc.pid
+        if self.successor is not None:
+            self.current, self.successor = self.successor, None
+        else:
+            self.current = self.spawn(successor=True)
+        log.error("the proxy (pid %d) exited with %d; pid %d takes over its listening sockets (%d crash(es) since "
+                  "the keeper started)", crashed, code, self.current.proc.pid, self.crashes)
 
     def _stop_all(self) -> int:
         workers = [w for w in (self.current, self.successor, *self.retiring) if w is not None]

@@ -138,6 +138,17 @@ class ProxyMetrics:
         self.leg_failures = Counter(
             "pdctl_proxy_leg_failures", "Failed engine legs", ["leg", "reason"], registry=self.registry,
         )
+        self.proxy_crashes = Gauge(
+            "pdctl_proxy_crashes",
+            "Serving proxies that exited on their own since the keeper started (python -m appliance.proxy.keeper), "
+            "each replaced on the same listening sockets", registry=self.registry,
+        )
+        self.crashes = Counter(
+            "pdctl_proxy_engine_crashes",
+            "Engine processes that ended by themselves, as their service manager reported them (systemd's ExecStop "
+            "hook, supervisord's pd-reaper); the proxy held their role's requests while they came back",
+            ["instance"], registry=self.registry,
+        )
         self.registrations = Counter(
             "pdctl_proxy_registrations", "MORI-IO registration messages by outcome", ["result"],
             registry=self.registry,
@@ -215,6 +226,8 @@ class ProxyMetrics:
             buckets=HOLD_BUCKETS, registry=self.registry,
         )
         self.held_requests = 0
+        self.engine_crashes = 0
+        self.proxy_crash_count = 0
         self.max_hold_s = 0.0
         self.itl = FastHistogram(ITL_BUCKETS)
         self.loop = LoopWatch()
@@ -228,6 +241,16 @@ class ProxyMetrics:
         self.held.observe(waited_s)
         self.held_requests += 1
         self.max_hold_s = max(self.max_hold_s, waited_s)
+
+    def set_proxy_crashes(self, count: int) -> None:
+        """The serving proxies that crashed under this proxy's keeper before it started."""
+        self.proxy_crashes.set(count)
+        self.proxy_crash_count = count
+
+    def observe_crash(self, instance: str) -> None:
+        """Record one engine process that ended by itself."""
+        self.crashes.labels(instance).inc()
+        self.engine_crashes += 1
 
     def observe_kv_store(self, result: SweepResult) -> None:
         """Record one sweep of the KV store."""

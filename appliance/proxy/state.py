@@ -115,10 +115,24 @@ class ProxyState:
 
         An admin hold (rebalance, mode) or a planned stop (restart) in force lets it wait; each lapses by itself.
         """
+        return max(self._held_for(), self._crash_grace())
+
+    def _held_for(self) -> float:
+        """The wait an admin hold or a planned stop in force grants a request, from its arrival."""
         wait = self.planned.hold_wait()
         if self.admin_hold_active():
             wait = max(wait, self.hold_wait_s)
         return wait
+
+    def _crash_grace(self) -> float:
+        """How long a request may wait now for the report of an engine that just stopped listening (a crash its
+        manager is about to report: then its planned stop holds the role): what is left of health.crash_grace_s
+        since its first refused connect, for an instance that was in rotation once; 0 when none."""
+        now = time.monotonic()
+        grace = self.config.health.crash_grace_s
+        left = [grace - (now - since) for inst in self.registry.instances.values()
+                if inst.ever_healthy and not inst.healthy and (since := inst.pool.refused_since) is not None]
+        return max([0.0, *left])
 
     def missing_roles(self) -> bool:
         """True while a role a request needs has no routable instance."""
@@ -126,14 +140,15 @@ class ProxyState:
         routable = self.router.routable
         return not all(any(routable(i) for i in self.registry.by_role[role]) for role in needed)
 
-    async def wait_for_instances(self, wait_s: float) -> None:
+    async def wait_for_instances(self) -> None:
         """During a hold: wait until every needed role has a routable instance, or the hold's wait runs out."""
         if not self.missing_roles():
             return
         started = time.monotonic()
-        deadline = started + wait_s
         try:
-            while self.missing_roles() and time.monotonic() < deadline and self.hold_wait() > 0:
+            # a crash's grace turns into its planned stop's hold once its manager reports it
+            while self.missing_roles() and (now := time.monotonic()) < max(started + self._held_for(),
+                                                                              now + self._crash_grace()):
                 await asyncio.sleep(0.05)
         finally:
             self.metrics.observe_hold(time.monotonic() - started)

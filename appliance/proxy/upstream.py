@@ -261,10 +261,11 @@ class Connection(asyncio.Protocol):
         self._on_out_error = on_error
         self.itl = itl
 
-    def abort(self) -> None:
-        """Drop the connection now: the engine sees the disconnect and aborts the request."""
+    def abort(self, why: UpstreamError | None = None) -> None:
+        """Drop the connection now: the engine sees the disconnect and aborts the request; the leg fails with
+        `why` (default: aborted)."""
         if self._state != _DONE:
-            self._fail(UpstreamError("reset", "leg aborted"))
+            self._fail(why or UpstreamError("reset", "leg aborted"))
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
@@ -498,6 +499,7 @@ class Connection(asyncio.Protocol):
 
     def _finish(self) -> None:
         self._state = _DONE
+        self.pool.busy.discard(self)
         body = b"".join(self._collect) if self._collect is not None else None
         first, done = self.first_fut, self.done_fut
         if first is not None and not first.done():
@@ -507,6 +509,7 @@ class Connection(asyncio.Protocol):
 
     def _fail(self, exc: UpstreamError) -> None:
         self._state = _DONE
+        self.pool.busy.discard(self)
         for fut in (self.head_fut, self.first_fut, self.done_fut):
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
@@ -531,6 +534,9 @@ class UpstreamPool:
         self._closed = False
         # when any connection of this pool last received bytes (monotonic): the engine is serving (health.py)
         self.last_rx = 0.0
+        self.busy: set[Connection] = set()  # connections with a request whose answer has not ended
+        # when a connect was first refused since the last one that succeeded (monotonic); None while it accepts
+        self.refused_since: float | None = None
 
     async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
@@ -541,9 +547,26 @@ class UpstreamPool:
             )
         except asyncio.TimeoutError:
             raise UpstreamError("connect", f"connecting to {self.address} timed out", timed_out=True) from None
+        except ConnectionRefusedError:
+            if self.refused_since is None:
+                self.refused_since = time.monotonic()
+            self.end_busy()
+            raise UpstreamError("connect", f"cannot connect to {self.address}: connection refused") from None
         except OSError as exc:
             raise UpstreamError("connect", f"cannot connect to {self.address}: {exc.strerror or exc}") from None
+        self.refused_since = None
         return conn
+
+    def end_busy(self) -> None:
+        """Nothing listens at the engine's address any more (it stopped or died): end every request still on
+        it now. A stopping vLLM closes its listener, then waits for its open connections to close before it
+        exits; its streams send nothing meanwhile, so holding them open only delays the engine's restart."""
+        if not self.busy:
+            return
+        why = UpstreamError("reset", f"{self.address} stopped listening (its engine stopped or died) before this "
+                                     "request finished")
+        for conn in list(self.busy):
+            conn.abort(why)
 
     def _pop_idle(self) -> Connection | None:
         while self._idle:
@@ -590,6 +613,7 @@ class UpstreamPool:
                     continue
                 raise
             conn.reused = reused
+            self.busy.add(conn)
             return conn
         raise AssertionError("unreachable")
 

@@ -40,3 +40,11 @@ def role_of_service(plan: Plan, service: str) -> list[Instance]:
 def instance_unit(inst: Instance) -> str:
     """The unit/program name of one instance, e.g. pd-decode-1 (pd-colocated-0 for role "both")."""
     return f"{inst.service}-{inst.index}"
+
+
+def unit_instance(unit: str) -> str | None:
+    """The instance an engine's unit/program runs (instance_unit's inverse: pd-colocated-0 -> both-0); None for
+    the proxy's and other names."""
+    service, _, index = unit.rpartition("-")
+    role = {"pd-prefill": "prefill", "pd-decode": "decode", "pd-colocated": "both"}.get(service)
+    return f"{role}-{index}" if role is not None and index.isdigit() else None

@@ -85,6 +85,16 @@ def _log_value(logdir: PurePosixPath, name: str) -> str:
     return _value(_value(str(logdir / f"{name}.log"), "log file"), "log file")
 
 
+def _reaper_argv(plan: Plan, opts: RenderOptions) -> list[str]:
+    """pd-reaper's command: it reports an engine that ended by itself to the proxy, as a systemd engine unit's
+    ExecStop hook does (a hold bounded as a planned stop's: drain + start timeout)."""
+    argv = [opts.python, "-m", "appliance.manager.supervisor_reaper", "--admin", plan.proxy.admin_url,
+            "--hold", f"{opts.restart_hold_s:g}", "--expires", f"{opts.restart_drain_s + opts.health_timeout_s + 60:g}"]
+    if plan.proxy.admin.token_file:
+        argv += ["--token-file", plan.proxy.admin.token_file]
+    return argv
+
+
 def render_supervisor(plan: Plan, opts: RenderOptions | None = None) -> list[RenderedFile]:
     """supervisord.conf for the plan (mode 0600: environments may hold secrets)."""
     opts = opts or RenderOptions()
@@ -112,7 +122,7 @@ def render_supervisor(plan: Plan, opts: RenderOptions | None = None) -> list[Ren
         programs="".join(programs),
         program_names=",".join(names),
         reaper=REAPER,
-        reaper_command=command_value([opts.python, "-m", "appliance.manager.supervisor_reaper"]),
+        reaper_command=command_value(_reaper_argv(plan, opts)),
         reaper_log=_log_value(logdir, REAPER),
         workdir=_value(plan.state_dir, "state_dir"),
     )

@@ -295,12 +295,20 @@ def test_a_planned_proxy_restart_loses_nothing(tmp_path: Path) -> None:
         no_traceback(node)
 
 
-def test_a_crashed_proxy_takes_its_keeper_down(tmp_path: Path) -> None:
-    """The crash case is as before: the manager sees the unit fail (and restarts it)."""
+def test_a_crashed_proxy_is_replaced_on_the_keepers_sockets(tmp_path: Path) -> None:
+    """A serving proxy killed -9 (issue 35): the keeper starts another on the same listening sockets, so the
+    connections meanwhile wait in the kernel's queue instead of being refused while the manager restarts the
+    unit; the crash is counted."""
     with colocated_node(tmp_path, "--max-model-len", "256", module="appliance.proxy.keeper") as node:
         keeper = next(p for p in node.procs if p.name == "proxy")
-        os.kill(_admin_pid(node), signal.SIGKILL)
-        assert keeper.popen.wait(timeout=30) == 128 + signal.SIGKILL
+        old = _admin_pid(node)
+        os.kill(old, signal.SIGKILL)
+        status, _, answer = http(node.proxy_port, "POST", "/v1/completions",
+                                 {"model": MODEL, "prompt": "hello", "max_tokens": 4}, timeout=60)
+        assert status == 200, answer[:300]
+        assert keeper.alive and _admin_pid(node) != old
+        _, _, state = http(node.admin_port, "GET", "/admin/state")
+        assert json.loads(state)["holds"]["proxy_crashes"] == 1
 
 
 def test_the_new_proxy_takes_the_registration_socket_over(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
 from appliance.plan import Plan, plan
 from appliance.render import RenderOptions, render_supervisor, render_systemd
+from appliance.render.names import PROXY_UNIT, instance_unit, unit_instance
 from appliance.render.supervisor import REAPER, environment_value, socket_path
 from appliance.render.systemd import exec_word
 from appliance.settings import load_settings
@@ -147,7 +148,12 @@ def test_supervisord_reads_back_every_argument_and_variable(tmp_path: Path) -> N
     # the reaper ends what a program left behind: on every end that names a pid, restarted if it dies
     pool = read_back(conf.text, tmp_path, REAPER)
     reaper = pool.process_configs[0]
-    assert shlex.split(reaper.command) == [OPTS.python, "-m", "appliance.manager.supervisor_reaper"]
+    # and reports an engine that ended by itself to the proxy, as the systemd units' ExecStop hook does
+    expires = OPTS.restart_drain_s + OPTS.health_timeout_s + 60
+    assert shlex.split(reaper.command) == [OPTS.python, "-m", "appliance.manager.supervisor_reaper",
+                                           "--admin", p.proxy.admin_url, "--hold", f"{OPTS.restart_hold_s:g}",
+                                           "--expires", f"{expires:g}"] + (
+        ["--token-file", p.proxy.admin.token_file] if p.proxy.admin.token_file else [])
     assert {e.__name__ for e in pool.pool_events} == {"ProcessStateExitedEvent", "ProcessStateStoppedEvent"}
     assert reaper.autorestart and reaper.priority < min(c.priority for c in programs.values())
     assert reaper.stderr_logfile == f"{state}/supervisor/logs/{REAPER}.log" and not reaper.redirect_stderr
@@ -217,3 +223,11 @@ def test_nixl_cross_layer_runner_in_units_and_programs(tmp_path: Path, overrides
         else:
             assert lines(unit, "Environment").count(f'"{RUNNER}={value}"') == 1, unit
             assert programs[f"pd-{name}"][RUNNER] == value
+
+
+@pytest.mark.parametrize("overrides", [{}, {"connector": {"name": "none"}, "colocated": {"instances": 2}}])
+def test_an_engine_unit_names_its_instance_and_no_other_name_does(overrides: dict[str, Any]) -> None:
+    """pd-reaper reports an engine that ended by itself under its instance's name, read from its program's."""
+    instances = make(overrides).instances
+    assert {unit_instance(instance_unit(i)) for i in instances} == {i.name for i in instances}
+    assert [unit_instance(n) for n in (PROXY_UNIT, REAPER, "pd-decode", "pd-decode-x", "other-0")] == [None] * 5

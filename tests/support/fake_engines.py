@@ -46,6 +46,8 @@ class FakeEngine:
     handshake_port: int = 6301
     notify_port: int = 6105
     _runner: web.AppRunner | None = None
+    _site: web.TCPSite | None = None
+    _engine_gone: asyncio.Event = field(default_factory=asyncio.Event)
     _crash_sockets: list[Any] = field(default_factory=list)
 
     @property
@@ -66,6 +68,7 @@ class FakeEngine:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
+        self._site = site
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return self
 
@@ -73,6 +76,17 @@ class FakeEngine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def stop_as_vllm_does(self, close_idle: bool = True) -> None:
+        """What vLLM's API server (uvicorn) does on SIGTERM: it closes its listener and its idle keep-alive
+        connections (unless not `close_idle`: then only a check of the listening sockets tells), stops its
+        engine core and waits for its open connections to close before it exits, its streams sending nothing."""
+        self._engine_gone.set()
+        assert self._site is not None and self._runner is not None and self._runner.server is not None
+        self._site._server.close()  # type: ignore[union-attr]
+        if close_idle:
+            for handler in self._runner.server.connections:
+                handler.close()  # an idle one closes now, a busy one once its answer ends
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.health_delay_s:
@@ -138,6 +152,8 @@ class FakeEngine:
         for i in range(n):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
+            if self._engine_gone.is_set():
+                await asyncio.Event().wait()  # the engine core is gone: no token ever comes
             if self.crash_after_tokens is not None and i == self.crash_after_tokens:
                 assert request.transport is not None
                 request.transport.abort()  # the engine process "died": the socket is cut mid-stream
