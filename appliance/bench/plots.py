@@ -175,6 +175,6 @@ def latency_figure(result: BenchResult, rate: float) -> Any:
         ax.grid(True, alpha=0.3)
         _legend(ax, "lower right")
         ax.set_ylim(0, 1.02)
-    fig.suptitle(f"Latency distributions at {rate:g} req/s\n{_banner(result)}", fontsize=9)
+    fig.suptitle(f"Latency distributions at {rate:g} req/s\n{_banner(result)}", fontsize=9, wrap=True)
     fig.tight_layout()
     return fig
