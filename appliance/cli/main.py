@@ -45,8 +45,8 @@ COMMANDS: dict[str, Verb] = {
     "plan": Verb("appliance.cli.plan:plan",
                  "Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."),
     "proxy-notify": Verb("appliance.cli.restart:proxy_notify",
-                         "Tell the proxy INSTANCE is stopping or has started (the engine units' ExecStop/"
-                         "ExecStartPost hooks).", hidden=True),
+                         "Tell the proxy INSTANCE is stopping, has stopped or has started (the engine units' "
+                         "ExecStop/ExecStopPost/ExecStartPost hooks).", hidden=True),
     "rebalance": Verb("appliance.cli.rebalance:rebalance",
                       "Change the GPU split and instance shapes of the running node with the least disruption."),
     "restart": Verb("appliance.cli.restart:restart",

@@ -199,8 +199,14 @@ def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, t
         sys.exit(_exit_for(snap, plan))
 
 
+# systemd's $SERVICE_RESULT (systemd.exec(5)) after the main process ended by itself: a crash. A planned stop
+# ends "success" (or "timeout"); "exit-code" after one too (an engine that exits 1 on SIGTERM), but then
+# ExecStop has put the instance in a planned stop already, and the proxy counts no crash on top of it.
+_CRASH_RESULTS = frozenset({"exit-code", "signal", "core-dump", "watchdog", "oom-kill"})
+
+
 @click.command("proxy-notify", hidden=True)
-@click.argument("event", type=click.Choice(["stopping", "started"]))
+@click.argument("event", type=click.Choice(["stopping", "stopped", "started"]))
 @click.argument("instance")
 @click.option("--admin", "admin", required=True, help="The proxy's admin API base URL.")
 @click.option("--token-file", help="The admin token file.")
@@ -209,18 +215,22 @@ def restart(ctx: click.Context, targets: tuple[str, ...], manager: str | None, t
 @click.option("--expires", type=click.FloatRange(min=0), default=1900.0, show_default=True)
 def proxy_notify(event: str, instance: str, admin: str, token_file: str | None, drain_timeout: float,
                  hold_s: float, expires: float) -> None:
-    """Tell the proxy INSTANCE is stopping or has started (the engine units' ExecStop/ExecStartPost hooks).
+    """Tell the proxy INSTANCE is stopping, has stopped or has started (the engine units' ExecStop,
+    ExecStopPost and ExecStartPost hooks).
 
     It never fails: a proxy that is not running (it stops first on `pdctl down`) has nothing to drain.
     """
+    if event == "stopped" and os.environ.get("SERVICE_RESULT") not in _CRASH_RESULTS:
+        return  # a planned stop (ExecStop told the proxy) or an engine that exited 0 (ExecStop ran for it)
     try:
         client = AdminClient(admin, token_file=token_file, timeout=5)
-        if event == "stopping":
-            # systemd sets EXIT_CODE for ExecStop= only when the main process has ended already: a crash (or an
-            # exit) that Restart= answers, not a stop asked for
-            answer = client.stopping(instance, hold_s, drain_timeout, expires, crashed="EXIT_CODE" in os.environ)
-        else:
+        if event == "started":
             answer = client.started(instance)
+        else:
+            # systemd runs ExecStop after the main process ended only when it ended "success" (exit 0): it
+            # then sets $EXIT_CODE; after a signal or a failed exit only ExecStopPost runs ("stopped")
+            crashed = event == "stopped" or "EXIT_CODE" in os.environ
+            answer = client.stopping(instance, hold_s, drain_timeout, expires, crashed=crashed)
         click.echo(f"pdctl proxy-notify {event} {instance}: {json.dumps(answer)}")
     except (PdctlError, OSError) as exc:
         click.echo(f"pdctl proxy-notify {event} {instance}: the proxy was not told ({exc})", err=True)

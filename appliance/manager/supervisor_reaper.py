@@ -8,7 +8,7 @@ program in its own process group (setpgrp: pgid == pid), so on the program's EXI
 listener SIGKILLs the group of the pid that ended. The restarted process leads a group of its own pid.
 
 An engine that ended by itself (EXITED: a crash, a kill, an exit; supervisord restarts it) is also reported to
-the proxy as a stop (`--admin`), as the systemd units' ExecStop hook does after a crash: the proxy sends it no
+the proxy as a stop (`--admin`), as the systemd units' ExecStopPost hook does after a crash: the proxy sends it no
 new request, and while its role has no other instance new requests wait (at most `--hold` s) until it answers
 /health again, instead of failing.
 

@@ -187,7 +187,9 @@ async def post_stopping(request: web.Request) -> web.Response:
     inst = proxy.registry.get(name)
     if inst is None:
         return _error(404, f"no instance named {name!r}; known: {', '.join(sorted(proxy.registry.instances))}")
-    if isinstance(body, dict) and body.get("crashed") is True:
+    # a crash reported while a planned stop is in force is that stop's end (under systemd: ExecStopPost after
+    # an engine that exited non-zero on its SIGTERM), not a crash
+    if isinstance(body, dict) and body.get("crashed") is True and name not in proxy.planned.active:
         proxy.metrics.observe_crash(name)
     proxy.planned.begin(inst, hold_s, max(expires, drain_s))
     started = time.monotonic()

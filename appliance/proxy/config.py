@@ -88,8 +88,9 @@ class HealthConfig(_Model):
     listener_check_interval_s: float = Field(default=10.0, gt=0)
     engine_uid: int | None = Field(default=None, ge=0)  # the engines' user; None: the proxy's own
     # An engine that stopped listening (a crash) is reported by its service manager a moment later (supervisord:
-    # within its 1 s tick), and its role is then held while it comes back: until then, for at most this long
-    # after its first refused connect, its role's new requests wait for that report instead of failing
+    # within its 1 s tick; systemd: the unit's ExecStopPost hook), and its role is then held while it comes back:
+    # until then, for at most this long after it was first seen gone (a refused connect, or an answer cut by the
+    # engine closing its connection), its role's new requests wait for that report instead of failing
     crash_grace_s: float = Field(default=3.0, ge=0)
     # Before an instance is (re)admitted the proxy sends it a tiny request of its own, so that vLLM's one-time
     # work on a first request (compiling its logprob ranking: seconds) is not a client's (appliance.proxy.warmup)

@@ -145,8 +145,8 @@ class ProxyMetrics:
         )
         self.crashes = Counter(
             "pdctl_proxy_engine_crashes",
-            "Engine processes that ended by themselves, as their service manager reported them (systemd's ExecStop "
-            "hook, supervisord's pd-reaper); the proxy held their role's requests while they came back",
+            "Engine processes that ended by themselves, as their service manager reported them (systemd's ExecStopPost "
+            "or ExecStop hook, supervisord's pd-reaper); the proxy held their role's requests while they came back",
             ["instance"], registry=self.registry,
         )
         self.registrations = Counter(

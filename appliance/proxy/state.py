@@ -127,11 +127,12 @@ class ProxyState:
     def _crash_grace(self) -> float:
         """How long a request may wait now for the report of an engine that just stopped listening (a crash its
         manager is about to report: then its planned stop holds the role): what is left of health.crash_grace_s
-        since its first refused connect, for an instance that was in rotation once; 0 when none."""
+        since it was first seen gone (a refused connect or a cut answer), for an instance that was in rotation
+        once; 0 when none."""
         now = time.monotonic()
         grace = self.config.health.crash_grace_s
         left = [grace - (now - since) for inst in self.registry.instances.values()
-                if inst.ever_healthy and not inst.healthy and (since := inst.pool.refused_since) is not None]
+                if inst.ever_healthy and not inst.healthy and (since := inst.pool.gone_since) is not None]
         return max([0.0, *left])
 
     def missing_roles(self) -> bool:

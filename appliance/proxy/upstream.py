@@ -149,6 +149,7 @@ class Connection(asyncio.Protocol):
         if state == _EOF:
             self._finish()
         elif state != _DONE:
+            self.pool.seen_gone()
             self._fail(UpstreamError("reset", f"{self.pool.address} closed the connection mid-response"))
 
     def data_received(self, data: bytes) -> None:
@@ -535,8 +536,10 @@ class UpstreamPool:
         # when any connection of this pool last received bytes (monotonic): the engine is serving (health.py)
         self.last_rx = 0.0
         self.busy: set[Connection] = set()  # connections with a request whose answer has not ended
-        # when a connect was first refused since the last one that succeeded (monotonic); None while it accepts
-        self.refused_since: float | None = None
+        # when the engine was first seen gone (a connect refused, or an answer cut by its closing the connection:
+        # a killed engine's streams end so before anything connects to it again) since the last connect that
+        # succeeded (monotonic); None while it accepts
+        self.gone_since: float | None = None
 
     async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
@@ -548,14 +551,18 @@ class UpstreamPool:
         except asyncio.TimeoutError:
             raise UpstreamError("connect", f"connecting to {self.address} timed out", timed_out=True) from None
         except ConnectionRefusedError:
-            if self.refused_since is None:
-                self.refused_since = time.monotonic()
+            self.seen_gone()
             self.end_busy()
             raise UpstreamError("connect", f"cannot connect to {self.address}: connection refused") from None
         except OSError as exc:
             raise UpstreamError("connect", f"cannot connect to {self.address}: {exc.strerror or exc}") from None
-        self.refused_since = None
+        self.gone_since = None
         return conn
+
+    def seen_gone(self) -> None:
+        """The engine refused a connect or cut an answer: it may have died (the proxy's crash grace, state.py)."""
+        if self.gone_since is None:
+            self.gone_since = time.monotonic()
 
     def end_busy(self) -> None:
         """Nothing listens at the engine's address any more (it stopped or died): end every request still on

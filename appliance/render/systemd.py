@@ -103,7 +103,7 @@ def _notify_argv(plan: Plan, inst: Instance, opts: RenderOptions, event: str) ->
     argv = [opts.python, "-m", "appliance", "proxy-notify", event, inst.name, "--admin", plan.proxy.admin_url]
     if plan.proxy.admin.token_file:
         argv += ["--token-file", plan.proxy.admin.token_file]
-    if event == "stopping":
+    if event in ("stopping", "stopped"):
         # the planned stop lapses by itself once the instance had the time to drain and start again
         expires = opts.restart_drain_s + opts.health_timeout_s + 60
         argv += ["--drain-timeout", f"{opts.restart_drain_s:g}", "--hold", f"{opts.restart_hold_s:g}",
@@ -132,6 +132,7 @@ def _engine_unit(plan: Plan, inst: Instance, opts: RenderOptions) -> tuple[Rende
         exec_ready=exec_line(ready_argv(opts, inst.url + "/health", opts.health_timeout_s)),
         exec_started=exec_line(_notify_argv(plan, inst, opts, "started")),
         exec_stopping=exec_line(_notify_argv(plan, inst, opts, "stopping")),
+        exec_stopped=exec_line(_notify_argv(plan, inst, opts, "stopped")),
         # ExecStartPost counts against TimeoutStartSec: leave the health wait room to report first.
         start_timeout=f"{int(opts.health_timeout_s) + 60}s",
         # ExecStop (the drain) and then the engine's own graceful exit each get this long

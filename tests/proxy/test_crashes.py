@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 
+import aiohttp
 import pytest
 
 from tests.support.fake_engines import backend, engines, proxy_config, running_proxy
@@ -44,3 +45,31 @@ def test_streams_on_an_engine_stopped_with_sigterm_end_at_once(close_idle: bool)
             await wait_for(lambda: len(d.aborted) == 3, what="the engine to see its requests aborted")
 
     asyncio.run(scenario())
+
+
+def test_a_crash_reported_during_a_planned_stop_is_not_counted() -> None:
+    """Under systemd an engine that exits non-zero on its SIGTERM is reported twice: by ExecStop (a planned stop)
+    and by ExecStopPost ($SERVICE_RESULT=exit-code, a crash report): the second ends that stop, no crash. A crash
+    reported with no planned stop in force is counted."""
+
+    async def scenario() -> None:
+        async with engines("prefill", "decode") as (p, d), running_proxy(
+            proxy_config("nixl", [backend("prefill-0", "prefill", p), backend("decode-0", "decode", d)])
+        ) as px:
+            admin = f"http://127.0.0.1:{px.admin_port}"
+            stop = {"instance": "decode-0", "hold_s": 5, "drain_timeout_s": 0, "expires_in_s": 5}
+            assert (await post(admin, "/admin/stopping", stop))[0] == 200
+            assert (await post(admin, "/admin/stopping", stop | {"crashed": True}))[0] == 200
+            assert (await _state(admin))["holds"]["engine_crashes"] == 0
+            assert (await post(admin, "/admin/stopping", stop | {"instance": "prefill-0", "crashed": True}))[0] == 200
+            assert (await _state(admin))["holds"]["engine_crashes"] == 1
+
+    asyncio.run(scenario())
+
+
+async def _state(admin: str) -> dict:
+    """The proxy's GET /admin/state."""
+    async with aiohttp.ClientSession() as session, session.get(admin + "/admin/state") as response:
+        assert response.status == 200, await response.text()
+        state: dict = await response.json()
+        return state

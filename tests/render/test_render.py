@@ -71,6 +71,12 @@ def test_engine_unit_pins_gpus_limits_restart_and_readiness() -> None:
         "proxy-notify", "stopping", "decode-0", "--admin", "http://127.0.0.1:10002",
         "--token-file", "/var/lib/pdctl/admin-token", "--drain-timeout", "30",
         "--hold", "120", "--expires", "990"]
+    # systemd skips ExecStop after a signal or a failed exit: ExecStopPost reports that crash
+    (stopped,) = lines(unit, "ExecStopPost")
+    assert shlex.split(stopped.removeprefix("-"))[3:] == [
+        "proxy-notify", "stopped", "decode-0", "--admin", "http://127.0.0.1:10002",
+        "--token-file", "/var/lib/pdctl/admin-token", "--drain-timeout", "30",
+        "--hold", "120", "--expires", "990"]
     assert "TimeoutStopSec=90s" in unit.splitlines()  # the drain, then the engine's own graceful exit
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -134,10 +135,83 @@ def test_systemctl_restart_pd_decode_under_load_fails_nothing(booted) -> None:
 
 def _warmups(proxy_url: str, instance: str) -> float:
     """The proxy's pdctl_proxy_engine_warmups_total{instance, result="ok"}."""
+    return _sample(proxy_url, "pdctl_proxy_engine_warmups_total", {"instance": instance, "result": "ok"})
+
+
+def _sample(proxy_url: str, name: str, labels: dict[str, str]) -> float:
+    """The sum of the proxy's samples called `name` with exactly these labels (0 where there is none)."""
     with urllib.request.urlopen(proxy_url + "/metrics", timeout=30) as response:
         text = response.read().decode()
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "pdctl_proxy_engine_warmups_total" and s.labels == {"instance": instance, "result": "ok"})
+               if s.name == name and s.labels == labels)
+
+
+def test_an_engine_killed_under_load_is_held_for_and_counted_a_planned_restart_is_not(booted) -> None:
+    """kill -KILL of decode's main process while clients stream (issue 35): systemd skips ExecStop after a
+    signal and runs ExecStopPost ($SERVICE_RESULT=signal), whose hook has the proxy hold decode's new requests
+    until the engine is back and count a crash (before: 5,478 of 5,499 requests failed with 503 and none was
+    counted). A later `systemctl restart pd-decode` runs ExecStop while the engine still runs ($EXIT_CODE
+    unset, though this unit's last process was killed): a planned stop, not a crash. kill -TERM after it (the
+    engine exits 0, "success": systemd runs ExecStop, with $EXIT_CODE set) is a crash again."""
+    ns, config, p = booted
+    env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
+    unit = "pd-decode-0.service"
+    wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
+    load = Load(p.proxy.url, max_tokens=40).start()
+    try:
+        wait_until(lambda: load.ok >= 6, what="streams before the kill")
+        pid = ns.show(unit, "MainPID")
+        ns.run("kill", "-KILL", pid)
+        started = time.monotonic()
+        wait_until(lambda: ns.show(unit, "MainPID") not in ("0", pid) and _serving(config, env, "decode-0"),
+                   timeout=90, what=f"{unit} back and healthy in the proxy after kill -KILL")
+        recovery = time.monotonic() - started
+        served = load.ok
+        wait_until(lambda: load.ok >= served + 6, what="streams after the engine is back")
+    finally:
+        load.stop()
+    doc = status(config, env)
+    figures = restart_figures(doc, load) | {"recovery_s": round(recovery, 1),
+                                            "crashes": doc["proxy"]["requests"].get("engine_crashes")}
+    print(f"systemd, kill -KILL decode-0: {figures}")
+    refused = [f for f in load.failures if "503" in f or "no healthy" in f]
+    assert refused == [], refused[:3]
+    # at most the requests that were on the engine when it died (one per client)
+    assert len(load.failures) <= load.threads, load.failures
+    assert figures["held"] > 0 and figures["crashes"] == 1
+    assert _sample(p.proxy.url, "pdctl_proxy_engine_crashes_total", {"instance": "decode-0"}) == 1
+    assert ns.show(unit, "NRestarts") == "1"
+
+    held = figures["held"]
+    load = Load(p.proxy.url, max_tokens=40).start()
+    try:
+        wait_until(lambda: load.ok >= 6, what="streams before the planned restart")
+        ns.run("systemctl", "restart", "pd-decode")
+    finally:
+        load.stop()
+    doc = status(config, env)
+    print(f"systemd, systemctl restart pd-decode after the crash: {restart_figures(doc, load)}")
+    assert load.failures == [], load.failures[:5]
+    assert doc["proxy"]["requests"]["held"] > held  # the planned stop held the role too
+    assert doc["proxy"]["requests"]["engine_crashes"] == 1
+    assert _sample(p.proxy.url, "pdctl_proxy_engine_crashes_total", {"instance": "decode-0"}) == 1
+    hooks = ns.run("journalctl", "-u", unit, "-o", "cat", "--no-pager").stdout
+    # the crash told by ExecStopPost, the planned stop by ExecStop (its ExecStopPost tells nothing)
+    assert (hooks.count("proxy-notify stopped decode-0"), hooks.count("proxy-notify stopping decode-0")) == (1, 1)
+
+    pid = ns.show(unit, "MainPID")
+    ns.run("kill", "-TERM", pid)
+    wait_until(lambda: ns.show(unit, "MainPID") not in ("0", pid) and _serving(config, env, "decode-0"),
+               timeout=90, what=f"{unit} back after kill -TERM")
+    assert status(config, env)["proxy"]["requests"]["engine_crashes"] == 2
+    hooks = ns.run("journalctl", "-u", unit, "-o", "cat", "--no-pager").stdout
+    assert (hooks.count("proxy-notify stopped decode-0"), hooks.count("proxy-notify stopping decode-0")) == (1, 2)
+
+
+def _serving(config: Path, env: dict[str, str], name: str) -> bool:
+    """True when `pdctl status` shows the proxy has `name` registered and healthy."""
+    doc = status(config, env)
+    return any(r["name"] == name and r["healthy"] for r in (doc.get("proxy") or {}).get("registered", []))
 
 
 def test_a_unit_that_stops_by_itself_comes_back_and_status_says_why(booted) -> None:
