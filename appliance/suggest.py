@@ -57,7 +57,7 @@ from appliance.errors import PdctlError
 from appliance.inventory.models import Inventory
 from appliance.model_config import Heads, ModelShape, experts_touched
 from appliance.plan import SLOW_GAP_SPREAD, SLOW_STEP_SHARE, _usable, decode_only_below, plan, platform_of
-from appliance.settings import EMBEDDED_MODEL, Settings
+from appliance.settings import EMBEDDED_MODEL, Settings, SloSettings
 
 TP_SIZES = (1, 2, 4, 8)
 BUDGETS = (256, 512, 2048)  # the chunked-prefill budgets colocated candidates are tried with (as bench)
@@ -896,15 +896,21 @@ def predict(p: Profile, cand: Candidate, rate: float, input_len: int, output_len
         meets = _meets(s, j, slo.ttft_ms, slo.attainment)
     else:
         meets = finite_attainment(p, cand, rate, input_len, output_len, slo.ttft_ms, slo.itl_ms, requests)[j] >= slo.attainment
-    if meets:
-        why = "-"
-    elif s.limit != "-":
-        why = s.limit
-    elif s.ttft_ms is None or s.ttft_ms > slo.ttft_ms:
-        why = "prefill (TTFT)"
-    else:
-        why = "decode (ITL)"
+    # what caps the goodput: the first bound the model finds broken just above it (at the asked rate when the
+    # steady state finds none there, as a finite run's ceiling may)
+    why = _binding(state(p, cand, good[j] * 1.01 + 1e-6, input_len, output_len, slo.itl_ms), slo, j)
+    if why == "-" and not meets:
+        why = _binding(s, slo, j)
     return Prediction(cand, good[j], good, s.ttft_ms, itl, s.running, s.capacity, meets, why)
+
+
+def _binding(s: State, slo: SloSettings, judgement: str) -> str:
+    """Which bound state `s` breaks: a capacity the model computes, the TTFT SLO, the ITL SLO, or none ("-")."""
+    if s.limit != "-":
+        return s.limit
+    if s.ttft_ms is None or s.ttft_ms > slo.ttft_ms:
+        return "prefill (TTFT)"
+    return f"decode (ITL {judgement})" if s.attainment[judgement] < slo.attainment else "-"
 
 
 # ---- candidates ----------------------------------------------------------------------------------------

@@ -29,7 +29,15 @@ def pyplot() -> Any:
     return plt
 
 
+def _span(values: list[int], asked: int) -> str:
+    """The lengths the requests really had ("64-160"), or the asked length where none was reported."""
+    if not values:
+        return str(asked)
+    return f"{min(values)}" if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
+
 def _banner(result: BenchResult) -> str:
+    """The workload the figure shows: its name, the token lengths its requests had, and how many."""
     w = result.workload
     sim = "SIMULATED ENGINE (time model, not hardware) - " if result.engine == "sim" else ""
     per_rate = (
@@ -37,7 +45,12 @@ def _banner(result: BenchResult) -> str:
         if w.lifetimes > 0
         else f"{w.num_requests} requests per rate"
     )
-    return f"{sim}{w.input_len} in / {w.output_len} out tokens, {per_rate}, Poisson"
+    ok = [r for s in result.shapes for rate in s.rates for r in rate.requests if r.success]
+    ins = _span([r.prompt_tokens for r in ok if r.prompt_tokens is not None], w.input_len)
+    outs = _span([r.output_tokens for r in ok if r.output_tokens], w.output_len)
+    arrivals = "timed from the file" if w.arrivals == "file" else "Poisson"
+    return (f"{sim}workload {w.workload or 'random'}: {ins} in / {outs} out tokens, {per_rate}, "
+            f"{arrivals}")
 
 
 def plot_attainment(result: BenchResult, path: Path) -> Path:
@@ -75,13 +88,26 @@ def plot_attainment(result: BenchResult, path: Path) -> Path:
         f"SLO attainment: TTFT <= {slo.ttft_ms:g} ms and ITL ({slo.itl_judgement}) <= {slo.itl_ms:g} ms",
         fontsize=10,
     )
-    fig.suptitle(_banner(result), fontsize=8, y=0.995)
+    fig.suptitle(_banner(result), fontsize=8, y=0.995, wrap=True)
     ax.grid(True, alpha=0.3)
     _legend(ax, "lower left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _slo_line(ax: Any, limit_ms: float) -> None:
+    """The SLO as a dashed line where it is at most twice the data's range (the axis stretched to show it);
+    further out, the axis keeps the data's scale (a far SLO would squeeze every point to the left) and an arrow
+    at the right edge says where the SLO is."""
+    ax.set_xlim(left=0)
+    right = ax.get_xlim()[1]
+    if limit_ms <= 2 * right:
+        ax.set_xlim(right=max(right, 1.05 * limit_ms))
+        ax.axvline(limit_ms, color="grey", linestyle="--", linewidth=1)
+        return
+    ax.set_xlabel(f"{ax.get_xlabel()}; SLO {limit_ms:g} ms is off the scale \u2192")
 
 
 def _legend(ax: Any, loc: str) -> None:
@@ -112,6 +138,14 @@ def plot_latency(result: BenchResult, path: Path, rate: float | None = None) -> 
     rate = rate if rate is not None else pick_rate(result)
     if rate is None:
         return None
+    fig = latency_figure(result, rate)
+    fig.savefig(path)
+    pyplot().close(fig)
+    return path
+
+
+def latency_figure(result: BenchResult, rate: float) -> Any:
+    """The figure plot_latency saves (a matplotlib Figure)."""
     plt = pyplot()
     fig, (ax_t, ax_i) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
     split = len(routes(result)) > 1  # one line per shape and route once the proxy reports several routes
@@ -127,9 +161,9 @@ def plot_latency(result: BenchResult, path: Path, rate: float | None = None) -> 
                 if values:
                     ys = [(i + 1) / len(values) for i in range(len(values))]
                     ax.step(values, ys, where="post", label=f"{shape.name} ({route})" if split else shape.name)
-    ax_t.axvline(result.slo.ttft_ms, color="grey", linestyle="--", linewidth=1)
-    ax_i.axvline(result.slo.itl_ms, color="grey", linestyle="--", linewidth=1)
     ax_t.set_xlabel("TTFT (ms)")
+    _slo_line(ax_t, result.slo.ttft_ms)
+    ax_i.axvline(result.slo.itl_ms, color="grey", linestyle="--", linewidth=1)
     ax_i.set_xlabel("inter-token gap (ms)")
     ax_i.set_xscale("symlog", linthresh=10)
     ax_i.set_xlim(left=0)
@@ -141,8 +175,6 @@ def plot_latency(result: BenchResult, path: Path, rate: float | None = None) -> 
         ax.grid(True, alpha=0.3)
         _legend(ax, "lower right")
         ax.set_ylim(0, 1.02)
-    fig.suptitle(f"Latency distributions at {rate:g} req/s - {_banner(result)}", fontsize=9)
+    fig.suptitle(f"Latency distributions at {rate:g} req/s\n{_banner(result)}", fontsize=9, wrap=True)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return fig

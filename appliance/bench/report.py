@@ -99,11 +99,10 @@ def routes_table(result: BenchResult) -> Table | None:
 
 def goodput_table(result: BenchResult) -> Table:
     """Goodput of each shape under the three ITL judgements, and its ratio to the best colocated shape."""
-    table = Table(
-        title=f"goodput (req/s at >= {result.slo.attainment:.0%} attainment; TTFT <= {result.slo.ttft_ms:g} ms, "
-        f"ITL <= {result.slo.itl_ms:g} ms)",
-        title_justify="left",
-    )
+    title = (f"goodput, req/s at >= {result.slo.attainment:.0%} attainment of TTFT <= {result.slo.ttft_ms:g} ms "
+             f"and ITL <= {result.slo.itl_ms:g} ms")
+    # rich wraps a title to the table's width: a table as wide as its title keeps it on one line
+    table = Table(title=title, title_justify="left", min_width=len(title))
     table.add_column("shape")
     for j in JUDGEMENTS:
         table.add_column(f"ITL {j}" + (" (run)" if j == result.slo.itl_judgement else ""), justify="right")
@@ -133,7 +132,8 @@ def families_table(result: BenchResult) -> Table | None:
     rows = {j: {b.family: b for b in best_of(result.shapes, j)} for j in JUDGEMENTS}
     if not any(len(r) == 2 for r in rows.values()):
         return None
-    table = Table(title="best of each family (the colocated baseline is the best tuned one)", title_justify="left")
+    title = "best of each family (the colocated baseline is the best tuned one)"
+    table = Table(title=title, title_justify="left", min_width=len(title))
     for col in ("ITL judgement", "best disaggregated", "goodput", "best colocated", "its knobs", "goodput", "disagg / colocated"):
         table.add_column(col, justify="right" if col in ("goodput", "disagg / colocated") else "left")
     for j, fams in rows.items():

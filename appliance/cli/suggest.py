@@ -4,6 +4,7 @@ and `--check bench.json`: the model's predictions next to a measured sweep's fig
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -195,8 +196,8 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
     for n, p in enumerate(ranked[:16], 1):
         cap = f"{p.running:.0f} / {p.capacity:.0f}" if p.running is not None and p.capacity is not None else "-"
         low, high = _band(prof, p, slo.itl_judgement)
-        table.add_row(str(n), str(p.candidate), f"{p.goodput_rps:.2f}", f"{low:.2f}-{high:.2f}",
-                      *(f"{p.goodput[j]:.2f}" for j in JUDGEMENTS),
+        table.add_row(str(n), str(p.candidate), _rps(p.goodput_rps), f"{_rps(low)}-{_rps(high)}",
+                      *(_rps(p.goodput[j]) for j in JUDGEMENTS),
                       f"{p.ttft_ms:.0f}" if p.ttft_ms is not None else "saturated",
                       f"{p.itl_ms:.1f}" if p.itl_ms is not None else "saturated", cap,
                       "[green]met[/green]" if p.meets_slo else "[red]missed[/red]", p.bottleneck)
@@ -204,20 +205,20 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
     best, rival = _choice(prof, ranked, slo.itl_judgement)
     low, high = _band(prof, best, slo.itl_judgement)
     state_of = "uncalibrated here" if not prof.calibrated else "the model's spread"
-    console.print(f"best: {best.candidate}: predicted goodput {best.goodput_rps:.2f} req/s ({slo.itl_judgement}), "
-                  f"{low:.2f}-{high:.2f} ({state_of}){'' if best.meets_slo else ' (nothing meets the SLOs at this rate)'}")
+    console.print(f"best: {best.candidate}: predicted goodput {_rps(best.goodput_rps)} req/s ({slo.itl_judgement}), "
+                  f"{_rps(low)}-{_rps(high)} ({state_of}){'' if best.meets_slo else ' (nothing meets the SLOs at this rate)'}")
     for layout in ("colocated", "disaggregated"):
         top = next((p for p in ranked if p.layout == layout), None)
         if top is not None and top is not best:
-            console.print(f"best {layout}: {top.candidate}: {top.goodput_rps:.2f} req/s")
+            console.print(f"best {layout}: {top.candidate}: {_rps(top.goodput_rps)} req/s")
     advice = calibration(prof, input_len)
     if advice:
         console.print(f"the profile is not calibrated on this hardware: {advice}")
     console.print(f"apply: {_apply(best.candidate)}")
     if rival is not None:
         r_low, r_high = _band(prof, rival, slo.itl_judgement)
-        console.print(f"  or {rival.candidate} ({r_low:.2f}-{r_high:.2f} req/s): its band overlaps; {best.candidate} "
-                      f"is named for its better worst case ({low:.2f} req/s). To tell them apart, measure both: "
+        console.print(f"  or {rival.candidate} ({_rps(r_low)}-{_rps(r_high)} req/s): its band overlaps; {best.candidate} "
+                      f"is named for its better worst case ({_rps(low)} req/s). To tell them apart, measure both: "
                       f"`pdctl bench --compare --shapes {best.candidate.bench_name},{rival.candidate.bench_name}`"
                       f"{'' if not advice else ', or calibrate first'}; then `{_apply(rival.candidate)}` if it wins")
     alone = _alone(settings, inventory)
@@ -232,6 +233,14 @@ def print_suggestions(ctx: click.Context, input_len: int, output_len: int, rate:
                   f"{decode_step['prefill_us_per_token']:g}}}: each leg the decode runs takes "
                   f"{ms_per_seq * 1000 / us_per_token:.1f} prompt tokens off that room; {room_text}")
     console.print(f"  from the {describe_spread(settings)}; \\[proxy] decode_step_spread sets it")
+
+
+def _rps(x: float) -> str:
+    """A predicted rate to two significant figures: the model's bands span tens of percent, so 43.16 claims
+    more than it knows (43 does not)."""
+    if x <= 0 or not math.isfinite(x):
+        return f"{x:g}"
+    return f"{round(x, 1 - math.floor(math.log10(x))):g}"
 
 
 def _choice(prof: Profile, ranked: list[Prediction], judgement: str) -> tuple[Prediction, Prediction | None]:
@@ -355,8 +364,8 @@ def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | 
     for row in rows:
         m = row["measured"]
         shown = f"< {min(r['rate'] for r in rates if r['shape'] == row['shape']):g}" if m is None else f"{row['bound']} {m:g}".strip()
-        band = f"{row['band'][0]:.2f}-{row['band'][1]:.2f} ({'holds' if row['in_band'] else 'MISSED'})"
-        table.add_row(row["shape"], row["candidate"], row["judgement"], f"{row['predicted']:.2f}", band, shown,
+        band = f"{_rps(row['band'][0])}-{_rps(row['band'][1])} ({'holds' if row['in_band'] else 'MISSED'})"
+        table.add_row(row["shape"], row["candidate"], row["judgement"], _rps(row['predicted']), band, shown,
                       row["verdict"])
     console.print(table)
     per_rate = Table("shape", "req/s", "TTFT p90 pred", "TTFT p90 meas", "mean gap pred", "mean gap meas (TPOT)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import re
 import resource
@@ -227,8 +228,48 @@ class SupervisorManager(ServiceManager):
         if not write_atomic(self.conf, rendered.text, rendered.mode):
             return set()
         if not self.running():
+            self._marks().unlink(missing_ok=True)  # a new supervisord: its log starts the deployment
             return set(self.units())
-        return self._sync(before) & set(self.units())
+        touched = self._sync(before) & set(self.units())
+        self._mark_redeployed(touched)
+        return touched
+
+    def _marks(self) -> Path:
+        return self.dir / "redeployed.json"
+
+    def _mark_redeployed(self, units: set[str]) -> None:
+        """Remember where supervisord's log stood when `units` got a new program: their ends before that were
+        the previous deployment's, which `status` no longer reports."""
+        if not units:
+            return
+        try:
+            size = (self.dir / "supervisord.log").stat().st_size
+        except OSError:
+            return
+        marks = {**self._read_marks(), **dict.fromkeys(units, size)}
+        write_atomic(self._marks(), json.dumps(marks), 0o600)
+
+    def _read_marks(self) -> dict[str, int]:
+        try:
+            marks = json.loads(self._marks().read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in marks.items() if isinstance(v, int)} if isinstance(marks, dict) else {}
+
+    def _log_per_unit(self) -> Callable[[str], str]:
+        """supervisord's log as each program's current deployment sees it: from supervisord's start or from the
+        program's redeploy, whichever came later (a mark past the end: the log was rotated since)."""
+        try:
+            text = (self.dir / "supervisord.log").read_text(errors="replace")
+        except OSError:
+            return lambda unit: ""
+        start = max(text.rfind("supervisord started with pid"), 0)
+        marks = self._read_marks()
+
+        def since(unit: str) -> str:
+            mark = marks.get(unit, 0)
+            return text[max(start, mark if mark <= len(text) else 0):]
+        return since
 
     def start(self, names: list[str]) -> None:
         if not self.running():
@@ -344,27 +385,19 @@ class SupervisorManager(ServiceManager):
             return False
 
     def _exits(self) -> dict[str, list[str]]:
-        """How each program ended by itself since supervisord started, oldest first (its log)."""
-        try:
-            text = (self.dir / "supervisord.log").read_text(errors="replace")
-        except OSError:
-            return {}
-        return exits_in_log(text[text.rfind("supervisord started with pid"):])
+        """How each program ended by itself in this deployment (see _log_per_unit), oldest first (its log)."""
+        since = self._log_per_unit()
+        found: dict[str, list[str]] = {}
+        for unit in self.units():
+            if ends := exits_in_log(since(unit)).get(unit):
+                found[unit] = ends
+        return found
 
     def restart_counts(self) -> dict[str, int]:
-        """Spawns after the first since supervisord started (its log's "spawned: 'NAME'" lines)."""
-        counts = {unit: 0 for unit in self.units()}
-        try:
-            text = (self.dir / "supervisord.log").read_text(errors="replace")
-        except OSError:
-            return counts
-        text = text[text.rfind("supervisord started with pid"):]
-        spawns: dict[str, int] = {}
-        for match in re.finditer(r"spawned: '([^']+)'", text):
-            spawns[match.group(1)] = spawns.get(match.group(1), 0) + 1
-        for unit in counts:
-            counts[unit] = max(spawns.get(unit, 0) - 1, 0)
-        return counts
+        """Spawns after the first in this deployment (its log's "spawned: 'NAME'" lines, see _log_per_unit)."""
+        since = self._log_per_unit()
+        return {unit: max(len(re.findall(rf"spawned: '{re.escape(unit)}'", since(unit))) - 1, 0)
+                for unit in self.units()}
 
     @staticmethod
     def _tail(path: Path, lines: int) -> str:

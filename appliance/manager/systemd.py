@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from appliance.plan import Plan
 from appliance.render.names import PROXY_UNIT, TARGET, services
 from appliance.render.systemd import render_systemd
 from appliance.render.templates import RenderOptions
-from appliance.statedir import StateDir, transaction
+from appliance.statedir import StateDir, transaction, write_atomic
 
 _MARK = "# Rendered by pdctl"
 # sd-messages.h SD_MESSAGE_UNIT_STARTED: systemd logs it each time a unit's start (or restart) job completes
@@ -30,6 +31,7 @@ _UNIT_PROCESS_EXIT = "98e322203f7a4ed290d09fe03c09fe15"
 _UNIT_SUCCESS = "7ad2d189f7e94e70a38c781354912448"
 _UNIT_RESTART_SCHEDULED = "5eb03494b6584870a536b337290809b3"
 _PROPS = "Id,ActiveState,SubState,MainPID,NRestarts,ExecMainStartTimestamp,Result,ExecMainCode,ExecMainStatus"
+_REDEPLOYED = "redeployed.json"  # unit -> when apply last gave it a new unit file
 
 
 def exit_words(code: str, status: str) -> str:
@@ -144,7 +146,19 @@ class SystemdManager(ServiceManager):
         if changed or stale:
             self._systemctl("daemon-reload")
         self._systemctl("enable", "pd.target", check=False)
-        return changed & set(self.units())
+        redeployed = changed & set(self.units())
+        if redeployed:  # their starts before now were the previous deployment's (restart_counts)
+            marks = {**self._redeployed(), **dict.fromkeys(redeployed, time.time())}
+            write_atomic(state.root / _REDEPLOYED, json.dumps(marks), 0o600)
+        return redeployed
+
+    def _redeployed(self) -> dict[str, float]:
+        """When each unit last got a new unit file from `apply` (epoch seconds)."""
+        try:
+            marks = json.loads(Path(StateDir.at(self.plan.state_dir).root, _REDEPLOYED).read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: float(v) for k, v in marks.items() if isinstance(v, int | float)} if isinstance(marks, dict) else {}
 
     def start(self, names: list[str]) -> None:
         units = self._unit_names(names)
@@ -225,7 +239,8 @@ class SystemdManager(ServiceManager):
         return any(line.rpartition("/")[2] in ours for line in lines)
 
     def restart_counts(self) -> dict[str, int]:
-        """Starts after the first since pd.target came up (systemd's "unit started" journal entries), never
+        """Starts after the first since pd.target came up or the unit was redeployed, whichever came later
+        (systemd's "unit started" journal entries), never
         fewer than systemd's own count of automatic restarts; that count alone when the journal is unreadable."""
         auto = {name: st.restarts for name, st in self.status().items()}
         since = self._since_up()
@@ -236,12 +251,16 @@ class SystemdManager(ServiceManager):
         if done.returncode != 0:
             return auto
         starts: dict[str, int] = {}
+        marks = self._redeployed()
         for line in done.stdout.splitlines():
             try:
-                unit = str(json.loads(line).get("UNIT", "")).removesuffix(".service")
+                entry = json.loads(line)
+                unit = str(entry.get("UNIT", "")).removesuffix(".service")
+                at = int(entry.get("__REALTIME_TIMESTAMP", 0)) / 1e6
             except ValueError:
                 continue
-            starts[unit] = starts.get(unit, 0) + 1
+            if at >= marks.get(unit, 0):  # a start before the unit's redeploy was the previous deployment's
+                starts[unit] = starts.get(unit, 0) + 1
         return {name: max(starts.get(name, 0) - 1, count) for name, count in auto.items()}
 
     def _journal_args(self, names: list[str]) -> list[str]:

@@ -214,3 +214,34 @@ def test_the_profile_line_says_why_a_gpu_inventory_gets_the_simulated_time_model
     assert "H200" in profile() and "simulated" not in profile()
     (tmp_path / "pdctl.toml").write_text('[engine]\nkind = "sim"\n')
     assert profile() == "profile: the simulated engine's time model (settings engine.sim)"
+
+
+def test_a_simulated_nodes_suggestions_say_what_limits_each_row_to_the_precision_the_model_has(
+        tmp_path: Path) -> None:
+    """Each row names the bound the model finds broken just above its goodput (none is "-"), and rates are
+    printed to two significant figures: the bands span tens of percent."""
+    (tmp_path / "pdctl.toml").write_text(f'state_dir = "{tmp_path}/state"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")}
+
+    def suggest(*extra: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "appliance", "--config", str(tmp_path / "pdctl.toml"),
+                               "--inventory", "sim:h100-8", "plan", "--suggest", *extra], capture_output=True,
+                              text=True, env={**env, "COLUMNS": "240"}, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    rows = json.loads(suggest("--json"))["suggestions"]
+    assert len(rows) >= 16
+    bounds = {"prefill (TTFT)", "decode (ITL p99)", "KV cache", "max_num_seqs", "prefill memory",
+              "chunk budget", "engine throughput", "decode throughput"}
+    assert {r["bottleneck"] for r in rows} <= bounds, {r["bottleneck"] for r in rows}
+    text = suggest()
+
+    def figures(number: str) -> int:  # significant figures: 180 and 0.054 have two, 179.65 five
+        return len(number.strip().replace(".", "").strip("0"))
+
+    best = next(line for line in text.splitlines() if line.startswith("best:"))
+    assert figures(best.split("predicted goodput ")[1].split(" req/s")[0]) <= 2, best
+    table = [line.split("│") for line in text.splitlines() if line.startswith("│")]
+    assert len(table) == 16 and all(cells[-2].strip() not in ("", "-") for cells in table), text
+    assert all(figures(cells[3]) <= 2 and all(figures(b) <= 2 for b in cells[4].split("-")) for cells in table), text

@@ -206,3 +206,23 @@ def test_an_engine_that_ends_by_itself_leaves_no_child_behind(tmp_path: Path) ->
         assert complete(doc["proxy"]["url"])["choices"][0]["text"]
     finally:
         pdctl(config, "down")
+
+
+def test_a_redeploy_reports_only_its_own_ends(deployment) -> None:
+    """An engine that stopped by itself under the previous deployment is that deployment's story: after a
+    redeploy that gives it a new program, `pdctl status` (JSON and text) no longer lists its end or restarts."""
+    config, _ = deployment
+    assert pdctl(config, "up").returncode == 0
+    old = _pids(status(config))["decode-0"]
+    os.kill(old, signal.SIGKILL)
+    wait_until(lambda: (d := status(config))["_rc"] == 0 and _pids(d)["decode-0"] not in (old, None),
+               what="decode-0 back after SIGKILL")
+    shown = " ".join(pdctl(config, "status").stdout.split())  # rich wraps at 80 columns on a pipe
+    assert "decode-0 last stopped by itself (terminated by SIGKILL)" in shown, shown
+    config.write_text(config.read_text() + '[engine.sim]\nextra_args = ["--engine-core-child"]\n')
+    up = pdctl(config, "up", "--json")
+    assert up.returncode == 0, up.stderr
+    assert "pd-decode-0" in json.loads(up.stdout)["started_or_restarted"]
+    decode = {i["name"]: i for i in status(config)["instances"]}["decode-0"]
+    assert (decode["last_exit"], decode["automatic_restarts"], decode["restarts"]) == (None, 0, 0), decode
+    assert "last stopped by itself" not in pdctl(config, "status").stdout

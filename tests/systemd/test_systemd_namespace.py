@@ -285,3 +285,23 @@ def test_pdctl_restart_proxy_under_load_cuts_nothing(booted) -> None:
     print(f"systemd, pdctl restart proxy: {figures}")
     assert load.failures == [], load.failures[:5]
     assert ns.show("pd-proxy.service", "MainPID") == keeper and ns.show("pd-proxy.service", "NRestarts") == "0"
+
+
+def test_a_redeploy_reports_only_its_own_ends(booted) -> None:
+    """As under supervisord: after a redeploy that gives an engine a new unit, `pdctl status` no longer lists
+    how the previous deployment's process ended."""
+    ns, config, _ = booted
+    env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
+    wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
+    pid = ns.show("pd-decode-0.service", "MainPID")
+    ns.run("kill", "-KILL", pid)
+    wait_until(lambda: ns.show("pd-decode-0.service", "MainPID") not in ("0", pid)
+               and ns.show("pd-decode-0.service", "ActiveState") == "active", timeout=90, what="decode-0 back")
+    doc = wait_until(lambda: (d := status(config, env))["_rc"] == 0 and d, what="healthy after SIGKILL")
+    assert "SIGKILL" in ({i["name"]: i for i in doc["instances"]}["decode-0"]["last_exit"] or "")
+    config.write_text(config.read_text() + '[engine.sim]\nextra_args = ["--engine-core-child"]\n')
+    up = pdctl(config, "up", "--json", env=env)
+    assert up.returncode == 0, up.stderr
+    assert "pd-decode-0" in json.loads(up.stdout)["started_or_restarted"]
+    decode = {i["name"]: i for i in status(config, env)["instances"]}["decode-0"]
+    assert (decode["last_exit"], decode["automatic_restarts"], decode["restarts"]) == (None, 0, 0), decode
