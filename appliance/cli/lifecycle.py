@@ -432,8 +432,8 @@ def down(ctx: click.Context, manager: str | None, as_json: bool) -> None:
 @click.pass_context
 def logs(ctx: click.Context, targets: tuple[str, ...], follow: bool, lines: int, probes: bool,
          manager: str | None) -> None:
-    """Show a role's, an instance's or the proxy's logs (journald or supervisor log files), without the access
-    lines of pdctl's own probes (GET /health, /metrics) unless --probes."""
+    """Show a role's, an instance's or the proxy's logs (journald or supervisor log files). The access lines of
+    pdctl's own probes (GET /health, /metrics) are left out unless --probes."""
     from appliance.cli.logview import SEARCH_LINES, follow_without_probes, without_probes
 
     _, plan, mgr = deployed(ctx, manager)

@@ -46,7 +46,7 @@ COMMANDS: dict[str, Verb] = {
                  "Show the plan: every instance's GPUs, ports, vLLM command line, and the proxy."),
     "proxy-notify": Verb("appliance.cli.restart:proxy_notify",
                          "Tell the proxy INSTANCE is stopping, has stopped or has started (the engine units' "
-                         "ExecStop/ExecStopPost/ExecStartPost hooks).", hidden=True),
+                         "ExecStop, ExecStopPost and ExecStartPost hooks).", hidden=True),
     "rebalance": Verb("appliance.cli.rebalance:rebalance",
                       "Change the GPU split and instance shapes of the running node with the least disruption."),
     "restart": Verb("appliance.cli.restart:restart",
