@@ -74,7 +74,8 @@ def test_reload_storms_drop_no_request_of_a_pooled_client(tmp_path: Path) -> Non
 def test_a_crash_of_the_new_proxy_leaves_the_old_one_serving_its_streams(tmp_path: Path) -> None:
     """SIGHUP, then SIGKILL of the new proxy once it serves (issue 35 item 3): before, the keeper exited with it
     and took the old proxy's 6 streams down (553 sent, 161 failed); now the keeper starts another proxy on its
-    sockets and the old one finishes its streams: nothing is cut or refused."""
+    sockets and the old one finishes its streams: none of them is cut and no connection is refused. Only the
+    requests the killed proxy was serving itself fail (the clone run of CI saw 1 of 43)."""
     tokens = 150  # 3 s at 20 ms a token
     with colocated_node(tmp_path, "--max-model-len", "256", "--decode-step-ms", "20",
                         module="appliance.proxy.keeper") as node:
@@ -100,7 +101,11 @@ def test_a_crash_of_the_new_proxy_leaves_the_old_one_serving_its_streams(tmp_pat
         print(f"new proxy SIGKILLed during a handover: 6 streams in flight, {len(cut)} cut; "
               f"{load.ok + len(load.failures)} requests sent, {len(load.failures)} failed")
         assert cut == [], [a[2][-200:] for a in cut]
-        assert load.failures == [], load.failures[:5]
+        # The requests the killed proxy itself was serving die with it (no process can answer for a SIGKILLed one):
+        # at most one per load thread, each a dropped connection; none refused, none an error status.
+        held_by_the_killed = ("RemoteDisconnected", "ConnectionResetError", "broken stream")
+        assert len(load.failures) <= load.threads, load.failures
+        assert all(any(k in f for k in held_by_the_killed) for f in load.failures), load.failures
         assert keeper.alive
         status, _, state = http(node.admin_port, "GET", "/admin/state")
         assert status == 200 and json.loads(state)["holds"]["proxy_crashes"] == 1
