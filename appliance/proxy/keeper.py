@@ -12,12 +12,21 @@ A serving proxy that exits on its own (a crash) is replaced on the same sockets 
 in the kernel's queue meanwhile), and the proxies retiring before it finish their streams; one that exits before
 it ever served (a bad config, a port taken) takes the keeper down with its exit status, for the manager to
 restart. Each proxy runs in a session of its own: supervisord's pd-reaper, which kills what a dead keeper left
-in its process group, leaves a retiring proxy to finish its streams (it stops when the keeper dies).
+in its process group, leaves the proxies to finish their streams.
+
+A keeper that dies (even SIGKILLed) leaves its listening sockets open, so no connection is refused while the
+manager restarts it: its serving proxy keeps serving them and offers them on a Unix socket (`handback_address`)
+for at most `HANDBACK_WAIT_S`; the restarted keeper takes them from it (SCM_RIGHTS), starts a new proxy on them
+and retires the old one once the new one serves, as in a handover. Under systemd, which stops the rest of the
+unit when its main process dies, the unit's file descriptor store keeps the sockets instead (FDSTORE=1): systemd
+holds them while the unit restarts and gives them back to the new keeper (LISTEN_FDS), and connections wait
+in the kernel's queue meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import select
@@ -35,6 +44,19 @@ log = logging.getLogger("appliance.proxy.keeper")
 
 _SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
 RETIRE_SIGNAL = signal.SIGUSR2  # to a proxy: a successor serves the listening sockets now; finish and exit
+ORPHAN_SIGNAL = signal.SIGUSR1  # to a proxy, from the kernel: its keeper died; offer the sockets to the next one
+# how long a proxy whose keeper died serves on, waiting for the restarted keeper to take its sockets back
+# (supervisord restarts a program within a second or two; a keeper never restarted leaves no proxy behind)
+HANDBACK_WAIT_S = 30.0
+SOCKET_NAMES = ("api", "admin")  # the listening sockets, in the order the proxy's --listen-fds takes them
+_SD_LISTEN_FDS_START = 3  # sd_listen_fds(3): the first descriptor systemd passes
+
+
+def handback_address(config_path: str) -> bytes:
+    """The abstract Unix socket on which a proxy whose keeper died offers its listening sockets to the next keeper
+    of the same config file (abstract: no file is left behind by a killed proxy)."""
+    digest = hashlib.sha256(os.path.realpath(config_path).encode()).hexdigest()[:24]
+    return b"\0pdctl-proxy-handback-" + digest.encode()
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -68,12 +90,32 @@ class Keeper:
         self.config_path = config_path
         self.log_level = log_level
         self.handover_timeout_s = handover_timeout_s
-        self.sockets = [bind(config.host, config.port), bind(config.admin.host, config.admin.port)]
+        self.orphan: int | None = None  # a pidfd: the proxy whose keeper died, serving until ours takes over
+        self.sockets = self._listening(config)
         self.current: Worker | None = None
         self.successor: Worker | None = None
         self.retiring: list[Worker] = []
         self.signals: list[int] = []
         self.crashes = 0  # serving proxies that exited on their own and were replaced
+
+    def _listening(self, config: ProxyConfig) -> list[socket.socket]:
+        """The client and admin listening sockets: systemd's stored ones, else a live proxy's whose keeper died,
+        else new ones (stored in systemd's file descriptor store where the unit has one)."""
+        wanted = ((config.host, config.port), (config.admin.host, config.admin.port))
+        stored = from_systemd()
+        if stored is not None and _match(stored, wanted):
+            log.info("listening on the sockets systemd kept across the restart")
+            return stored
+        taken = take_back(handback_address(self.config_path))
+        if taken is not None and _match(taken[0], wanted):
+            self.orphan = taken[1]
+            log.info("took the listening sockets back from the proxy its previous keeper left serving")
+            return taken[0]
+        if taken is not None:
+            os.close(taken[1])
+        sockets = [bind(host, port) for host, port in wanted]
+        store_in_systemd(sockets)
+        return sockets
 
     def spawn(self, successor: bool) -> Worker:
         """Start a proxy on the keeper's sockets; a successor serves only once its engines are healthy."""
@@ -96,7 +138,8 @@ class Keeper:
         signal.set_wakeup_fd(wake_w)
         for sig in _SIGNALS:
             signal.signal(sig, self._signal)
-        self.current = self.spawn(successor=False)
+        # a proxy left serving by the previous keeper keeps serving until ours is ready, then retires
+        self.current = self.spawn(successor=self.orphan is not None)
         while True:
             waiting = [w.ready_fd for w in (self.current, self.successor) if w is not None and w.ready_fd >= 0]
             readable, _, _ = select.select([wake_r, *waiting], [], [], 1.0)
@@ -128,6 +171,8 @@ class Keeper:
         os.close(fd)
         worker.ready_fd = -1
         worker.ready = bool(got)
+        if worker is self.current and worker.ready and self.orphan is not None:
+            self._retire_orphan(RETIRE_SIGNAL)
         if worker is self.successor and worker.ready and self.current is not None:
             old = self.current
             old.proc.send_signal(RETIRE_SIGNAL)  # it stops accepting and finishes its requests
@@ -175,7 +220,21 @@ class Keeper:
         log.error("the proxy (pid %d) exited with %d; pid %d takes over its listening sockets (%d crash(es) since "
                   "the keeper started)", crashed, code, self.current.proc.pid, self.crashes)
 
+    def _retire_orphan(self, signum: int) -> None:
+        """Tell the proxy the previous keeper left serving to finish and exit (RETIRE_SIGNAL once ours serves)."""
+        assert self.orphan is not None
+        try:
+            signal.pidfd_send_signal(self.orphan, signum)
+        except ProcessLookupError:
+            pass
+        else:
+            log.info("the proxy the previous keeper left serving finishes its requests and exits")
+        os.close(self.orphan)
+        self.orphan = None
+
     def _stop_all(self) -> int:
+        if self.orphan is not None:
+            self._retire_orphan(signal.SIGTERM)
         workers = [w for w in (self.current, self.successor, *self.retiring) if w is not None]
         for worker in workers:
             if worker.proc.poll() is None:
@@ -183,6 +242,77 @@ class Keeper:
         for worker in workers:
             worker.proc.wait()
         return 0
+
+
+def _match(sockets: list[socket.socket], wanted: tuple[tuple[str, int], ...]) -> bool:
+    """Whether sockets kept from before listen where the config says (a redeploy may have moved a port);
+    those that do not are closed."""
+    ok = len(sockets) == len(wanted) and all(
+        port in (0, s.getsockname()[1]) for s, (_, port) in zip(sockets, wanted, strict=True))
+    if not ok:
+        for sock in sockets:
+            sock.close()
+    return ok
+
+
+def take_back(address: bytes, timeout_s: float = 5.0) -> tuple[list[socket.socket], int] | None:
+    """The listening sockets and a pidfd of the proxy that offers them at `address`; None when none does."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(timeout_s)
+        try:
+            conn.connect(address)
+            message, fds, _, _ = socket.recv_fds(conn, 64, len(SOCKET_NAMES))
+        except OSError:
+            return None
+    sockets = [socket.socket(fileno=fd) for fd in fds]
+    try:
+        pidfd = os.pidfd_open(int(message))
+    except (ValueError, OSError):
+        pidfd = -1
+    if len(sockets) != len(SOCKET_NAMES) or pidfd < 0:
+        for sock in sockets:
+            sock.close()
+        return None
+    for sock in sockets:
+        sock.set_inheritable(True)
+    return sockets, pidfd
+
+
+def from_systemd() -> list[socket.socket] | None:
+    """The listening sockets systemd passes back from the unit's file descriptor store (LISTEN_FDS, named by
+    LISTEN_FDNAMES); None when it passes none."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return None
+    names = os.environ.get("LISTEN_FDNAMES", "").split(":")
+    count = int(os.environ.get("LISTEN_FDS", "0"))
+    for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(key, None)  # for this process only: the proxies it starts get theirs by --listen-fds
+    fds = {name: _SD_LISTEN_FDS_START + n for n, name in enumerate(names[:count])}
+    if any(name not in fds for name in SOCKET_NAMES):
+        for fd in fds.values():
+            os.close(fd)
+        return None
+    sockets = [socket.socket(fileno=fds[name]) for name in SOCKET_NAMES]
+    for sock in sockets:
+        sock.set_inheritable(True)
+    return sockets
+
+
+def store_in_systemd(sockets: list[socket.socket]) -> None:
+    """Keep the listening sockets in the unit's file descriptor store (FileDescriptorStoreMax=), replacing any kept
+    before, where systemd runs the keeper with a notify socket; elsewhere nothing."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    target = b"\0" + address[1:].encode() if address.startswith("@") else address.encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        try:
+            for name, sock in zip(SOCKET_NAMES, sockets, strict=True):
+                notify.sendto(f"FDSTOREREMOVE=1\nFDNAME={name}".encode(), target)
+                socket.send_fds(notify, [f"FDSTORE=1\nFDNAME={name}".encode()], [sock.fileno()], 0, target)
+        except OSError as exc:
+            log.warning("cannot keep the listening sockets in systemd's store (%s): a keeper crash refuses "
+                        "connections until the unit is back", exc)
 
 
 def main(argv: list[str] | None = None) -> int:
