@@ -26,6 +26,7 @@ in the kernel's queue meanwhile.
 from __future__ import annotations
 
 import argparse
+import array
 import hashlib
 import logging
 import os
@@ -91,6 +92,7 @@ class Keeper:
         self.log_level = log_level
         self.handover_timeout_s = handover_timeout_s
         self.orphan: int | None = None  # a pidfd: the proxy whose keeper died, serving until ours takes over
+        self.kept = False  # the sockets are kept from before this keeper: connections may be waiting on them
         self.sockets = self._listening(config)
         self.current: Worker | None = None
         self.successor: Worker | None = None
@@ -105,10 +107,11 @@ class Keeper:
         stored = from_systemd()
         if stored is not None and _match(stored, wanted):
             log.info("listening on the sockets systemd kept across the restart")
+            self.kept = True
             return stored
         taken = take_back(handback_address(self.config_path))
         if taken is not None and _match(taken[0], wanted):
-            self.orphan = taken[1]
+            self.orphan, self.kept = taken[1], True
             log.info("took the listening sockets back from the proxy its previous keeper left serving")
             return taken[0]
         if taken is not None:
@@ -138,8 +141,9 @@ class Keeper:
         signal.set_wakeup_fd(wake_w)
         for sig in _SIGNALS:
             signal.signal(sig, self._signal)
-        # a proxy left serving by the previous keeper keeps serving until ours is ready, then retires
-        self.current = self.spawn(successor=self.orphan is not None)
+        # on sockets kept from before, the proxy serves once its engines answer (not 503 before its first probes),
+        # and one the previous keeper left serving serves until then, then retires
+        self.current = self.spawn(successor=self.kept)
         while True:
             waiting = [w.ready_fd for w in (self.current, self.successor) if w is not None and w.ready_fd >= 0]
             readable, _, _ = select.select([wake_r, *waiting], [], [], 1.0)
@@ -309,7 +313,9 @@ def store_in_systemd(sockets: list[socket.socket]) -> None:
         try:
             for name, sock in zip(SOCKET_NAMES, sockets, strict=True):
                 notify.sendto(f"FDSTOREREMOVE=1\nFDNAME={name}".encode(), target)
-                socket.send_fds(notify, [f"FDSTORE=1\nFDNAME={name}".encode()], [sock.fileno()], 0, target)
+                # sendmsg, not socket.send_fds: Python 3.11's ignores its address argument
+                notify.sendmsg([f"FDSTORE=1\nFDNAME={name}".encode()],
+                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [sock.fileno()]))], 0, target)
         except OSError as exc:
             log.warning("cannot keep the listening sockets in systemd's store (%s): a keeper crash refuses "
                         "connections until the unit is back", exc)

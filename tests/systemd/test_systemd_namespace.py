@@ -287,6 +287,30 @@ def test_pdctl_restart_proxy_under_load_cuts_nothing(booted) -> None:
     assert ns.show("pd-proxy.service", "MainPID") == keeper and ns.show("pd-proxy.service", "NRestarts") == "0"
 
 
+def test_a_killed_keeper_refuses_no_connection(booted) -> None:
+    """kill -KILL of pd-proxy's main process (the keeper) under 3 streaming clients (issue 35): systemd stops the
+    rest of the unit (the proxy finishes its streams) and restarts it. Before, nothing listened meanwhile:
+    connections were refused until the new keeper had bound the sockets. Now the unit's file descriptor store
+    keeps them, systemd gives them back to the new keeper, and connections wait in the kernel's queue."""
+    ns, config, p = booted
+    env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
+    wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
+    keeper = ns.show("pd-proxy.service", "MainPID")
+    load = Load(p.proxy.url, max_tokens=40).start()
+    try:
+        wait_until(lambda: load.ok >= 6, what="streams before the kill")
+        ns.run("kill", "-KILL", keeper)
+        wait_until(lambda: ns.show("pd-proxy.service", "MainPID") not in ("0", keeper)
+                   and ns.show("pd-proxy.service", "ActiveState") == "active", timeout=90, what="pd-proxy back")
+        served = load.ok
+        wait_until(lambda: load.ok >= served + 6, what="streams through the new keeper's proxy")
+    finally:
+        load.stop()
+    print(f"systemd, kill -KILL of the keeper: {load.ok + len(load.failures)} sent, {len(load.failures)} failed")
+    assert load.failures == [], load.failures[:5]
+    assert ns.show("pd-proxy.service", "NRestarts") == "1"
+
+
 def test_a_redeploy_reports_only_its_own_ends(booted) -> None:
     """As under supervisord: after a redeploy that gives an engine a new unit, `pdctl status` no longer lists
     how the previous deployment's process ended."""
