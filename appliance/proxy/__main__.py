@@ -137,17 +137,20 @@ async def _hand_back(config_path: str, sockets: tuple[socket.socket, socket.sock
     server.listen(8)
     server.setblocking(False)
     log.warning("the keeper died: serving on until its manager restarts it (at most %gs)", HANDBACK_WAIT_S)
+
+    async def offer() -> None:
+        while True:
+            conn, _ = await loop.sock_accept(server)
+            with conn:
+                uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[2]
+                if uid in (os.geteuid(), 0):
+                    conn.setblocking(True)
+                    socket.send_fds(conn, [str(os.getpid()).encode()], [s.fileno() for s in sockets])
+                    log.info("offered the listening sockets to the restarted keeper")
+
     try:
-        async with asyncio.timeout(HANDBACK_WAIT_S):
-            while True:
-                conn, _ = await loop.sock_accept(server)
-                with conn:
-                    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[2]
-                    if uid in (os.geteuid(), 0):
-                        conn.setblocking(True)
-                        socket.send_fds(conn, [str(os.getpid()).encode()], [s.fileno() for s in sockets])
-                        log.info("offered the listening sockets to the restarted keeper")
-    except TimeoutError:
+        await asyncio.wait_for(offer(), HANDBACK_WAIT_S)
+    except asyncio.TimeoutError:
         log.error("no keeper took the listening sockets back in %gs: finishing the requests and exiting",
                   HANDBACK_WAIT_S)
         stop.set()

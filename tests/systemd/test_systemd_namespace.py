@@ -13,17 +13,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.inventory import load_inventory
-from appliance.node import Node
-from appliance.plan import plan as make_plan
-from appliance.render import render_systemd
 from appliance.render.systemd import exec_line
-from appliance.settings import load_settings
-from appliance.statedir import write_atomic
 from tests.rebalance.load import Load, restart_figures
-from tests.support.pdctl import crash_on_next_token, pdctl, status, try_complete, write_config
+from tests.support.pdctl import crash_on_next_token, pdctl, status, try_complete
 from tests.support.waiting import wait_until
-from tests.systemd.nsboot import NamespacedSystemd, why_not
+from tests.systemd.nsboot import NamespacedSystemd, render_node, why_not
 
 pytestmark = [pytest.mark.systemd, pytest.mark.skipif(why_not() is not None, reason=why_not() or "")]
 
@@ -33,18 +27,7 @@ AWKWARD = ["/models/my model", "it's", 'say "hi"', "100%", "$HOME", "${X}", "bac
 
 @pytest.fixture
 def booted(tmp_path: Path, request: pytest.FixtureRequest):
-    units = tmp_path / "units"
-    units.mkdir()
-    state = tmp_path / "state dir %$"
-    config = write_config(tmp_path, state, manager="systemd", extra=getattr(request, "param", ""))
-    settings = load_settings(config)
-    p = make_plan(settings, load_inventory("sim:cpu"))
-    node = Node(settings)
-    rendered = render_systemd(p, node.render_options())
-    for f in rendered.units:
-        write_atomic(units / f.name, f.text, f.mode)
-    node.write(p)
-    (state / "manager").write_text("systemd\n")
+    units, config, p = render_node(tmp_path, getattr(request, "param", ""))
     echo = [sys.executable, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))", *AWKWARD]
     (units / "argv-echo.service").write_text(
         f"[Unit]\nDefaultDependencies=no\n[Service]\nType=oneshot\nExecStart={exec_line(echo)}\n"
