@@ -21,6 +21,10 @@ and retires the old one once the new one serves, as in a handover. Under systemd
 unit when its main process dies, the unit's file descriptor store keeps the sockets instead (FDSTORE=1): systemd
 holds them while the unit restarts and gives them back to the new keeper (LISTEN_FDS), and connections wait
 in the kernel's queue meanwhile.
+
+Where the manager stops the keeper with another signal than SIGTERM (`--stop-signal INT`: supervisord's pd-proxy
+program), a SIGTERM is not a stop but an end after which the manager restarts the keeper (`kill -TERM` by
+someone else): the keeper leaves its serving proxy to the next one, as if it had crashed.
 """
 
 from __future__ import annotations
@@ -87,8 +91,10 @@ class Worker:
 class Keeper:
     """Runs the proxy on inherited sockets and hands them over to a new proxy on SIGHUP."""
 
-    def __init__(self, config_path: str, log_level: str, config: ProxyConfig, handover_timeout_s: float) -> None:
+    def __init__(self, config_path: str, log_level: str, config: ProxyConfig, handover_timeout_s: float,
+                 stop_signal: signal.Signals = signal.SIGTERM) -> None:
         self.config_path = config_path
+        self.stop_signal = stop_signal
         self.log_level = log_level
         self.handover_timeout_s = handover_timeout_s
         self.orphan: int | None = None  # a pidfd: the proxy whose keeper died, serving until ours takes over
@@ -154,6 +160,8 @@ class Keeper:
                     self._readiness(fd)
             while self.signals:
                 got = self.signals.pop(0)
+                if got == signal.SIGTERM and self.stop_signal != signal.SIGTERM:
+                    return self._leave()
                 if got in (signal.SIGTERM, signal.SIGINT):
                     return self._stop_all()
                 if got == signal.SIGHUP:
@@ -235,6 +243,20 @@ class Keeper:
             log.info("the proxy the previous keeper left serving finishes its requests and exits")
         os.close(self.orphan)
         self.orphan = None
+
+    def _leave(self) -> int:
+        """SIGTERM where the manager stops the keeper with another signal: the manager restarts the keeper after
+        it, so the serving proxy serves on and hands its sockets to the next keeper, as after a crash; a proxy
+        that does not serve yet stops. 128 + SIGTERM, as the signal's own end would be."""
+        assert self.current is not None
+        for worker in (self.successor, None if self.current.ready else self.current):
+            if worker is not None:
+                worker.proc.kill()
+                worker.proc.wait()
+        if self.current.ready:
+            log.warning("SIGTERM, not the manager's stop signal (%s): proxy pid %d serves on until the next keeper "
+                        "takes its sockets", self.stop_signal.name, self.current.proc.pid)
+        return 128 + signal.SIGTERM
 
     def _stop_all(self) -> int:
         if self.orphan is not None:
@@ -328,11 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--handover-timeout", type=float, default=120.0,
                         help="seconds a new proxy may take to become ready before the handover is given up")
+    parser.add_argument("--stop-signal", choices=("TERM", "INT"), default="TERM",
+                        help="the signal the service manager stops the keeper with; where it is INT, a SIGTERM "
+                             "leaves the serving proxy to the keeper the manager starts next")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
-        keeper = Keeper(args.config, args.log_level, config, args.handover_timeout)
+        keeper = Keeper(args.config, args.log_level, config, args.handover_timeout,
+                        signal.Signals[f"SIG{args.stop_signal}"])
     except PdctlError as exc:
         print(f"pd-proxy: error: {exc}", file=sys.stderr)
         return exc.exit_code
