@@ -77,13 +77,6 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         gc.freeze()
         stop = asyncio.Event()
-        retire = False
-
-        def retired() -> None:
-            nonlocal retire
-            retire = True
-            stop.set()
-
         loop = asyncio.get_running_loop()
         handback: list[asyncio.Task[None]] = []
 
@@ -94,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         loop.add_signal_handler(ORPHAN_SIGNAL, orphaned)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        # the keeper's word that another proxy serves the sockets now: retire without cutting kept-alive clients
-        loop.add_signal_handler(RETIRE_SIGNAL, retired)
+        # the keeper's word that another proxy serves the sockets now
+        loop.add_signal_handler(RETIRE_SIGNAL, stop.set)
         # a hang-up is not a stop: under the keeper it hands over (the keeper gets it), alone it does nothing
         loop.add_signal_handler(signal.SIGHUP, lambda: None if listeners else logging.getLogger("appliance.proxy")
                                 .warning("SIGHUP ignored: a planned restart needs the proxy run by "
@@ -107,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for task in handback:
                 task.cancel()
-            await proxy.stop(retire=retire)
+            # under the keeper the listening sockets outlive this proxy (a handover; a keeper that died, its sockets
+            # offered to the next one or kept in systemd's store): it never closes a kept-alive connection under a
+            # client that may be sending its next request on it
+            await proxy.stop(retire=listeners is not None)
 
     try:
         asyncio.run(run())

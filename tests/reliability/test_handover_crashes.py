@@ -23,11 +23,11 @@ RELOADS = 10
 
 
 async def _pooled_client(url: str, stop: asyncio.Event, seed: int, counts: dict[str, int],
-                         failures: list[str], model: str = MODEL) -> None:
+                         failures: list[str]) -> None:
     """Requests back to back over one keep-alive pool (as the OpenAI client sends them), each after an idle pause
     of up to 20 ms: its connections sit idle while the proxies hand over."""
     rng = random.Random(seed)
-    body = {"model": model, "prompt": "hello", "max_tokens": 4}
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2)) as session:
         while not stop.is_set():
             try:

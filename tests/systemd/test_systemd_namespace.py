@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.render.systemd import exec_line
+from benchmarks import crash_bench
 from tests.rebalance.load import Load, restart_figures
-from tests.reliability.test_handover_crashes import _pooled_client
 from tests.support.pdctl import crash_on_next_token, pdctl, status, try_complete
 from tests.support.waiting import wait_until
 from tests.systemd.nsboot import NamespacedSystemd, render_node, why_not
@@ -275,31 +275,34 @@ def test_pdctl_restart_proxy_under_load_cuts_nothing(booted) -> None:
 
 @pytest.mark.parametrize("sig", ["KILL", "TERM"])
 def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
-    """kill -KILL or -TERM of pd-proxy's main process (the keeper) under 3 streaming clients and 4 pooled ones
-    (issue 35): systemd stops the rest of the unit (the proxy finishes its streams) and restarts it. Before,
+    """kill -KILL or -TERM of pd-proxy's main process (the keeper) under 3 streaming clients and 3 pooled streaming
+    ones (issue 35): systemd stops the rest of the unit (the proxy finishes its streams) and restarts it. Before,
     nothing listened meanwhile: connections were refused until the new keeper had bound the sockets (16,992 of
-    17,013 requests after -KILL). Now the unit's file descriptor store keeps the sockets, systemd gives them back
-    to the new keeper, and connections wait in the kernel's queue."""
+    17,013 requests after -KILL); and the stopping proxy closed each pooled client's connection once its stream
+    had ended, as the client sent its next request on it (`Can not write request body`, one a client). Now the
+    unit's file descriptor store keeps the sockets, systemd gives them back to the new keeper, connections wait in
+    the kernel's queue, and a stopping proxy serves a request sent on a kept-alive connection (saying
+    `Connection: close`) instead of closing it under the client."""
     ns, config, p = booted
     env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
     wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
     keeper = ns.show("pd-proxy.service", "MainPID")
     load = Load(p.proxy.url, max_tokens=40).start()
-    done, counts, pooled_failures = threading.Event(), {"sent": 0}, []
+    done, pooled = threading.Event(), []
+    pace = crash_bench.Pace(clients=3, max_tokens=40, decode_step_ms=0, before=0, after=0)
 
-    async def pooled() -> None:
+    async def pooled_clients() -> None:
         stop = asyncio.Event()
-        clients = [asyncio.ensure_future(_pooled_client(p.proxy.url, stop, n, counts, pooled_failures,
-                                                  p.model.served_name))
-                   for n in range(4)]
+        clients = [asyncio.ensure_future(crash_bench.client(p.proxy.url, True, n, pace, stop, pooled))
+                   for n in range(pace.clients)]
         await asyncio.to_thread(done.wait)
         stop.set()
         await asyncio.gather(*clients)
 
-    pool = threading.Thread(target=asyncio.run, args=(pooled(),))
-    pool.start()
+    thread = threading.Thread(target=asyncio.run, args=(pooled_clients(),))
+    thread.start()
     try:
-        wait_until(lambda: load.ok >= 6, what="streams before the kill")
+        wait_until(lambda: load.ok >= 6 and len(pooled) >= 6, what="streams before the kill")
         ns.run("kill", f"-{sig}", keeper)
         wait_until(lambda: ns.show("pd-proxy.service", "MainPID") not in ("0", keeper)
                    and ns.show("pd-proxy.service", "ActiveState") == "active", timeout=90, what="pd-proxy back")
@@ -307,12 +310,13 @@ def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
         wait_until(lambda: load.ok >= served + 6, what="streams through the new keeper's proxy")
     finally:
         done.set()
-        pool.join()
+        thread.join()
         load.stop()
+    failed = [f"{o.result}: {o.detail}" for o in pooled if o.result != "ok"]
     print(f"systemd, kill -{sig} of the keeper: {load.ok + len(load.failures)} streams sent, "
-          f"{len(load.failures)} failed; pooled: {counts['sent']} sent, {len(pooled_failures)} failed")
+          f"{len(load.failures)} failed; pooled: {len(pooled)} sent, {len(failed)} failed or cut")
     assert load.failures == [], load.failures[:5]
-    assert pooled_failures == [], pooled_failures[:5]
+    assert failed == [], failed[:5]
     assert ns.show("pd-proxy.service", "NRestarts") == "1"
 
 
