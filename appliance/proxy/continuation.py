@@ -28,7 +28,7 @@ _SPENT = ("prompt", "messages", "stream", "stream_options", "max_tokens", "max_c
           "n", "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
           "documents", "reasoning_effort", "add_special_tokens", "tool_choice", "tools", "echo", "logprobs",
           "top_logprobs", "return_token_ids", "include_stop_str_in_output", "stop", "presence_penalty",
-          "frequency_penalty", "parallel_tool_calls", "request_id", "kv_transfer_params")
+          "frequency_penalty", "parallel_tool_calls", "request_id", "kv_transfer_params", "response_format")
 
 
 def plan(path: str, body: dict[str, Any]) -> str | None:
@@ -44,7 +44,8 @@ def plan(path: str, body: dict[str, Any]) -> str | None:
             return "echo"
     elif body.get("echo"):
         return "echo"
-    if body.get("logprobs") not in (None, False) or body.get("prompt_logprobs") is not None:
+    logprobs = body.get("logprobs")  # chat: a boolean; completions: how many (0 too: the sampled token's)
+    if (logprobs is not None and logprobs is not False) or body.get("prompt_logprobs") is not None:
         return "logprobs"  # the top logprobs of tokens already sent cannot be reproduced
     if body.get("stop"):
         return "stop_strings"  # the engine holds text back while a stop string may begin: not all of it was sent
@@ -52,8 +53,9 @@ def plan(path: str, body: dict[str, Any]) -> str | None:
         return "penalties"  # they count generated tokens only, which a continuation's prompt holds
     if body.get("tools") and body.get("tool_choice") != "none":
         return "tools"  # a tool-call parser's state is the first engine's
-    if any(body.get(k) for k in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                                 "guided_choice", "guided_grammar")):
+    form = body.get("response_format")
+    if (isinstance(form, dict) and form.get("type") not in (None, "text")) or any(body.get(k) for k in (
+            "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")):
         return "structured_output"  # a grammar's state would start over at the continuation's prompt
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):

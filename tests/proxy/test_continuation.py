@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from appliance.engine.sim.tokens import tokenize
+from appliance.proxy.continuation import plan
 from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post, sse_events
 from tests.support.waiting import eventually
@@ -182,3 +183,27 @@ def test_a_prefill_that_dies_before_its_handoff_is_run_again_elsewhere() -> None
                 assert _count(px, "rerun", "prefill") == 1
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("path", "extra", "reason"), [
+    ("/v1/completions", {}, None),
+    ("/v1/completions", {"prompt": [1, 2, 3], "seed": 7, "temperature": 0.8, "return_token_ids": True}, None),
+    ("/v1/chat/completions", {"logprobs": False, "response_format": {"type": "text"}, "tools": [{}],
+                              "tool_choice": "none"}, None),
+    ("/v1/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "batch"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"logprobs": 0}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"stop": ["\n"]}, "stop_strings"),
+    ("/v1/completions", {"frequency_penalty": 0.2}, "penalties"),
+    ("/v1/chat/completions", {"tools": [{}]}, "tools"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "structured_output"),
+    ("/v1/completions", {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "parameters"),
+    ("/v1/completions", {"vllm_xargs": {"a": 1}}, "parameters"),
+])
+def test_which_streams_can_be_continued(path: str, extra: dict[str, Any], reason: str | None) -> None:
+    """plan: the parameters whose meaning a continuation on the prompt's and generated tokens' ids keeps, and the
+    reason for each it cannot."""
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    assert plan(path, {"model": MODEL, **prompt, "max_tokens": 9, "stream": True} | extra) == reason
