@@ -27,6 +27,7 @@ from tests.engine.vllm_helpers import (
     write_tiny_model_with,
 )
 from tests.support.fake_engines import MODEL, proxy_config, running_proxy
+from tests.support.waiting import eventually
 
 pytestmark = [
     pytest.mark.vllm,
@@ -112,6 +113,8 @@ def test_a_greedy_stream_whose_engine_is_killed_equals_an_uninterrupted_run(trio
 
     async def scenario() -> None:
         async with running_proxy(config) as px:
+            await eventually(lambda: all(i.healthy for i in px.registry.instances.values()), timeout=600,
+                             what="every engine warmed up and in rotation")
             whole, done = await _read(px.api_port, path, body)
             assert done
             reference = _tokens(whole, chat)

@@ -14,13 +14,16 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 
 from appliance.engine.sim.tokens import tokenize
 from appliance.proxy.continuation import plan
+from tests.proxy import cluster as e2e
 from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post, sse_events
-from tests.support.waiting import eventually
+from tests.support.processes import http_status
+from tests.support.waiting import eventually, wait_until
 
 TOKENS = 30
 
@@ -207,3 +210,39 @@ def test_which_streams_can_be_continued(path: str, extra: dict[str, Any], reason
     reason for each it cannot."""
     prompt = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
     assert plan(path, {"model": MODEL, **prompt, "max_tokens": 9, "stream": True} | extra) == reason
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_disaggregated_stream_whose_decode_dies_is_continued_through_a_prefill(mode: str) -> None:
+    """Separate processes (the proxy too): simulated NIXL prefill-0, decode-0 that dies after 5 tokens, decode-1.
+    The continuation is a new disaggregated route: its prompt (the request's and the 5 tokens' ids) is prefilled on
+    prefill-0 and handed over to decode-1 in the node's mode; the client gets its 30 tokens on one response."""
+    body = {"model": e2e.MODEL, "prompt": e2e.words(20), "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+    with e2e.cluster() as c:
+        nixl = ("--side-channel-port", "0", "--mode", mode)
+        slow = ("--decode-step-ms", "20")
+        prefill = c.sim("prefill-0", "prefill", "nixl", *nixl)
+        dying = c.sim("decode-0", "decode", "nixl", *nixl, *slow, "--fault-crash-after-tokens", "5")
+        other = c.sim("decode-1", "decode", "nixl", *nixl, *slow)
+        c.ready()
+        proxy = c.start_proxy(e2e.proxy_config("nixl", mode=mode, routing="least_outstanding",
+                                               backends=e2e.static_backends(("prefill-0", "prefill", prefill),
+                                                                            ("decode-0", "decode", dying),
+                                                                            ("decode-1", "decode", other))))
+        c.ready()
+        wait_until(lambda: http_status(proxy.url + "/health") == 200, timeout=30, what="the proxy ready")
+
+        async def scenario() -> None:
+            status, raw, _ = await post(proxy.url, "/v1/completions", body)
+            text, events, done = e2e.stream_text(raw)
+            assert status == 200 and done and not [e for e in events if "error" in e], c.logs()[-3000:]
+            assert len([e for e in events if e.get("choices")]) == TOKENS
+            assert dying.popen.wait(timeout=10) == 1  # decode-0 served it and died
+            assert await e2e.metric(other, "sim_requests_total") == 1  # the continuation
+            assert await e2e.metric(prefill, "sim_requests_total") == 2  # the request's prompt, then the continuation's
+            async with aiohttp.ClientSession() as session, session.get(proxy.url + "/metrics") as resp:
+                metrics = await resp.read()
+            assert b'pdctl_proxy_continuations_total{outcome="continued",reason="reset"} 1.0' in metrics
+
+        asyncio.run(scenario())
+
