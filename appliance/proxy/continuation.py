@@ -9,6 +9,12 @@ lowered by the tokens sent, its sampling kept; its completion chunks reach the c
 chat chunk or a completion chunk, with the first leg's id, created and model) and its usage counts the request as
 the client sees it. `plan` says which requests can be continued and why not; `Tracker` is the shell around one
 stream.
+
+A token whose bytes do not complete a character comes with no text: vLLM's detokenizer (tokenizers' DecodeStream)
+holds its bytes back until a later token completes it. Primed with a prompt whose text ends in such bytes, the
+DecodeStream's first step returns the whole prompt's text (tokenizers 0.23: DecodeStream(ids=...).step), so a
+continuation's prompt leaves the generated tokens that came with no text out; it generates them again (under greedy
+decoding the same ones) and the proxy passes on their text, not their ids, which the client has.
 """
 
 from __future__ import annotations
@@ -100,6 +106,10 @@ class Tracker:
         self.wants_usage = isinstance(options, dict) and options.get("include_usage") is True
         self.prompt: list[int] | None = None
         self.generated: list[int] = []
+        # the last generated tokens whose text the engine held back (the module's docstring): a continuation's
+        # prompt leaves them out, and the first `regenerate` tokens it generates are theirs, sent already
+        self.held = 0
+        self.regenerate = 0
         self.head: dict[str, Any] = {}  # the first leg's id, object, created and model
         self.index = 0  # the client's choice index
         self.finished = False  # a finish_reason was relayed
@@ -200,6 +210,8 @@ class Tracker:
             ids = choice.get("token_ids")
             if isinstance(ids, list):
                 self.generated += ids
+                text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+                self._hold(ids, text)
             if choice.get("finish_reason") is not None:
                 self.finished = True
             if not self.wants_ids:
@@ -228,7 +240,11 @@ class Tracker:
                                               "completion_tokens": completion}})
         choice = choices[0]
         ids = choice.get("token_ids") or []
+        if self.regenerate:  # the held tokens again: the client has their ids, and their text comes with the next
+            again = min(self.regenerate, len(ids))
+            ids, self.regenerate = ids[again:], self.regenerate - again
         self.generated += ids
+        self._hold(ids, choice.get("text"))
         finish = choice.get("finish_reason")
         if finish is not None:
             self.finished = True
@@ -252,6 +268,16 @@ class Tracker:
         if "system_fingerprint" in obj:
             chunk["system_fingerprint"] = obj["system_fingerprint"]
         return chunk
+
+    def _hold(self, ids: list[int], text: str | None) -> None:
+        if ids:
+            self.held = 0 if text else self.held + len(ids)
+
+    def resume(self) -> list[int]:
+        """The generated tokens a continuation's prompt carries (all but the held ones, which it generates again)."""
+        self.continued += 1
+        self.regenerate = self.held
+        return self.generated[: len(self.generated) - self.held]
 
     def why_not(self, limit: int) -> str | None:
         """Why the stream, cut now, cannot be continued (`limit`: continuations allowed), or None."""

@@ -493,8 +493,7 @@ async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, d
     the hold bound): its instance, connection (its first token come) and supervising prefill; or why not."""
     limit = proxy.config.max_continuations
     while (why := tracker.why_not(limit)) is None:
-        tracker.continued += 1
-        body = continuation_body(tracker.body, cast(list[int], tracker.prompt), tracker.generated)
+        body = continuation_body(tracker.body, cast(list[int], tracker.prompt), tracker.resume())
         if body is None:
             return "finished"
         if dead.healthy:
