@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from appliance.engine.sim.tokens import tokenize
-from appliance.proxy.continuation import plan
+from appliance.proxy.continuation import Tracker, continuation_body, plan
 from tests.proxy import cluster as e2e
 from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post, sse_events
@@ -246,3 +246,42 @@ def test_a_disaggregated_stream_whose_decode_dies_is_continued_through_a_prefill
 
         asyncio.run(scenario())
 
+
+
+def _chunked(*events: bytes) -> bytes:
+    """SSE events framed as an engine's chunked body, one chunk each."""
+    return b"".join(b"%x\r\n%b\r\n" % (len(e + b"\n\n"), e + b"\n\n") for e in events)
+
+
+# vLLM 0.32's own chunks (a CPU engine, the tiny model, "Hello there", return_token_ids): the first token's bytes
+# begin a character, so it comes with no text; the second completes it
+FIRST = (b'data: {"id":"cmpl-9","object":"text_completion","created":1,"model":"tiny","choices":[{"index":0,"text":"",'
+         b'"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":[645,532],"token_ids":[225]}]}')
+SECOND = (b'data: {"id":"cmpl-9","object":"text_completion","created":1,"model":"tiny","choices":[{"index":0,'
+          b'"text":"\xef\xbf\xbdet","logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+          b'"token_ids":[461]}]}')
+
+
+def test_a_token_that_came_with_no_text_is_generated_again_not_sent_twice() -> None:
+    """Cut after a token whose text the engine held back: the continuation's prompt leaves it out (primed with it,
+    vLLM's detokenizer would send the whole prompt's text), and when the continuation generates it again the
+    client gets its text with the next token, not its id a second time. The events the client gets are vLLM's
+    own, token ids set back to null."""
+    tracker = Tracker("/v1/completions", {"prompt": "Hello there", "max_tokens": 6, "stream": True}, None)
+    sent: list[bytes] = []
+    tracker.sink(sent.append, framed=False)(_chunked(FIRST)[:40])  # a read that cuts the event
+    tracker.feed(_chunked(FIRST)[40:])
+    assert sent == [FIRST.replace(b'[645,532]', b"null").replace(b"[225]", b"null") + b"\n\n"]
+    assert tracker.prompt == [645, 532] and tracker.generated == [225] and tracker.why_not(2) is None
+    assert continuation_body(tracker.body, tracker.prompt, tracker.resume()) == {
+        "max_tokens": 6, "prompt": [645, 532], "stream": True, "return_token_ids": True,
+        "stream_options": {"include_usage": True}}
+    sent.clear()
+    tracker.sink(sent.append, framed=False)
+    again = FIRST.replace(b"cmpl-9", b"cmpl-10")
+    tracker.feed(_chunked(again, SECOND.replace(b"cmpl-9", b"cmpl-10")))
+    assert [json.loads(e.removeprefix(b"data: ")) for e in sent] == [
+        {"id": "cmpl-9", "object": "text_completion", "created": 1, "model": "tiny", "choices": [
+            {"index": 0, "text": "\ufffdet", "logprobs": None, "finish_reason": None, "stop_reason": None,
+             "prompt_token_ids": None, "token_ids": None}]}]
+    assert tracker.generated == [225, 461] and tracker.held == 0
