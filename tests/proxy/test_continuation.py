@@ -285,3 +285,17 @@ def test_a_token_that_came_with_no_text_is_generated_again_not_sent_twice() -> N
             {"index": 0, "text": "\ufffdet", "logprobs": None, "finish_reason": None, "stop_reason": None,
              "prompt_token_ids": None, "token_ids": None}]}]
     assert tracker.generated == [225, 461] and tracker.held == 0
+
+
+def test_a_first_legs_token_chunks_reach_the_client_as_vllm_sent_them_without_their_ids() -> None:
+    """The bytes the client gets of vLLM's chunks are vLLM's, the token ids (asked for by the proxy alone) null,
+    as vLLM writes them when they were not asked for; kept, and left as they are, where the client asked."""
+    for wants in (False, True):
+        body = {"prompt": "Hello there", "stream": True} | ({"return_token_ids": True} if wants else {})
+        tracker = Tracker("/v1/completions", body, None)
+        sent: list[bytes] = []
+        tracker.sink(sent.append, framed=False)(_chunked(FIRST, SECOND))
+        assert tracker.generated == [225, 461] and tracker.prompt == [645, 532] and tracker.held == 0
+        expected = [FIRST, SECOND] if wants else [FIRST.replace(b"[645,532]", b"null").replace(b"[225]", b"null"),
+                                                  SECOND.replace(b"[461]", b"null")]
+        assert sent == [b"".join(e + b"\n\n" for e in expected)]
