@@ -684,6 +684,8 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
             await proxy.health.probe(exc.inst, fresh=True)  # a dead engine is out of rotation before the route
         if proxy.hold_wait() > 0:
             await proxy.wait_for_instances()
+        if proxy.missing_roles():
+            raise  # no instance to run it on: the client hears what failed, not that none is in rotation
         proxy.metrics.continuations.labels("rerun", "prefill").inc()
         return await _serve(proxy, request, path, body, list(headers), started)
 
