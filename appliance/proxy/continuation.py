@@ -28,13 +28,14 @@ CONTINUE_PATH = "/v1/completions"
 # What a continuation keeps of the client's body: sampling and limits that mean the same on a prompt of token ids.
 _KEPT = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "stop_token_ids",
          "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "logit_bias", "allowed_token_ids",
-         "bad_words", "cache_salt", "priority", "user", "truncate_prompt_tokens")
+         "bad_words", "cache_salt", "priority", "user")
 # What the engine's prompt (token ids now) has made of these already, or what a stream without them carries alike.
 _SPENT = ("prompt", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
           "n", "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
           "documents", "reasoning_effort", "add_special_tokens", "tool_choice", "tools", "echo", "logprobs",
           "top_logprobs", "return_token_ids", "include_stop_str_in_output", "stop", "presence_penalty",
-          "frequency_penalty", "parallel_tool_calls", "request_id", "kv_transfer_params", "response_format")
+          "frequency_penalty", "parallel_tool_calls", "request_id", "kv_transfer_params", "response_format",
+          "truncate_prompt_tokens")
 
 
 def plan(path: str, body: dict[str, Any]) -> str | None:
