@@ -30,7 +30,7 @@ engines themselves report them.
                     processes that ended by themselves, as their manager reported them to the proxy),
                     proxy_crashes (serving proxies that crashed and were replaced by the keeper),
                     continued_streams (streams continued on another engine after theirs died mid-stream),
-                    rerun_prefills (prefills that died before their hand-off, run again elsewhere),
+                    rerun_prefills (requests whose engine died before the client had a byte, run again elsewhere),
                     ended_streams (streams whose engine died and that ended with an error event)} | null,
                     port_conflict (why it cannot answer: which of its ports, on which address, another process
                     holds, and which process where pdctl may see it) | null,

@@ -78,13 +78,24 @@ class LegFailure(HandoffError):
         self.content_type = content_type
 
 
-class PrefillLost(LegFailure):
-    """A prefill leg whose engine could not be reached or closed its connection before it answered (it died before
-    its hand-off): the request can run again elsewhere."""
+class EngineLost(LegFailure):
+    """A leg whose engine could not be reached or closed its connection before its answer began (a prefill that died
+    before its hand-off, a decode before its first token): the client has had nothing, so the request can run again
+    elsewhere."""
 
-    def __init__(self, inst: BackendState, failure: LegFailure) -> None:
+    def __init__(self, role: str, inst: BackendState, failure: LegFailure) -> None:
         super().__init__(failure.status, failure.message)
+        self.role = role
         self.inst = inst
+
+
+def leg_lost(leg: str, inst: BackendState, exc: UpstreamError) -> LegFailure:
+    """The client's error for a leg whose engine's connection failed before its answer began: EngineLost where the
+    engine is gone (refused, reset), which a new route may serve."""
+    failure = upstream_failure(leg, inst, exc)
+    if exc.reason in ("connect", "reset") and not exc.timed_out:
+        return EngineLost(leg, inst, failure)
+    return failure
 
 
 def upstream_failure(leg: str, inst: BackendState, exc: Exception) -> LegFailure:
@@ -284,9 +295,7 @@ async def _prefill(
         except UpstreamError as exc:
             proxy.metrics.leg_failures.labels("prefill", exc.reason).inc()
             proxy.health.leg_failed(inst, exc.timed_out)
-            if exc.reason in ("connect", "reset") and not exc.timed_out:
-                raise PrefillLost(inst, upstream_failure("prefill", inst, exc)) from None
-            raise upstream_failure("prefill", inst, exc) from None
+            raise leg_lost("prefill", inst, exc) from None
         except asyncio.CancelledError:
             if conn is not None:
                 # the engine's answer may have come in while this leg was being cancelled: its KV is held all the same
@@ -352,7 +361,7 @@ async def run_decode(
                 conn = await inst.pool.send("POST", path, headers, payload, collect=not stream)
             except UpstreamError as exc:
                 _leg_failed(proxy, inst, exc.reason, timed_out=exc.timed_out)
-                raise upstream_failure("decode", inst, exc) from None
+                raise leg_lost("decode", inst, exc) from None
             whole = await _first_answer(proxy, inst, conn, stream, supervisor)
             if whole is not None:
                 return whole
@@ -400,7 +409,7 @@ async def _first_answer(
         raise LegFailure(504, f"decode on {inst.name} sent no token within {timeouts.first_token_s:g}s") from None
     except UpstreamError as exc:
         _leg_failed(proxy, inst, exc.reason, timed_out=exc.timed_out)
-        raise upstream_failure("decode", inst, exc) from None
+        raise leg_lost("decode", inst, exc) from None
 
 
 async def _relay_stream(
@@ -663,8 +672,9 @@ def answer_from_prefill(body: dict[str, Any], answer: dict[str, Any]) -> web.Res
 
 
 async def handle_completion(proxy: ProxyState, request: web.Request, path: str, body: dict[str, Any]) -> web.StreamResponse:
-    """Route one validated request and serve it on the legs its route, connector and mode call for; a prefill
-    that dies before its hand-off is run again on a new route (once), before the client has had a byte."""
+    """Route one validated request and serve it on the legs its route, connector and mode call for; a request whose
+    engine died before the client had a byte (a prefill before its hand-off, a decode before its first token) is run
+    again on a new route, once."""
     started = time.monotonic()
     # the engines' own key, when they have one; the client's key is never forwarded to an engine
     headers: list[tuple[str, str]] = []
@@ -676,7 +686,7 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
         body = tracker.engine_body(body)
     try:
         return await _serve(proxy, request, path, body, list(headers), started)
-    except PrefillLost as exc:
+    except EngineLost as exc:
         if not proxy.config.max_continuations:
             raise
         log.warning("%s; running it again on another route", exc.message)
@@ -686,7 +696,7 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
             await proxy.wait_for_instances()
         if proxy.missing_roles():
             raise  # no instance to run it on: the client hears what failed, not that none is in rotation
-        proxy.metrics.continuations.labels("rerun", "prefill").inc()
+        proxy.metrics.continuations.labels("rerun", exc.role).inc()
         return await _serve(proxy, request, path, body, list(headers), started)
 
 

@@ -220,8 +220,8 @@ class ProxyMetrics:
         self.continuations = Counter(
             "pdctl_proxy_continuations",
             "Requests whose engine leg died, by outcome: continued (a stream continued on another leg; reason: how "
-            "the leg ended: reset, timeout, ...), rerun (a prefill that died before its hand-off, run again "
-            "elsewhere), ended (a stream ended with an error event; reason: why it was not continued)",
+            "the leg ended: reset, timeout, ...), rerun (a request whose engine died before the client had a byte, "
+            "run again elsewhere; reason: the leg's role, prefill or decode), ended (a stream ended with an error event; reason: why it was not continued)",
             ["outcome", "reason"], registry=self.registry,
         )
         self.tokens = Counter(

@@ -299,3 +299,23 @@ def test_a_first_legs_token_chunks_reach_the_client_as_vllm_sent_them_without_th
         expected = [FIRST, SECOND] if wants else [FIRST.replace(b"[645,532]", b"null").replace(b"[225]", b"null"),
                                                   SECOND.replace(b"[461]", b"null")]
         assert sent == [b"".join(e + b"\n\n" for e in expected)]
+
+
+def test_a_request_whose_decode_is_gone_before_its_first_token_is_run_again_elsewhere() -> None:
+    """both-0 died since its last probe (probes every 30 s here): the request routed to it finds its connect
+    refused before the client had a byte, and runs again on both-1; not a 502."""
+
+    async def scenario() -> None:
+        async with engines("both", "both") as (e0, e1):
+            config = proxy_config("none", [backend("both-0", "both", e0), backend("both-1", "both", e1)],
+                                  routing="least_outstanding", health={"probe_interval_s": 30})
+            async with running_proxy(config) as px:
+                await e0.stop()
+                status, raw, _ = await post(local(px.api_port), "/v1/completions",
+                                            {"prompt": "x", "max_tokens": 8, "stream": True})
+                events, done = _stream(raw)
+                assert status == 200 and done and len([e for e in events if e.get("choices")]) == 8, raw[-300:]
+                assert len(e0.requests) == 0 and len(e1.requests) == 1
+                assert _count(px, "rerun", "decode") == 1
+
+    asyncio.run(scenario())
