@@ -109,7 +109,8 @@ def test_passive_failures_eject_a_dead_backend() -> None:
         async with engines("both") as (a,):
             cfg = proxy_config("none", [backend("both-0", "both", a),
                                         {"name": "both-1", "role": "both", "url": f"http://127.0.0.1:{free_port()}"}],
-                               health={"probe_interval_s": 30}, routing="round_robin")
+                               health={"probe_interval_s": 30}, routing="round_robin",
+                               max_continuations=0)  # no re-run elsewhere: test_continuation.py
             async with running_proxy(cfg, wait_ready=False) as px:
                 await wait_for(lambda: px.registry.get("both-0").healthy, what="first probe round")
                 px.registry.get("both-1").healthy = True  # as if it died right after its probe passed
