@@ -61,7 +61,6 @@ CASES = {
     "write handed over": {"mode": "write", "tokens": 100, "params": WRITE_KV},
     "read warm-up": {"mode": "read", "tokens": 100, "prompt_logprobs": WARM_UP["prompt_logprobs"]},
 }
-vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,6 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
 
 
 @pytest.mark.vllm
-@vllm
 def test_a_moriio_decode_serves_a_prompt_alone_exactly_where_pdctl_says(answers: dict[str, dict[str, Any]]) -> None:
     read, write = answers["read alone"], answers["write alone"]
     # READ: 99 of 100 tokens taken as pulled from a prefill, synchronously, and nothing recorded to pull them
@@ -98,7 +96,6 @@ def _computes_itself(answer: dict[str, Any]) -> bool:
 
 
 @pytest.mark.vllm
-@vllm
 def test_a_moriio_decode_leg_of_a_handoff_loads_the_prompt(answers: dict[str, dict[str, Any]]) -> None:
     # the disaggregated route: READ pulls all but the last token from the prefill's blocks; WRITE waits for the
     # prefill's push of all of them
@@ -108,7 +105,6 @@ def test_a_moriio_decode_leg_of_a_handoff_loads_the_prompt(answers: dict[str, di
 
 
 @pytest.mark.vllm
-@vllm
 def test_the_warm_up_reads_no_handoff_on_a_moriio_read_decode(answers: dict[str, dict[str, Any]]) -> None:
     # the warm-up goes to each instance alone (proxy/warmup.py): on a READ decode the connector counts 99 tokens
     # as external, but its prompt logprobs make the request skip every lookup, so vLLM's scheduler loads none

@@ -154,7 +154,6 @@ def test_a_prompt_held_whole_is_expected_cached_up_to_vllms_hit_cap(tokens: int,
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
 def test_the_hit_cap_table_is_vllms_own() -> None:
     # vLLM's KVCacheManager.get_computed_blocks on a prompt cached whole, and on it with a block more
     assert VLLM_PYTHON
