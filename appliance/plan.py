@@ -576,7 +576,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     checks.append(Check(name="gpus-disjoint", ok=len(used) == len(set(used)), detail=f"{len(used)} GPU(s) assigned"))
     block = next(iter(block_sizes.values()))
     checks.append(Check(name="block-size", ok=True, detail=f"KV block size {block or 'vLLM default'} on every role"))
-    # the hand-off's length rules are vLLM's (connector.handoff_possible): a simulated engine has none
+    # the hand-off's length rules are vLLM's (ProxySide.length_possible): a simulated engine has none
     proxy = _proxy_config(settings, connector_name, mode, model.served_name,
                           block if settings.engine.kind == "vllm" else None, state)
     if not is_loopback(settings.proxy.host) and not (settings.proxy.api_key_file or settings.proxy.api_keys_file):
@@ -649,13 +649,13 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
 
 def _check_alone(name: str, mode: Mode, setting: str) -> None:
     """Refuse conditional routing on a connector whose decode cannot serve a prompt alone in `mode`: every
-    request it sent there would be answered from KV nobody wrote (Connector.alone)."""
+    request it sent there would be answered from KV nobody wrote (ProxySide.alone)."""
     connector = get_connector(name)
-    alone = connector.alone(mode)
+    alone = connector.side(mode).alone()
     if not connector.disaggregated or alone.served:
         return
     fix = f"unset [proxy] {setting.split()[0]}"
-    served = [m for m in sorted(connector.modes) if connector.alone(m).served]
+    served = [m for m in sorted(connector.modes) if connector.side(m).alone().served]
     if served:
         fix += f", or set [connector] mode = \"{served[0]}\""
     raise PlanError(f"[proxy] {setting} sends short prompts to a decode instance "

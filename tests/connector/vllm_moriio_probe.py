@@ -3,8 +3,9 @@ vLLM's real MoRIIOConnectorScheduler answers, for each case read from stdin as J
 length, kv_transfer_params, locally computed tokens), what its scheduler asks for and records.
 
 Prints one JSON line per case: external tokens, whether they load asynchronously, and whether a receive
-(READ: a block read from the prefill) or a save (WRITE: a push) was recorded, and whether the request skips
-every cache lookup (prompt logprobs), which makes vLLM's scheduler drop the connector's count."""
+(READ: a block read from the prefill) or a save (WRITE: a push) was recorded, whether the request skips
+every cache lookup (prompt logprobs), which makes vLLM's scheduler drop the connector's count, and the release
+of the vLLM that answered (vllm.__version__)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from typing import Any
 
 import torch
+import vllm
 from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import MoRIIOConnectorScheduler
@@ -49,7 +51,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
             "save": request.request_id in sched._reqs_need_save, "mori": moriio_connector.MoRIIO_enabled,
             # vLLM's scheduler loads nothing external for such a request, whatever the connector counted
             # (v1/core/sched/scheduler.py: `if request.skip_reading_prefix_cache: ext_tokens = 0`)
-            "skips_lookups": request.skip_reading_prefix_cache}
+            "skips_lookups": request.skip_reading_prefix_cache, "vllm": vllm.__version__}
 
 
 for line in sys.stdin:

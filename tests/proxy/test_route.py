@@ -1,6 +1,6 @@
 """The routing pipeline (appliance.proxy.route): one pass that picks the decode, decides, picks a prefill only
 for a disaggregated request, records the prompt on the instances that compute it, and never sends a decode a
-prompt alone where its connector cannot serve one (Connector.alone)."""
+prompt alone where its connector cannot serve one (ProxySide.alone)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ from typing import Any
 import pytest
 
 from appliance.connector import get_connector, names
-from appliance.connector.base import Alone
+from appliance.connector.base import Alone, ProxySide
+from appliance.connector.nixl.connector import NixlConnector, NixlPull
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import RequestFacts
 from appliance.proxy.policies.conditional import RouteFacts, Rules, decide, served_alone
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.policies.round_robin import RoundRobin
 from appliance.proxy.route import Refused, Router
+from appliance.roles import Mode
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 CONDITIONAL = Rules(decode_only_below=16, prefill_saturated_at=0, window_s=60.0)
@@ -114,14 +116,15 @@ def test_a_request_with_no_correct_route_is_refused(changes: dict[str, Any], rea
 def test_a_refused_request_books_nothing_and_says_why() -> None:
     registry = _registry()
 
-    class Batchless:  # a connector that hands over one request at a time (NIXL's) and serves nothing alone
-        def __getattr__(self, name: str) -> Any:
-            return getattr(get_connector("nixl"), name)
-
-        def alone(self, mode: str) -> Alone:
+    class ServesNothingAlone(NixlPull):  # hands over one request at a time (NIXL's) and serves nothing alone
+        def alone(self) -> Alone:
             return Alone(False, "its decode serves nothing alone", forced=False)
 
-    router = Router(registry, RoundRobin(), lambda: "read", Batchless(), CONDITIONAL)  # type: ignore[arg-type]
+    class Batchless(NixlConnector):
+        def proxy_side(self, mode: Mode) -> ProxySide:
+            return ServesNothingAlone(mode)
+
+    router = Router(registry, RoundRobin(), lambda: "read", Batchless(), CONDITIONAL)
     with pytest.raises(Refused) as refused:
         router.route(RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3], "n": 2}))
     assert refused.value.reason == "batch" and "serves nothing alone" in str(refused.value)
@@ -129,7 +132,7 @@ def test_a_refused_request_books_nothing_and_says_why() -> None:
 
 
 def test_every_connector_says_whether_its_decode_serves_a_prompt_alone_in_each_mode() -> None:
-    answers = {(name, mode): get_connector(name).alone(mode).served
+    answers = {(name, mode): get_connector(name).side(mode).alone().served
                for name in names() for mode in sorted(get_connector(name).modes)}
     assert answers == {("moriio", "read"): False, ("moriio", "write"): True, ("nixl", "read"): True,
                        ("nixl", "write"): True, ("example", "read"): True, ("none", "read"): True,
@@ -204,5 +207,5 @@ def test_a_moriio_batch_goes_to_the_decode_alone_with_a_body_it_serves(body: dic
     request = RequestFacts("/v1/completions", {"model": "m", **body})
     with router.route(request) as route:
         assert (route.name, route.reason, route.prefill) == ("decode-only", "batch", None)
-    sent, mend = moriio.alone_body(dict(request.body), mode)  # type: ignore[arg-type]
+    sent, mend = moriio.side(mode).alone_body(dict(request.body))  # type: ignore[arg-type]
     assert (sent.get("prompt_logprobs"), mend) == ((0, True) if mode == "read" else (None, False))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -11,6 +10,7 @@ from appliance.connector.base import (
     Alone,
     Connector,
     FindInstance,
+    Handoff,
     HandoffError,
     HandoffFacts,
     InstanceContext,
@@ -18,12 +18,15 @@ from appliance.connector.base import (
     ListenerSettings,
     LlmdPod,
     OwnSettings,
+    Pairing,
     Peer,
     Platform,
     ProxyListener,
+    ProxySide,
     RayServeBackend,
     RdmaNeed,
     SimOptions,
+    one_token,
     skipping_lookups,
     without_prompt_logprobs,
 )
@@ -86,12 +89,6 @@ def _zmq(peer: Peer) -> str:
     return str(address)
 
 
-def _transfer_id(handoff: dict[str, Any]) -> str:
-    # one id ties the two legs (and MORI-IO's notifications) of one request together
-    transfer_id: str = handoff.setdefault("transfer_id", f"tx-{uuid.uuid4()}")
-    return transfer_id
-
-
 def rank_offset(dp_rank: int, tp_rank: int) -> int:
     """How far past its instance's base ports vLLM's MoRIIOConnector binds one rank's handshake and notify port.
 
@@ -111,13 +108,8 @@ class MoriioConnector(Connector):
     modes = frozenset({"read", "write"})
     platforms = frozenset({"rocm"})
     registers_with_proxy = True
-    mode_fixed_at_start = True
     sim_flow = "appliance.connector.moriio.sim:MoriioSim"
     library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
-    # vLLM 0.32 answers a prefill leg with the first engine request's kv_transfer_params only, whatever the
-    # connector (entrypoints/openai/completion/serving.py: final_res_batch[0]): a batch's other prompts, or
-    # n samples, handed over would read the first one's blocks (NIXL showed it on real engines)
-    one_request_per_handoff = True
     extra_config_keys = EXTRA_CONFIG
     settings_model = MoriioSettings
     moved_settings = {"moriio_backend": "backend"}
@@ -240,13 +232,31 @@ class MoriioConnector(Connector):
 
         return RegistrationListener(settings, find, current_mode, on_result)
 
-    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
-        rid = router_request_id(_zmq(prefill), _zmq(decode))
-        # vLLM reads both peers' addresses out of this id (moriio_common.py, _DECODE_ZMQ_RE ends
-        # "_<32 hex>(?:-.*)?$"): the client's id may follow it only where it cannot be read as an address
-        return f"{rid}-{client_id}" if client_id and _PLAIN_ID.fullmatch(client_id) else rid
+    def proxy_side(self, mode: Mode) -> ProxySide:
+        return MoriioWrite(mode) if mode == "write" else MoriioRead(mode)
 
-    def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
+
+# vLLM 0.32 answers a prefill leg with the first engine request's kv_transfer_params only, whatever the connector
+# (entrypoints/openai/completion/serving.py: final_res_batch[0]): a batch's other prompts, or n samples, handed
+# over would read the first one's blocks (NIXL showed it on real engines). The mode is MoRIIO's read_mode, in the
+# engines' flags. No release: a prefill whose decode never comes is freed by vLLM's own timeout.
+MORIIO_READ = Handoff(serial=True, one_request=True, lengths=False, releases=False, fixed_mode=True)
+MORIIO_WRITE = Handoff(serial=False, one_request=True, lengths=False, releases=False, fixed_mode=True)
+
+
+class MoriioWrite(ProxySide):
+    """WRITE: both legs start together; the decode sends the prefill its blocks and the prefill writes them."""
+
+    def alone(self) -> Alone:
+        # vLLM 0.32 moriio_connector.py, MoRIIOConnectorScheduler.get_num_new_matched_tokens: WRITE asks for
+        # nothing without do_remote_prefill (tests/connector/test_moriio_vllm.py)
+        return Alone(True, "vLLM's MoRIIO decode in WRITE mode loads nothing without do_remote_prefill: it "
+                           "computes the prompt itself")
+
+    def handoff(self) -> Handoff:
+        return MORIIO_WRITE
+
+    def length_possible(self, prompt_tokens: int, block_size: int) -> bool:
         # Every length hands over in vLLM 0.32 (read, not run on AMD hardware here). moriio_connector.py
         # get_num_new_matched_tokens: READ asks for max(prompt_tokens - num_computed_tokens - 1, 0) (the
         # decode recomputes the last token), WRITE for prompt_tokens - num_computed_tokens, which the
@@ -257,56 +267,39 @@ class MoriioConnector(Connector):
         # when no token is external. An empty prompt never reaches an engine (vLLM's input processor: 400).
         return True
 
-    def alone(self, mode: Mode) -> Alone:
-        # vLLM 0.32 moriio_connector.py, MoRIIOConnectorScheduler.get_num_new_matched_tokens: WRITE asks for
-        # nothing without do_remote_prefill, READ for max(prompt - computed - 1, 0) whatever the params, and
-        # update_state_after_alloc returns early without params: nothing is read, and the decode attends over
-        # positions never written (a 100-token prompt: 99 external tokens, no receive; tests/connector).
-        if mode == "read":
-            # a request with prompt logprobs skips the connector's count (alone_body): correct, at the cost of
-            # the prompt's logprobs and of its prefix cache hits, so only for what cannot be handed over
-            return Alone(False, "vLLM's MoRIIO decode in READ mode counts every prompt token but the last as "
-                                "pulled from a prefill, with or without a hand-off, and pulls nothing without one")
-        return Alone(True, "vLLM's MoRIIO decode in WRITE mode loads nothing without do_remote_prefill: it "
-                           "computes the prompt itself")
+    def release(self, decode_body: dict[str, Any], path: str) -> tuple[str, dict[str, Any]] | None:
+        return None
 
-    def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:
-        return skipping_lookups(body) if mode == "read" else (body, False)
+    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
+        rid = router_request_id(_zmq(prefill), _zmq(decode))
+        # vLLM reads both peers' addresses out of this id (moriio_common.py, _DECODE_ZMQ_RE ends
+        # "_<32 hex>(?:-.*)?$"): the client's id may follow it only where it cannot be read as an address
+        return f"{rid}-{client_id}" if client_id and _PLAIN_ID.fullmatch(client_id) else rid
 
-    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-        return without_prompt_logprobs(answer)
-
-    def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
-        leg = super().prefill_body(body, prefill, decode, handoff)
+    def prefill_body(self, body: dict[str, Any], pairing: Pairing) -> dict[str, Any]:
+        leg = one_token(body)
         leg["kv_transfer_params"] = {
             "do_remote_decode": True,
             "do_remote_prefill": False,
             "remote_engine_id": None,
             "remote_block_ids": None,
-            "transfer_id": _transfer_id(handoff),
-            "remote_dp_size": decode.dp_size,
-            "remote_tp_size": decode.tp_size,
+            # one id ties the two legs (and MORI-IO's notifications) of one request together
+            "transfer_id": pairing.transfer_id,
+            "remote_dp_size": pairing.decode.dp_size,
+            "remote_tp_size": pairing.decode.tp_size,
         }
         return leg
 
-    def decode_body(
-        self,
-        body: dict[str, Any],
-        prefill: Peer,
-        decode: Peer,
-        prefill_rank: int | None,
-        prefill_kv: dict[str, Any] | None,
-        handoff: dict[str, Any],
-    ) -> dict[str, Any]:
+    def decode_body(self, body: dict[str, Any], pairing: Pairing, prefill_rank: int | None,
+                    prefill_kv: dict[str, Any] | None) -> dict[str, Any]:
+        prefill = pairing.prefill
         params: dict[str, Any] = {
             "do_remote_decode": False,
             "do_remote_prefill": True,
             "remote_engine_id": None,
             "remote_block_ids": None,
-            "transfer_id": _transfer_id(handoff),
+            "transfer_id": pairing.transfer_id,
         }
-        if prefill_kv is None and handoff.get("mode") == "read":
-            raise HandoffError(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
         if prefill_kv is not None:
             # READ: copy what the prefill returned (remote_engine_id, remote_block_ids, transfer_id, ...)
             if not prefill_kv.get("remote_block_ids") and "remote_engine_id" not in prefill_kv:
@@ -318,6 +311,33 @@ class MoriioConnector(Connector):
         params["remote_tp_size"] = prefill.tp_size
         if prefill_rank is not None:
             params["remote_dp_rank"] = prefill_rank
-        leg = dict(body)
-        leg["kv_transfer_params"] = params
-        return leg
+        return {**body, "kv_transfer_params": params}
+
+
+class MoriioRead(MoriioWrite):
+    """READ: the decode pulls what the prefill's answer names, after it."""
+
+    def alone(self) -> Alone:
+        # vLLM 0.32 moriio_connector.py, MoRIIOConnectorScheduler.get_num_new_matched_tokens: READ asks for
+        # max(prompt - computed - 1, 0) whatever the params, and update_state_after_alloc returns early without
+        # params: nothing is read, and the decode attends over positions never written (a 100-token prompt: 99
+        # external tokens, no receive; tests/connector/test_moriio_vllm.py). A request with prompt logprobs
+        # skips the connector's count (alone_body): correct, at the cost of the prompt's logprobs and of its
+        # prefix cache hits, so only for what cannot be handed over.
+        return Alone(False, "vLLM's MoRIIO decode in READ mode counts every prompt token but the last as "
+                            "pulled from a prefill, with or without a hand-off, and pulls nothing without one")
+
+    def handoff(self) -> Handoff:
+        return MORIIO_READ
+
+    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        return skipping_lookups(body)
+
+    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        return without_prompt_logprobs(answer)
+
+    def decode_body(self, body: dict[str, Any], pairing: Pairing, prefill_rank: int | None,
+                    prefill_kv: dict[str, Any] | None) -> dict[str, Any]:
+        if prefill_kv is None:
+            raise HandoffError(502, f"prefill instance {pairing.prefill.name} returned no kv_transfer_params")
+        return super().decode_body(body, pairing, prefill_rank, prefill_kv)
