@@ -209,3 +209,19 @@ def test_a_moriio_batch_goes_to_the_decode_alone_with_a_body_it_serves(body: dic
         assert (route.name, route.reason, route.prefill) == ("decode-only", "batch", None)
     sent, mend = moriio.side(mode).alone_body(dict(request.body))  # type: ignore[arg-type]
     assert (sent.get("prompt_logprobs"), mend) == ((0, True) if mode == "read" else (None, False))
+
+
+@pytest.mark.parametrize("asks", [{"prompt_logprobs": 1}, {"prompt_logprobs": 0}, {"echo": True, "logprobs": 2}])
+def test_a_nixl_push_request_for_prompt_logprobs_goes_to_the_decode_alone(asks: dict[str, Any]) -> None:
+    # its decode leg would load nothing (vLLM skips every KV lookup for it) and so register no blocks: the
+    # prefill's KV would wait for its 30 s lease (tests/engine/test_vllm_nixl_release.py); READ frees it
+    registry = _registry()
+    body = {"model": "m", "prompt": list(range(1, 400)), **asks}
+    for mode, expected in (("write", ("decode-only", "handoff-impossible")), ("read", ("disaggregated", "policy"))):
+        router = Router(registry, RoundRobin(), lambda mode=mode: mode, get_connector("nixl"), CONDITIONAL)
+        with router.route(RequestFacts("/v1/completions", body)) as route:
+            assert (route.name, route.reason) == expected, mode
+            assert route.side.alone_body(body) == (body, False)  # sent as it is: the decode computes the logprobs
+    with Router(registry, RoundRobin(), lambda: "write", get_connector("nixl"), CONDITIONAL).route(
+            RequestFacts("/v1/completions", {"model": "m", "prompt": list(range(1, 400)), "logprobs": 2})) as route:
+        assert route.name == "disaggregated"  # sampled logprobs alone skip no lookup
