@@ -1,6 +1,7 @@
 # sourced on the device after .gpu/bin/device_env.sh: pdctl from .gpurun, its settings, the work folder
-R=$PWD/.gpurun
-export PYTHONPATH=$R:$R/whl/tomli_w-1.2.0-py3-none-any.whl:$PYTHONPATH PDCTL_CONFIG=$R/pdctl.toml PYTHONUNBUFFERED=1 COLUMNS=1000
+R=/tmp/pdrun; [ -d $R/appliance ] || { mkdir -p $R && tar xJf .gpurun/pdctl.tar.xz -C $R; }
+export PYTHONPATH=$R:$R/pylib:$PYTHONPATH PDCTL_CONFIG=$R/pdctl.toml PYTHONUNBUFFERED=1 COLUMNS=1000
+python3 -c "import msgpack, psutil, yaml, prometheus_client, pydantic_settings" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$R/pylib-last
 K=.gpu/bin; M=/tmp/models/qwen3-8b; W=/tmp/h39; mkdir -p $W
 pd() { python3 -m appliance "$@"; }
 serve() {  # serve BUDGET_ARGS...: one vLLM engine on the GPU, the Qwen3-8B shape, dummy weights
