@@ -22,7 +22,7 @@ from appliance.errors import PdctlError
 from appliance.inventory.models import Inventory
 from appliance.model_config import Heads, ModelShape, read_heads, read_model_shape, with_engine_quantization
 from appliance.node import Node
-from appliance.plan import platform_of, step_spread
+from appliance.plan import engine_release, platform_of, step_spread
 from appliance.proxy.config import DecodeStep
 from appliance.roles import Role
 from appliance.settings import EMBEDDED_MODEL, Settings
@@ -392,4 +392,4 @@ def _alone(settings: Settings, inventory: Inventory) -> Alone:
     does not, conditional routing is refused and no decode_only_below is advised."""
     mode = settings.connector.mode
     name = resolve_name(disaggregated_name(settings.connector.name), platform_of(inventory), mode)
-    return get_connector(name).side(mode).alone()
+    return get_connector(name).side(mode, engine_release(settings)).alone()

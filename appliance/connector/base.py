@@ -315,6 +315,10 @@ class ProxySide(ABC):
     prefill whose client left is released. Its three answers (alone, handoff, release) are abstract: a
     connector whose side leaves one out is refused when it is loaded (appliance.connector.get_connector)."""
 
+    # the engines' vLLM release ("": unknown), set by Connector.side: a side whose answers differ between
+    # releases reads it (MoRIIO's)
+    vllm_version: str = ""
+
     def __init__(self, mode: Mode) -> None:
         self.mode = mode
 
@@ -510,12 +514,13 @@ class Connector(ABC):
         """Its proxy side in `mode`: every connector answers for each of its modes (docs/routing.md, "Routes per
         connector")."""
 
-    def side(self, mode: Mode) -> ProxySide:
-        """proxy_side(mode), made once per connector object."""
-        sides: dict[str, ProxySide] = self.__dict__.setdefault("_sides", {})
-        found = sides.get(mode)
+    def side(self, mode: Mode, vllm_version: str = "") -> ProxySide:
+        """proxy_side(mode) for engines of vLLM `vllm_version` ("": unknown), made once per connector object."""
+        sides: dict[tuple[str, str], ProxySide] = self.__dict__.setdefault("_sides", {})
+        found = sides.get((mode, vllm_version))
         if found is None:
-            found = sides[mode] = self.proxy_side(mode)
+            found = sides[mode, vllm_version] = self.proxy_side(mode)
+            found.vllm_version = vllm_version
         return found
 
     @property

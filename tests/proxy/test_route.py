@@ -225,3 +225,27 @@ def test_a_nixl_push_request_for_prompt_logprobs_goes_to_the_decode_alone(asks: 
     with Router(registry, RoundRobin(), lambda: "write", get_connector("nixl"), CONDITIONAL).route(
             RequestFacts("/v1/completions", {"model": "m", "prompt": list(range(1, 400)), "logprobs": 2})) as route:
         assert route.name == "disaggregated"  # sampled logprobs alone skip no lookup
+
+
+def test_what_a_moriio_decode_serves_alone_follows_the_engines_vllm_release() -> None:
+    # (WRITE served, WRITE forced, READ forced), from each release's MoRIIO and scheduler code (run as vLLM's
+    # real classes: tests/connector/test_moriio_vllm.py); unknown: the newest read; between two that disagree: no
+    moriio = get_connector("moriio")
+    answers = {v: (moriio.side("write", v).alone().served, moriio.side("write", v).alone().forced,
+                   moriio.side("read", v).alone().forced) for v in ("", "0.24.0", "0.28.0", "0.31.0", "0.32.0", "0.33.1")}
+    assert answers == {"": (True, True, True), "0.24.0": (False, False, False), "0.28.0": (False, False, False),
+                       "0.31.0": (False, True, True), "0.32.0": (True, True, True), "0.33.1": (True, True, True)}
+    registry = _registry()
+    short = RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3]})
+    batch = RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3], "n": 2})
+    on = {v: Router(registry, RoundRobin(), lambda: "write", moriio, CONDITIONAL, vllm_version=v)
+          for v in ("0.24.0", "0.31.0", "0.32.0")}
+    with on["0.32.0"].route(short) as route:
+        assert (route.name, route.reason) == ("decode-only", "short-prompt")
+    with on["0.31.0"].route(short) as route:  # its WRITE decode would wait for a push nobody sends
+        assert (route.name, route.reason) == ("disaggregated", "alone-unserved")
+    with on["0.31.0"].route(batch) as route:  # prompt logprobs make its scheduler drop the count
+        assert (route.name, route.reason) == ("decode-only", "batch")
+        assert route.side.alone_body(dict(batch.body))[0]["prompt_logprobs"] == 0
+    with pytest.raises(Refused, match="waits for every prompt token"):  # 0.24.0: no body is served alone
+        on["0.24.0"].route(batch)

@@ -33,6 +33,7 @@ from appliance.connector.base import (
 from appliance.connector.extras import ExtraConfigTable
 from appliance.connector.moriio.address import router_request_id, zmq_address
 from appliance.connector.moriio.settings import MoriioSettings
+from appliance.releases import answer_for, version_tuple
 from appliance.roles import Mode
 
 # kv_connector_extra_config keys that address pdctl's own proxy or a loopback host; cluster deployments
@@ -243,15 +244,49 @@ class MoriioConnector(Connector):
 MORIIO_READ = Handoff(serial=True, one_request=True, lengths=False, releases=False, fixed_mode=True)
 MORIIO_WRITE = Handoff(serial=False, one_request=True, lengths=False, releases=False, fixed_mode=True)
 
+# What a MoRIIO decode does with a request sent alone differs between vLLM releases (each read, and run as vLLM's
+# real MoRIIOConnectorScheduler class by tests/connector/test_moriio_vllm.py):
+# - a WRITE decode asks for no external token without do_remote_prefill in 0.32.0 only; 0.24.0 and 0.31.0 ask
+#   for every uncomputed prompt token, asynchronously, whatever the params (moriio_connector.py,
+#   get_num_new_matched_tokens: `if self.mode == MoRIIOMode.WRITE: return ..., True`): the decode would wait for
+#   a push that never comes;
+# - prompt logprobs make the scheduler drop a connector's count in 0.31.0 and 0.32.0 (v1/core/sched/
+#   scheduler.py: `if request.skip_reading_prefix_cache: ext_tokens, load_kv_async = 0, False`); 0.24.0 has no
+#   such line (they skip the local prefix cache only), so there alone_body serves nothing either.
+WRITE_SERVES_ALONE = {"0.24.0": False, "0.31.0": False, "0.32.0": True}
+LOGPROBS_DROP_COUNT = {"0.24.0": False, "0.31.0": True, "0.32.0": True}
+
+
+def _in_release(table: dict[str, bool], vllm_version: str) -> bool:
+    """`table`'s answer for vLLM `vllm_version`: unknown (""), the newest read release's (pdctl's tested one);
+    a release between read ones that disagree, or older than all, no (the answer that is never wrong)."""
+    if not vllm_version:
+        return table[max(table, key=version_tuple)]
+    return answer_for(vllm_version, table) is True
+
 
 class MoriioWrite(ProxySide):
     """WRITE: both legs start together; the decode sends the prefill its blocks and the prefill writes them."""
 
     def alone(self) -> Alone:
-        # vLLM 0.32 moriio_connector.py, MoRIIOConnectorScheduler.get_num_new_matched_tokens: WRITE asks for
-        # nothing without do_remote_prefill (tests/connector/test_moriio_vllm.py)
-        return Alone(True, "vLLM's MoRIIO decode in WRITE mode loads nothing without do_remote_prefill: it "
-                           "computes the prompt itself")
+        # WRITE_SERVES_ALONE, LOGPROBS_DROP_COUNT above (tests/connector/test_moriio_vllm.py)
+        release = f"vLLM {self.vllm_version}" if self.vllm_version else "vLLM"
+        if _in_release(WRITE_SERVES_ALONE, self.vllm_version):
+            return Alone(True, f"{release}'s MoRIIO decode in WRITE mode loads nothing without do_remote_prefill: "
+                               "it computes the prompt itself")
+        return Alone(False, f"{release}'s MoRIIO decode in WRITE mode waits for every prompt token to be pushed "
+                            "by a prefill, with or without a hand-off", forced=self._drops_count())
+
+    def _drops_count(self) -> bool:
+        """Whether the engines' scheduler drops the connector's count for a request with prompt logprobs, so
+        that alone_body serves what must go alone."""
+        return _in_release(LOGPROBS_DROP_COUNT, self.vllm_version)
+
+    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        return (body, False) if self.alone().served else skipping_lookups(body)
+
+    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        return without_prompt_logprobs(answer)
 
     def handoff(self) -> Handoff:
         return MORIIO_WRITE
@@ -325,16 +360,11 @@ class MoriioRead(MoriioWrite):
         # skips the connector's count (alone_body): correct, at the cost of the prompt's logprobs and of its
         # prefix cache hits, so only for what cannot be handed over.
         return Alone(False, "vLLM's MoRIIO decode in READ mode counts every prompt token but the last as "
-                            "pulled from a prefill, with or without a hand-off, and pulls nothing without one")
+                            "pulled from a prefill, with or without a hand-off, and pulls nothing without one",
+                     forced=self._drops_count())
 
     def handoff(self) -> Handoff:
         return MORIIO_READ
-
-    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        return skipping_lookups(body)
-
-    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-        return without_prompt_logprobs(answer)
 
     def decode_body(self, body: dict[str, Any], pairing: Pairing, prefill_rank: int | None,
                     prefill_kv: dict[str, Any] | None) -> dict[str, Any]:

@@ -104,7 +104,7 @@ class Router:
     """Routes requests over the routable instances of each role with the policy the `routing` setting names."""
 
     def __init__(self, registry: InstanceRegistry, policy: Policy, mode: Callable[[], str], connector: Connector,
-                 rules: Rules, block_size: int | None = None,
+                 rules: Rules, block_size: int | None = None, vllm_version: str = "",
                  stand_in: Callable[[Iterable[BackendState]], BackendState | None] = lambda instances: None,
                  on_stand_in: Callable[[BackendState], None] = lambda inst: None) -> None:
         self.registry = registry
@@ -122,6 +122,7 @@ class Router:
         # the engines' KV block size, for a connector whose hand-off depends on the prompt's length (in any mode;
         # each pass reads its mode's Handoff.lengths)
         self._block_size = block_size
+        self.vllm_version = vllm_version  # the engines' release ("": unknown), which some connectors' answers read
         # per transfer mode, the connector's proxy side and what the pass reads of it
         self._sides: dict[str, Sided] = {}
         # per decode instance, the prompts it was sent to prefill itself lately (the decode-busy rule)
@@ -187,7 +188,7 @@ class Router:
         mode = mode or self.mode()
         sided = self._sides.get(mode)
         if sided is None:
-            side = self.connector.side(cast(Mode, mode))
+            side = self.connector.side(cast(Mode, mode), self.vllm_version)
             handoff = side.handoff()
             block = self._block_size if handoff is not None and handoff.lengths else None
             sided = self._sides[mode] = Sided(side, handoff, block, side.alone())
