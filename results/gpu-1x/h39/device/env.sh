@@ -12,7 +12,7 @@ serve() {  # serve BUDGET_ARGS...: one vLLM engine on the GPU, the Qwen3-8B shap
 sweep() {  # sweep NAME LABEL SEED RATES IN OUT ITL [N] [LIMIT_S]: pdctl bench against the engine, as a user would
   echo "== $1 start $(date -u +%FT%TZ)"
   timeout ${9:-280} python3 -m appliance bench --url http://127.0.0.1:8100 --label $2 --seed $3 --rates $4 -n ${8:-40} \
-    --input-len $5 --output-len $6 --ttft-ms 1000 --itl-ms $7 --no-plots --out $W/$1 2>&1 | tail -25
+    --input-len $5 --output-len $6 --ttft-ms 1000 --itl-ms $7 ${STOP:-} --no-plots --out $W/$1 2>&1 | tail -25
   echo "== $1 end $(date -u +%FT%TZ)"
 }
 pack() { cp /tmp/vllm_logs/s0.log $W/vllm-s0-$1.log 2>/dev/null; tar czf $OUT/h39-$1.tgz -C /tmp h39; }
