@@ -496,12 +496,20 @@ def _supervise(relay: Relay, supervisor: asyncio.Task[Any] | None) -> None:
         relay.fail(supervisor.exception())  # type: ignore[arg-type]
 
 
+# legs of one cut's continuation that may fail before their first token (each on an instance then probed out of
+# rotation) before the stream ends with an error event
+FAILED_CONTINUATION_LEGS = 3
+
+
 async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, dead: BackendState,
                     legs: contextlib.ExitStack) -> tuple[BackendState, Connection, asyncio.Task[Any] | None] | str:
     """Open a leg that continues `tracker`'s stream, cut on `dead`, on a new route (waiting for its role within
     the hold bound): its instance, connection (its first token come) and supervising prefill; or why not."""
     limit = proxy.config.max_continuations
+    failed = 0  # legs that failed before their first token: not continuations, but bounded all the same
     while (why := tracker.why_not(limit)) is None:
+        if failed > FAILED_CONTINUATION_LEGS:
+            return "legs_failed"
         body = continuation_body(tracker.body, cast(list[int], tracker.prompt), tracker.resume())
         if body is None:
             return "finished"
@@ -522,6 +530,10 @@ async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, d
         except (LegFailure, HandoffError) as exc:
             log.warning("could not continue a stream on %s: %s", route.header(), exc)
             dead = route.decode
+            # it relayed nothing: the next try is still this cut's continuation (an instance that failed it, e.g.
+            # one its manager is stopping, is probed out of rotation first), not one of max_continuations
+            tracker.continued -= 1
+            failed += 1
     return why
 
 
