@@ -11,11 +11,13 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from appliance.errors import PdctlError
 from appliance.proxy.body import INT_DIGITS
 from appliance.proxy.config import load_config
 from appliance.proxy.keeper import RETIRE_SIGNAL
+from appliance.proxy.workers import WorkerRole
 
 _PR_SET_PDEATHSIG = 1
 # a successor serves once its engines answer /health, or after this long (the instances only registered
@@ -28,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m appliance.proxy", description="pdctl's PD proxy")
     parser.add_argument("--config", required=True, help="ProxyConfig JSON file")
     parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--listen-fds", help="API,ADMIN: listening sockets inherited from the keeper")
+    parser.add_argument("--listen-fds", help="API[,ADMIN]: listening sockets inherited from the keeper (the "
+                        "admin socket is the leader's)")
+    parser.add_argument("--worker", type=int, help="which of several workers this is (0: the leader)")
+    parser.add_argument("--peers", help="the folder of the workers' Unix sockets (the keeper's)")
+    parser.add_argument("--generation", type=int, default=0, help="the keeper's handover this worker belongs to")
     parser.add_argument("--ready-fd", type=int, help="a pipe to write one byte to once serving (the keeper's)")
     parser.add_argument("--crashes", type=int, default=0,
                         help="serving proxies that crashed under the keeper before this one (its metrics show them)")
@@ -57,11 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         if sys.platform == "linux":
             # the keeper going away (even SIGKILLed) stops this proxy too: it finishes its requests and exits
             ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        api, admin = (socket.socket(fileno=int(fd)) for fd in args.listen_fds.split(","))
-        listeners = (api, admin)
+        listeners = tuple(socket.socket(fileno=int(fd)) for fd in args.listen_fds.split(","))
+    role = WorkerRole(args.worker, Path(args.peers), args.generation) if args.peers and args.worker is not None \
+        else None
 
     async def run() -> None:
-        proxy = Proxy(config, listeners)
+        proxy = Proxy(config, listeners, role)
         proxy.metrics.set_proxy_crashes(args.crashes)
         await proxy.start(serve=not args.successor)
         if args.successor:
@@ -91,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         loop.add_signal_handler(signal.SIGHUP, lambda: None if listeners else logging.getLogger("appliance.proxy")
                                 .warning("SIGHUP ignored: a planned restart needs the proxy run by "
                                          "`python -m appliance.proxy.keeper`"))
-        print(f"pd-proxy ready on {config.host}:{proxy.api_port} admin {config.admin.host}:{proxy.admin_port}",
-              flush=True)
+        admin = f" admin {config.admin.host}:{proxy.admin_port}" if proxy.follower is None else ""
+        print(f"pd-proxy ready on {config.host}:{proxy.api_port}{admin}", flush=True)
         try:
             await stop.wait()
         finally:

@@ -23,6 +23,7 @@ from appliance.proxy.legs import OUTCOME, ROUTE, STAGE, LegFailure, error_respon
 from appliance.proxy.metrics import CONTENT_TYPE
 from appliance.proxy.state import ProxyState
 from appliance.proxy.tenants import ANONYMOUS, client_salt_problem
+from appliance.proxy.workers import Follower, Leader, WorkerRole
 
 log = logging.getLogger("appliance.proxy")
 
@@ -83,9 +84,15 @@ class _OneLineBadRequests(logging.Filter):
 class Proxy(ProxyState):
     """One running proxy; `start()` binds every socket, `stop()` closes them."""
 
-    def __init__(self, config: ProxyConfig, listeners: tuple[socket.socket, socket.socket] | None = None) -> None:
+    def __init__(self, config: ProxyConfig, listeners: tuple[socket.socket, ...] | None = None,
+                 role: WorkerRole | None = None) -> None:
         super().__init__(config)
-        self.listeners = listeners  # (API, admin) sockets bound by the keeper, or None to bind them here
+        # (API, admin) sockets bound by the keeper ((API,) for a worker other than the leader), or None to bind them
+        self.listeners = listeners
+        self.role = role  # which of several worker processes this is (workers.py); None: the only one
+        self.leader = Leader(self, role) if role is not None and role.leader else None
+        self.follower = Follower(self, role) if role is not None and not role.leader else None
+        self.others = self.leader
         self.stopping = False
         self._registration_bind: asyncio.Task[None] | None = None
         self.listener: ProxyListener | None = None
@@ -121,12 +128,23 @@ class Proxy(ProxyState):
         api.router.add_get("/metrics", self._metrics)
         # handler_cancellation: a client that disconnects cancels its handler, which aborts both legs
         limits = self.config.limits
-        cap = fit_to_descriptors(limits.max_connections, "client API")
+        # with several workers each takes its share of the node's connections (the kernel spreads them evenly)
+        share = limits.max_connections // self.config.workers if self.role is not None else limits.max_connections
+        cap = fit_to_descriptors(max(share, 1), "client API")
         self.keep_cap = min(cap, limits.max_kept_prefills)
-        api_sock, admin_sock = self.listeners or (None, None)
+        api_sock, admin_sock = (*self.listeners, None)[:2] if self.listeners else (None, None)
         self.api_port = await self._serve(api, self.config.host, self.config.port, cap, api_sock, serve)
+        if self.follower is not None:
+            # the leader alone serves the admin API, registrations, KV events and the KV store's bound
+            await self.follower.start()
+            self.health.start()
+            self.metrics.loop.start()
+            log.info("proxy worker %d on %s:%d", self.follower.role.index, self.config.host, self.api_port)
+            return
         self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port,
                                             admin.MAX_CONNECTIONS, admin_sock, serve)
+        if self.leader is not None:
+            self.leader.start()
         if self.admin_token is None:
             # a proxy.json written by hand or by a pdctl before admin tokens (`pdctl up` writes one now)
             log.warning("the admin API on %s:%d has no token (admin.token_file): any local process can replace "
@@ -184,10 +202,16 @@ class Proxy(ProxyState):
         """Start serving the sockets once the engines answer (or after wait_s): a successor that served at once
         would answer 503 until its first health probes passed, while the proxy before it could still serve."""
         deadline = time.monotonic() + wait_s
-        while not self.ready()[0] and time.monotonic() < deadline:
+        while not self._takes_over() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for server in self._servers:
             await server.start_serving()
+
+    def _takes_over(self) -> bool:
+        """A successor serves once its engines answer and, as a worker other than the leader, once it has the
+        leader's control state (a drain or hold set since the plan)."""
+        synced = self.follower is None or self.follower.synced.is_set()
+        return synced and self.ready()[0]
 
     async def _serve(self, app: web.Application, host: str, port: int, max_connections: int,
                      sock: socket.socket | None, serve: bool) -> int:
@@ -218,6 +242,10 @@ class Proxy(ProxyState):
         closed only after an answer that says so, or when it has been idle for limits.idle_timeout_s, as it
         would be anyway; never while the client may be sending its next request on it."""
         self.stopping = True
+        if self.follower is not None:
+            await self.follower.stop()
+        if self.leader is not None:
+            await self.leader.stop()
         if self._registration_bind is not None:
             self._registration_bind.cancel()
         if self.listener is not None:

@@ -21,10 +21,12 @@ import argparse
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -37,18 +39,31 @@ _SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
 RETIRE_SIGNAL = signal.SIGUSR2  # to a proxy: a successor serves the listening sockets now; finish and exit
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port that a child proxy can inherit."""
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket on host:port that a child proxy can inherit; reuse_port: one of several on the same
+    port (SO_REUSEPORT), among which the kernel spreads new connections by a hash of their addresses."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     sock.bind(address)
     sock.listen(1024)
     sock.set_inheritable(True)
     return sock
+
+
+def bind_api(host: str, port: int, workers: int) -> list[socket.socket]:
+    """The API's listening sockets, one per worker: with several, each on the same port with SO_REUSEPORT (the
+    kernel spreads connections over their queues; one shared socket would wake every worker's loop on each)."""
+    if workers == 1:
+        return [bind(host, port)]
+    first = bind(host, port, reuse_port=True)
+    taken = first.getsockname()[1]  # port 0: the others join the port the first one got
+    return [first, *(bind(host, taken, reuse_port=True) for _ in range(workers - 1))]
 
 
 @dataclass
@@ -61,26 +76,51 @@ class Worker:
     ready: bool = False
 
 
+@dataclass
+class Slot:
+    """One worker's place: its listening sockets (the API's, and the admin's for worker 0, the leader), the
+    proxy serving them, the one taking them over and those finishing their streams."""
+
+    index: int
+    sockets: list[socket.socket]
+    current: Worker | None = None
+    successor: Worker | None = None
+    retiring: list[Worker] = field(default_factory=list)
+
+    def workers(self) -> list[Worker]:
+        """Every live process of the slot."""
+        return [w for w in (self.current, self.successor, *self.retiring) if w is not None]
+
+
 class Keeper:
-    """Runs the proxy on inherited sockets and hands them over to a new proxy on SIGHUP."""
+    """Runs the proxy's workers on inherited sockets and hands them over to new ones on SIGHUP."""
 
     def __init__(self, config_path: str, log_level: str, config: ProxyConfig, handover_timeout_s: float) -> None:
         self.config_path = config_path
         self.log_level = log_level
         self.handover_timeout_s = handover_timeout_s
-        self.sockets = [bind(config.host, config.port), bind(config.admin.host, config.admin.port)]
-        self.current: Worker | None = None
-        self.successor: Worker | None = None
-        self.retiring: list[Worker] = []
+        api = bind_api(config.host, config.port, config.workers)
+        admin = bind(config.admin.host, config.admin.port)
+        self.slots = [Slot(0, [api[0], admin]), *(Slot(i, [sock]) for i, sock in enumerate(api[1:], 1))]
+        # where the workers of one generation find each other (the leader shares its routing state through it)
+        self.peers = tempfile.mkdtemp(prefix="pd-proxy-") if config.workers > 1 else None
+        self.generation = 0  # a handover starts the next one; a crashed worker's replacement joins the current
         self.signals: list[int] = []
         self.crashes = 0  # serving proxies that exited on their own and were replaced
 
-    def spawn(self, successor: bool) -> Worker:
-        """Start a proxy on the keeper's sockets; a successor serves only once its engines are healthy."""
+    @property
+    def current(self) -> Worker | None:
+        """The leader serving now (worker 0)."""
+        return self.slots[0].current
+
+    def spawn(self, slot: Slot, successor: bool, generation: int) -> Worker:
+        """Start a proxy on a slot's sockets; a successor serves only once its engines are healthy."""
         read_end, write_end = os.pipe()
-        fds = [s.fileno() for s in self.sockets]
+        fds = [s.fileno() for s in slot.sockets]
         argv = [sys.executable, "-m", "appliance.proxy", "--config", self.config_path, "--log-level", self.log_level,
                 "--listen-fds", ",".join(map(str, fds)), "--ready-fd", str(write_end), "--crashes", str(self.crashes)]
+        if self.peers is not None:
+            argv += ["--worker", str(slot.index), "--peers", self.peers, "--generation", str(generation)]
         proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=(*fds, write_end),
                                 start_new_session=True)
         os.close(write_end)
@@ -90,15 +130,25 @@ class Keeper:
         self.signals.append(signum)
 
     def run(self) -> int:
-        """Serve until SIGTERM/SIGINT (exit 0 once every proxy finished) or until the serving proxy exits."""
+        """Serve until SIGTERM/SIGINT (exit 0 once every proxy finished) or until a serving proxy that never
+        served exits."""
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w)
         for sig in _SIGNALS:
             signal.signal(sig, self._signal)
-        self.current = self.spawn(successor=False)
+        for slot in self.slots:
+            slot.current = self.spawn(slot, False, self.generation)
+        try:
+            return self._loop(wake_r)
+        finally:
+            if self.peers is not None:
+                shutil.rmtree(self.peers, ignore_errors=True)
+
+    def _loop(self, wake_r: int) -> int:
         while True:
-            waiting = [w.ready_fd for w in (self.current, self.successor) if w is not None and w.ready_fd >= 0]
+            waiting = [w.ready_fd for slot in self.slots for w in (slot.current, slot.successor)
+                       if w is not None and w.ready_fd >= 0]
             readable, _, _ = select.select([wake_r, *waiting], [], [], 1.0)
             if wake_r in readable:
                 os.read(wake_r, 512)
@@ -111,72 +161,79 @@ class Keeper:
                     return self._stop_all()
                 if got == signal.SIGHUP:
                     self._hand_over()
-            code = self._reap()
-            if code is not None:
-                return code
+            for slot in self.slots:
+                code = self._reap(slot)
+                if code is not None:
+                    return code
 
     def _hand_over(self) -> None:
-        if self.successor is not None:
-            log.info("a handover is already under way (proxy pid %d)", self.successor.proc.pid)
+        if any(slot.successor is not None for slot in self.slots):
+            log.info("a handover is already under way (proxy pid %s)",
+                     ", ".join(str(s.successor.proc.pid) for s in self.slots if s.successor is not None))
             return
-        self.successor = self.spawn(successor=True)
-        log.info("handing the listening sockets over to a new proxy (pid %d)", self.successor.proc.pid)
+        self.generation += 1
+        for slot in self.slots:
+            slot.successor = self.spawn(slot, True, self.generation)
+            log.info("handing the listening sockets of worker %d over to a new proxy (pid %d)", slot.index,
+                     slot.successor.proc.pid)
 
     def _readiness(self, fd: int) -> None:
-        worker = next(w for w in (self.current, self.successor) if w is not None and w.ready_fd == fd)
+        slot, worker = next((s, w) for s in self.slots for w in (s.current, s.successor)
+                            if w is not None and w.ready_fd == fd)
         got = os.read(fd, 1)
         os.close(fd)
         worker.ready_fd = -1
         worker.ready = bool(got)
-        if worker is self.successor and worker.ready and self.current is not None:
-            old = self.current
+        if worker is slot.successor and worker.ready and slot.current is not None:
+            old = slot.current
             old.proc.send_signal(RETIRE_SIGNAL)  # it stops accepting and finishes its requests
-            self.retiring.append(old)
-            self.current, self.successor = worker, None
+            slot.retiring.append(old)
+            slot.current, slot.successor = worker, None
             log.info("proxy pid %d serves; pid %d finishes its requests and exits", worker.proc.pid, old.proc.pid)
 
-    def _reap(self) -> int | None:
-        """The keeper's exit status when the serving proxy ended by itself; None while it runs."""
-        for old in [w for w in self.retiring if w.proc.poll() is not None]:
-            self.retiring.remove(old)
+    def _reap(self, slot: Slot) -> int | None:
+        """The keeper's exit status when a slot's serving proxy ended before it ever served; None while it runs."""
+        for old in [w for w in slot.retiring if w.proc.poll() is not None]:
+            slot.retiring.remove(old)
             log.info("the previous proxy (pid %d) exited with %d", old.proc.pid, old.proc.returncode)
-        new = self.successor
+        new = slot.successor
         if new is not None and (new.proc.poll() is not None or time.monotonic() - new.started > self.handover_timeout_s):
             new.proc.kill()
             new.proc.wait()
             if new.ready_fd >= 0:
                 os.close(new.ready_fd)
-            self.successor = None
+            slot.successor = None
             log.error("the new proxy (pid %d) did not become ready (exit %s): the running one keeps serving",
                       new.proc.pid, new.proc.returncode)
-        assert self.current is not None
-        code = self.current.proc.poll()
+        assert slot.current is not None
+        code = slot.current.proc.poll()
         if code is None:
             return None
-        if self.current.ready:
-            self._replace_crashed(code)
+        if slot.current.ready:
+            self._replace_crashed(slot, code)
             return None
-        log.error("the proxy (pid %d) exited with %d before it served", self.current.proc.pid, code)
-        for worker in (self.successor, *self.retiring):
-            if worker is not None:
-                worker.proc.terminate()
+        log.error("the proxy (pid %d) exited with %d before it served", slot.current.proc.pid, code)
+        for other in self.slots:
+            for worker in other.workers():
+                if worker is not slot.current:
+                    worker.proc.terminate()
         return code if code >= 0 else 128 - code
 
-    def _replace_crashed(self, code: int) -> None:
-        """The serving proxy exited on its own: a handover under way completes, else a new proxy takes over the
-        sockets (once its engines answer); the retiring proxies keep finishing their streams."""
-        assert self.current is not None
+    def _replace_crashed(self, slot: Slot, code: int) -> None:
+        """A serving proxy exited on its own: a handover under way completes, else a new proxy takes over the
+        slot's sockets (once its engines answer); the retiring proxies keep finishing their streams."""
+        assert slot.current is not None
         self.crashes += 1
-        crashed = self.current.proc.pid
-        if self.successor is not None:
-            self.current, self.successor = self.successor, None
+        crashed = slot.current.proc.pid
+        if slot.successor is not None:
+            slot.current, slot.successor = slot.successor, None
         else:
-            self.current = self.spawn(successor=True)
+            slot.current = self.spawn(slot, True, self.generation)
         log.error("the proxy (pid %d) exited with %d; pid %d takes over its listening sockets (%d crash(es) since "
-                  "the keeper started)", crashed, code, self.current.proc.pid, self.crashes)
+                  "the keeper started)", crashed, code, slot.current.proc.pid, self.crashes)
 
     def _stop_all(self) -> int:
-        workers = [w for w in (self.current, self.successor, *self.retiring) if w is not None]
+        workers = [w for slot in self.slots for w in slot.workers()]
         for worker in workers:
             if worker.proc.poll() is None:
                 worker.proc.terminate()
