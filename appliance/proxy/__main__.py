@@ -70,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> None:
         proxy = Proxy(config, listeners, role)
         proxy.metrics.set_proxy_crashes(args.crashes)
-        await proxy.start(serve=not args.successor)
-        if args.successor:
+        # a worker other than the leader serves once it has the leader's state and its engines answer, as a
+        # successor does: the connections the kernel queues on its socket meanwhile wait instead of getting 503
+        takes_over = args.successor or (role is not None and not role.leader)
+        await proxy.start(serve=not takes_over)
+        if takes_over:
             await proxy.serve_once_ready(_TAKEOVER_WAIT_S)
         if args.ready_fd is not None:
             os.write(args.ready_fd, b"r")

@@ -102,9 +102,10 @@ async def everywhere(proxy: ProxyState) -> dict[str, Any]:
     if proxy.others is None:
         return view
     others = await proxy.others.loads()
-    view["workers"] = [{"worker": 0, "pid": view["pid"], "requests": view["requests"]["total"]},
-                       *({"worker": got["worker"], "pid": got["pid"], "requests": got["requests"]["total"]}
-                         for got in sorted(others, key=lambda got: int(got["worker"])))]
+    view["workers"] = [{"worker": 0, "pid": view["pid"], "requests": view["requests"]["total"],
+                        "connections": proxy.client_connections(), "ready": view["ready"]},
+                       *({key: got[key] for key in ("worker", "pid", "connections", "ready")} | {"requests":
+                         got["requests"]["total"]} for got in sorted(others, key=lambda got: int(got["worker"])))]
     for inst in view["instances"]:
         for got in others:
             in_flight, routed = got["instances"].get(inst["name"], [0, 0])
@@ -119,6 +120,8 @@ async def everywhere(proxy: ProxyState) -> dict[str, Any]:
             requests["by_status"][status] = requests["by_status"].get(status, 0) + count
         holds["requests"] += got["held_requests"]
         holds["max_wait_s"] = max(holds["max_wait_s"], round(got["max_hold_s"], 3))
+        # a worker started after a crash knows the keeper's count then; the leader may be older
+        holds["proxy_crashes"] = max(holds["proxy_crashes"], got["proxy_crashes"])
     return view
 
 

@@ -16,6 +16,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from appliance.connector import HandoffError, ProxyListener, get_connector
 from appliance.proxy import admin
 from appliance.proxy.body import INLINE_BYTES, BodyReader, BodyRules
+from appliance.proxy.columns import Columns
 from appliance.proxy.config import ProxyConfig
 from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors
 from appliance.proxy.kvstore import KvStoreSweeper
@@ -93,6 +94,8 @@ class Proxy(ProxyState):
         self.leader = Leader(self, role) if role is not None and role.leader else None
         self.follower = Follower(self, role) if role is not None and not role.leader else None
         self.others = self.leader
+        if role is not None:
+            self.share_loads(Columns(role.peers, role.generation, role.index, config.workers))
         self.stopping = False
         self._registration_bind: asyncio.Task[None] | None = None
         self.listener: ProxyListener | None = None
@@ -206,6 +209,11 @@ class Proxy(ProxyState):
             await asyncio.sleep(0.02)
         for server in self._servers:
             await server.start_serving()
+
+    def client_connections(self) -> int:
+        """Open client API connections of this process (the API's runner is the first)."""
+        server = self._runners[0].server if self._runners else None
+        return len(server.connections) if server is not None else 0
 
     def _takes_over(self) -> bool:
         """A successor serves once its engines answer and, as a worker other than the leader, once it has the

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from appliance.connector import get_connector
 from appliance.proxy import warmup
+from appliance.proxy.columns import Columns
 from appliance.proxy.config import Backend, ProxyConfig, read_secret
 from appliance.proxy.health import LOG_EVERY_S, HealthChecker
 from appliance.proxy.instances import BackendState, InstanceRegistry
@@ -86,6 +87,7 @@ class ProxyState:
         # the other worker processes, on the leader of several (workers.py); None: this process is the only one
         self.others: OtherWorkers | None = None
         self.backends: list[dict[str, Any]] = []  # the instance set as given, which the leader shares
+        self.columns: Columns | None = None  # the legs in flight the worker processes share (columns.py)
         self.set_backends(config.backends)
 
     def set_backends(self, backends: Iterable[Backend]) -> None:
@@ -93,6 +95,19 @@ class ProxyState:
         backends = list(backends)
         self.backends = [b.model_dump(mode="json") for b in backends]
         self.registry.set_static(backends)
+        self.share_loads(self.columns)
+
+    def share_loads(self, columns: Columns | None) -> None:
+        """Count every instance's legs in the columns the worker processes share (None: none)."""
+        self.columns = columns
+        if columns is not None:
+            for inst in self.registry.instances.values():
+                if inst.column is None:
+                    inst.column = columns.column(inst.name)
+
+    def client_connections(self) -> int:
+        """Open client API connections of this process (app.Proxy has the sockets)."""
+        return 0
 
     async def share(self) -> None:
         """After a change of the control state: return once every worker process applies it."""

@@ -95,9 +95,12 @@ def loads(proxy: ProxyState, index: int) -> dict[str, Any]:
     return {
         "worker": index,
         "pid": os.getpid(),
+        "connections": proxy.client_connections(),
+        "ready": proxy.ready()[0],
         "instances": {i.name: [i.in_flight, i.routed] for i in proxy.registry.instances.values()},
         "requests": metrics.request_totals(),
         "held_requests": metrics.held_requests,
+        "proxy_crashes": metrics.proxy_crash_count,
         "max_hold_s": metrics.max_hold_s,
     }
 
