@@ -5,7 +5,9 @@ The keeper binds the proxy's client and admin listening sockets once and runs th
 (`python -m appliance.proxy`) in a child that serves them. On SIGHUP it starts a new proxy on the same
 sockets; once that one is ready it tells the old one to stop (SIGTERM), and the old one stops accepting and
 finishes its requests while the new one serves the kernel's queue of connections: no connection is refused
-or cut (socket passing, as nginx's and HAProxy's reloads do). The service manager, systemd or supervisord,
+or cut (socket passing, as nginx's and HAProxy's reloads do). With `workers` above 1 it binds one API socket per
+worker on the same port (SO_REUSEPORT) and runs a proxy per socket, worker 0 with the admin socket too; a handover
+starts a successor for each and retires each old worker once its own successor serves (docs/proxy-workers.md). The service manager, systemd or supervisord,
 only ever sees the keeper, so the same handover works under both.
 
 A serving proxy that exits on its own (a crash) is replaced on the same sockets by the keeper (connections wait
