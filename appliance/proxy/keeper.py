@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from appliance.errors import PdctlError
 from appliance.proxy.config import ProxyConfig, load_config
@@ -197,6 +198,7 @@ class Keeper:
         """The keeper's exit status when a slot's serving proxy ended before it ever served; None while it runs."""
         for old in [w for w in slot.retiring if w.proc.poll() is not None]:
             slot.retiring.remove(old)
+            self._forget(old)
             log.info("the previous proxy (pid %d) exited with %d", old.proc.pid, old.proc.returncode)
         new = slot.successor
         if new is not None and (new.proc.poll() is not None or time.monotonic() - new.started > self.handover_timeout_s):
@@ -212,6 +214,7 @@ class Keeper:
         if code is None:
             return None
         if slot.current.ready:
+            self._forget(slot.current)
             self._replace_crashed(slot, code)
             return None
         log.error("the proxy (pid %d) exited with %d before it served", slot.current.proc.pid, code)
@@ -220,6 +223,12 @@ class Keeper:
                 if worker is not slot.current:
                     worker.proc.terminate()
         return code if code >= 0 else 128 - code
+
+    def _forget(self, worker: Worker) -> None:
+        """Remove the Unix socket a worker that ended left in the peers' folder (a killed one cannot)."""
+        if self.peers is not None:
+            for path in Path(self.peers).glob(f"g*-w*-{worker.proc.pid}.sock"):
+                path.unlink(missing_ok=True)
 
     def _replace_crashed(self, slot: Slot, code: int) -> None:
         """A serving proxy exited on its own: a handover under way completes, else a new proxy takes over the
