@@ -1,7 +1,8 @@
-# call 3: stage the last part, serve at budget 512, calibrate, predict calibrated, sweep 3000/300
+# call 5 (after the four staging calls): serve at budget 512, calibrate, predict calibrated, sweep 3000/300
 set -u
 SECONDS=0
-bash .gpu/bin/device_stage.sh 3 && source .gpu/bin/device_env.sh || exit 1
+[ -f /tmp/site/.kit_sha256 ] || { echo "kit not unpacked: the machine went cold"; exit 3; }
+source .gpu/bin/device_env.sh || exit 1
 source .gpurun/env.sh
 python3 $K/make_model.py qwen3-8b $M >/dev/null
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,power.limit --format=csv | tee $W/gpu.txt
