@@ -24,7 +24,7 @@ from appliance.proxy.legs import OUTCOME, ROUTE, STAGE, LegFailure, error_respon
 from appliance.proxy.metrics import CONTENT_TYPE
 from appliance.proxy.state import ProxyState
 from appliance.proxy.tenants import ANONYMOUS, client_salt_problem
-from appliance.proxy.workers import Follower, Leader, WorkerRole
+from appliance.proxy.workers import Follower, Leader, WorkerRole, node_metrics
 
 log = logging.getLogger("appliance.proxy")
 
@@ -139,7 +139,7 @@ class Proxy(ProxyState):
         self.api_port = await self._serve(api, self.config.host, self.config.port, cap, api_sock, serve)
         if self.follower is not None:
             # the leader alone serves the admin API, registrations, KV events and the KV store's bound
-            await self.follower.start()
+            await self.follower.serve()
             self.health.start()
             self.metrics.loop.start()
             log.info("proxy worker %d on %s:%d", self.follower.role.index, self.config.host, self.api_port)
@@ -147,6 +147,7 @@ class Proxy(ProxyState):
         self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port,
                                             admin.MAX_CONNECTIONS, admin_sock, serve)
         if self.leader is not None:
+            await self.leader.serve()
             self.leader.start()
         if self.admin_token is None:
             # a proxy.json written by hand or by a pdctl before admin tokens (`pdctl up` writes one now)
@@ -250,10 +251,9 @@ class Proxy(ProxyState):
         closed only after an answer that says so, or when it has been idle for limits.idle_timeout_s, as it
         would be anyway; never while the client may be sending its next request on it."""
         self.stopping = True
-        if self.follower is not None:
-            await self.follower.stop()
-        if self.leader is not None:
-            await self.leader.stop()
+        for worker in (self.follower, self.leader):
+            if worker is not None:
+                await worker.close()
         if self._registration_bind is not None:
             self._registration_bind.cancel()
         if self.listener is not None:
@@ -349,7 +349,8 @@ class Proxy(ProxyState):
             return error_response(403, "/metrics needs the proxy's metrics_token_file, which is not set")
         if token is not None and not bearer_matches(request.headers.get("Authorization"), token):
             return error_response(401, "missing or wrong metrics token: send 'Authorization: Bearer <token>'")
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        body = self.metrics.render() if self.role is None else await node_metrics(self, self.role)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "/v1/completions", chat=False)

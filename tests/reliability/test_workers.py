@@ -195,7 +195,8 @@ def test_a_planned_restart_of_two_workers_loses_nothing(tmp_path: Path) -> None:
 
 def test_a_killed_worker_is_replaced_and_the_other_keeps_serving(tmp_path: Path) -> None:
     """SIGKILL of worker 1 under load: the keeper starts another on its socket (its queued connections wait for
-    it), worker 0 serves on; only the requests the killed worker was serving fail, each a dropped connection."""
+    it), worker 0 serves on; only the requests the killed worker was serving fail, each a dropped connection or
+    a stream cut mid-body."""
     with workers_node(tmp_path) as node:
         keeper = next(p for p in node.procs if p.name == "proxy")
         leader, killed = (w["pid"] for w in state(node)["workers"])
@@ -210,10 +211,45 @@ def test_a_killed_worker_is_replaced_and_the_other_keeps_serving(tmp_path: Path)
         finally:
             load.stop()
         print(f"worker 1 SIGKILLed: {load.ok + len(load.failures)} requests sent, {len(load.failures)} failed")
-        held_by_the_killed = ("RemoteDisconnected", "ConnectionResetError", "broken stream")
+        held_by_the_killed = ("RemoteDisconnected", "ConnectionResetError", "IncompleteRead", "broken stream")
         assert len(load.failures) <= load.threads, load.failures
         assert all(any(k in f for k in held_by_the_killed) for f in load.failures), load.failures
         view = state(node)
         assert keeper.alive and view["pid"] == leader and view["holds"]["proxy_crashes"] == 1
         raw = answer(request_on(connect_to(node, 1), {"model": MODEL, "prompt": "hi", "max_tokens": 2}))
         assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+
+
+def test_metrics_add_up_every_workers_counters(tmp_path: Path) -> None:
+    """/metrics, whichever worker answers it, counts every worker's requests (before: the answering worker's)."""
+    with workers_node(tmp_path) as node:
+        for _ in range(20):
+            status, _, _ = http(node.proxy_port, "POST", "/v1/completions",
+                                {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert status == 200
+        assert all(w["requests"] > 0 for w in state(node)["workers"])
+        for worker in (0, 1):
+            raw = answer(request_on_get(connect_to(node, worker), "/metrics"))
+            text = raw.partition(b"\r\n\r\n")[2].decode()
+            served = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("pdctl_proxy_requests_total{"))
+            assert served == 20, (worker, [line for line in text.splitlines() if "requests_total" in line])
+            assert text.count("# TYPE pdctl_proxy_requests_total counter") == 1
+
+
+def request_on_get(sock: socket.socket, path: str) -> dict[str, Any]:
+    """A GET of `path` on `sock` in a thread (request_on's answer)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        with sock:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+            result["raw"] = b"".join(chunks)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    result["thread"] = thread
+    return result
