@@ -279,7 +279,7 @@ PROXY_KEYS: dict[str, str] = {
     "limits": "limits", "prefix_affinity": "prefix_affinity",
     "decode_only_below": "decode_only_below", "prefill_saturated_at": "prefill_saturated_at",
     "decode_step": "decode_step", "decode_only_queue_ms": "decode_only_queue_ms",
-    "warmup_timeout_s": "health.warmup_timeout_s",
+    "warmup_timeout_s": "health.warmup_timeout_s", "max_continuations": "max_continuations",
 }
 _UNPRIVILEGED = Ge(1024)  # the services run as an unprivileged user: no port below 1024 for what pdctl starts
 
@@ -320,6 +320,7 @@ class ProxySettings(Section):
     # unset: the planner's, a quarter of slo.ttft_ms (docs/routing.md); read only with [decode] max_num_batched_tokens
     decode_only_queue_ms: float | None = _proxy_field("decode_only_queue_ms")
     warmup_timeout_s: float = _proxy_field("health.warmup_timeout_s")
+    max_continuations: int = _proxy_field("max_continuations")
     conditional_routing: bool = Field(default=False, description=(
         "Let the proxy prefill short prompts on the decode instance (docs/routing.md); decode_only_below unset: "
         "the planner's figure for the node"))

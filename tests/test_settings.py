@@ -233,7 +233,7 @@ def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
              "prefix_affinity": {"load_bound": 2, "cache_tokens": 4096},
              "decode_step": {"ms_per_seq": 0.5, "prefill_us_per_token": 40.0}, "warmup_timeout_s": 30.0,
              "decode_only_queue_ms": 120.0, "api_keys_file": "/srv/keys.toml", "tenant_cache_salt": False,
-             "metrics_token_file": "/srv/metrics-token"}
+             "metrics_token_file": "/srv/metrics-token", "max_continuations": 1}
     assert set(proxy) == set(PROXY_KEYS)
     # WRITE: a MoRIIO decode in READ mode cannot serve the short prompts decode_only_below sends it alone
     planned = plan(Settings.model_validate({"connector": {"name": "moriio", "mode": "write"}, "proxy": proxy}),

@@ -28,7 +28,10 @@ engines themselves report them.
                     leg_failures, client_aborts, held (requests that waited for a role with no instance:
                     a restart, rebalance, mode switch or engine crash), max_hold_s, engine_crashes (engine
                     processes that ended by themselves, as their manager reported them to the proxy),
-                    proxy_crashes (serving proxies that crashed and were replaced by the keeper)} | null,
+                    proxy_crashes (serving proxies that crashed and were replaced by the keeper),
+                    continued_streams (streams continued on another engine after theirs died mid-stream),
+                    rerun_prefills (requests whose engine died before the client had a byte, run again elsewhere),
+                    ended_streams (streams whose engine died and that ended with an error event)} | null,
                     port_conflict (why it cannot answer: which of its ports, on which address, another process
                     holds, and which process where pdctl may see it) | null,
                     refused (the proxy answers but refuses pdctl's admin token: the line and its fix) | null
@@ -101,7 +104,8 @@ def proxy_counters(plan: Plan) -> dict[str, Any] | None:
         return None
     by_status: dict[str, int] = {}
     out: dict[str, Any] = {"total": 0, "by_status": by_status, "leg_failures": 0, "client_aborts": 0, "held": 0,
-                           "max_hold_s": 0.0, "engine_crashes": 0, "proxy_crashes": 0}
+                           "max_hold_s": 0.0, "engine_crashes": 0, "proxy_crashes": 0, "continued_streams": 0,
+                           "rerun_prefills": 0, "ended_streams": 0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if family.name == "pdctl_proxy_hold_seconds" and sample.name.endswith("_count"):
@@ -120,6 +124,10 @@ def proxy_counters(plan: Plan) -> dict[str, Any] | None:
                 out["client_aborts"] += int(sample.value)
             elif family.name == "pdctl_proxy_engine_crashes":
                 out["engine_crashes"] += int(sample.value)
+            elif family.name == "pdctl_proxy_continuations":
+                key = {"continued": "continued_streams", "rerun": "rerun_prefills"}.get(
+                    sample.labels.get("outcome", ""), "ended_streams")
+                out[key] += int(sample.value)
     return out
 
 
@@ -313,7 +321,9 @@ def render_status(doc: dict[str, Any], console: Console) -> None:
         console.print(f"proxy {p['url']} mode {p['mode']}; backends: {escape(reg) or 'none'}; "
                       f"requests {req.get('total', '?')} ({codes or '-'}), leg failures {req.get('leg_failures', '?')}, "
                       f"held {req.get('held', '?')} (longest {req.get('max_hold_s', 0):g}s), "
-                      f"engine crashes {req.get('engine_crashes', 0)}, proxy crashes {req.get('proxy_crashes', 0)}")
+                      f"engine crashes {req.get('engine_crashes', 0)}, proxy crashes {req.get('proxy_crashes', 0)}; "
+                      f"streams continued {req.get('continued_streams', 0)}, ended {req.get('ended_streams', 0)}, "
+                      f"prefills rerun {req.get('rerun_prefills', 0)}")
     for i in doc["instances"]:
         kv = i.get("kv_transfer")
         if kv and kv["transfers"]:

@@ -10,13 +10,14 @@ import logging
 import os
 import signal
 import socket
+import struct
 import sys
 from pathlib import Path
 
 from appliance.errors import PdctlError
 from appliance.proxy.body import INT_DIGITS
 from appliance.proxy.config import load_config
-from appliance.proxy.keeper import RETIRE_SIGNAL
+from appliance.proxy.keeper import HANDBACK_WAIT_S, ORPHAN_SIGNAL, RETIRE_SIGNAL, handback_address
 from appliance.proxy.workers import WorkerRole
 
 _PR_SET_PDEATHSIG = 1
@@ -61,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     listeners = None
     if args.listen_fds:
         if sys.platform == "linux":
-            # the keeper going away (even SIGKILLed) stops this proxy too: it finishes its requests and exits
-            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            # the keeper going away (even SIGKILLed) is told to this proxy: alone, it serves on until the restarted
+            # keeper takes its sockets back (before it serves, the signal's default action ends it: it had nothing
+            # to finish); one of several workers is not handed back yet: it finishes its requests and exits
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, ORPHAN_SIGNAL if args.worker is None else signal.SIGTERM)
         listeners = tuple(socket.socket(fileno=int(fd)) for fd in args.listen_fds.split(","))
     role = WorkerRole(args.worker, Path(args.peers), args.generation) if args.peers and args.worker is not None \
         else None
@@ -85,18 +88,18 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         gc.freeze()
         stop = asyncio.Event()
-        retire = False
-
-        def retired() -> None:
-            nonlocal retire
-            retire = True
-            stop.set()
-
         loop = asyncio.get_running_loop()
+        handback: list[asyncio.Task[None]] = []
+
+        def orphaned() -> None:  # a retiring proxy only finishes its requests
+            if listeners is not None and role is None and not handback and not stop.is_set():
+                handback.append(asyncio.create_task(_hand_back(args.config, listeners, stop), name="handback"))
+
+        loop.add_signal_handler(ORPHAN_SIGNAL, orphaned)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        # the keeper's word that another proxy serves the sockets now: retire without cutting kept-alive clients
-        loop.add_signal_handler(RETIRE_SIGNAL, retired)
+        # the keeper's word that another proxy serves the sockets now
+        loop.add_signal_handler(RETIRE_SIGNAL, stop.set)
         # a hang-up is not a stop: under the keeper it hands over (the keeper gets it), alone it does nothing
         loop.add_signal_handler(signal.SIGHUP, lambda: None if listeners else logging.getLogger("appliance.proxy")
                                 .warning("SIGHUP ignored: a planned restart needs the proxy run by "
@@ -106,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             await stop.wait()
         finally:
-            await proxy.stop(retire=retire)
+            for task in handback:
+                task.cancel()
+            # under the keeper the listening sockets outlive this proxy (a handover; a keeper that died, its sockets
+            # offered to the next one or kept in systemd's store): it never closes a kept-alive connection under a
+            # client that may be sending its next request on it
+            await proxy.stop(retire=listeners is not None)
 
     try:
         asyncio.run(run())
@@ -117,6 +125,44 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pd-proxy: error: cannot bind: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+async def _hand_back(config_path: str, sockets: tuple[socket.socket, ...], stop: asyncio.Event) -> None:
+    """The keeper died: serve on, and offer the listening sockets (and this pid) to the next keeper of the same
+    config for HANDBACK_WAIT_S (it retires this proxy once its own serves); none came: stop, as the keeper's
+    manager did not restart it. Only this user's processes (or root's) may take them."""
+    log = logging.getLogger("appliance.proxy")
+    loop = asyncio.get_running_loop()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(handback_address(config_path))
+    except OSError as exc:  # another proxy of this config offers its own
+        server.close()
+        log.error("the keeper died and another proxy offers its sockets (%s): finishing the requests and exiting", exc)
+        stop.set()
+        return
+    server.listen(8)
+    server.setblocking(False)
+    log.warning("the keeper died: serving on until its manager restarts it (at most %gs)", HANDBACK_WAIT_S)
+
+    async def offer() -> None:
+        while True:
+            conn, _ = await loop.sock_accept(server)
+            with conn:
+                uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[2]
+                if uid in (os.geteuid(), 0):
+                    conn.setblocking(True)
+                    socket.send_fds(conn, [str(os.getpid()).encode()], [s.fileno() for s in sockets])
+                    log.info("offered the listening sockets to the restarted keeper")
+
+    try:
+        await asyncio.wait_for(offer(), HANDBACK_WAIT_S)
+    except asyncio.TimeoutError:
+        log.error("no keeper took the listening sockets back in %gs: finishing the requests and exiting",
+                  HANDBACK_WAIT_S)
+        stop.set()
+    finally:
+        server.close()
 
 
 if __name__ == "__main__":

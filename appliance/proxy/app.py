@@ -247,7 +247,7 @@ class Proxy(ProxyState):
     async def stop(self, retire: bool = False) -> None:
         """Stop accepting, let the requests in flight finish (limits.stop_drain_s), close every socket and pool.
 
-        retire (a handover: another proxy serves the listening sockets now): a kept-alive client connection is
+        retire (under the keeper, whose listening sockets outlive this proxy): a kept-alive client connection is
         closed only after an answer that says so, or when it has been idle for limits.idle_timeout_s, as it
         would be anyway; never while the client may be sending its next request on it."""
         self.stopping = True

@@ -256,6 +256,9 @@ class ProxyConfig(_Model):
     kv_store: KvStoreConfig | None = None  # None: the connector keeps no KV on disk, or pdctl bounds none
     client_max_size: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_tokens_limit: int = Field(default=1_000_000, ge=1)
+    max_continuations: int = Field(default=2, ge=0, le=16, description=(
+        "Times one stream may be continued on another engine leg after its own died mid-stream, and a prefill "
+        "that died before its hand-off run again (0: never; docs/operations.md)"))
     # the served model's context (vLLM --max-model-len) when the plan sets it: bounds token-id prompts
     max_model_len: int | None = Field(default=None, ge=1)
     # conditional disaggregation (docs/routing.md); None in the settings: the planner's figure for the node

@@ -6,20 +6,37 @@ The keeper binds the proxy's client and admin listening sockets once and runs th
 sockets; once that one is ready it tells the old one to stop (SIGTERM), and the old one stops accepting and
 finishes its requests while the new one serves the kernel's queue of connections: no connection is refused
 or cut (socket passing, as nginx's and HAProxy's reloads do). With `workers` above 1 it binds one API socket per
-worker on the same port (SO_REUSEPORT) and runs a proxy per socket, worker 0 with the admin socket too; a handover
-starts a successor for each and retires each old worker once its own successor serves (docs/proxy-workers.md). The service manager, systemd or supervisord,
-only ever sees the keeper, so the same handover works under both.
+worker on the same port (SO_REUSEPORT) and runs a proxy per socket, worker 0 with the admin socket too; a
+handover starts a successor for each and retires each old worker once its own successor serves
+(docs/proxy-workers.md). The service manager, systemd or supervisord, only ever sees the keeper, so the same
+handover works under both.
 
 A serving proxy that exits on its own (a crash) is replaced on the same sockets by the keeper (connections wait
 in the kernel's queue meanwhile), and the proxies retiring before it finish their streams; one that exits before
 it ever served (a bad config, a port taken) takes the keeper down with its exit status, for the manager to
 restart. Each proxy runs in a session of its own: supervisord's pd-reaper, which kills what a dead keeper left
-in its process group, leaves a retiring proxy to finish its streams (it stops when the keeper dies).
+in its process group, leaves the proxies to finish their streams.
+
+A keeper that dies (even SIGKILLed) leaves its listening sockets open, so no connection is refused while the
+manager restarts it: its serving proxy keeps serving them and offers them on a Unix socket (`handback_address`)
+for at most `HANDBACK_WAIT_S`; the restarted keeper takes them from it (SCM_RIGHTS), starts a new proxy on them
+and retires the old one once the new one serves, as in a handover. Under systemd, which stops the rest of the
+unit when its main process dies, the unit's file descriptor store keeps the sockets instead (FDSTORE=1): systemd
+holds them while the unit restarts and gives them back to the new keeper (LISTEN_FDS), and connections wait
+in the kernel's queue meanwhile. With several workers this is not done yet: each worker dies with its keeper
+(SIGTERM, it finishes its requests) and the restarted keeper binds new sockets, so connections are refused
+meanwhile, as before issue 35 (docs/proxy-workers.md).
+
+Where the manager stops the keeper with another signal than SIGTERM (`--stop-signal INT`: supervisord's pd-proxy
+program), a SIGTERM is not a stop but an end after which the manager restarts the keeper (`kill -TERM` by
+someone else): the keeper leaves its serving proxy to the next one, as if it had crashed.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
+import hashlib
 import logging
 import os
 import select
@@ -40,6 +57,19 @@ log = logging.getLogger("appliance.proxy.keeper")
 
 _SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
 RETIRE_SIGNAL = signal.SIGUSR2  # to a proxy: a successor serves the listening sockets now; finish and exit
+ORPHAN_SIGNAL = signal.SIGUSR1  # to a proxy, from the kernel: its keeper died; offer the sockets to the next one
+# how long a proxy whose keeper died serves on, waiting for the restarted keeper to take its sockets back
+# (supervisord restarts a program within a second or two; a keeper never restarted leaves no proxy behind)
+HANDBACK_WAIT_S = 30.0
+SOCKET_NAMES = ("api", "admin")  # the listening sockets, in the order the proxy's --listen-fds takes them
+_SD_LISTEN_FDS_START = 3  # sd_listen_fds(3): the first descriptor systemd passes
+
+
+def handback_address(config_path: str) -> bytes:
+    """The abstract Unix socket on which a proxy whose keeper died offers its listening sockets to the next keeper
+    of the same config file (abstract: no file is left behind by a killed proxy)."""
+    digest = hashlib.sha256(os.path.realpath(config_path).encode()).hexdigest()[:24]
+    return b"\0pdctl-proxy-handback-" + digest.encode()
 
 
 def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -98,12 +128,15 @@ class Slot:
 class Keeper:
     """Runs the proxy's workers on inherited sockets and hands them over to new ones on SIGHUP."""
 
-    def __init__(self, config_path: str, log_level: str, config: ProxyConfig, handover_timeout_s: float) -> None:
+    def __init__(self, config_path: str, log_level: str, config: ProxyConfig, handover_timeout_s: float,
+                 stop_signal: signal.Signals = signal.SIGTERM) -> None:
         self.config_path = config_path
+        self.stop_signal = stop_signal
         self.log_level = log_level
         self.handover_timeout_s = handover_timeout_s
-        api = bind_api(config.host, config.port, config.workers)
-        admin = bind(config.admin.host, config.admin.port)
+        self.orphan: int | None = None  # a pidfd: the proxy whose keeper died, serving until ours takes over
+        self.kept = False  # the sockets are kept from before this keeper: connections may be waiting on them
+        *api, admin = self._listening(config)
         self.slots = [Slot(0, [api[0], admin]), *(Slot(i, [sock]) for i, sock in enumerate(api[1:], 1))]
         # where the workers of one generation find each other (the leader shares its routing state through it)
         self.peers = tempfile.mkdtemp(prefix="pd-proxy-") if config.workers > 1 else None
@@ -115,6 +148,35 @@ class Keeper:
     def current(self) -> Worker | None:
         """The leader serving now (worker 0)."""
         return self.slots[0].current
+
+    def _listening(self, config: ProxyConfig) -> list[socket.socket]:
+        """The API's listening sockets (one per worker) and the admin's: with one worker systemd's stored ones,
+        else a live proxy's whose keeper died, else new ones (stored in systemd's file descriptor store where the
+        unit has one); with several, new ones always (a keeper crash is not survived yet: docs/proxy-workers.md)."""
+        admin = (config.admin.host, config.admin.port)
+        if config.workers > 1:
+            stored = from_systemd()
+            if stored is not None:  # a one-worker keeper's, before the config changed: they would hold the port
+                for sock in stored:
+                    sock.close()
+                forget_in_systemd()
+            return [*bind_api(config.host, config.port, config.workers), bind(*admin)]
+        wanted = ((config.host, config.port), admin)
+        stored = from_systemd()
+        if stored is not None and _match(stored, wanted):
+            log.info("listening on the sockets systemd kept across the restart")
+            self.kept = True
+            return stored
+        taken = take_back(handback_address(self.config_path))
+        if taken is not None and _match(taken[0], wanted):
+            self.orphan, self.kept = taken[1], True
+            log.info("took the listening sockets back from the proxy its previous keeper left serving")
+            return taken[0]
+        if taken is not None:
+            os.close(taken[1])
+        sockets = [bind(host, port) for host, port in wanted]
+        store_in_systemd(sockets)
+        return sockets
 
     def spawn(self, slot: Slot, successor: bool, generation: int) -> Worker:
         """Start a proxy on a slot's sockets; a successor serves only once its engines are healthy."""
@@ -140,8 +202,10 @@ class Keeper:
         signal.set_wakeup_fd(wake_w)
         for sig in _SIGNALS:
             signal.signal(sig, self._signal)
+        # on sockets kept from before, the proxy serves once its engines answer (not 503 before its first probes),
+        # and one the previous keeper left serving serves until then, then retires
         for slot in self.slots:
-            slot.current = self.spawn(slot, False, self.generation)
+            slot.current = self.spawn(slot, self.kept, self.generation)
         try:
             return self._loop(wake_r)
         finally:
@@ -160,6 +224,8 @@ class Keeper:
                     self._readiness(fd)
             while self.signals:
                 got = self.signals.pop(0)
+                if got == signal.SIGTERM and self.stop_signal != signal.SIGTERM:
+                    return self._leave()
                 if got in (signal.SIGTERM, signal.SIGINT):
                     return self._stop_all()
                 if got == signal.SIGHUP:
@@ -187,6 +253,8 @@ class Keeper:
         os.close(fd)
         worker.ready_fd = -1
         worker.ready = bool(got)
+        if worker is slot.current and worker.ready and self.orphan is not None:
+            self._retire_orphan(RETIRE_SIGNAL)
         if worker is slot.successor and worker.ready and slot.current is not None:
             old = slot.current
             old.proc.send_signal(RETIRE_SIGNAL)  # it stops accepting and finishes its requests
@@ -243,7 +311,41 @@ class Keeper:
         log.error("the proxy (pid %d) exited with %d; pid %d takes over its listening sockets (%d crash(es) since "
                   "the keeper started)", crashed, code, slot.current.proc.pid, self.crashes)
 
+    def _retire_orphan(self, signum: int) -> None:
+        """Tell the proxy the previous keeper left serving to finish and exit (RETIRE_SIGNAL once ours serves)."""
+        assert self.orphan is not None
+        try:
+            signal.pidfd_send_signal(self.orphan, signum)
+        except ProcessLookupError:
+            pass
+        else:
+            log.info("the proxy the previous keeper left serving finishes its requests and exits")
+        os.close(self.orphan)
+        self.orphan = None
+
+    def _leave(self) -> int:
+        """SIGTERM where the manager stops the keeper with another signal: the manager restarts the keeper after
+        it, so the serving proxy serves on and hands its sockets to the next keeper, as after a crash; a proxy
+        that does not serve yet stops. 128 + SIGTERM, as the signal's own end would be."""
+        if len(self.slots) > 1:  # several workers cannot be left serving yet: they stop, as on the stop signal
+            log.warning("SIGTERM, not the manager's stop signal (%s): the %d workers stop (a keeper's end is not "
+                        "survived with several workers yet)", self.stop_signal.name, len(self.slots))
+            self._stop_all()
+            return 128 + signal.SIGTERM
+        slot = self.slots[0]
+        assert slot.current is not None
+        for worker in (slot.successor, None if slot.current.ready else slot.current):
+            if worker is not None:
+                worker.proc.kill()
+                worker.proc.wait()
+        if slot.current.ready:
+            log.warning("SIGTERM, not the manager's stop signal (%s): proxy pid %d serves on until the next keeper "
+                        "takes its sockets", self.stop_signal.name, slot.current.proc.pid)
+        return 128 + signal.SIGTERM
+
     def _stop_all(self) -> int:
+        if self.orphan is not None:
+            self._retire_orphan(signal.SIGTERM)
         workers = [w for slot in self.slots for w in slot.workers()]
         for worker in workers:
             if worker.proc.poll() is None:
@@ -253,6 +355,94 @@ class Keeper:
         return 0
 
 
+def _match(sockets: list[socket.socket], wanted: tuple[tuple[str, int], ...]) -> bool:
+    """Whether sockets kept from before listen where the config says (a redeploy may have moved a port);
+    those that do not are closed."""
+    ok = len(sockets) == len(wanted) and all(
+        port in (0, s.getsockname()[1]) for s, (_, port) in zip(sockets, wanted, strict=True))
+    if not ok:
+        for sock in sockets:
+            sock.close()
+    return ok
+
+
+def take_back(address: bytes, timeout_s: float = 5.0) -> tuple[list[socket.socket], int] | None:
+    """The listening sockets and a pidfd of the proxy that offers them at `address`; None when none does."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(timeout_s)
+        try:
+            conn.connect(address)
+            message, fds, _, _ = socket.recv_fds(conn, 64, len(SOCKET_NAMES))
+        except OSError:
+            return None
+    sockets = [socket.socket(fileno=fd) for fd in fds]
+    try:
+        pidfd = os.pidfd_open(int(message))
+    except (ValueError, OSError):
+        pidfd = -1
+    if len(sockets) != len(SOCKET_NAMES) or pidfd < 0:
+        for sock in sockets:
+            sock.close()
+        return None
+    for sock in sockets:
+        sock.set_inheritable(True)
+    return sockets, pidfd
+
+
+def from_systemd() -> list[socket.socket] | None:
+    """The listening sockets systemd passes back from the unit's file descriptor store (LISTEN_FDS, named by
+    LISTEN_FDNAMES); None when it passes none."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return None
+    names = os.environ.get("LISTEN_FDNAMES", "").split(":")
+    count = int(os.environ.get("LISTEN_FDS", "0"))
+    for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(key, None)  # for this process only: the proxies it starts get theirs by --listen-fds
+    fds = {name: _SD_LISTEN_FDS_START + n for n, name in enumerate(names[:count])}
+    if any(name not in fds for name in SOCKET_NAMES):
+        for fd in fds.values():
+            os.close(fd)
+        return None
+    sockets = [socket.socket(fileno=fds[name]) for name in SOCKET_NAMES]
+    for sock in sockets:
+        sock.set_inheritable(True)
+    return sockets
+
+
+def store_in_systemd(sockets: list[socket.socket]) -> None:
+    """Keep the listening sockets in the unit's file descriptor store (FileDescriptorStoreMax=), replacing any kept
+    before, where systemd runs the keeper with a notify socket; elsewhere nothing."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    target = b"\0" + address[1:].encode() if address.startswith("@") else address.encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        try:
+            for name, sock in zip(SOCKET_NAMES, sockets, strict=True):
+                notify.sendto(f"FDSTOREREMOVE=1\nFDNAME={name}".encode(), target)
+                # sendmsg, not socket.send_fds: Python 3.11's ignores its address argument
+                notify.sendmsg([f"FDSTORE=1\nFDNAME={name}".encode()],
+                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [sock.fileno()]))], 0, target)
+        except OSError as exc:
+            log.warning("cannot keep the listening sockets in systemd's store (%s): a keeper crash refuses "
+                        "connections until the unit is back", exc)
+
+
+def forget_in_systemd() -> None:
+    """Remove the listening sockets from the unit's file descriptor store, where systemd runs the keeper with a
+    notify socket; elsewhere nothing."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    target = b"\0" + address[1:].encode() if address.startswith("@") else address.encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        try:
+            for name in SOCKET_NAMES:
+                notify.sendto(f"FDSTOREREMOVE=1\nFDNAME={name}".encode(), target)
+        except OSError as exc:
+            log.warning("cannot remove the listening sockets from systemd's store (%s)", exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, bind the sockets and keep a proxy serving them; user mistakes are one line, exit 2."""
     parser = argparse.ArgumentParser(prog="python -m appliance.proxy.keeper", description=__doc__.splitlines()[0])
@@ -260,11 +450,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--handover-timeout", type=float, default=120.0,
                         help="seconds a new proxy may take to become ready before the handover is given up")
+    parser.add_argument("--stop-signal", choices=("TERM", "INT"), default="TERM",
+                        help="the signal the service manager stops the keeper with; where it is INT, a SIGTERM "
+                             "leaves the serving proxy to the keeper the manager starts next")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
-        keeper = Keeper(args.config, args.log_level, config, args.handover_timeout)
+        keeper = Keeper(args.config, args.log_level, config, args.handover_timeout,
+                        signal.Signals[f"SIG{args.stop_signal}"])
     except PdctlError as exc:
         print(f"pd-proxy: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -12,6 +13,7 @@ from typing import Any, cast
 from aiohttp import HttpVersion11, web
 
 from appliance.connector import HandoffError
+from appliance.proxy.continuation import CONTINUE_PATH, Tracker, continuation_body, plan
 from appliance.proxy.instances import BackendState, Booking
 from appliance.proxy.policies import RequestFacts
 from appliance.proxy.prompts import tokenize_request
@@ -29,6 +31,10 @@ OUTCOME: web.RequestKey[str] = web.RequestKey("pdctl_outcome", str)
 STAGE: web.RequestKey[str] = web.RequestKey("pdctl_stage", str)
 # the route a request took, as its x-pdctl-route response header says it (docs/bench.md, "Routes")
 ROUTE: web.RequestKey[str] = web.RequestKey("pdctl_route", str)
+# a streamed request's tokens as relayed, for a continuation should its engine leg die (continuation.py)
+CONTINUE: web.RequestKey[Tracker] = web.RequestKey("pdctl_continue", Tracker)
+# the engines' headers of a request (their key), for the legs of a continuation
+HEADERS: web.RequestKey[list[tuple[str, str]]] = web.RequestKey("pdctl_headers", list)
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -70,6 +76,26 @@ class LegFailure(HandoffError):
         super().__init__(status, message)
         self.body = body  # an engine's own 4xx answer, passed through as it is
         self.content_type = content_type
+
+
+class EngineLost(LegFailure):
+    """A leg whose engine could not be reached or closed its connection before its answer began (a prefill that died
+    before its hand-off, a decode before its first token): the client has had nothing, so the request can run again
+    elsewhere."""
+
+    def __init__(self, role: str, inst: BackendState, failure: LegFailure) -> None:
+        super().__init__(failure.status, failure.message)
+        self.role = role
+        self.inst = inst
+
+
+def leg_lost(leg: str, inst: BackendState, exc: UpstreamError) -> LegFailure:
+    """The client's error for a leg whose engine's connection failed before its answer began: EngineLost where the
+    engine is gone (refused, reset), which a new route may serve."""
+    failure = upstream_failure(leg, inst, exc)
+    if exc.reason in ("connect", "reset") and not exc.timed_out:
+        return EngineLost(leg, inst, failure)
+    return failure
 
 
 def upstream_failure(leg: str, inst: BackendState, exc: Exception) -> LegFailure:
@@ -269,7 +295,7 @@ async def _prefill(
         except UpstreamError as exc:
             proxy.metrics.leg_failures.labels("prefill", exc.reason).inc()
             proxy.health.leg_failed(inst, exc.timed_out)
-            raise upstream_failure("prefill", inst, exc) from None
+            raise leg_lost("prefill", inst, exc) from None
         except asyncio.CancelledError:
             if conn is not None:
                 # the engine's answer may have come in while this leg was being cancelled: its KV is held all the same
@@ -335,7 +361,7 @@ async def run_decode(
                 conn = await inst.pool.send("POST", path, headers, payload, collect=not stream)
             except UpstreamError as exc:
                 _leg_failed(proxy, inst, exc.reason, timed_out=exc.timed_out)
-                raise upstream_failure("decode", inst, exc) from None
+                raise leg_lost("decode", inst, exc) from None
             whole = await _first_answer(proxy, inst, conn, stream, supervisor)
             if whole is not None:
                 return whole
@@ -383,7 +409,7 @@ async def _first_answer(
         raise LegFailure(504, f"decode on {inst.name} sent no token within {timeouts.first_token_s:g}s") from None
     except UpstreamError as exc:
         _leg_failed(proxy, inst, exc.reason, timed_out=exc.timed_out)
-        raise upstream_failure("decode", inst, exc) from None
+        raise leg_lost("decode", inst, exc) from None
 
 
 async def _relay_stream(
@@ -394,7 +420,8 @@ async def _relay_stream(
     started: float,
     supervisor: asyncio.Task[Any] | None,
 ) -> web.StreamResponse:
-    """Relay the engine's stream to the client until it ends; a failure mid-stream ends it with an error event."""
+    """Relay the engine's stream to the client until it ends; a failure mid-stream continues it on another leg
+    where it can be (continuation.py), and ends it with an error event where not."""
     assert conn.done_fut is not None
     response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     # HTTP/1.0 has no chunked encoding: its stream goes out unframed and ends when the connection closes, also
@@ -410,36 +437,138 @@ async def _relay_stream(
     if transport is None:
         raise ConnectionResetError("client went away")
     out = Unchunked(transport.write).write if http10 else transport.write
-    relay = Relay(proxy, conn, inst)
-    try:
-        proxy.metrics.ttft.observe(time.monotonic() - started)
-        conn.relay_to(transport, proxy.metrics.itl, relay.client_gone, out)
-        relay.start_watchdog()
-        if supervisor is not None and not supervisor.done():
-            supervisor.add_done_callback(
-                lambda t: relay.fail(t.exception()) if not t.cancelled() and t.exception() is not None else None  # type: ignore[arg-type]
-            )
-        elif supervisor is not None and not supervisor.cancelled() and supervisor.exception() is not None:
-            relay.fail(supervisor.exception())  # type: ignore[arg-type]
+    tracker = request.get(CONTINUE)
+    if tracker is not None and tracker.why is not None:
+        tracker = None  # relayed as it comes; a cut ends it (counted by why)
+    first = conn
+    proxy.metrics.ttft.observe(time.monotonic() - started)
+    with contextlib.ExitStack() as legs:  # a continuation's route, lease and prefill
         try:
-            await conn.done_fut
-        except UpstreamError as exc:
-            proxy.metrics.streamed_chunks += conn.chunks
-            error = relay.error or exc
-            if isinstance(error, ConnectionResetError):
-                raise error from None
+            while True:
+                relay = Relay(proxy, conn, inst)
+                sink = out if tracker is None else tracker.sink(transport.write, framed=not http10)
+                assert conn.done_fut is not None
+                conn.relay_to(transport, proxy.metrics.itl, relay.client_gone, sink)
+                relay.start_watchdog()
+                _supervise(relay, supervisor)
+                try:
+                    await conn.done_fut
+                except UpstreamError as exc:
+                    proxy.metrics.streamed_chunks += conn.chunks
+                    error = relay.error or exc
+                    if isinstance(error, ConnectionResetError):
+                        raise error from None
+                    relay.stop()
+                    cut = conn.cut_mid_chunk and tracker is None
+                    why = "off" if request.get(CONTINUE) is None else (request[CONTINUE].why or "")
+                    if tracker is not None:
+                        _count_cut(proxy, inst, error)
+                        nxt = await _continue(proxy, request, tracker, inst, legs)
+                        if not isinstance(nxt, str):
+                            proxy.metrics.continuations.labels("continued", getattr(error, "reason", "stream")).inc()
+                            inst, conn, supervisor = nxt
+                            continue
+                        why = nxt
+                    proxy.metrics.continuations.labels("ended", why).inc()
+                    await _end_stream_with_error(proxy, request, response, transport, inst, error, out, cut,
+                                                 counted=tracker is not None, why=why)
+                    return response
+                relay.stop()
+                proxy.metrics.streamed_chunks += conn.chunks
+                proxy.health.leg_ok(inst)
+                inst.pool.release(conn)
+                await _write_end(proxy, request, response)
+                return response
+        except BaseException:
             relay.stop()
-            await _end_stream_with_error(proxy, request, response, transport, inst, error, out, conn.cut_mid_chunk)
-            return response
-        relay.stop()
-        proxy.metrics.streamed_chunks += conn.chunks
-        proxy.health.leg_ok(inst)
-        inst.pool.release(conn)
-        await _write_end(proxy, request, response)
-        return response
+            if conn is not first:
+                conn.abort()  # a continuation's leg (run_decode aborts the first)
+            raise
+
+
+def _supervise(relay: Relay, supervisor: asyncio.Task[Any] | None) -> None:
+    """Fail `relay` when its supervising prefill leg (WRITE mode) fails."""
+    if supervisor is not None and not supervisor.done():
+        supervisor.add_done_callback(
+            lambda t: relay.fail(t.exception()) if not t.cancelled() and t.exception() is not None else None  # type: ignore[arg-type]
+        )
+    elif supervisor is not None and not supervisor.cancelled() and supervisor.exception() is not None:
+        relay.fail(supervisor.exception())  # type: ignore[arg-type]
+
+
+async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, dead: BackendState,
+                    legs: contextlib.ExitStack) -> tuple[BackendState, Connection, asyncio.Task[Any] | None] | str:
+    """Open a leg that continues `tracker`'s stream, cut on `dead`, on a new route (waiting for its role within
+    the hold bound): its instance, connection (its first token come) and supervising prefill; or why not."""
+    limit = proxy.config.max_continuations
+    while (why := tracker.why_not(limit)) is None:
+        body = continuation_body(tracker.body, cast(list[int], tracker.prompt), tracker.resume())
+        if body is None:
+            return "finished"
+        if dead.healthy:
+            await proxy.health.probe(dead, fresh=True)  # a dead engine is out of rotation before the route
+        if proxy.hold_wait() > 0:
+            await proxy.wait_for_instances()
+        try:
+            route = proxy.router.route(RequestFacts(CONTINUE_PATH, body))
+        except Unroutable:
+            return "no_instance"
+        except Refused:
+            return "refused"
+        legs.enter_context(route)
+        proxy.metrics.routes.labels(route.name, route.reason).inc()
+        try:
+            return await _continuation_leg(proxy, request, tracker, route, body, legs)
+        except (LegFailure, HandoffError) as exc:
+            log.warning("could not continue a stream on %s: %s", route.header(), exc)
+            dead = route.decode
+    return why
+
+
+async def _continuation_leg(proxy: ProxyState, request: web.Request, tracker: Tracker, route: Route,
+                            body: dict[str, Any], legs: contextlib.ExitStack,
+                            ) -> tuple[BackendState, Connection, asyncio.Task[Any] | None]:
+    """The legs of one continuation on `route`, up to its first token; raises LegFailure where they failed."""
+    connector, mode = proxy.connector, cast(Mode, proxy.mode)
+    headers = list(request.get(HEADERS, []))
+    inst, rank, supervisor = route.decode, route.decode_rank, None
+    if route.prefill is None:
+        leg = body if route.name == "colocated" else connector.alone_body(body, mode)[0]
+    else:
+        handoff: dict[str, Any] = {"mode": proxy.mode}
+        headers.append(("X-Request-Id", connector.request_id(route.prefill, inst, None)))
+        prefill_body = connector.prefill_body(body, route.prefill, inst, handoff)
+        if connector.serial(mode):
+            kv, answer = await run_prefill(proxy, route.prefill, route.prefill_rank, CONTINUE_PATH, prefill_body,
+                                           headers)
+            if kv is None and ended_at_prefill(body, answer):
+                raise LegFailure(502, "the continuation ended at its prefill")
+            leg = connector.decode_body(body, route.prefill, inst, route.prefill_rank, kv, handoff)
+        else:
+            leg = connector.decode_body(body, route.prefill, inst, route.prefill_rank, None, handoff)
+            task = asyncio.ensure_future(run_prefill(proxy, route.prefill, route.prefill_rank, CONTINUE_PATH,
+                                                     prefill_body, headers))
+            task.add_done_callback(_retrieve)
+            legs.callback(task.cancel)
+            supervisor = task
+    legs.enter_context(inst.lease(rank))
+    if rank is not None:
+        headers.append(("X-data-parallel-rank", str(rank)))
+    payload = json.dumps(leg, separators=(",", ":")).encode()
+    try:
+        conn = await inst.pool.send("POST", CONTINUE_PATH, headers, payload, collect=False)
+    except UpstreamError as exc:
+        _leg_failed(proxy, inst, exc.reason, timed_out=exc.timed_out)
+        raise upstream_failure("decode", inst, exc) from None
+    try:
+        whole = await _first_answer(proxy, inst, conn, True, supervisor)
     except BaseException:
-        relay.stop()
+        conn.abort()
         raise
+    if whole is not None:
+        raise LegFailure(502, f"decode leg on {inst.name} answered {whole.status}: "
+                              f"{_engine_message(cast(bytes, whole.body))}")
+    return inst, conn, supervisor
 
 
 async def _end_stream_with_error(
@@ -451,20 +580,16 @@ async def _end_stream_with_error(
     error: BaseException,
     out: Any,
     cut_mid_chunk: bool,
+    counted: bool = False,
+    why: str = "",
 ) -> None:
-    """A stream that failed after its first token: count why, and end it with an SSE error event and the
-    closing chunk, which leave the client's keep-alive connection reusable (its head promised that). A stream
-    cut inside a chunk can take neither: its connection is closed, and the client sees an incomplete body."""
-    if isinstance(error, UpstreamError):
-        # the engine's connection ended mid-stream (e.g. the instance stopped): an error event, not a cut
-        _leg_failed(proxy, inst, error.reason, timed_out=error.timed_out)
-        error = upstream_failure("decode", inst, error)
-    status = error.status if isinstance(error, HandoffError) else 502
-    message = error.message if isinstance(error, LegFailure) else f"decode leg on {inst.name} failed: {error}"
-    if not isinstance(error, LegFailure):
-        _leg_failed(proxy, inst, getattr(error, "reason", "stream"))
-    elif status == 504:
-        proxy.metrics.leg_failures.labels("decode", "timeout").inc()
+    """A stream that failed after its first token and was not continued (`why`; `counted`: its failure was
+    counted already): count why, and end it with an SSE error event and the closing chunk, which leave the
+    client's keep-alive connection reusable (its head promised that). A stream cut inside a chunk can take
+    neither: its connection is closed, and the client sees an incomplete body."""
+    status, message = (_failure(inst, error) if counted else _count_cut(proxy, inst, error))
+    if why and why != "off":
+        message += f"; not continued on another instance ({why})"
     log.warning("stream from %s ended with an error: %s", inst.name, message)
     request[OUTCOME] = "stream_error"
     if cut_mid_chunk:
@@ -472,6 +597,28 @@ async def _end_stream_with_error(
     elif not transport.is_closing():
         out(_sse_error(status, message))
         await _write_end(proxy, request, response)
+
+
+def _failure(inst: BackendState, error: BaseException) -> tuple[int, str]:
+    """The client's status and message for a decode leg that failed mid-stream with `error`."""
+    if isinstance(error, UpstreamError):
+        error = upstream_failure("decode", inst, error)
+    status = error.status if isinstance(error, HandoffError) else 502
+    message = error.message if isinstance(error, LegFailure) else f"decode leg on {inst.name} failed: {error}"
+    return status, message
+
+
+def _count_cut(proxy: ProxyState, inst: BackendState, error: BaseException) -> tuple[int, str]:
+    """Count a decode leg that failed mid-stream with `error` (and toward its instance's ejection); the client's
+    status and message for it."""
+    if isinstance(error, UpstreamError):
+        # the engine's connection ended mid-stream (e.g. the instance stopped): an error event, not a cut
+        _leg_failed(proxy, inst, error.reason, timed_out=error.timed_out)
+    elif not isinstance(error, LegFailure):
+        _leg_failed(proxy, inst, getattr(error, "reason", "stream"))
+    elif error.status == 504:
+        proxy.metrics.leg_failures.labels("decode", "timeout").inc()
+    return _failure(inst, error)
 
 
 async def _write_end(proxy: ProxyState, request: web.Request, response: web.StreamResponse) -> None:
@@ -525,12 +672,37 @@ def answer_from_prefill(body: dict[str, Any], answer: dict[str, Any]) -> web.Res
 
 
 async def handle_completion(proxy: ProxyState, request: web.Request, path: str, body: dict[str, Any]) -> web.StreamResponse:
-    """Route one validated request and serve it on the legs its route, connector and mode call for."""
+    """Route one validated request and serve it on the legs its route, connector and mode call for; a request whose
+    engine died before the client had a byte (a prefill before its hand-off, a decode before its first token) is run
+    again on a new route, once."""
     started = time.monotonic()
     # the engines' own key, when they have one; the client's key is never forwarded to an engine
     headers: list[tuple[str, str]] = []
     if proxy.engine_key is not None:
         headers.append(("Authorization", f"Bearer {proxy.engine_key}"))
+    request[HEADERS] = headers
+    if body.get("stream") is True and proxy.config.max_continuations:
+        tracker = request[CONTINUE] = Tracker(path, body, plan(path, body))
+        body = tracker.engine_body(body)
+    try:
+        return await _serve(proxy, request, path, body, list(headers), started)
+    except EngineLost as exc:
+        if not proxy.config.max_continuations:
+            raise
+        log.warning("%s; running it again on another route", exc.message)
+        if exc.inst.healthy:
+            await proxy.health.probe(exc.inst, fresh=True)  # a dead engine is out of rotation before the route
+        if proxy.hold_wait() > 0:
+            await proxy.wait_for_instances()
+        if proxy.missing_roles():
+            raise  # no instance to run it on: the client hears what failed, not that none is in rotation
+        proxy.metrics.continuations.labels("rerun", exc.role).inc()
+        return await _serve(proxy, request, path, body, list(headers), started)
+
+
+async def _serve(proxy: ProxyState, request: web.Request, path: str, body: dict[str, Any],
+                 headers: list[tuple[str, str]], started: float) -> web.StreamResponse:
+    """Route the request and serve it on its route's legs."""
     facts = RequestFacts(path, body)
     timeout = proxy.config.timeouts.prefill_s
     try:

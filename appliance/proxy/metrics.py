@@ -217,6 +217,13 @@ class ProxyMetrics:
             "Requests routed, by the route taken (disaggregated, decode-only, colocated) and why (docs/routing.md)",
             ["route", "reason"], registry=self.registry,
         )
+        self.continuations = Counter(
+            "pdctl_proxy_continuations",
+            "Requests whose engine leg died, by outcome: continued (a stream continued on another leg; reason: how "
+            "the leg ended: reset, timeout, ...), rerun (a request whose engine died before the client had a byte, "
+            "run again elsewhere; reason: the leg's role, prefill or decode), ended (a stream ended with an error event; reason: why it was not continued)",
+            ["outcome", "reason"], registry=self.registry,
+        )
         self.tokens = Counter(
             "pdctl_proxy_streamed_chunks", "SSE chunks relayed to clients", registry=self.registry,
         )
@@ -263,7 +270,13 @@ class ProxyMetrics:
         by_status: dict[str, int] = {}
         for sample in _totals(self.requests):
             by_status[sample.labels["status"]] = by_status.get(sample.labels["status"], 0) + int(sample.value)
+        outcomes: dict[str, int] = {}
+        for sample in _totals(self.continuations):
+            outcome = sample.labels["outcome"]
+            outcomes[outcome] = outcomes.get(outcome, 0) + int(sample.value)
         return {"total": sum(by_status.values()), "by_status": by_status,
+                "continued_streams": outcomes.get("continued", 0), "rerun_prefills": outcomes.get("rerun", 0),
+                "ended_streams": outcomes.get("ended", 0),
                 "leg_failures": sum(int(s.value) for s in _totals(self.leg_failures)),
                 "client_aborts": sum(int(s.value) for s in _totals(self.client_aborts))}
 

@@ -67,7 +67,7 @@ def environment_value(env: dict[str, str]) -> str:
 
 
 def _program(name: str, argv: list[str], env: dict[str, str], workdir: str, logdir: PurePosixPath,
-             priority: int, stopwaitsecs: int) -> str:
+             priority: int, stopwaitsecs: int, stopsignal: str = "TERM") -> str:
     environment = f"environment={environment_value(env)}\n" if env else ""
     return template("supervisor-program.conf.in").substitute(
         name=name,
@@ -76,6 +76,7 @@ def _program(name: str, argv: list[str], env: dict[str, str], workdir: str, logd
         workdir=_value(workdir, "state_dir"),
         priority=priority,
         stopwaitsecs=stopwaitsecs,
+        stopsignal=stopsignal,
         logfile=_log_value(logdir, name),
     )
 
@@ -111,7 +112,10 @@ def render_supervisor(plan: Plan, opts: RenderOptions | None = None) -> list[Ren
             priority = 100 + _ROLE_RANK[inst.role]
             programs.append(_program(name, inst.argv, inst.env, plan.state_dir, logdir, priority, 60))
     names.append(PROXY_UNIT)
-    programs.append(_program(PROXY_UNIT, proxy_argv(plan, opts), {}, plan.state_dir, logdir, 900, 30))
+    # supervisord stops the keeper with SIGINT: a SIGTERM from anyone else is an end it restarts the keeper after,
+    # through which the proxy serves on (appliance.proxy.keeper)
+    keeper = [*proxy_argv(plan, opts), "--stop-signal", "INT"]
+    programs.append(_program(PROXY_UNIT, keeper, {}, plan.state_dir, logdir, 900, 30, stopsignal="INT"))
     text = template("supervisord.conf.in").substitute(
         layout=plan.layout,
         connector=plan.connector,

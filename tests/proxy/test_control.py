@@ -109,7 +109,8 @@ def test_passive_failures_eject_a_dead_backend() -> None:
         async with engines("both") as (a,):
             cfg = proxy_config("none", [backend("both-0", "both", a),
                                         {"name": "both-1", "role": "both", "url": f"http://127.0.0.1:{free_port()}"}],
-                               health={"probe_interval_s": 30}, routing="round_robin")
+                               health={"probe_interval_s": 30}, routing="round_robin",
+                               max_continuations=0)  # no re-run elsewhere: test_continuation.py
             async with running_proxy(cfg, wait_ready=False) as px:
                 await wait_for(lambda: px.registry.get("both-0").healthy, what="first probe round")
                 px.registry.get("both-1").healthy = True  # as if it died right after its probe passed
@@ -365,6 +366,7 @@ def test_the_admin_state_carries_the_request_counters_metrics_has(tmp_path: Path
                 async with s.get(f"http://127.0.0.1:{px.admin_port}/admin/state") as r:
                     state = await r.json()
             by_status: dict[str, int] = {}
+            outcomes: dict[str, int] = {}
             legs = aborts = 0
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
@@ -374,8 +376,13 @@ def test_the_admin_state_carries_the_request_counters_metrics_has(tmp_path: Path
                         by_status[sample.labels["status"]] = by_status.get(sample.labels["status"], 0) + int(sample.value)
                     legs += int(sample.value) if family.name == "pdctl_proxy_leg_failures" else 0
                     aborts += int(sample.value) if family.name == "pdctl_proxy_client_aborts" else 0
+                    if family.name == "pdctl_proxy_continuations":
+                        outcome = sample.labels["outcome"]
+                        outcomes[outcome] = outcomes.get(outcome, 0) + int(sample.value)
             assert by_status == {"200": 2, "401": 1, "400": 1}
             assert state["requests"] == {"total": 4, "by_status": by_status, "leg_failures": legs,
-                                         "client_aborts": aborts}
+                                         "client_aborts": aborts, "continued_streams": outcomes.get("continued", 0),
+                                         "rerun_prefills": outcomes.get("rerun", 0),
+                                         "ended_streams": outcomes.get("ended", 0)}
 
     asyncio.run(scenario())

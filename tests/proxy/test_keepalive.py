@@ -181,13 +181,14 @@ def test_a_body_that_does_not_arrive_in_time_is_answered_408_with_connection_clo
 
 def test_an_engine_process_that_exits_mid_stream_leaves_the_client_connection_usable() -> None:
     """Separate processes: the proxy (`python -m appliance.proxy`) and two simulated engines, each set to exit
-    hard after 3 tokens. The one that serves the first stream dies in it: the stream ends with an error event,
-    and the client's next request, on the same connection, is served by the other engine."""
+    hard after 3 tokens. The one that serves the first stream dies in it: the stream ends with an error event (no
+    continuation here: test_continuation.py), and the client's next request, on the same connection, is served by
+    the other engine."""
     with e2e.cluster() as c:
         sims = [c.sim(f"both-{i}", "both", "none", "--fault-crash-after-tokens", "3") for i in range(2)]
         c.ready()
         proxy = c.start_proxy(e2e.proxy_config("none", routing="round_robin", backends=e2e.static_backends(
-            *((s.name, "both", s) for s in sims))))
+            *((s.name, "both", s) for s in sims)), max_continuations=0))
         c.ready()
 
         def healthy_engines() -> int:

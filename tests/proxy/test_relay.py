@@ -96,7 +96,8 @@ def test_relay_passes_awkwardly_cut_chunks_intact_and_reuses_the_connection() ->
 
 def test_a_stream_cut_inside_a_chunk_ends_with_the_connection_not_with_bytes_framed_after_it() -> None:
     """The client holds part of a chunk: an error event or closing chunk written after it would be read as the
-    rest of that chunk (a corrupt stream on a connection the client would reuse). The proxy closes instead."""
+    rest of that chunk (a corrupt stream on a connection the client would reuse). The proxy closes instead. (A
+    stream the proxy may continue is relayed event by event: test_continuation.py.)"""
     whole, cut = _chunk(EVENTS[0]), _chunk(EVENTS[1])[:12]
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
@@ -104,7 +105,7 @@ def test_a_stream_cut_inside_a_chunk_ends_with_the_connection_not_with_bytes_fra
         engine = PieceEngine([head + whole, cut], then_close=True)
         port = await engine.start()
         config = proxy_config("none", [{"name": "both-0", "role": "both", "url": f"http://127.0.0.1:{port}"}],
-                              health={"probe_interval_s": 30})
+                              health={"probe_interval_s": 30}, max_continuations=0)
         async with running_proxy(config) as px:
             reader, writer = await asyncio.open_connection("127.0.0.1", px.api_port)
             body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True}).encode()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -149,7 +150,9 @@ def test_supervisord_reads_back_every_argument_and_variable(tmp_path: Path) -> N
         assert cfg.environment == inst.env
         assert cfg.stopasgroup and cfg.killasgroup
         assert cfg.stdout_logfile == f"{state}/supervisor/logs/pd-{inst.name}.log"
-    assert shlex.split(programs["pd-proxy"].command)[-1] == f"{state}/proxy.json"
+    assert shlex.split(programs["pd-proxy"].command)[-3:] == [f"{state}/proxy.json", "--stop-signal", "INT"]
+    # supervisord stops the keeper with the signal it is told is the stop (a SIGTERM from elsewhere hands over)
+    assert programs["pd-proxy"].stopsignal == signal.SIGINT
     assert str(socket_path(state)) in conf.text
     # the reaper ends what a program left behind: on every end that names a pid, restarted if it dies
     pool = read_back(conf.text, tmp_path, REAPER)

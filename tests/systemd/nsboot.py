@@ -23,6 +23,15 @@ import time
 import uuid
 from pathlib import Path
 
+from appliance.inventory import load_inventory
+from appliance.node import Node
+from appliance.plan import Plan
+from appliance.plan import plan as make_plan
+from appliance.render import render_systemd
+from appliance.settings import load_settings
+from appliance.statedir import write_atomic
+from tests.support.pdctl import write_config
+
 SYSTEMD = next((p for p in ("/lib/systemd/systemd", "/usr/lib/systemd/systemd") if os.path.exists(p)), None)
 HIERARCHIES = ("systemd", "unified")
 
@@ -48,6 +57,24 @@ mount --bind {unit_dir} /etc/systemd/system
 export container=pdctl-test
 exec {systemd} --system --unit=pd.target --log-target=journal
 """
+
+
+def render_node(directory: Path, extra: str = "") -> tuple[Path, Path, Plan]:
+    """A simulated node deployed for systemd in `directory` (its units rendered into units/, its state written, as
+    `pdctl up` would before it starts them): (unit dir, settings file, plan). Its state directory's name holds
+    characters that break naive quoting."""
+    units = directory / "units"
+    units.mkdir()
+    state = directory / "state dir %$"
+    config = write_config(directory, state, manager="systemd", extra=extra)
+    settings = load_settings(config)
+    p = make_plan(settings, load_inventory("sim:cpu"))
+    node = Node(settings)
+    for f in render_systemd(p, node.render_options()).units:
+        write_atomic(units / f.name, f.text, f.mode)
+    node.write(p)
+    (state / "manager").write_text("systemd\n")
+    return units, config, p
 
 
 def why_not() -> str | None:

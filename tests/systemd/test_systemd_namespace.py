@@ -4,8 +4,10 @@ and `pdctl up/status/restart/logs/down` drive it through `nsenter`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -13,17 +15,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.inventory import load_inventory
-from appliance.node import Node
-from appliance.plan import plan as make_plan
-from appliance.render import render_systemd
 from appliance.render.systemd import exec_line
-from appliance.settings import load_settings
-from appliance.statedir import write_atomic
+from benchmarks import crash_bench
 from tests.rebalance.load import Load, restart_figures
-from tests.support.pdctl import crash_on_next_token, pdctl, status, try_complete, write_config
+from tests.support.pdctl import crash_on_next_token, pdctl, status, try_complete
 from tests.support.waiting import wait_until
-from tests.systemd.nsboot import NamespacedSystemd, why_not
+from tests.systemd.nsboot import NamespacedSystemd, render_node, why_not
 
 pytestmark = [pytest.mark.systemd, pytest.mark.skipif(why_not() is not None, reason=why_not() or "")]
 
@@ -33,18 +30,7 @@ AWKWARD = ["/models/my model", "it's", 'say "hi"', "100%", "$HOME", "${X}", "bac
 
 @pytest.fixture
 def booted(tmp_path: Path, request: pytest.FixtureRequest):
-    units = tmp_path / "units"
-    units.mkdir()
-    state = tmp_path / "state dir %$"
-    config = write_config(tmp_path, state, manager="systemd", extra=getattr(request, "param", ""))
-    settings = load_settings(config)
-    p = make_plan(settings, load_inventory("sim:cpu"))
-    node = Node(settings)
-    rendered = render_systemd(p, node.render_options())
-    for f in rendered.units:
-        write_atomic(units / f.name, f.text, f.mode)
-    node.write(p)
-    (state / "manager").write_text("systemd\n")
+    units, config, p = render_node(tmp_path, getattr(request, "param", ""))
     echo = [sys.executable, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))", *AWKWARD]
     (units / "argv-echo.service").write_text(
         f"[Unit]\nDefaultDependencies=no\n[Service]\nType=oneshot\nExecStart={exec_line(echo)}\n"
@@ -285,6 +271,53 @@ def test_pdctl_restart_proxy_under_load_cuts_nothing(booted) -> None:
     print(f"systemd, pdctl restart proxy: {figures}")
     assert load.failures == [], load.failures[:5]
     assert ns.show("pd-proxy.service", "MainPID") == keeper and ns.show("pd-proxy.service", "NRestarts") == "0"
+
+
+@pytest.mark.parametrize("sig", ["KILL", "TERM"])
+def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
+    """kill -KILL or -TERM of pd-proxy's main process (the keeper) under 3 streaming clients and 3 pooled streaming
+    ones (issue 35): systemd stops the rest of the unit (the proxy finishes its streams) and restarts it. Before,
+    nothing listened meanwhile: connections were refused until the new keeper had bound the sockets (16,992 of
+    17,013 requests after -KILL); and the stopping proxy closed each pooled client's connection once its stream
+    had ended, as the client sent its next request on it (`Can not write request body`, one a client). Now the
+    unit's file descriptor store keeps the sockets, systemd gives them back to the new keeper, connections wait in
+    the kernel's queue, and a stopping proxy serves a request sent on a kept-alive connection (saying
+    `Connection: close`) instead of closing it under the client."""
+    ns, config, p = booted
+    env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
+    wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
+    keeper = ns.show("pd-proxy.service", "MainPID")
+    load = Load(p.proxy.url, max_tokens=40).start()
+    done, pooled = threading.Event(), []
+    pace = crash_bench.Pace(clients=3, max_tokens=40, decode_step_ms=0, before=0, after=0)
+
+    async def pooled_clients() -> None:
+        stop = asyncio.Event()
+        clients = [asyncio.ensure_future(crash_bench.client(p.proxy.url, True, n, pace, stop, pooled))
+                   for n in range(pace.clients)]
+        await asyncio.to_thread(done.wait)
+        stop.set()
+        await asyncio.gather(*clients)
+
+    thread = threading.Thread(target=asyncio.run, args=(pooled_clients(),))
+    thread.start()
+    try:
+        wait_until(lambda: load.ok >= 6 and len(pooled) >= 6, what="streams before the kill")
+        ns.run("kill", f"-{sig}", keeper)
+        wait_until(lambda: ns.show("pd-proxy.service", "MainPID") not in ("0", keeper)
+                   and ns.show("pd-proxy.service", "ActiveState") == "active", timeout=90, what="pd-proxy back")
+        served = load.ok
+        wait_until(lambda: load.ok >= served + 6, what="streams through the new keeper's proxy")
+    finally:
+        done.set()
+        thread.join()
+        load.stop()
+    failed = [f"{o.result}: {o.detail}" for o in pooled if o.result != "ok"]
+    print(f"systemd, kill -{sig} of the keeper: {load.ok + len(load.failures)} streams sent, "
+          f"{len(load.failures)} failed; pooled: {len(pooled)} sent, {len(failed)} failed or cut")
+    assert load.failures == [], load.failures[:5]
+    assert failed == [], failed[:5]
+    assert ns.show("pd-proxy.service", "NRestarts") == "1"
 
 
 def test_a_redeploy_reports_only_its_own_ends(booted) -> None:

@@ -61,6 +61,7 @@ class ParsedRequest:
     include_usage: bool
     seed: int | None
     kv_params: dict[str, Any] | None
+    return_token_ids: bool = False
 
 
 def _chat_prompt(messages: Any) -> str:
@@ -180,6 +181,7 @@ def parse_request(body: Any, chat: bool, cfg: SimConfig) -> ParsedRequest:
         include_usage=bool(options and options.get("include_usage")),
         seed=seed,
         kv_params=dict(kv_params) if kv_params else None,
+        return_token_ids=body.get("return_token_ids") is True,
     )
 
 
@@ -480,7 +482,14 @@ class SimServer:
         obj = "chat.completion.chunk" if parsed.chat else "text_completion"
         head = {"id": response_id, "object": obj, "created": created, "model": self.cfg.model}
 
-        def chunk(text: str, finish: str | None, role: bool = False) -> bytes:
+        ids = parsed.return_token_ids
+        first = [True]
+
+        def chunk(text: str, finish: str | None, role: bool = False, token: int | None = None) -> bytes:
+            # the fields vLLM 0.32's streamed chunks carry, token ids included where asked for (or null)
+            prompt_ids = parsed.prompt if ids and first[0] else None
+            first[0] = False
+            extra: dict[str, Any] = {}
             if parsed.chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text}
                 choice: dict[str, Any] = {
@@ -489,6 +498,10 @@ class SimServer:
                     "logprobs": None,
                     "finish_reason": finish,
                 }
+                if role:
+                    extra["prompt_token_ids"] = prompt_ids
+                else:
+                    choice["token_ids"] = [token] if ids else None
             else:
                 choice = {
                     "index": 0,
@@ -496,8 +509,10 @@ class SimServer:
                     "logprobs": None,
                     "finish_reason": finish,
                     "stop_reason": None,
+                    "prompt_token_ids": prompt_ids,
+                    "token_ids": [token] if ids else None,
                 }
-            return _sse({**head, "choices": [choice]})
+            return _sse({**head, "choices": [choice], **extra})
 
         response: web.StreamResponse | None = None
         sent = 0
@@ -525,7 +540,7 @@ class SimServer:
             parts = []
             for i, token in enumerate(new):
                 last = seq.finished and i == len(new) - 1
-                parts.append(chunk(token_text(token), seq.finish_reason if last else None))
+                parts.append(chunk(token_text(token), seq.finish_reason if last else None, token=token))
             if parts:
                 await response.write(b"".join(parts))
             if seq.finished:
