@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
+from appliance.proxy.keeper import handback_address
 from tests.rebalance.load import Load
 from tests.reliability.node import MODEL, Node
 from tests.reliability.test_attacks import http, no_traceback
@@ -253,3 +256,33 @@ def request_on_get(sock: socket.socket, path: str) -> dict[str, Any]:
     thread.start()
     result["thread"] = thread
     return result
+
+
+def test_a_killed_keeper_of_two_workers_ends_them_and_a_new_keeper_serves_on_new_sockets(tmp_path: Path) -> None:
+    """SIGKILL of the keeper of 2 workers: each worker finishes and exits (a keeper crash is not survived with
+    several workers yet, docs/proxy-workers.md), none offers its sockets for a handback, and the next keeper of the
+    same config binds the port again and serves with 2 workers."""
+    with workers_node(tmp_path) as node:
+        keeper = next(p for p in node.procs if p.name == "proxy")
+        pids = [int(w["pid"]) for w in state(node)["workers"]]
+        assert len(pids) == 2
+        os.kill(keeper.popen.pid, signal.SIGKILL)
+
+        def gone(pid: int) -> bool:
+            try:
+                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_for(lambda: all(gone(pid) for pid in pids), "both workers ended with their keeper")
+        offer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with offer, pytest.raises(OSError):
+            offer.connect(handback_address(str(tmp_path / "proxy.json")))
+        again = node.start("proxy-again", [sys.executable, "-m", "appliance.proxy.keeper", "--config",
+                                           str(tmp_path / "proxy.json"), "--log-level", "warning"])
+        node.wait_http(again, node.proxy_url + "/health")
+        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True, True], "2 new workers ready")
+        assert not {int(w["pid"]) for w in state(node)["workers"]} & set(pids)
+        status, _, body = http(node.proxy_port, "POST", "/v1/completions",
+                               {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert status == 200, body[:300]
