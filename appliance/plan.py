@@ -577,7 +577,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     checks.append(Check(name="gpus-disjoint", ok=len(used) == len(set(used)), detail=f"{len(used)} GPU(s) assigned"))
     block = next(iter(block_sizes.values()))
     checks.append(Check(name="block-size", ok=True, detail=f"KV block size {block or 'vLLM default'} on every role"))
-    # the hand-off's length rules are vLLM's (connector.handoff_possible): a simulated engine has none
+    # the hand-off's length rules are vLLM's (ProxySide.length_possible): a simulated engine has none
     proxy = _proxy_config(settings, connector_name, mode, model.served_name,
                           block if settings.engine.kind == "vllm" else None, state)
     if not is_loopback(settings.proxy.host) and not (settings.proxy.api_key_file or settings.proxy.api_keys_file):
@@ -630,7 +630,7 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
             step = DecodeStep(ms_per_seq=sim.decode_step_ms_per_seq, prefill_us_per_token=sim.prefill_us_per_token)
     if threshold:
         _check_alone(connector, mode, f"decode_only_below = {threshold}" if p.decode_only_below else
-                     f"conditional_routing (decode_only_below {threshold})")
+                     f"conditional_routing (decode_only_below {threshold})", engine_release(settings))
     queue_ms = p.decode_only_queue_ms
     if queue_ms is None and threshold:
         queue_ms = settings.slo.ttft_ms * DECODE_QUEUE_SHARE
@@ -639,7 +639,8 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         "decode_step": step.model_dump() if step else None,
         "decode_budget": settings.decode.max_num_batched_tokens, "decode_only_queue_ms": queue_ms,
         "mode": mode, "connector": connector, "model": served_name, "block_size": block_size,
-        "max_model_len": settings.model.max_model_len, "workers": p.workers or default_workers(node_cores()),
+        "vllm_version": engine_release(settings), "max_model_len": settings.model.max_model_len,
+        "workers": p.workers or default_workers(node_cores()),
         "registration": {"enabled": get_connector(connector).registers_with_proxy},
         "admin": {"token_file": p.admin_token_file or str(state.admin_token)},
         **_tenant_files(settings, state),
@@ -653,15 +654,20 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         raise PlanError(f"proxy: {problem}", fix=fix) from None
 
 
-def _check_alone(name: str, mode: Mode, setting: str) -> None:
+def engine_release(settings: Settings) -> str:
+    """The engines' vLLM release ("": not a vLLM engine, or not known)."""
+    return split_package(settings.engine.vllm_package)[1] if settings.engine.kind == "vllm" else ""
+
+
+def _check_alone(name: str, mode: Mode, setting: str, vllm_version: str = "") -> None:
     """Refuse conditional routing on a connector whose decode cannot serve a prompt alone in `mode`: every
-    request it sent there would be answered from KV nobody wrote (Connector.alone)."""
+    request it sent there would be answered from KV nobody wrote (ProxySide.alone)."""
     connector = get_connector(name)
-    alone = connector.alone(mode)
+    alone = connector.side(mode, vllm_version).alone()
     if not connector.disaggregated or alone.served:
         return
     fix = f"unset [proxy] {setting.split()[0]}"
-    served = [m for m in sorted(connector.modes) if connector.alone(m).served]
+    served = [m for m in sorted(connector.modes) if connector.side(m, vllm_version).alone().served]
     if served:
         fix += f", or set [connector] mode = \"{served[0]}\""
     raise PlanError(f"[proxy] {setting} sends short prompts to a decode instance "

@@ -25,7 +25,7 @@ import time
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from appliance.connector import get_connector  # noqa: E402
+from appliance.roles import Mode  # noqa: E402
 
 WATCHED = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
            "vllm:request_success_total", "vllm:nixl_num_kv_expired_reqs",
@@ -92,21 +93,22 @@ async def cut_streams(proxy: str, model: str, count: int, tokens: int, cut_ms: f
 async def direct_prefills(prefill: str, decode: str, model: str, connector_name: str, mode: str, count: int,
                           tokens: int, release: bool) -> None:
     """The proxy's prefill legs straight to the prefill engine, and no decode leg after them; with `release`,
-    the proxy's release of each prefill's KV (Connector.release_body) to the decode engine instead."""
-    connector = get_connector(connector_name)
+    the proxy's release of each prefill's KV (ProxySide.release) to the decode engine instead."""
+    side = get_connector(connector_name).side(cast(Mode, mode))
     peer = Instance("prefill-0")
     async with aiohttp.ClientSession() as session:
         async def one(i: int) -> None:
             body = {"model": model, "prompt": prompt(i, tokens), "max_tokens": 64}
-            leg = connector.prefill_body(body, peer, peer, {"mode": mode})
+            pairing = side.pair(peer, peer)
+            leg = side.prefill_body(body, pairing)
             # both legs of a request carry one id, as the proxy's do (NIXL's push pairs them by it)
-            headers = {"X-Request-Id": connector.request_id(peer, peer)}
+            headers = {"X-Request-Id": pairing.request_id}
             async with session.post(prefill + "/v1/completions", json=leg, headers=headers) as resp:
                 answer = await resp.json()
             if resp.status != 200:
                 raise SystemExit(f"prefill answered {resp.status}: {answer}")
-            decode_leg = connector.decode_body(body, peer, peer, 0, answer["kv_transfer_params"], {"mode": mode})
-            freeing = connector.release_body(decode_leg, "/v1/completions", mode)
+            decode_leg = side.decode_body(body, pairing, 0, answer["kv_transfer_params"])
+            freeing = side.release(decode_leg, "/v1/completions")
             if release and freeing is not None:
                 path, release_body = freeing
                 async with session.post(decode + path, json=release_body, headers=headers) as resp:

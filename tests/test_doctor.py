@@ -75,7 +75,6 @@ def test_simulated_engine_needs_no_vllm(tmp_path: Path) -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
 def test_passes_with_the_cpu_default(tmp_path: Path) -> None:
     assert VLLM_PYTHON
     rc, findings = doctor(tmp_path, VLLM_PYTHON)
@@ -84,6 +83,7 @@ def test_passes_with_the_cpu_default(tmp_path: Path) -> None:
     assert vllm["status"] == "ok" and "vLLM" in vllm["detail"]
 
 
+@pytest.mark.vllm
 def test_warns_of_each_extra_config_key_the_engines_vllm_will_ignore(tmp_path: Path) -> None:
     # vLLM 0.32's NIXL connector reads kv_lease_duration, not enable_cross_layers_blocks (its Mooncake store
     # connector does), and no release reads the misspelt key

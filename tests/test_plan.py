@@ -488,3 +488,17 @@ def test_conditional_routing_on_moriio_read_is_refused_with_what_to_do(proxy: di
     assert message.endswith(f'(fix: unset [proxy] {setting.split()[1]}, or set [connector] mode = "write")')
     write = Settings.model_validate({**settings.model_dump(), "connector": {"name": "moriio", "mode": "write"}})
     assert plan(write, load_inventory("sim:mi300x-8")).proxy.decode_only_below  # WRITE serves a prompt alone
+
+
+def test_conditional_routing_on_moriio_write_needs_a_vllm_whose_write_decode_serves_a_prompt_alone() -> None:
+    # vLLM 0.24.0 to 0.31.0's MoRIIO decode in WRITE mode waits for a push of every prompt token, hand-off or not
+    base = {"engine": {"kind": "vllm", "python": "/usr/bin/python3"}, "connector": {"name": "moriio", "mode": "write"},
+            "proxy": {"decode_only_below": 300}}
+    for release, served in (("vllm 0.31.0", False), ("vllm 0.24.0", False), ("vllm 0.32.0", True)):
+        settings = Settings.model_validate(deep_merge(base, {"engine": {"vllm_package": release}}))
+        if served:
+            p = plan(settings, load_inventory("sim:mi300x-8"))
+            assert (p.proxy.decode_only_below, p.proxy.vllm_version) == (300, "0.32.0")
+            continue
+        with pytest.raises(PlanError, match=f"vLLM {release.split()[1]}'s MoRIIO decode in WRITE mode waits"):
+            plan(settings, load_inventory("sim:mi300x-8"))

@@ -184,8 +184,9 @@ def test_a_bad_connector_table_is_one_line_naming_the_key(tmp_path: Path, text: 
 
 
 # The proxy's config fields no [proxy] key sets: the plan decides them, or only a hand-written proxy.json does.
-NOT_PROXY_KEYS = {"mode", "connector", "model", "block_size", "max_model_len", "backends", "registration.enabled",
-                  "engine_api_key_file", "client_max_size", "max_tokens_limit", "health.probe_interval_s",
+NOT_PROXY_KEYS = {"mode", "connector", "model", "block_size", "vllm_version", "max_model_len", "backends",
+                  "registration.enabled", "engine_api_key_file", "client_max_size", "max_tokens_limit",
+                  "health.probe_interval_s",
                   "health.fail_threshold", "health.probe_timeout_s", "health.listener_check_interval_s",
                   "health.engine_uid", "health.timeout_threshold", "health.panic_max_silence_s", "health.crash_grace_s",
                   "decode_only_window_ms",  # the plan writes slo.itl_ms

@@ -22,7 +22,7 @@ from appliance.errors import PdctlError
 from appliance.inventory.models import Inventory
 from appliance.model_config import Heads, ModelShape, read_heads, read_model_shape, with_engine_quantization
 from appliance.node import Node
-from appliance.plan import platform_of, step_spread
+from appliance.plan import engine_release, platform_of, step_spread
 from appliance.proxy.config import DecodeStep
 from appliance.roles import Role
 from appliance.settings import EMBEDDED_MODEL, Settings
@@ -388,8 +388,8 @@ def print_check(ctx: click.Context, bench_paths: list[str], profile_path: str | 
 
 
 def _alone(settings: Settings, inventory: Inventory) -> Alone:
-    """Whether the node's connector, in its mode, serves a prompt on a decode alone (Connector.alone): where it
+    """Whether the node's connector, in its mode, serves a prompt on a decode alone (ProxySide.alone): where it
     does not, conditional routing is refused and no decode_only_below is advised."""
     mode = settings.connector.mode
     name = resolve_name(disaggregated_name(settings.connector.name), platform_of(inventory), mode)
-    return get_connector(name).alone(mode)
+    return get_connector(name).side(mode, engine_release(settings)).alone()

@@ -20,12 +20,14 @@ from appliance.connector.base import (
     Peer,
     Platform,
     ProxyListener,
+    ProxySide,
     RayServeBackend,
 )
 from appliance.errors import PlanError
 
 __all__ = [
-    "Connector", "HandoffError", "InstanceContext", "LlmdPod", "Peer", "Platform", "ProxyListener", "RayServeBackend",
+    "Connector", "HandoffError", "InstanceContext", "LlmdPod", "Peer", "Platform", "ProxyListener", "ProxySide",
+    "RayServeBackend",
     "PLATFORM_NAMES", "check_name", "described", "disaggregated_name", "get_connector", "implementing", "load_object",
     "names", "resolve_name",
 ]
@@ -92,19 +94,37 @@ def _plug_in(target: str) -> type[Connector]:
     if not (isinstance(cls, type) and issubclass(cls, Connector)):
         raise ValueError(f"connector {target!r}: {module_name}.{attr} is not a subclass of "
                          "appliance.connector.Connector")
+    _answering(cls, target)
     return cls
+
+
+def _answering(cls: type[Connector], target: str) -> Connector:
+    """A `cls` whose proxy side answers, in each of its modes, what the proxy asks of every connector (ProxySide's
+    abstract methods: alone, handoff, release); ValueError naming what it leaves out."""
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise ValueError(f"connector {target!r}: {cls.__name__} does not define {', '.join(missing)} "
+                         "(appliance.connector.Connector's abstract methods)")
+    connector = cls()
+    for mode in sorted(cls.modes):
+        try:
+            side = connector.side(mode)
+        except TypeError as exc:  # an abstract answer left out: Python refuses to make the side
+            raise ValueError(f"connector {target!r}: its proxy side in {mode} mode does not answer what every "
+                             f"connector must ({exc})") from None
+        if not isinstance(side, ProxySide):
+            raise ValueError(f"connector {target!r}: proxy_side({mode!r}) gives {type(side).__name__}, not an "
+                             "appliance.connector.base.ProxySide")
+    return connector
 
 
 def get_connector(name: str) -> Connector:
     """The connector registered as `name`, or the "module:Class" one outside pdctl; imported only now."""
     target = _REGISTRY.get(name)
-    if target is not None:
-        cls: type[Connector] = load_object(target)
-        return cls()
-    if ":" not in name:
+    if target is None and ":" not in name:
         raise PlanError(f"unknown connector '{name}'", fix=f"use one of {', '.join(_REGISTRY)}")
     try:
-        return _plug_in(name)()
+        return _answering(load_object(target), name) if target is not None else _plug_in(name)()
     except ValueError as exc:
         raise PlanError(str(exc)) from None
 

@@ -1,5 +1,6 @@
 """What every KV connector module provides: its engine side (vLLM flags, environment, ports), its simulated
-engine (arguments and flow), and its proxy side (request ids and the bodies of the two legs)."""
+engine (arguments and flow), and its proxy side (ProxySide, one per transfer mode: what a request sent to a decode
+alone is, how a request is handed over, how a prefill whose client left is released)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
@@ -57,21 +59,28 @@ class HandoffFacts:
 @dataclass(frozen=True)
 class Alone:
     """How a decode instance serves a request sent alone (no hand-off) in one transfer mode, and the vLLM
-    behaviour that says so (docs/routing.md, "Routes per connector"). `served`: the client's prompt as it is
-    (False: vLLM's scheduler side of the connector would skip prompt tokens nobody wrote, so conditional
-    routing never chooses the decode alone); `forced`: a request that cannot be handed over (a batch, a length
-    the hand-off cannot carry), through alone_body (False: the proxy refuses it)."""
+    behaviour that says so (ProxySide.alone; docs/routing.md, "Routes per connector"). `served`: the client's
+    prompt as it is (False: vLLM's scheduler side of the connector would skip prompt tokens nobody wrote, so
+    conditional routing never chooses the decode alone); `forced`: a request that cannot be handed over (a
+    batch, a length or a body the hand-off cannot carry), through ProxySide.alone_body (False: the proxy
+    refuses it)."""
 
     served: bool
     why: str
     forced: bool = True
 
 
+def asks_prompt_logprobs(body: Mapping[str, Any]) -> bool:
+    """Whether `body` asks vLLM for prompt logprobs (completions' echo with logprobs does too), which make it
+    skip every cache lookup, its KV connector's included (v1/core/sched/scheduler.py: skip_reading_prefix_cache
+    sets the connector's count to 0)."""
+    return body.get("prompt_logprobs") is not None or bool(body.get("echo") and body.get("logprobs") is not None)
+
+
 def skipping_lookups(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """`body` asking for prompt logprobs, which make vLLM skip every cache lookup, its KV connector's included
-    (v1/core/sched/scheduler.py: skip_reading_prefix_cache sets the connector's count to 0), and whether the
-    answer must lose them again (without_prompt_logprobs): a body that asks for them already needs neither."""
-    if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+    """`body` asking for prompt logprobs (asks_prompt_logprobs), and whether the answer must lose them again
+    (without_prompt_logprobs): a body that asks for them already needs neither."""
+    if asks_prompt_logprobs(body):
         return body, False
     return {**body, "prompt_logprobs": 0}, True
 
@@ -265,6 +274,126 @@ def one_token(body: dict[str, Any]) -> dict[str, Any]:
     return leg
 
 
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """How a connector hands one request's KV over in one transfer mode: what the router and the legs read."""
+
+    # the decode leg needs the prefill's answer, so the legs run one after the other (READ; WRITE where the
+    # decode must name what only that answer carries); else both start together and the prefill pushes
+    serial: bool
+    # the hand-off carries one engine request's KV: a request that is several (n > 1, a prompt list) is served
+    # by a decode alone (ProxySide.alone_body)
+    one_request: bool
+    # some prompt lengths cannot be handed over (ProxySide.length_possible): the proxy counts a prompt's tokens
+    lengths: bool
+    # release() frees a prefill's KV whose decode leg will not be sent, so the proxy reads a prefill leg whose
+    # client left to its end (its answer carries what the release needs) instead of aborting it
+    releases: bool
+    # the engines run the mode from their start (it is in their flags): the proxy routes an instance no request
+    # while it runs another mode, and a switch restarts them
+    fixed_mode: bool
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """One request's two legs as its connector pairs them: the instances and the X-Request-Id both legs carry
+    (ProxySide.request_id)."""
+
+    prefill: Peer
+    decode: Peer
+    request_id: str
+
+    @cached_property
+    def transfer_id(self) -> str:
+        """An id of this hand-off apart from the request id, made on first use (MoRIIO's transfer_id)."""
+        return f"tx-{uuid.uuid4()}"
+
+
+class ProxySide(ABC):
+    """A connector's proxy side in one transfer mode (Connector.proxy_side), as vLLM splits a connector into its
+    scheduler and worker sides: what a request sent to a decode alone is, how one is handed over and how a
+    prefill whose client left is released. Its three answers (alone, handoff, release) are abstract: a
+    connector whose side leaves one out is refused when it is loaded (appliance.connector.get_connector)."""
+
+    # the engines' vLLM release ("": unknown), set by Connector.side: a side whose answers differ between
+    # releases reads it (MoRIIO's)
+    vllm_version: str = ""
+
+    def __init__(self, mode: Mode) -> None:
+        self.mode = mode
+
+    # ---- what the routing pipeline asks (appliance/proxy/route) ------------------------------------------
+    @abstractmethod
+    def alone(self) -> Alone:
+        """Whether a decode instance in this mode serves a request sent alone (alone_body) correctly, from what
+        vLLM's scheduler side of the connector does with a request without a hand-off."""
+
+    @abstractmethod
+    def handoff(self) -> Handoff | None:
+        """How a request is handed over in this mode; None: no hand-off (colocated engines)."""
+
+    def length_possible(self, prompt_tokens: int, block_size: int) -> bool:
+        """Whether a prompt of this many tokens can be handed over (read where handoff().lengths; False: the
+        proxy sends it to a decode instance alone)."""
+        return True
+
+    def body_possible(self, body: Mapping[str, Any]) -> bool:
+        """Whether what `body` asks for leaves the hand-off whole (False: the proxy sends it to a decode alone)."""
+        return True
+
+    # ---- a request sent alone ------------------------------------------------------------------------------
+    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The request a decode instance serves without a hand-off, and whether alone_answer must mend its
+        non-streamed answer."""
+        return body, False
+
+    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        """The client's answer from a decode instance's answer to alone_body(body)."""
+        return answer
+
+    # ---- a request handed over -----------------------------------------------------------------------------
+    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
+        """The X-Request-Id both legs of one request carry: unique to the request (connectors pair its legs by
+        it), led by the client's own X-Request-Id when it sent one (vLLM answers with the id cmpl-<this>)."""
+        unique = uuid.uuid4().hex
+        return f"{client_id}-{unique}" if client_id else unique
+
+    def pair(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> Pairing:
+        """One request's legs on `prefill` and `decode`, under request_id's id."""
+        return Pairing(prefill, decode, self.request_id(prefill, decode, client_id))
+
+    def prefill_body(self, body: dict[str, Any], pairing: Pairing) -> dict[str, Any]:
+        """The prefill leg: one token, not streamed."""
+        return one_token(body)
+
+    def decode_body(self, body: dict[str, Any], pairing: Pairing, prefill_rank: int | None,
+                    prefill_kv: dict[str, Any] | None) -> dict[str, Any]:
+        """The decode leg: the client's request plus what the decode needs from the prefill. `prefill_kv` is the
+        prefill's returned kv_transfer_params where the legs are serial, None where both start together or the
+        prefill returned none. Raises HandoffError where the decode cannot go ahead without what is missing."""
+        return body
+
+    # ---- a request whose client left -----------------------------------------------------------------------
+    @abstractmethod
+    def release(self, decode_body: dict[str, Any], path: str) -> tuple[str, dict[str, Any]] | None:
+        """What a decode instance is sent (the path and body of a POST, with the legs' X-Request-Id) so that the
+        prefill frees the KV it holds for `decode_body`, a decode leg to `path` that will not be sent (its client
+        left); None: nothing to release."""
+
+
+class Colocated(ProxySide):
+    """The proxy side of engines that compute their own prompts: no hand-off, nothing to release."""
+
+    def alone(self) -> Alone:
+        return Alone(True, "no connector: every engine computes its prompts itself")
+
+    def handoff(self) -> Handoff | None:
+        return None
+
+    def release(self, decode_body: dict[str, Any], path: str) -> tuple[str, dict[str, Any]] | None:
+        return None
+
+
 class Connector(ABC):
     """One KV connector: the single place that knows its vLLM class, flags, ports, simulation and proxy protocol."""
 
@@ -272,12 +401,8 @@ class Connector(ABC):
     vllm_class: ClassVar[str | None]
     modes: ClassVar[frozenset[Mode]]
     platforms: ClassVar[frozenset[Platform]] = frozenset(PLATFORMS)
-    # False: no KV handoff; the proxy sends whole requests to role "both" instances (colocated).
-    disaggregated: ClassVar[bool] = True
     # True: instances announce themselves to the proxy's registration socket (the proxy listens for them).
     registers_with_proxy: ClassVar[bool] = False
-    # True: switching read/write needs the engines restarted (the mode is in their flags).
-    mode_fixed_at_start: ClassVar[bool] = False
     # Its own settings, the table [connector.<name>] (OwnSettings: none).
     settings_model: ClassVar[type[OwnSettings]] = OwnSettings
     # Keys of its settings that older releases read from [connector] itself: old key -> key in its own table.
@@ -291,14 +416,6 @@ class Connector(ABC):
     # Variables of env() that pin an engine to this node's addresses or ports: a cluster export leaves them out,
     # the cluster engine (Ray's backend, a pod's own IP) sets its own.
     node_local_env: ClassVar[frozenset[str]] = frozenset()
-    # True: some prompt lengths cannot be handed over (handoff_possible); the proxy then counts a prompt's tokens
-    lengths_matter: ClassVar[bool] = False
-    # True: the hand-off carries one engine request's KV, so a request that is several (n > 1, a batch of
-    # prompts) is served by a decode instance alone (alone_body)
-    one_request_per_handoff: ClassVar[bool] = False
-    # True: release_body can free a prefill's KV whose decode leg will not be sent, so the proxy keeps reading a
-    # prefill leg whose client left (its answer carries what the release needs) instead of aborting it
-    releases_abandoned_kv: ClassVar[bool] = False
 
     # ---- the engine side ------------------------------------------------------------------------
     def port_ranges(self, ctx: InstanceContext) -> dict[str, range]:
@@ -392,61 +509,26 @@ class Connector(ABC):
         to on_result. None: its engines do not register."""
         return None
 
-    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
-        """The X-Request-Id both legs of one request carry: unique to the request (connectors pair its legs by
-        it), led by the client's own X-Request-Id when it sent one (vLLM answers with the id cmpl-<this>)."""
-        unique = uuid.uuid4().hex
-        return f"{client_id}-{unique}" if client_id else unique
-
-    def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
-        """The prefill leg: one token, not streamed; `handoff` is state shared with the decode leg of the request."""
-        return one_token(body)
-
-    def serial(self, mode: Mode) -> bool:
-        """Whether the decode leg needs the prefill's answer in `mode`, so the legs run one after the other (READ
-        always; WRITE where the decode must name what only the prefill's answer carries, else both legs start
-        together and the prefill pushes)."""
-        return mode == "read"
-
-    def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
-        """Whether a prompt of this many tokens can go through the hand-off (False: the proxy sends it to a
-        decode instance alone, with alone_body)."""
-        return True
-
     @abstractmethod
-    def alone(self, mode: Mode) -> Alone:
-        """Whether a decode instance in `mode` serves a request sent alone (alone_body) correctly: every
-        connector answers, from what vLLM's scheduler side of it does with a request without a hand-off."""
+    def proxy_side(self, mode: Mode) -> ProxySide:
+        """Its proxy side in `mode`: every connector answers for each of its modes (docs/routing.md, "Routes per
+        connector")."""
 
-    def release_body(self, decode_body: dict[str, Any], path: str,
-                     mode: str) -> tuple[str, dict[str, Any]] | None:
-        """What a decode instance is sent (the path and body of a POST, with the legs' X-Request-Id) so that the
-        prefill frees the KV it holds for `decode_body`, a decode leg to `path` that will not be sent (its
-        client left); None: nothing to release."""
-        return None
+    def side(self, mode: Mode, vllm_version: str = "") -> ProxySide:
+        """proxy_side(mode) for engines of vLLM `vllm_version` ("": unknown), made once per connector object."""
+        sides: dict[tuple[str, str], ProxySide] = self.__dict__.setdefault("_sides", {})
+        found = sides.get((mode, vllm_version))
+        if found is None:
+            found = sides[mode, vllm_version] = self.proxy_side(mode)
+            found.vllm_version = vllm_version
+        return found
 
-    def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:
-        """The request a decode instance in `mode` serves without a hand-off, and whether alone_answer must mend
-        its non-streamed answer."""
-        return body, False
+    @property
+    def disaggregated(self) -> bool:
+        """Whether it hands KV over between a prefill and a decode instance (False: colocated engines)."""
+        return any(self.side(m).handoff() is not None for m in sorted(self.modes))
 
-    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-        """The client's answer from a decode instance's answer to alone_body(body)."""
-        return answer
-
-    def decode_body(
-        self,
-        body: dict[str, Any],
-        prefill: Peer,
-        decode: Peer,
-        prefill_rank: int | None,
-        prefill_kv: dict[str, Any] | None,
-        handoff: dict[str, Any],
-    ) -> dict[str, Any]:
-        """The decode leg: the client's request plus what the decode needs from the prefill.
-
-        `prefill_kv` is the prefill's returned kv_transfer_params where the legs run one after the other
-        (serial), None where both start together or the prefill returned none; handoff["mode"] is the proxy's
-        mode. Raises HandoffError where the decode cannot go ahead without what is missing.
-        """
-        return body
+    @property
+    def mode_fixed_at_start(self) -> bool:
+        """Whether its engines fix the transfer mode at start, so a switch restarts them (Handoff.fixed_mode)."""
+        return any((h := self.side(m).handoff()) is not None and h.fixed_mode for m in sorted(self.modes))

@@ -246,6 +246,9 @@ class ProxyConfig(_Model):
     engine_api_key_file: str | None = None
     # the engines' KV block size (tokens), for connectors whose hand-off depends on the prompt's length
     block_size: int | None = Field(default=None, ge=1)
+    vllm_version: str = Field(default="", max_length=64, description=(
+        "The engines' vLLM release (e.g. 0.32.0; empty: unknown, taken as the newest pdctl read): what a "
+        "connector's decode does with a request sent alone differs between releases (docs/routing.md)"))
     prefix_affinity: PrefixAffinityConfig = Field(default_factory=PrefixAffinityConfig)
     registration: RegistrationConfig = Field(default_factory=RegistrationConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from aiohttp import HttpVersion11, web
 
-from appliance.connector import HandoffError
+from appliance.connector import HandoffError, ProxySide
 from appliance.proxy.continuation import CONTINUE_PATH, Tracker, continuation_body, plan
 from appliance.proxy.instances import BackendState, Booking
 from appliance.proxy.policies import RequestFacts
@@ -21,7 +21,6 @@ from appliance.proxy.route import Refused, Route, Unroutable
 from appliance.proxy.route.length import count_tokens
 from appliance.proxy.state import ProxyState
 from appliance.proxy.upstream import Connection, Unchunked, UpstreamError
-from appliance.roles import Mode
 
 log = logging.getLogger("appliance.proxy.legs")
 
@@ -177,8 +176,9 @@ async def run_prefill(
     headers: list[tuple[str, str]], abandoned: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The prefill leg, bounded by timeouts.prefill_s; returns the engine's kv_transfer_params and its answer.
-    `abandoned` gets the KV's parameters when the leg answered but its request was cancelled (client gone);
-    with a connector that can release them, a leg still waiting for its answer then is kept until it comes."""
+    `abandoned` (given where the connector can release them: Handoff.releases) gets the KV's parameters when the
+    leg answered but its request was cancelled (client gone); a leg still waiting for its answer then is kept
+    until it comes."""
     limit = proxy.config.timeouts.prefill_s
     until = time.monotonic() + limit
     # a task of our own rather than asyncio.wait_for's: when this leg is cancelled while the engine's answer
@@ -193,7 +193,7 @@ async def run_prefill(
             kv = leg.result()[0]
             if kv:
                 abandoned(kv)
-        elif abandoned is not None and not leg.done() and proxy.connector.releases_abandoned_kv:
+        elif abandoned is not None and not leg.done():
             # vLLM frees a prefill it is still computing when its leg is aborted, but not one it has finished
             # and whose answer is on its way (the blocks wait for a decode or the lease), and the proxy cannot
             # tell the two apart: it reads the answer, whose kv_transfer_params the release needs
@@ -496,12 +496,20 @@ def _supervise(relay: Relay, supervisor: asyncio.Task[Any] | None) -> None:
         relay.fail(supervisor.exception())  # type: ignore[arg-type]
 
 
+# legs of one cut's continuation that may fail before their first token (each on an instance then probed out of
+# rotation) before the stream ends with an error event
+FAILED_CONTINUATION_LEGS = 3
+
+
 async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, dead: BackendState,
                     legs: contextlib.ExitStack) -> tuple[BackendState, Connection, asyncio.Task[Any] | None] | str:
     """Open a leg that continues `tracker`'s stream, cut on `dead`, on a new route (waiting for its role within
     the hold bound): its instance, connection (its first token come) and supervising prefill; or why not."""
     limit = proxy.config.max_continuations
+    failed = 0  # legs that failed before their first token: not continuations, but bounded all the same
     while (why := tracker.why_not(limit)) is None:
+        if failed > FAILED_CONTINUATION_LEGS:
+            return "legs_failed"
         body = continuation_body(tracker.body, cast(list[int], tracker.prompt), tracker.resume())
         if body is None:
             return "finished"
@@ -522,6 +530,10 @@ async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, d
         except (LegFailure, HandoffError) as exc:
             log.warning("could not continue a stream on %s: %s", route.header(), exc)
             dead = route.decode
+            # it relayed nothing: the next try is still this cut's continuation (an instance that failed it, e.g.
+            # one its manager is stopping, is probed out of rotation first), not one of max_continuations
+            tracker.continued -= 1
+            failed += 1
     return why
 
 
@@ -529,23 +541,25 @@ async def _continuation_leg(proxy: ProxyState, request: web.Request, tracker: Tr
                             body: dict[str, Any], legs: contextlib.ExitStack,
                             ) -> tuple[BackendState, Connection, asyncio.Task[Any] | None]:
     """The legs of one continuation on `route`, up to its first token; raises LegFailure where they failed."""
-    connector, mode = proxy.connector, cast(Mode, proxy.mode)
+    side = route.side
     headers = list(request.get(HEADERS, []))
     inst, rank, supervisor = route.decode, route.decode_rank, None
     if route.prefill is None:
-        leg = body if route.name == "colocated" else connector.alone_body(body, mode)[0]
+        leg = body if route.name == "colocated" else side.alone_body(body)[0]
     else:
-        handoff: dict[str, Any] = {"mode": proxy.mode}
-        headers.append(("X-Request-Id", connector.request_id(route.prefill, inst, None)))
-        prefill_body = connector.prefill_body(body, route.prefill, inst, handoff)
-        if connector.serial(mode):
+        handoff = side.handoff()
+        assert handoff is not None  # a route with a prefill instance hands over
+        pairing = side.pair(route.prefill, inst, None)
+        headers.append(("X-Request-Id", pairing.request_id))
+        prefill_body = side.prefill_body(body, pairing)
+        if handoff.serial:
             kv, answer = await run_prefill(proxy, route.prefill, route.prefill_rank, CONTINUE_PATH, prefill_body,
                                            headers)
             if kv is None and ended_at_prefill(body, answer):
                 raise LegFailure(502, "the continuation ended at its prefill")
-            leg = connector.decode_body(body, route.prefill, inst, route.prefill_rank, kv, handoff)
+            leg = side.decode_body(body, pairing, route.prefill_rank, kv)
         else:
-            leg = connector.decode_body(body, route.prefill, inst, route.prefill_rank, None, handoff)
+            leg = side.decode_body(body, pairing, route.prefill_rank, None)
             task = asyncio.ensure_future(run_prefill(proxy, route.prefill, route.prefill_rank, CONTINUE_PATH,
                                                      prefill_body, headers))
             task.add_done_callback(_retrieve)
@@ -731,20 +745,20 @@ async def _decode_only(proxy: ProxyState, request: web.Request, route: Route, pa
                        headers: list[tuple[str, str]], started: float) -> web.StreamResponse:
     """A request of a disaggregated node that its decode instance prefills itself: the connector's alone_body,
     which no hand-off can be waited for or read from."""
-    connector = proxy.connector
-    alone, mend = connector.alone_body(body, cast(Mode, proxy.mode))
+    side = route.side
+    alone, mend = side.alone_body(body)
     response = await run_decode(proxy, request, route.decode, route.decode_rank, path, alone, headers, started)
     if mend and isinstance(response, web.Response) and response.status == 200 and response.body:
         answer = json.loads(response.body or b"")  # type: ignore[arg-type]
-        return web.json_response(connector.alone_answer(body, answer))
+        return web.json_response(side.alone_answer(body, answer))
     return response
 
 
-def release_handoff(proxy: ProxyState, decode: BackendState, rank: int | None, path: str,
+def release_handoff(proxy: ProxyState, side: ProxySide, decode: BackendState, rank: int | None, path: str,
                     decode_body: dict[str, Any], headers: list[tuple[str, str]]) -> None:
     """Ask the decode instance to have the prefill free the KV it holds for a decode leg to `path` that will not
     be sent (the client left after the prefill answered), rather than hold it until the connector's own timeout."""
-    release = proxy.connector.release_body(decode_body, path, proxy.mode)
+    release = side.release(decode_body, path)
     if release is None:
         return
     task = asyncio.get_running_loop().create_task(_send_release(proxy, decode, rank, *release, headers))
@@ -782,40 +796,39 @@ async def _disaggregated(
 ) -> web.StreamResponse:
     """The prefill and decode legs of one request on the route picked for it; `client_id`: the client's
     X-Request-Id, which leads the id both legs carry."""
-    connector = proxy.connector
+    side, handoff = route.side, route.side.handoff()
     prefill, prefill_rank, decode, decode_rank = route.prefill, route.prefill_rank, route.decode, route.decode_rank
-    assert prefill is not None  # a route without a prefill instance is one leg (handle_completion)
-    # what the connector carries from one leg of this request to the other
-    handoff: dict[str, Any] = {"mode": proxy.mode}
-    rid = connector.request_id(prefill, decode, client_id)
-    prefill_body = connector.prefill_body(body, prefill, decode, handoff)
+    assert prefill is not None and handoff is not None  # a route without a prefill instance is one leg
+    pairing = side.pair(prefill, decode, client_id)
+    prefill_body = side.prefill_body(body, pairing)
     # Both legs carry the same id: connectors match the two halves of a request by it (NIXL push does).
-    headers.append(("X-Request-Id", rid))
+    headers.append(("X-Request-Id", pairing.request_id))
     for name, value in headers:
         # registration data reaches the request id: nothing may end a header line or leave latin-1 ASCII
         if not (value.isascii() and value.isprintable()):
             raise LegFailure(502, f"refusing to send an unsafe {name} header to the engines")
-    if connector.serial(cast(Mode, proxy.mode)):
+    if handoff.serial:
         def abandoned(kv: dict[str, Any]) -> None:
             try:
-                leg = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
+                leg = side.decode_body(body, pairing, prefill_rank, kv)
             except HandoffError:
                 return  # an answer no decode leg could have used: nothing of it to release
-            release_handoff(proxy, decode, decode_rank, path, leg, headers)
+            release_handoff(proxy, side, decode, decode_rank, path, leg, headers)
 
-        kv, answer = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers, abandoned)
+        kv, answer = await run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers,
+                                       abandoned if handoff.releases else None)
         if kv is None and ended_at_prefill(body, answer):
             # vLLM hands no KV over for a prefill that finished the request (its one token was EOS or a stop;
             # MoRIIO, and the shared-storage connector always): the prefill's answer is the whole answer.
             proxy.metrics.ttft.observe(time.monotonic() - started)
             return answer_from_prefill(body, answer)
         # a connector whose decode needs the prefill's kv_transfer_params raises HandoffError without them
-        decode_body = connector.decode_body(body, prefill, decode, prefill_rank, kv, handoff)
+        decode_body = side.decode_body(body, pairing, prefill_rank, kv)
         return await run_decode(proxy, request, decode, decode_rank, path, decode_body, headers, started,
-                                unsent=lambda: release_handoff(proxy, decode, decode_rank, path, decode_body,
+                                unsent=lambda: release_handoff(proxy, side, decode, decode_rank, path, decode_body,
                                                                headers))
 
-    decode_body = connector.decode_body(body, prefill, decode, prefill_rank, None, handoff)
+    decode_body = side.decode_body(body, pairing, prefill_rank, None)
     prefill_task = asyncio.ensure_future(run_prefill(proxy, prefill, prefill_rank, path, prefill_body, headers))
     # its failure is reported through the decode leg (or not at all when the decode leg failed first)
     prefill_task.add_done_callback(_retrieve)

@@ -1,5 +1,5 @@
 """How many tokens a request's prompt has, for routing (conditional disaggregation) and for connectors whose
-hand-off depends on it (lengths_matter). Pure: route.length asks an engine when the body does not settle it.
+hand-off depends on it (its Handoff.lengths). Pure: route.length asks an engine when the body does not settle it.
 
 The proxy has no tokenizer. Token ids are counted; for a text prompt an upper bound comes from its UTF-8
 length (a byte-level BPE or byte-fallback tokenizer spends at least one byte of text per token, plus the few

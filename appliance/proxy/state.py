@@ -70,7 +70,7 @@ class ProxyState:
         self.kv_events = KvEventsListener(lambda: list(self.registry.instances.values()), policy.event_blocks) \
             if isinstance(policy, PrefixAffinity) and config.prefix_affinity.kv_events else None
         self.router = Router(self.registry, policy, lambda: self.mode, self.connector, rules, config.block_size,
-                             stand_in=self.health.stand_in, on_stand_in=self._stood_in)
+                             config.vllm_version, stand_in=self.health.stand_in, on_stand_in=self._stood_in)
         self.planned = PlannedStops(self.registry, self.health)
         self._panic_logged: dict[str, float] = {}  # per role: when a request last went to a stand-in was logged
         self.started_at = time.time()

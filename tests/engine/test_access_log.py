@@ -47,7 +47,6 @@ print(json.dumps(seen))
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
 def test_the_cpu_engines_leave_probe_lines_out_of_their_log(tmp_path: Path) -> None:
     assert VLLM_PYTHON
     package = vllm_package(VLLM_PYTHON)

@@ -12,7 +12,6 @@ import pytest
 
 from tests.engine.pdctl_vllm import (
     PROMPT,
-    VLLM_PYTHON,
     VllmNode,
     ask,
     assert_every_legal_request_answered,
@@ -23,7 +22,6 @@ from tests.engine.pdctl_vllm import (
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(1200),
-    pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed"),
 ]
 
 

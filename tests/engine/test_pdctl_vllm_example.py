@@ -20,7 +20,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from appliance.export.grafana import shipped_dashboard
 from tests.engine.pdctl_vllm import (
     PROMPT,
-    VLLM_PYTHON,
     VllmNode,
     ask,
     assert_every_legal_request_answered,
@@ -31,7 +30,6 @@ from tests.engine.vllm_helpers import post_json
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(1200),
-    pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed"),
 ]
 
 

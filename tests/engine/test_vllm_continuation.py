@@ -32,7 +32,6 @@ from tests.support.waiting import eventually
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(1500),
-    pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed"),
 ]
 
 TOKENS = 120

@@ -27,7 +27,6 @@ from tests.support.httpclient import local, post
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(1500),
-    pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed"),
 ]
 
 BLOCK = 128  # vLLM's KV block on the CPU

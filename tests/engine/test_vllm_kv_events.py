@@ -34,7 +34,6 @@ VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(1500),
-    pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed"),
 ]
 
 BLOCK = 128  # vLLM's CPU default block size: the engines report it in their events

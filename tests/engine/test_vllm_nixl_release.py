@@ -1,35 +1,71 @@
-"""Issue 34 defect 2 against real CPU vLLM engines over NIXL (NixlConnector for READ, NixlPushConnector for
-WRITE, host buffers as pdctl runs them on the CPU), started by hand (tests/engine/vllm_helpers.py): the release
-of a prefill whose client left frees the prefill's KV within seconds in both modes, for completions and chat.
-The proxy's own abandoned-prefill path (which sends the same release): tests/proxy/test_handoff_release.py."""
+"""Issue 34's contract matrix for NIXL against real CPU vLLM engines (NixlConnector for READ, NixlPushConnector
+for WRITE, host buffers as pdctl runs them on the CPU), started by hand (tests/engine/vllm_helpers.py), with a
+plain engine of the same model (no connector) whose greedy answers every route must equal:
+- release: a prefill whose client left is freed within seconds in both modes, for completions and chat (defect
+  2; the proxy's own abandoned-prefill path, which sends the same release: tests/proxy/test_handoff_release.py);
+- decode alone by choice (conditional routing's short prompt), through the proxy: the plain engine's answer,
+  the client's request id, no prefill touched, the decode's KV freed within a second;
+- a decode leg that loads nothing (prompt logprobs): on WRITE vLLM's push decode registers no blocks and the
+  prefill held its KV for its 30 s lease, so the proxy sends such a request to the decode alone; on READ the
+  hand-off frees it. Either way the prefill's KV is freed within a second and the answer is the plain engine's;
+- a prompt the decode holds whole already: the hand-off still frees the prefill within a second.
+The proxy runs in this process (tests/support/fake_engines.running_proxy) in front of the real engines."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.connector import get_connector
+from appliance.roles import Mode
 from tests.engine.pdctl_vllm import VLLM_PYTHON, has_nixl
-from tests.engine.vllm_helpers import VllmProcess, free_port, start_pair, stop_vllm, write_tiny_model_with
-from tests.support.fake_engines import MODEL
+from tests.engine.vllm_helpers import (
+    VllmProcess,
+    free_port,
+    post_json,
+    start_pair,
+    start_vllm,
+    stop_vllm,
+    vllm_argv,
+    vllm_env,
+    wait_ready,
+    write_tiny_model_with,
+)
+from tests.support.fake_engines import MODEL, proxy_config, running_proxy
+from tests.support.httpclient import local, post
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(1500),
-    pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed"),
 ]
 
 BLOCK = 128  # vLLM's KV block on the CPU
 CHAT = "/v1/chat/completions"
 FREED_WITHIN_S = 3.0  # vLLM's own lease (kv_lease_duration) frees them at 30 s
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
+    """A plain engine of the same (seeded) tiny model, without a connector: the answers every route must give."""
+    assert VLLM_PYTHON
+    home = tmp_path_factory.mktemp("plain")
+    model_dir = write_tiny_model_with(VLLM_PYTHON, home / "model")
+    port = free_port()
+    server = start_vllm("plain", vllm_argv(VLLM_PYTHON, model_dir, port, MODEL), vllm_env(), home, port)
+    try:
+        wait_ready([server])
+        yield server
+    finally:
+        stop_vllm(server)
 
 
 @pytest.fixture(scope="module", params=["read", "write"])
@@ -54,12 +90,27 @@ def nixl_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
             stop_vllm(server)
 
 
-def _kv_usage(url: str) -> float:
-    """vllm:kv_cache_usage_perc of the engine at `url`."""
+def _metric(url: str, name: str) -> float:
+    """The sum of the samples named `name` on the engine at `url`'s /metrics."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "vllm:kv_cache_usage_perc")
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def _kv_usage(url: str) -> float:
+    """vllm:kv_cache_usage_perc of the engine at `url`."""
+    return _metric(url, "vllm:kv_cache_usage_perc")
+
+
+def _freed_after(url: str, base: float, within_s: float) -> float | None:
+    """Seconds until the engine at `url` holds no more KV than `base`, polled for `within_s`; None: it still does."""
+    start = time.monotonic()
+    while True:
+        if _kv_usage(url) <= base:
+            return time.monotonic() - start
+        if time.monotonic() - start > within_s:
+            return None
+        time.sleep(0.05)
 
 
 class _Peer:
@@ -88,13 +139,13 @@ def _hand_off(mode: str, pair: list[VllmProcess]) -> None:
     step (pull_worker.start_load_kv drains _ready_requests): a READ release before it freed nothing in 10 s
     here (docs/operations.md)."""
     prefill, decode = pair
-    nixl, peer = get_connector("nixl"), _Peer()
+    nixl, peer = get_connector("nixl").side(cast(Mode, mode)), _Peer()
     body = {"model": MODEL, "prompt": "The first request over this pair.", "max_tokens": 2, "temperature": 0}
-    rid = nixl.request_id(peer, peer)
-    status, answer = _leg(prefill.url, "/v1/completions", nixl.prefill_body(body, peer, peer, {"mode": mode}), rid)
+    pairing = nixl.pair(peer, peer)
+    status, answer = _leg(prefill.url, "/v1/completions", nixl.prefill_body(body, pairing), pairing.request_id)
     assert status == 200, answer
-    leg = nixl.decode_body(body, peer, peer, 0, answer["kv_transfer_params"], {"mode": mode})
-    status, answer = _leg(decode.url, "/v1/completions", leg, rid)
+    leg = nixl.decode_body(body, pairing, 0, answer["kv_transfer_params"])
+    status, answer = _leg(decode.url, "/v1/completions", leg, pairing.request_id)
     assert status == 200, answer
 
 
@@ -104,19 +155,20 @@ def test_a_released_prefill_frees_its_kv_within_seconds(nixl_pair: tuple[str, li
     leg, then instead of the decode leg the connector's release, to the decode, with the legs' X-Request-Id;
     the prefill's KV cache is back where it started within seconds, not at vLLM's 30 s lease."""
     mode, (prefill, decode) = nixl_pair
-    nixl, peer = get_connector("nixl"), _Peer()
+    nixl, peer = get_connector("nixl").side(cast(Mode, mode)), _Peer()
     words = " ".join(f"w{n % 97}" for n in range(4 * BLOCK))  # several blocks: a clear rise in usage
     body: dict[str, Any] = ({"messages": [{"role": "user", "content": f"{path} {words}"}]} if path == CHAT
                             else {"prompt": f"{path} {words}"})
     body.update({"model": MODEL, "max_tokens": 8, "temperature": 0})
     base = _kv_usage(prefill.url)
-    rid = nixl.request_id(peer, peer, "issue34")
-    status, answer = _leg(prefill.url, path, nixl.prefill_body(body, peer, peer, {"mode": mode}), rid)
+    pairing = nixl.pair(peer, peer, "issue34")
+    rid = pairing.request_id
+    status, answer = _leg(prefill.url, path, nixl.prefill_body(body, pairing), rid)
     assert status == 200, answer
     held = _kv_usage(prefill.url)
     assert held > base, (base, held)
-    leg = nixl.decode_body(body, peer, peer, 0, answer["kv_transfer_params"], {"mode": mode})
-    release = nixl.release_body(leg, path, mode)
+    leg = nixl.decode_body(body, pairing, 0, answer["kv_transfer_params"])
+    release = nixl.release(leg, path)
     assert release is not None
     sent = time.monotonic()
     status, _ = _leg(decode.url, *release, rid)
@@ -130,3 +182,128 @@ def test_a_released_prefill_frees_its_kv_within_seconds(nixl_pair: tuple[str, li
           f"{'>10' if freed_after is None else f'{freed_after:.2f}'} s; load {os.getloadavg()}")
     assert freed_after is not None and freed_after < FREED_WITHIN_S, (mode, path, freed_after)
     assert prefill.proc.poll() is None and decode.proc.poll() is None
+
+
+FREED_AT_ONCE_S = 1.0  # the matrix's bound for a route that leaves the prefill nothing to wait for
+ALONE_BELOW = 200  # decode_only_below: a text prompt of fewer UTF-8 bytes (+ 3) than this is short
+
+
+def _through_proxy(mode: str, pair: list[VllmProcess], body: dict[str, Any], rid: str,
+                   **config: Any) -> tuple[dict[str, Any], str, dict[tuple[str, str], float]]:
+    """`body` sent to an in-process proxy of `mode` in front of the pair, with the client's X-Request-Id `rid`:
+    (the answer, the route it took as x-pdctl-route names it to a client without an API key, the proxy's
+    pdctl_proxy_routes_total by (route, reason))."""
+    prefill, decode = pair
+    backends = [{"name": "prefill-0", "role": "prefill", "url": prefill.url},
+                {"name": "decode-0", "role": "decode", "url": decode.url}]
+
+    async def scenario() -> tuple[dict[str, Any], str, dict[tuple[str, str], float]]:
+        async with running_proxy(proxy_config("nixl", backends, mode=mode, **config)) as px:
+            status, raw, headers = await post(local(px.api_port), "/v1/completions", body,
+                                              headers={"X-Request-Id": rid, "x-pdctl-route": "1"}, timeout=300)
+            assert status == 200, raw
+            routes = {(s.labels["route"], s.labels["reason"]): s.value for f in px.metrics.registry.collect()
+                      for s in f.samples if s.name == "pdctl_proxy_routes_total"}
+            return json.loads(raw), headers["x-pdctl-route"], routes
+
+    return asyncio.run(scenario())
+
+
+def _long_prompt(tag: str) -> str:
+    return f"{tag} " + " ".join(f"w{n % 89}" for n in range(3 * BLOCK))
+
+
+def test_a_short_prompt_the_proxy_sends_to_the_decode_alone_is_served_as_a_plain_engine_serves_it(
+        nixl_pair: tuple[str, list[VllmProcess]], plain: VllmProcess) -> None:
+    """Decode alone by choice (conditional routing, `short-prompt`): the plain engine's greedy answer, vLLM's
+    answer id made of the client's X-Request-Id, the prefill never asked, the decode's KV freed within a second."""
+    mode, (prefill, decode) = nixl_pair
+    body = {"model": MODEL, "prompt": "The decode computes this short prompt itself.", "max_tokens": 8,
+            "temperature": 0}
+    expected = post_json(plain.url + "/v1/completions", body)["choices"][0]["text"]
+    base = {e.name: _kv_usage(e.url) for e in (prefill, decode)}
+    asked = _metric(prefill.url, "vllm:prompt_tokens_total")
+    rid = f"issue34-alone-{mode}"
+    answer, route, routes = _through_proxy(mode, [prefill, decode], body, rid, decode_only_below=ALONE_BELOW)
+    freed = {e.name: _freed_after(e.url, base[e.name], FREED_AT_ONCE_S) for e in (prefill, decode)}
+    print(f"{mode}: route {route!r}, id {answer['id']}, text {answer['choices'][0]['text']!r} (plain "
+          f"{expected!r}), freed after {freed} s")
+    assert route == "decode-only"
+    assert routes == {("decode-only", "short-prompt"): 1.0}
+    assert answer["choices"][0]["text"] == expected
+    assert answer["id"] == f"cmpl-{rid}"
+    assert _metric(prefill.url, "vllm:prompt_tokens_total") == asked  # nothing reached the prefill
+    assert None not in freed.values(), freed
+
+
+def test_a_decode_leg_that_loads_nothing_frees_the_prefill_on_read_only(
+        nixl_pair: tuple[str, list[VllmProcess]]) -> None:
+    """What the route of a request for prompt logprobs rests on, the legs sent by hand as a hand-off would send
+    them: the prefill holds the prompt's KV after its leg; the decode leg, which loads nothing (vLLM skips every KV
+    lookup for it), has the prefill free it within a second on READ (the pull decode's notification without a
+    transfer); on WRITE the push decode registers no blocks and the prefill still holds it a second later (its
+    30 s lease frees it), which is why the proxy sends such a request to a WRITE decode alone."""
+    mode, (prefill, decode) = nixl_pair
+    nixl, peer = get_connector("nixl").side(cast(Mode, mode)), _Peer()
+    body = {"model": MODEL, "prompt": _long_prompt(f"by hand {mode}"), "max_tokens": 4, "temperature": 0,
+            "prompt_logprobs": 1}
+    base = _kv_usage(prefill.url)
+    pairing = nixl.pair(peer, peer, "issue34-nothing")
+    status, answer = _leg(prefill.url, "/v1/completions", nixl.prefill_body(body, pairing), pairing.request_id)
+    assert status == 200, answer
+    held = _kv_usage(prefill.url)
+    leg = nixl.decode_body(body, pairing, 0, answer["kv_transfer_params"])
+    status, answer = _leg(decode.url, "/v1/completions", leg, pairing.request_id)
+    assert status == 200, answer
+    freed = _freed_after(prefill.url, base, FREED_AT_ONCE_S)
+    print(f"{mode}: prefill KV usage {base:.4f} -> {held:.4f} after its leg, freed {freed} s after the decode's "
+          f"answer (cached {(answer['usage'].get('prompt_tokens_details') or {}).get('cached_tokens')})")
+    assert held > base, (base, held)
+    assert (freed is not None) == (mode == "read"), (mode, freed)
+    assert nixl.body_possible(body) == (mode == "read")  # the route that follows from it
+
+
+def test_a_request_for_prompt_logprobs_leaves_no_prefill_kv_held(
+        nixl_pair: tuple[str, list[VllmProcess]], plain: VllmProcess) -> None:
+    """Prompt logprobs make vLLM skip every KV lookup, the connector's load included, so a decode leg of the
+    hand-off loads nothing. READ: the pull decode still tells the prefill to free its blocks. WRITE: the push
+    decode registers no blocks, and nothing frees the prefill's but its 30 s lease; the proxy sends such a request
+    to the decode alone (`handoff-impossible`). Either way: the plain engine's answer and prompt logprobs, and the
+    prefill's KV back to where it was within a second of the answer."""
+    mode, (prefill, decode) = nixl_pair
+    body = {"model": MODEL, "prompt": _long_prompt(f"logprobs {mode}"), "max_tokens": 4, "temperature": 0,
+            "prompt_logprobs": 1}
+    expected = post_json(plain.url + "/v1/completions", body)
+    base = _kv_usage(prefill.url)
+    answer, route, _ = _through_proxy(mode, [prefill, decode], body, f"issue34-logprobs-{mode}")
+    freed = _freed_after(prefill.url, base, FREED_AT_ONCE_S)
+    print(f"{mode}: route {route!r}, prefill KV freed after {freed} s; load {os.getloadavg()}")
+    assert freed is not None, (mode, route, "the prefill still holds the request's KV")
+    assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
+    got, want = answer["choices"][0]["prompt_logprobs"], expected["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(want) and got[0] is None
+    for mine, theirs in zip(got[1:], want[1:], strict=True):  # {token id: {logprob, rank, decoded_token}}
+        assert mine.keys() == theirs.keys()
+        assert all(abs(mine[t]["logprob"] - theirs[t]["logprob"]) < 1e-3 for t in mine)
+    assert route == ("disaggregated" if mode == "read" else "decode-only")
+
+
+def test_a_prompt_the_decode_holds_whole_still_frees_the_prefill(
+        nixl_pair: tuple[str, list[VllmProcess]], plain: VllmProcess) -> None:
+    """A prompt the decode's own prefix cache holds (it served it just before): vLLM offers the connector a local
+    hit of at most L - 1 tokens, so the decode still loads (READ) or registers (WRITE) at least one block and the
+    prefill is freed; the answer is the plain engine's."""
+    mode, (prefill, decode) = nixl_pair
+    body = {"model": MODEL, "prompt": _long_prompt(f"cached {mode}"), "max_tokens": 4, "temperature": 0}
+    expected = post_json(plain.url + "/v1/completions", body)["choices"][0]["text"]
+    post_json(decode.url + "/v1/completions", body)  # now in the decode's prefix cache
+    hits = _metric(decode.url, "vllm:prefix_cache_hits_total")
+    base = _kv_usage(prefill.url)
+    answer, route, _ = _through_proxy(mode, [prefill, decode], body, f"issue34-cached-{mode}")
+    freed = _freed_after(prefill.url, base, FREED_AT_ONCE_S)
+    print(f"{mode}: route {route!r}, decode prefix hits +{_metric(decode.url, 'vllm:prefix_cache_hits_total') - hits}"
+          f", prefill KV freed after {freed} s")
+    assert route == "disaggregated"
+    assert _metric(decode.url, "vllm:prefix_cache_hits_total") > hits  # the decode did find it cached
+    assert freed is not None, (mode, "the prefill still holds the request's KV")
+    assert answer["choices"][0]["text"] == expected

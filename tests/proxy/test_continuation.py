@@ -319,3 +319,30 @@ def test_a_request_whose_decode_is_gone_before_its_first_token_is_run_again_else
                 assert _count(px, "rerun", "decode") == 1
 
     asyncio.run(scenario())
+
+
+def test_a_continuation_leg_that_fails_before_its_first_token_is_not_one_of_max_continuations() -> None:
+    """both-0 dies after 5 tokens; both-1 and both-2 are dead too but still in rotation (probes every 5 s): the
+    continuation's first legs are refused by them. Those legs relayed nothing, so with `max_continuations` = 1 the
+    cut is still continued, on both-3, once the dead ones are probed out (the crash bench's SIGTERMed decode: its
+    first continuation met the stopping engine and the stream was cut for `limit`)."""
+    body = {"model": MODEL, "prompt": "tell me", "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+
+    async def scenario() -> None:
+        with sims(5, None, None, None) as (urls, procs):
+            config = proxy_config("none", [{"name": f"both-{i}", "role": "both", "url": url}
+                                           for i, url in enumerate(urls)], routing="least_outstanding",
+                                  health={"probe_interval_s": 5.0, "crash_grace_s": 0.5}, max_continuations=1)
+            async with running_proxy(config) as px:
+                await eventually(lambda: all(px.registry.get(f"both-{i}").healthy for i in range(4)), what="all admitted")
+                for dead in procs[1:3]:
+                    dead.kill()
+                    dead.wait(timeout=10)
+                status, raw, _ = await post(local(px.api_port), "/v1/completions", body)
+                events, done = _stream(raw)
+                assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
+                assert len([e for e in events if e["choices"]]) == TOKENS
+                assert procs[0].wait(timeout=10) == 1  # both-0 served it and died
+                assert _count(px, "continued", "reset") == 1 and _count(px, "ended", "limit") == 0
+
+    asyncio.run(scenario())

@@ -120,17 +120,17 @@ async def _metrics(port: int) -> str:
 
 
 def test_release_body_carries_the_prefills_kv_under_a_model_no_engine_serves() -> None:
-    nixl = get_connector("nixl")
+    nixl = get_connector("nixl").side("read")
     kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[6]],
           "remote_engine_id": "e", "remote_request_id": "cmpl-x-0-1", "remote_host": "127.0.0.1", "remote_port": 5600}
-    release = nixl.release_body({"model": MODEL, "prompt": "hello", "kv_transfer_params": kv}, CHAT, "read")
+    release = nixl.release({"model": MODEL, "prompt": "hello", "kv_transfer_params": kv}, CHAT)
     assert release is not None
     path, body = release
     assert path == "/v1/completions" and body["kv_transfer_params"] == kv and body["model"] == RELEASE_MODEL != MODEL
     assert json.dumps(body)  # sent as it is
     # a decode leg without the prefill's KV, or a connector that holds none, has nothing to release
-    assert nixl.release_body({"model": MODEL, "prompt": "hello"}, CHAT, "read") is None
-    assert get_connector("example").release_body({"model": MODEL, "kv_transfer_params": kv}, CHAT, "read") is None
+    assert nixl.release({"model": MODEL, "prompt": "hello"}, CHAT) is None
+    assert get_connector("example").side("read").release({"model": MODEL, "kv_transfer_params": kv}, CHAT) is None
 
 
 def test_a_push_release_is_the_decode_leg_cut_to_one_token_that_loads_the_kv() -> None:
@@ -143,14 +143,14 @@ def test_a_push_release_is_the_decode_leg_cut_to_one_token_that_loads_the_kv() -
     leg = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True,
            "stream_options": {"include_usage": True}, "prompt_logprobs": 1, "logprobs": True, "top_logprobs": 2,
            "min_tokens": 4, "cache_salt": "tenant-a", "kv_transfer_params": kv}
-    release = get_connector("nixl").release_body(leg, CHAT, "write")
+    release = get_connector("nixl").side("write").release(leg, CHAT)
     assert release is not None
     path, body = release
     assert path == CHAT and body["model"] == MODEL and body["kv_transfer_params"] == kv
     assert (body["max_tokens"], body["stream"], body["messages"]) == (1, False, leg["messages"])
     assert not {"prompt_logprobs", "logprobs", "top_logprobs", "min_tokens", "stream_options"} & body.keys()
     assert body["cache_salt"].startswith("pdctl-release-")
-    again = get_connector("nixl").release_body(leg, CHAT, "write")
+    again = get_connector("nixl").side("write").release(leg, CHAT)
     assert again is not None and again[1]["cache_salt"] != body["cache_salt"]
 
 

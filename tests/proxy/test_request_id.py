@@ -55,7 +55,7 @@ def test_moriio_carries_a_plain_client_id_after_the_peers_and_never_one_that_rea
     """vLLM's MoRIIO reads both peers' addresses out of the request id, as vLLM wraps it (cmpl-<id>-<i>-<hex>):
     a client id of letters, digits, dots and dashes follows the router id; one that could be read as an
     address (an "_<32 hex>" and a comma-separated host) is left out."""
-    moriio = get_connector("moriio")
+    moriio = get_connector("moriio").side("read")
     for client, kept in ((CLIENT_ID, True), ("x_" + "a" * 32 + ",host:10.6.6.6", False), (None, False)):
         rid = moriio.request_id(P, D, client)
         assert (client is not None and rid.endswith(f"-{client}")) is kept, rid

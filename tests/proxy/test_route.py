@@ -1,6 +1,6 @@
 """The routing pipeline (appliance.proxy.route): one pass that picks the decode, decides, picks a prefill only
 for a disaggregated request, records the prompt on the instances that compute it, and never sends a decode a
-prompt alone where its connector cannot serve one (Connector.alone)."""
+prompt alone where its connector cannot serve one (ProxySide.alone)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ from typing import Any
 import pytest
 
 from appliance.connector import get_connector, names
-from appliance.connector.base import Alone
+from appliance.connector.base import Alone, ProxySide
+from appliance.connector.nixl.connector import NixlConnector, NixlPull
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import RequestFacts
 from appliance.proxy.policies.conditional import RouteFacts, Rules, decide, served_alone
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.policies.round_robin import RoundRobin
 from appliance.proxy.route import Refused, Router
+from appliance.roles import Mode
 
 VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
 CONDITIONAL = Rules(decode_only_below=16, prefill_saturated_at=0, window_s=60.0)
@@ -114,14 +116,15 @@ def test_a_request_with_no_correct_route_is_refused(changes: dict[str, Any], rea
 def test_a_refused_request_books_nothing_and_says_why() -> None:
     registry = _registry()
 
-    class Batchless:  # a connector that hands over one request at a time (NIXL's) and serves nothing alone
-        def __getattr__(self, name: str) -> Any:
-            return getattr(get_connector("nixl"), name)
-
-        def alone(self, mode: str) -> Alone:
+    class ServesNothingAlone(NixlPull):  # hands over one request at a time (NIXL's) and serves nothing alone
+        def alone(self) -> Alone:
             return Alone(False, "its decode serves nothing alone", forced=False)
 
-    router = Router(registry, RoundRobin(), lambda: "read", Batchless(), CONDITIONAL)  # type: ignore[arg-type]
+    class Batchless(NixlConnector):
+        def proxy_side(self, mode: Mode) -> ProxySide:
+            return ServesNothingAlone(mode)
+
+    router = Router(registry, RoundRobin(), lambda: "read", Batchless(), CONDITIONAL)
     with pytest.raises(Refused) as refused:
         router.route(RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3], "n": 2}))
     assert refused.value.reason == "batch" and "serves nothing alone" in str(refused.value)
@@ -129,7 +132,7 @@ def test_a_refused_request_books_nothing_and_says_why() -> None:
 
 
 def test_every_connector_says_whether_its_decode_serves_a_prompt_alone_in_each_mode() -> None:
-    answers = {(name, mode): get_connector(name).alone(mode).served
+    answers = {(name, mode): get_connector(name).side(mode).alone().served
                for name in names() for mode in sorted(get_connector(name).modes)}
     assert answers == {("moriio", "read"): False, ("moriio", "write"): True, ("nixl", "read"): True,
                        ("nixl", "write"): True, ("example", "read"): True, ("none", "read"): True,
@@ -154,7 +157,6 @@ def test_a_prompt_held_whole_is_expected_cached_up_to_vllms_hit_cap(tokens: int,
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PYTHON, reason="PDCTL_TEST_VLLM_PYTHON unset: vLLM's CPU build is not installed")
 def test_the_hit_cap_table_is_vllms_own() -> None:
     # vLLM's KVCacheManager.get_computed_blocks on a prompt cached whole, and on it with a block more
     assert VLLM_PYTHON
@@ -204,5 +206,45 @@ def test_a_moriio_batch_goes_to_the_decode_alone_with_a_body_it_serves(body: dic
     request = RequestFacts("/v1/completions", {"model": "m", **body})
     with router.route(request) as route:
         assert (route.name, route.reason, route.prefill) == ("decode-only", "batch", None)
-    sent, mend = moriio.alone_body(dict(request.body), mode)  # type: ignore[arg-type]
+    sent, mend = moriio.side(mode).alone_body(dict(request.body))  # type: ignore[arg-type]
     assert (sent.get("prompt_logprobs"), mend) == ((0, True) if mode == "read" else (None, False))
+
+
+@pytest.mark.parametrize("asks", [{"prompt_logprobs": 1}, {"prompt_logprobs": 0}, {"echo": True, "logprobs": 2}])
+def test_a_nixl_push_request_for_prompt_logprobs_goes_to_the_decode_alone(asks: dict[str, Any]) -> None:
+    # its decode leg would load nothing (vLLM skips every KV lookup for it) and so register no blocks: the
+    # prefill's KV would wait for its 30 s lease (tests/engine/test_vllm_nixl_release.py); READ frees it
+    registry = _registry()
+    body = {"model": "m", "prompt": list(range(1, 400)), **asks}
+    for mode, expected in (("write", ("decode-only", "handoff-impossible")), ("read", ("disaggregated", "policy"))):
+        router = Router(registry, RoundRobin(), lambda mode=mode: mode, get_connector("nixl"), CONDITIONAL)
+        with router.route(RequestFacts("/v1/completions", body)) as route:
+            assert (route.name, route.reason) == expected, mode
+            assert route.side.alone_body(body) == (body, False)  # sent as it is: the decode computes the logprobs
+    with Router(registry, RoundRobin(), lambda: "write", get_connector("nixl"), CONDITIONAL).route(
+            RequestFacts("/v1/completions", {"model": "m", "prompt": list(range(1, 400)), "logprobs": 2})) as route:
+        assert route.name == "disaggregated"  # sampled logprobs alone skip no lookup
+
+
+def test_what_a_moriio_decode_serves_alone_follows_the_engines_vllm_release() -> None:
+    # (WRITE served, WRITE forced, READ forced), from each release's MoRIIO and scheduler code (run as vLLM's
+    # real classes: tests/connector/test_moriio_vllm.py); unknown: the newest read; between two that disagree: no
+    moriio = get_connector("moriio")
+    answers = {v: (moriio.side("write", v).alone().served, moriio.side("write", v).alone().forced,
+                   moriio.side("read", v).alone().forced) for v in ("", "0.24.0", "0.28.0", "0.31.0", "0.32.0", "0.33.1")}
+    assert answers == {"": (True, True, True), "0.24.0": (False, False, False), "0.28.0": (False, False, False),
+                       "0.31.0": (False, True, True), "0.32.0": (True, True, True), "0.33.1": (True, True, True)}
+    registry = _registry()
+    short = RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3]})
+    batch = RequestFacts("/v1/completions", {"model": "m", "prompt": [1, 2, 3], "n": 2})
+    on = {v: Router(registry, RoundRobin(), lambda: "write", moriio, CONDITIONAL, vllm_version=v)
+          for v in ("0.24.0", "0.31.0", "0.32.0")}
+    with on["0.32.0"].route(short) as route:
+        assert (route.name, route.reason) == ("decode-only", "short-prompt")
+    with on["0.31.0"].route(short) as route:  # its WRITE decode would wait for a push nobody sends
+        assert (route.name, route.reason) == ("disaggregated", "alone-unserved")
+    with on["0.31.0"].route(batch) as route:  # prompt logprobs make its scheduler drop the count
+        assert (route.name, route.reason) == ("decode-only", "batch")
+        assert route.side.alone_body(dict(batch.body))[0]["prompt_logprobs"] == 0
+    with pytest.raises(Refused, match="waits for every prompt token"):  # 0.24.0: no body is served alone
+        on["0.24.0"].route(batch)

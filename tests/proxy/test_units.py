@@ -68,53 +68,59 @@ D = Peer("decode-0", dp_size=1, tp_size=8, kv={"zmq_address": "host:10.0.0.2,han
 
 @pytest.mark.parametrize("name", ["moriio", "nixl", "example"])
 def test_prefill_leg_is_one_unstreamed_token(name: str) -> None:
-    leg = get_connector(name).prefill_body(dict(BODY), P, D, {"mode": "read"})
+    side = get_connector(name).side("read")
+    leg = side.prefill_body(dict(BODY), side.pair(P, D))
     assert (leg["stream"], leg["max_tokens"]) == (False, 1)
     assert "min_tokens" not in leg and "stream_options" not in leg
     assert BODY["max_tokens"] == 9  # the client's body is not changed
 
 
 def test_moriio_request_id_carries_both_peers() -> None:
-    rid = get_connector("moriio").request_id(P, D)
+    rid = get_connector("moriio").side("read").pair(P, D).request_id
     assert parse_zmq_address(peer_in_request_id(rid, "prefill") or "") == ("10.0.0.1", 6301, 6105)
     assert parse_zmq_address(peer_in_request_id(rid, "decode") or "") == ("10.0.0.2", 7301, 7501)
     with pytest.raises(HandoffError) as err:
-        get_connector("moriio").request_id(Peer("prefill-1"), D)
+        get_connector("moriio").side("write").pair(Peer("prefill-1"), D)
     assert err.value.status == 503 and "prefill-1" in err.value.message
 
 
 def test_moriio_legs_share_one_transfer_id() -> None:
-    moriio = get_connector("moriio")
-    handoff: dict[str, Any] = {"mode": "write"}
-    prefill = moriio.prefill_body(BODY, P, D, handoff)["kv_transfer_params"]
-    decode = moriio.decode_body(BODY, P, D, 1, None, handoff)["kv_transfer_params"]
-    assert prefill["transfer_id"] == decode["transfer_id"] == handoff["transfer_id"]
+    moriio = get_connector("moriio").side("write")
+    pairing = moriio.pair(P, D)
+    prefill = moriio.prefill_body(BODY, pairing)["kv_transfer_params"]
+    decode = moriio.decode_body(BODY, pairing, 1, None)["kv_transfer_params"]
+    assert prefill["transfer_id"] == decode["transfer_id"] == pairing.transfer_id
+    assert moriio.pair(P, D).transfer_id != pairing.transfer_id  # one per request
     assert (prefill["remote_dp_size"], prefill["remote_tp_size"]) == (1, 8)  # the decode's shape
     assert (decode["remote_dp_size"], decode["remote_tp_size"], decode["remote_dp_rank"]) == (2, 4, 1)
     assert decode["do_remote_prefill"] and not decode["do_remote_decode"]
 
 
 def test_moriio_read_copies_the_prefill_answer() -> None:
-    moriio = get_connector("moriio")
+    moriio = get_connector("moriio").side("read")
+    pairing = moriio.pair(P, D)
     kv = {"remote_engine_id": "e", "remote_block_ids": [1, 2], "transfer_id": "tx-1", "do_remote_decode": True}
-    params = moriio.decode_body(BODY, P, D, None, kv, {"mode": "read"})["kv_transfer_params"]
+    params = moriio.decode_body(BODY, pairing, None, kv)["kv_transfer_params"]
     assert (params["remote_block_ids"], params["transfer_id"], params["do_remote_decode"]) == ([1, 2], "tx-1", False)
     assert "remote_dp_rank" not in params
     with pytest.raises(HandoffError, match="unusable"):
-        moriio.decode_body(BODY, P, D, None, {"transfer_id": "tx-1"}, {"mode": "read"})
+        moriio.decode_body(BODY, pairing, None, {"transfer_id": "tx-1"})
+    with pytest.raises(HandoffError, match="returned no kv_transfer_params"):  # READ needs them, WRITE not
+        moriio.decode_body(BODY, pairing, None, None)
 
 
 def test_nixl_decode_needs_the_prefill_kv() -> None:
-    nixl = get_connector("nixl")
+    nixl = get_connector("nixl").side("read")
     kv = {"remote_engine_id": "e", "remote_block_ids": [3], "remote_host": "h", "remote_port": 5}
-    assert nixl.decode_body(BODY, P, D, None, kv, {"mode": "read"})["kv_transfer_params"] == kv
+    assert nixl.decode_body(BODY, nixl.pair(P, D), None, kv)["kv_transfer_params"] == kv
     with pytest.raises(HandoffError) as err:
-        nixl.decode_body(BODY, P, D, None, None, {"mode": "read"})
+        nixl.decode_body(BODY, nixl.pair(P, D), None, None)
     assert err.value.status == 502
 
 
 def test_example_decode_is_the_client_request() -> None:
-    assert get_connector("example").decode_body(BODY, P, D, None, None, {"mode": "read"}) == BODY
+    example = get_connector("example").side("read")
+    assert example.decode_body(BODY, example.pair(P, D), None, None) == BODY
 
 
 # ---------------------------------------------------------------------------------------------- router

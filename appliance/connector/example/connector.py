@@ -8,10 +8,12 @@ from typing import Any
 from appliance.connector.base import (
     Alone,
     Connector,
+    Handoff,
     InstanceContext,
     KvStoreLimits,
     OwnSettings,
     Platform,
+    ProxySide,
     RayServeBackend,
     SimOptions,
     skipping_lookups,
@@ -29,14 +31,13 @@ EXTRA_CONFIG = ExtraConfigTable("ExampleConnector", {"shared_storage_path": froz
 class ExampleConnector(Connector):
     """Shared-storage KV handoff keyed by the prompt: the CPU default and a test vehicle.
 
-    The proxy side is the base one: the legs carry no kv_transfer_params (the prompt is the key).
+    Its proxy side (ExampleRead): the legs carry no kv_transfer_params (the prompt is the key).
     """
 
     name = "example"
     vllm_class = "ExampleConnector"
     modes = frozenset({"read"})
     sim_flow = "appliance.connector.example.sim:ExampleSim"
-    lengths_matter = True
     extra_config_keys = EXTRA_CONFIG
     settings_model = ExampleSettings
     moved_settings = {"shared_storage_path": "shared_storage_path"}
@@ -45,25 +46,8 @@ class ExampleConnector(Connector):
         # vLLM's own defaults, named so that the proxy knows which prompt lengths hand nothing over
         return 128 if platform == "cpu" else 16
 
-    def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
-        # vLLM 0.32's ExampleConnector stores a prompt of L tokens under its first (L-1)//B*B and looks it up
-        # under (L-2)//B*B. Below B+2 tokens nothing is handed over. At L = kB+1 the lookup is one block short
-        # of what the engine's own prefix cache may hold, and for L = 1 it is -B: a hit on the key of the
-        # empty prompt (stored by any prompt of at most B tokens) reports a negative number of tokens and the
-        # engine core dies (IndexError in _prepare_inputs), prefill and decode alike.
-        return prompt_tokens >= block_size + 2 and prompt_tokens % block_size != 1
-
-    def alone(self, mode: Mode) -> Alone:
-        return Alone(True, "with prompt logprobs (alone_body) vLLM skips every cache lookup, the "
-                           "ExampleConnector's included (scheduler.py: skip_reading_prefix_cache): the decode "
-                           "computes the prompt itself")
-
-    def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:
-        # the only per-request way to keep the ExampleConnector's lookup above from running
-        return skipping_lookups(body)
-
-    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-        return without_prompt_logprobs(answer)
+    def proxy_side(self, mode: Mode) -> ProxySide:
+        return ExampleRead(mode)
 
     @staticmethod
     def _storage(ctx: InstanceContext) -> str:
@@ -101,3 +85,38 @@ class ExampleConnector(Connector):
     def check_sim(self, options: SimOptions) -> None:
         if not options.shared_storage:
             raise ValueError("connector 'example' needs --shared-storage PATH")
+
+
+# READ only, serial; one hand-off per prompt (each is keyed by its own tokens, a batch's included); nothing held
+# on an engine to release (the store is evicted by the proxy); the mode is the only one it has
+EXAMPLE_HANDOFF = Handoff(serial=True, one_request=False, lengths=True, releases=False, fixed_mode=False)
+
+
+class ExampleRead(ProxySide):
+    """The prefill saves the prompt's KV under its tokens, the decode looks it up: no kv_transfer_params."""
+
+    def alone(self) -> Alone:
+        return Alone(True, "with prompt logprobs (alone_body) vLLM skips every cache lookup, the "
+                           "ExampleConnector's included (scheduler.py: skip_reading_prefix_cache): the decode "
+                           "computes the prompt itself")
+
+    def handoff(self) -> Handoff:
+        return EXAMPLE_HANDOFF
+
+    def length_possible(self, prompt_tokens: int, block_size: int) -> bool:
+        # vLLM 0.32's ExampleConnector stores a prompt of L tokens under its first (L-1)//B*B and looks it up
+        # under (L-2)//B*B. Below B+2 tokens nothing is handed over. At L = kB+1 the lookup is one block short
+        # of what the engine's own prefix cache may hold, and for L = 1 it is -B: a hit on the key of the
+        # empty prompt (stored by any prompt of at most B tokens) reports a negative number of tokens and the
+        # engine core dies (IndexError in _prepare_inputs), prefill and decode alike.
+        return prompt_tokens >= block_size + 2 and prompt_tokens % block_size != 1
+
+    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        # the only per-request way to keep the ExampleConnector's lookup above from running
+        return skipping_lookups(body)
+
+    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        return without_prompt_logprobs(answer)
+
+    def release(self, decode_body: dict[str, Any], path: str) -> tuple[str, dict[str, Any]] | None:
+        return None  # the prefill holds nothing for the decode: the KV is a file in the store

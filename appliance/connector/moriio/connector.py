@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -11,6 +10,7 @@ from appliance.connector.base import (
     Alone,
     Connector,
     FindInstance,
+    Handoff,
     HandoffError,
     HandoffFacts,
     InstanceContext,
@@ -18,18 +18,22 @@ from appliance.connector.base import (
     ListenerSettings,
     LlmdPod,
     OwnSettings,
+    Pairing,
     Peer,
     Platform,
     ProxyListener,
+    ProxySide,
     RayServeBackend,
     RdmaNeed,
     SimOptions,
+    one_token,
     skipping_lookups,
     without_prompt_logprobs,
 )
 from appliance.connector.extras import ExtraConfigTable
 from appliance.connector.moriio.address import router_request_id, zmq_address
 from appliance.connector.moriio.settings import MoriioSettings
+from appliance.releases import answer_for, version_tuple
 from appliance.roles import Mode
 
 # kv_connector_extra_config keys that address pdctl's own proxy or a loopback host; cluster deployments
@@ -86,12 +90,6 @@ def _zmq(peer: Peer) -> str:
     return str(address)
 
 
-def _transfer_id(handoff: dict[str, Any]) -> str:
-    # one id ties the two legs (and MORI-IO's notifications) of one request together
-    transfer_id: str = handoff.setdefault("transfer_id", f"tx-{uuid.uuid4()}")
-    return transfer_id
-
-
 def rank_offset(dp_rank: int, tp_rank: int) -> int:
     """How far past its instance's base ports vLLM's MoRIIOConnector binds one rank's handshake and notify port.
 
@@ -111,13 +109,8 @@ class MoriioConnector(Connector):
     modes = frozenset({"read", "write"})
     platforms = frozenset({"rocm"})
     registers_with_proxy = True
-    mode_fixed_at_start = True
     sim_flow = "appliance.connector.moriio.sim:MoriioSim"
     library = Library("mori", "mori.io:IOEngine", "amd-mori (needs ROCm)")
-    # vLLM 0.32 answers a prefill leg with the first engine request's kv_transfer_params only, whatever the
-    # connector (entrypoints/openai/completion/serving.py: final_res_batch[0]): a batch's other prompts, or
-    # n samples, handed over would read the first one's blocks (NIXL showed it on real engines)
-    one_request_per_handoff = True
     extra_config_keys = EXTRA_CONFIG
     settings_model = MoriioSettings
     moved_settings = {"moriio_backend": "backend"}
@@ -240,13 +233,65 @@ class MoriioConnector(Connector):
 
         return RegistrationListener(settings, find, current_mode, on_result)
 
-    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
-        rid = router_request_id(_zmq(prefill), _zmq(decode))
-        # vLLM reads both peers' addresses out of this id (moriio_common.py, _DECODE_ZMQ_RE ends
-        # "_<32 hex>(?:-.*)?$"): the client's id may follow it only where it cannot be read as an address
-        return f"{rid}-{client_id}" if client_id and _PLAIN_ID.fullmatch(client_id) else rid
+    def proxy_side(self, mode: Mode) -> ProxySide:
+        return MoriioWrite(mode) if mode == "write" else MoriioRead(mode)
 
-    def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
+
+# vLLM 0.32 answers a prefill leg with the first engine request's kv_transfer_params only, whatever the connector
+# (entrypoints/openai/completion/serving.py: final_res_batch[0]): a batch's other prompts, or n samples, handed
+# over would read the first one's blocks (NIXL showed it on real engines). The mode is MoRIIO's read_mode, in the
+# engines' flags. No release: a prefill whose decode never comes is freed by vLLM's own timeout.
+MORIIO_READ = Handoff(serial=True, one_request=True, lengths=False, releases=False, fixed_mode=True)
+MORIIO_WRITE = Handoff(serial=False, one_request=True, lengths=False, releases=False, fixed_mode=True)
+
+# What a MoRIIO decode does with a request sent alone differs between vLLM releases (each read, and run as vLLM's
+# real MoRIIOConnectorScheduler class by tests/connector/test_moriio_vllm.py):
+# - a WRITE decode asks for no external token without do_remote_prefill in 0.32.0 only; 0.24.0 and 0.31.0 ask
+#   for every uncomputed prompt token, asynchronously, whatever the params (moriio_connector.py,
+#   get_num_new_matched_tokens: `if self.mode == MoRIIOMode.WRITE: return ..., True`): the decode would wait for
+#   a push that never comes;
+# - prompt logprobs make the scheduler drop a connector's count in 0.31.0 and 0.32.0 (v1/core/sched/
+#   scheduler.py: `if request.skip_reading_prefix_cache: ext_tokens, load_kv_async = 0, False`); 0.24.0 has no
+#   such line (they skip the local prefix cache only), so there alone_body serves nothing either.
+WRITE_SERVES_ALONE = {"0.24.0": False, "0.31.0": False, "0.32.0": True}
+LOGPROBS_DROP_COUNT = {"0.24.0": False, "0.31.0": True, "0.32.0": True}
+
+
+def _in_release(table: dict[str, bool], vllm_version: str) -> bool:
+    """`table`'s answer for vLLM `vllm_version`: unknown (""), the newest read release's (pdctl's tested one);
+    a release between read ones that disagree, or older than all, no (the answer that is never wrong)."""
+    if not vllm_version:
+        return table[max(table, key=version_tuple)]
+    return answer_for(vllm_version, table) is True
+
+
+class MoriioWrite(ProxySide):
+    """WRITE: both legs start together; the decode sends the prefill its blocks and the prefill writes them."""
+
+    def alone(self) -> Alone:
+        # WRITE_SERVES_ALONE, LOGPROBS_DROP_COUNT above (tests/connector/test_moriio_vllm.py)
+        release = f"vLLM {self.vllm_version}" if self.vllm_version else "vLLM"
+        if _in_release(WRITE_SERVES_ALONE, self.vllm_version):
+            return Alone(True, f"{release}'s MoRIIO decode in WRITE mode loads nothing without do_remote_prefill: "
+                               "it computes the prompt itself")
+        return Alone(False, f"{release}'s MoRIIO decode in WRITE mode waits for every prompt token to be pushed "
+                            "by a prefill, with or without a hand-off", forced=self._drops_count())
+
+    def _drops_count(self) -> bool:
+        """Whether the engines' scheduler drops the connector's count for a request with prompt logprobs, so
+        that alone_body serves what must go alone."""
+        return _in_release(LOGPROBS_DROP_COUNT, self.vllm_version)
+
+    def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        return (body, False) if self.alone().served else skipping_lookups(body)
+
+    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        return without_prompt_logprobs(answer)
+
+    def handoff(self) -> Handoff:
+        return MORIIO_WRITE
+
+    def length_possible(self, prompt_tokens: int, block_size: int) -> bool:
         # Every length hands over in vLLM 0.32 (read, not run on AMD hardware here). moriio_connector.py
         # get_num_new_matched_tokens: READ asks for max(prompt_tokens - num_computed_tokens - 1, 0) (the
         # decode recomputes the last token), WRITE for prompt_tokens - num_computed_tokens, which the
@@ -257,56 +302,39 @@ class MoriioConnector(Connector):
         # when no token is external. An empty prompt never reaches an engine (vLLM's input processor: 400).
         return True
 
-    def alone(self, mode: Mode) -> Alone:
-        # vLLM 0.32 moriio_connector.py, MoRIIOConnectorScheduler.get_num_new_matched_tokens: WRITE asks for
-        # nothing without do_remote_prefill, READ for max(prompt - computed - 1, 0) whatever the params, and
-        # update_state_after_alloc returns early without params: nothing is read, and the decode attends over
-        # positions never written (a 100-token prompt: 99 external tokens, no receive; tests/connector).
-        if mode == "read":
-            # a request with prompt logprobs skips the connector's count (alone_body): correct, at the cost of
-            # the prompt's logprobs and of its prefix cache hits, so only for what cannot be handed over
-            return Alone(False, "vLLM's MoRIIO decode in READ mode counts every prompt token but the last as "
-                                "pulled from a prefill, with or without a hand-off, and pulls nothing without one")
-        return Alone(True, "vLLM's MoRIIO decode in WRITE mode loads nothing without do_remote_prefill: it "
-                           "computes the prompt itself")
+    def release(self, decode_body: dict[str, Any], path: str) -> tuple[str, dict[str, Any]] | None:
+        return None
 
-    def alone_body(self, body: dict[str, Any], mode: Mode) -> tuple[dict[str, Any], bool]:
-        return skipping_lookups(body) if mode == "read" else (body, False)
+    def request_id(self, prefill: Peer, decode: Peer, client_id: str | None = None) -> str:
+        rid = router_request_id(_zmq(prefill), _zmq(decode))
+        # vLLM reads both peers' addresses out of this id (moriio_common.py, _DECODE_ZMQ_RE ends
+        # "_<32 hex>(?:-.*)?$"): the client's id may follow it only where it cannot be read as an address
+        return f"{rid}-{client_id}" if client_id and _PLAIN_ID.fullmatch(client_id) else rid
 
-    def alone_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-        return without_prompt_logprobs(answer)
-
-    def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
-        leg = super().prefill_body(body, prefill, decode, handoff)
+    def prefill_body(self, body: dict[str, Any], pairing: Pairing) -> dict[str, Any]:
+        leg = one_token(body)
         leg["kv_transfer_params"] = {
             "do_remote_decode": True,
             "do_remote_prefill": False,
             "remote_engine_id": None,
             "remote_block_ids": None,
-            "transfer_id": _transfer_id(handoff),
-            "remote_dp_size": decode.dp_size,
-            "remote_tp_size": decode.tp_size,
+            # one id ties the two legs (and MORI-IO's notifications) of one request together
+            "transfer_id": pairing.transfer_id,
+            "remote_dp_size": pairing.decode.dp_size,
+            "remote_tp_size": pairing.decode.tp_size,
         }
         return leg
 
-    def decode_body(
-        self,
-        body: dict[str, Any],
-        prefill: Peer,
-        decode: Peer,
-        prefill_rank: int | None,
-        prefill_kv: dict[str, Any] | None,
-        handoff: dict[str, Any],
-    ) -> dict[str, Any]:
+    def decode_body(self, body: dict[str, Any], pairing: Pairing, prefill_rank: int | None,
+                    prefill_kv: dict[str, Any] | None) -> dict[str, Any]:
+        prefill = pairing.prefill
         params: dict[str, Any] = {
             "do_remote_decode": False,
             "do_remote_prefill": True,
             "remote_engine_id": None,
             "remote_block_ids": None,
-            "transfer_id": _transfer_id(handoff),
+            "transfer_id": pairing.transfer_id,
         }
-        if prefill_kv is None and handoff.get("mode") == "read":
-            raise HandoffError(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
         if prefill_kv is not None:
             # READ: copy what the prefill returned (remote_engine_id, remote_block_ids, transfer_id, ...)
             if not prefill_kv.get("remote_block_ids") and "remote_engine_id" not in prefill_kv:
@@ -318,6 +346,28 @@ class MoriioConnector(Connector):
         params["remote_tp_size"] = prefill.tp_size
         if prefill_rank is not None:
             params["remote_dp_rank"] = prefill_rank
-        leg = dict(body)
-        leg["kv_transfer_params"] = params
-        return leg
+        return {**body, "kv_transfer_params": params}
+
+
+class MoriioRead(MoriioWrite):
+    """READ: the decode pulls what the prefill's answer names, after it."""
+
+    def alone(self) -> Alone:
+        # vLLM 0.32 moriio_connector.py, MoRIIOConnectorScheduler.get_num_new_matched_tokens: READ asks for
+        # max(prompt - computed - 1, 0) whatever the params, and update_state_after_alloc returns early without
+        # params: nothing is read, and the decode attends over positions never written (a 100-token prompt: 99
+        # external tokens, no receive; tests/connector/test_moriio_vllm.py). A request with prompt logprobs
+        # skips the connector's count (alone_body): correct, at the cost of the prompt's logprobs and of its
+        # prefix cache hits, so only for what cannot be handed over.
+        return Alone(False, "vLLM's MoRIIO decode in READ mode counts every prompt token but the last as "
+                            "pulled from a prefill, with or without a hand-off, and pulls nothing without one",
+                     forced=self._drops_count())
+
+    def handoff(self) -> Handoff:
+        return MORIIO_READ
+
+    def decode_body(self, body: dict[str, Any], pairing: Pairing, prefill_rank: int | None,
+                    prefill_kv: dict[str, Any] | None) -> dict[str, Any]:
+        if prefill_kv is None:
+            raise HandoffError(502, f"prefill instance {pairing.prefill.name} returned no kv_transfer_params")
+        return super().decode_body(body, pairing, prefill_rank, prefill_kv)

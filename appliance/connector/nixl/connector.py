@@ -10,17 +10,20 @@ from typing import Any
 from appliance.connector.base import (
     Alone,
     Connector,
+    Handoff,
     HandoffError,
     HandoffFacts,
     InstanceContext,
     Library,
     LlmdPod,
     OwnSettings,
-    Peer,
+    Pairing,
     Platform,
+    ProxySide,
     RayServeBackend,
     RdmaNeed,
     SimOptions,
+    asks_prompt_logprobs,
     one_token,
 )
 from appliance.connector.extras import ExtraConfigTable
@@ -93,20 +96,11 @@ class NixlConnector(Connector):
     name = "nixl"
     vllm_class = "NixlConnector"
     modes = frozenset({"read", "write"})
-    # vLLM 0.24+ ships the push flow as its own class: the mode is in the engines' flags.
-    mode_fixed_at_start = True
     sim_flow = "appliance.connector.nixl.sim:NixlSim"
     library = Library("nixl", "nixl._api:nixl_agent", "nixl")
     extra_config_keys = EXTRA_CONFIG
     settings_model = NixlSettings
     moved_settings = {"kv_buffer_device": "kv_buffer_device"}
-    # vLLM 0.32 answers a prefill leg with one kv_transfer_params, the first engine request's
-    # (entrypoints/openai/completion/serving.py: final_res_batch[0].kv_transfer_params), and the decode applies
-    # it to every engine request of its leg: the other prompts of a batch were decoded on the first one's KV
-    # (a real CPU run: [A, B] answered B differently from B alone) and their own prefills held until the lease;
-    # n samples all read one set of blocks that the prefill frees after the first read.
-    one_request_per_handoff = True
-    releases_abandoned_kv = True  # release_body
     # the side channel env() pins to this node; a cluster's NIXL backend or pod sets its own
     node_local_env = frozenset({"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"})
 
@@ -205,42 +199,52 @@ class NixlConnector(Connector):
         if options.role in needs and options.side_channel_port is None:
             raise ValueError(f"connector 'nixl' ({options.mode}) on a {options.role} engine needs --side-channel-port")
 
-    def handoff_possible(self, prompt_tokens: int, block_size: int) -> bool:
+    def proxy_side(self, mode: Mode) -> ProxySide:
+        return NixlPush(mode) if mode == "write" else NixlPull(mode)
+
+
+# vLLM 0.32 answers a prefill leg with one kv_transfer_params, the first engine request's
+# (entrypoints/openai/completion/serving.py: final_res_batch[0].kv_transfer_params), and the decode applies it to
+# every engine request of its leg: the other prompts of a batch were decoded on the first one's KV (a real CPU
+# run: [A, B] answered B differently from B alone) and their own prefills held until the lease; n samples all
+# read one set of blocks that the prefill frees after the first read. So one engine request per hand-off.
+# WRITE too is serial: the decode names the prefill's engine id, which only the prefill's answer carries.
+# vLLM 0.24+ ships the push flow as its own class: the mode is in the engines' flags.
+NIXL_HANDOFF = Handoff(serial=True, one_request=True, lengths=False, releases=True, fixed_mode=True)
+
+
+class NixlPull(ProxySide):
+    """READ (NixlConnector): the decode pulls the blocks the prefill's answer names."""
+
+    def alone(self) -> Alone:
+        # vLLM 0.32 nixl/pull_scheduler.py and push_scheduler.py, get_num_new_matched_tokens: (0, False) unless
+        # the request carries do_remote_prefill (real CPU engines: tests/engine/test_vllm_nixl_release.py)
+        return Alone(True, f"vLLM's NIXL decode ({self.mode}) loads nothing without do_remote_prefill: it "
+                           "computes the prompt itself")
+
+    def handoff(self) -> Handoff:
+        return NIXL_HANDOFF
+
+    def length_possible(self, prompt_tokens: int, block_size: int) -> bool:
         # Every length hands over in vLLM 0.32, READ and WRITE alike. The decode asks for prompt_tokens -
         # num_computed_tokens (nixl/pull_scheduler.py and push_scheduler.py, get_num_new_matched_tokens), and
         # the scheduler offers it a block-aligned local hit of at most prompt_tokens - 1 (v1/core/sched/
         # scheduler.py, block_aligned_local), so the count is at least 1 for 1 token, under one block, k*B and
-        # k*B+1, with or without a prefix hit; a load that covers the whole prompt recomputes its last token
-        # (_update_waiting_for_remote_kv). The worker moves only the decode's uncached blocks, end-trimming the
-        # prefill's list to them (nixl/base_worker.py _apply_prefix_caching, which asserts decode <= prefill:
-        # the prefill holds every block of the same prompt). A READ decode that loads nothing (prompt logprobs:
-        # skip_reading_prefix_cache) still tells the prefill to free its blocks (the notification-only read); a
-        # WRITE one does not: it registers no blocks, so the prefill holds them until its lease ends
-        # (push_scheduler.py update_state_after_alloc and request_finished). An empty prompt never reaches an
-        # engine: vLLM's input processor refuses it (400).
+        # k*B+1, with or without a prefix hit (a prompt the decode holds whole included); a load that covers
+        # the whole prompt recomputes its last token (_update_waiting_for_remote_kv). The worker moves only the
+        # decode's uncached blocks, end-trimming the prefill's list to them (nixl/base_worker.py
+        # _apply_prefix_caching, which asserts decode <= prefill: the prefill holds every block of the same
+        # prompt). An empty prompt never reaches an engine: vLLM's input processor refuses it (400).
         return True
 
-    def serial(self, mode: Mode) -> bool:
-        # WRITE too: the decode names the prefill's engine id, which only the prefill's answer carries
-        return True
-
-    def alone(self, mode: Mode) -> Alone:
-        # vLLM 0.32 nixl/pull_scheduler.py and push_scheduler.py, get_num_new_matched_tokens: (0, False) unless
-        # the request carries do_remote_prefill (real CPU engines: tests/engine)
-        return Alone(True, f"vLLM's NIXL decode ({mode}) loads nothing without do_remote_prefill: it computes "
-                           "the prompt itself")
-
-    def release_body(self, decode_body: dict[str, Any], path: str,
-                     mode: str) -> tuple[str, dict[str, Any]] | None:
+    def release(self, decode_body: dict[str, Any], path: str) -> tuple[str, dict[str, Any]] | None:
         # A prefill that answered keeps its blocks until the decode reads them (READ) or they are written to it
         # (WRITE), or until its lease ends: kv_lease_duration, 30 s in vLLM 0.32 (nixl/base_scheduler.py,
         # _reqs_need_send; freed by base_worker._reap_expired_send_leases, counted as
-        # vllm:nixl_num_kv_expired_reqs). Early, READ and WRITE differ:
+        # vllm:nixl_num_kv_expired_reqs).
         params = decode_body.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None
-        if mode == "write":
-            return path, _push_release(decode_body)
         # READ: the decode's word frees them. A request that carries do_remote_prefill and is refused by the
         # decode's OpenAI layer is submitted as an aborted request (entrypoints/generate/base/serving.py
         # _with_kv_transfer_rejection_cleanup -> AsyncLLM.notify_kv_transfer_request_rejected), whose
@@ -249,8 +253,8 @@ class NixlConnector(Connector):
         # anything else is done (_check_model).
         return "/v1/completions", {"model": RELEASE_MODEL, "prompt": [0], "max_tokens": 1, "kv_transfer_params": params}
 
-    def prefill_body(self, body: dict[str, Any], prefill: Peer, decode: Peer, handoff: dict[str, Any]) -> dict[str, Any]:
-        leg = super().prefill_body(body, prefill, decode, handoff)
+    def prefill_body(self, body: dict[str, Any], pairing: Pairing) -> dict[str, Any]:
+        leg = one_token(body)
         leg["kv_transfer_params"] = {
             "do_remote_decode": True,
             "do_remote_prefill": False,
@@ -261,28 +265,45 @@ class NixlConnector(Connector):
         }
         return leg
 
-    def decode_body(
-        self,
-        body: dict[str, Any],
-        prefill: Peer,
-        decode: Peer,
-        prefill_rank: int | None,
-        prefill_kv: dict[str, Any] | None,
-        handoff: dict[str, Any],
-    ) -> dict[str, Any]:
+    def decode_body(self, body: dict[str, Any], pairing: Pairing, prefill_rank: int | None,
+                    prefill_kv: dict[str, Any] | None) -> dict[str, Any]:
+        if not prefill_kv:
+            raise HandoffError(502, f"prefill instance {pairing.prefill.name} returned no kv_transfer_params")
+        return {**body, "kv_transfer_params": prefill_kv}
+
+
+class NixlPush(NixlPull):
+    """WRITE (NixlPushConnector): the decode registers its blocks with the prefill, which writes into them."""
+
+    def body_possible(self, body: Mapping[str, Any]) -> bool:
+        # A push decode that loads nothing registers no blocks (push_scheduler.py update_state_after_alloc
+        # returns early at num_external_tokens 0; request_finished then parks an empty receive that
+        # push_worker.start_load_kv only files: nothing reaches the prefill), so the prefill holds its KV for its
+        # 30 s lease. Prompt logprobs (echo with logprobs, in completions) make vLLM's scheduler zero every
+        # decode's count (skip_reading_prefix_cache): such a request goes to the decode alone, which computes
+        # its prompt itself and returns the same logprobs (real CPU engines: tests/engine).
+        return not asks_prompt_logprobs(body)
+
+    def release(self, decode_body: dict[str, Any], path: str) -> tuple[str, dict[str, Any]] | None:
+        # the refused request READ sends frees nothing here (body_possible above): the release is the decode leg
+        # itself, one token long (_push_release)
+        params = decode_body.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None
+        return path, _push_release(decode_body)
+
+    def decode_body(self, body: dict[str, Any], pairing: Pairing, prefill_rank: int | None,
+                    prefill_kv: dict[str, Any] | None) -> dict[str, Any]:
+        prefill = pairing.prefill
         if not prefill_kv:
             raise HandoffError(502, f"prefill instance {prefill.name} returned no kv_transfer_params")
-        leg = dict(body)
-        if handoff.get("mode") != "write":
-            leg["kv_transfer_params"] = prefill_kv
-            return leg
         missing = [k for k in ("remote_engine_id", "remote_host", "remote_port") if prefill_kv.get(k) is None]
         if missing:
             raise HandoffError(502, f"prefill instance {prefill.name} returned no {', '.join(missing)} for a NIXL push")
         # vLLM's NixlPushConnector: no remote_block_ids; the decode allocates its own blocks, registers them
         # with this prefill engine over NIXL (both legs share the X-Request-Id it matches them by) and waits
         # for the prefill to write the KV into them.
-        leg["kv_transfer_params"] = {
+        return {**body, "kv_transfer_params": {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": prefill_kv["remote_engine_id"],
@@ -290,5 +311,4 @@ class NixlConnector(Connector):
             "remote_host": prefill_kv["remote_host"],
             "remote_port": prefill_kv["remote_port"],
             "tp_size": prefill_kv.get("tp_size", prefill.tp_size),
-        }
-        return leg
+        }}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.connector.base import Alone, Connector, InstanceContext
+from appliance.connector.base import Colocated, Connector, InstanceContext, ProxySide
 from appliance.roles import Mode
 
 
@@ -14,11 +14,10 @@ class NoConnector(Connector):
     name = "none"
     vllm_class = None
     modes = frozenset({"read", "write"})
-    disaggregated = False
     sim_flow = "appliance.connector.sim:ConnectorSim"
 
     def kv_transfer_config(self, ctx: InstanceContext) -> dict[str, Any] | None:
         return None
 
-    def alone(self, mode: Mode) -> Alone:
-        return Alone(True, "no connector: every engine computes its prompts itself")
+    def proxy_side(self, mode: Mode) -> ProxySide:
+        return Colocated(mode)

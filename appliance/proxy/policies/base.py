@@ -15,7 +15,7 @@ make one call, Router.route, whatever the policy. What the policies that come ne
 - conditional disaggregation (policies/conditional.py) decides per request whether the prefill hop is taken at
   all, from the prompt's length, its uncached part (Policy.expected_cached_tokens) and the prefill and decode
   instances' load: a decision over the whole route, made in Router.route before any prefill instance is picked,
-  which then returns a Route without one. legs.py serves that on one leg, with the connector's alone_body.
+  which then returns a Route without one. legs.py serves that on one leg, with the connector's ProxySide.alone_body.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 The rules, first match wins (the first two are not choices: such a prompt sent down the hand-off would hand
 nothing over, hand over another prompt's KV or crash the engine):
 - `batch`: several engine requests (n > 1, a prompt list) on a connector that hands over one per request.
-- `handoff-impossible`: the connector cannot hand this prompt's KV over (its length, where lengths matter).
+- `handoff-impossible`: the connector cannot hand this prompt's KV over (its length, where lengths matter, or
+  what the body asks for: ProxySide.length_possible, body_possible).
 - `policy`: conditional routing is off (`decode_only_below` 0): every other request takes the prefill hop.
 - `short-prompt` / `cached-prefix`: fewer uncached prompt tokens than the threshold (`decode_only_below`):
   prefilling them on the decode costs its running streams less than a step's worth of ITL slack, and the
@@ -34,7 +35,7 @@ nothing over, hand over another prompt's KV or crash the engine):
 - otherwise the prefill hop: `decode-busy` for a prompt shorter than `decode_only_below` that the room
   (the window, the decode's load) kept off the decode, else `policy`.
 - last (`served_alone`), where the connector's decode cannot serve the client's prompt alone in this mode
-  (Connector.alone: MoRIIO READ), a rule that chose the decode gives way to the prefill hop
+  (ProxySide.alone: MoRIIO READ), a rule that chose the decode gives way to the prefill hop
   (`alone-unserved`); a forced one (`batch`, `handoff-impossible`) goes alone through the connector's
   alone_body, or, where that cannot serve it either, leaves no correct route: `refused`.
 
@@ -169,7 +170,7 @@ def decide(facts: RouteFacts, rules: Rules) -> tuple[RouteName, str]:
 def served_alone(reason: str, served: bool, forced: bool) -> tuple[RouteName, str]:
     """The route of a request `decide` sent to the decode alone for `reason`, given whether the connector's decode
     serves the client's prompt alone (`served`) and a request that cannot be handed over through its alone_body
-    (`forced`; Connector.alone): the decode alone where it serves it, else the prefill hop for a choice
+    (`forced`; ProxySide.alone): the decode alone where it serves it, else the prefill hop for a choice
     (`alone-unserved`), no route for a forced one (`refused`)."""
     if reason in FORCED:
         return ("decode-only", reason) if forced else ("refused", reason)

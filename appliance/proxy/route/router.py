@@ -12,10 +12,10 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
-from appliance.connector import Connector
-from appliance.connector.base import Alone
+from appliance.connector import Connector, ProxySide
+from appliance.connector.base import Alone, Handoff
 from appliance.proxy.instances import BackendState, Booking, InstanceRegistry
 from appliance.proxy.policies import Policy, RequestFacts
 from appliance.proxy.policies.conditional import (
@@ -31,6 +31,15 @@ from appliance.proxy.policies.conditional import (
 )
 from appliance.proxy.prompts import engine_requests, known_length, most_tokens
 from appliance.roles import Mode
+
+
+class Sided(NamedTuple):
+    """The connector's proxy side in one mode, with its hand-off and the block size its length rule reads."""
+
+    side: ProxySide
+    handoff: Handoff | None
+    block_size: int | None  # the engines' KV block size where the hand-off depends on the prompt's length
+    alone: Alone  # whether its decode serves a request sent alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +60,7 @@ class Unroutable(Exception):
 
 class Refused(Exception):
     """No route serves the request correctly: its connector must serve it on a decode alone (`reason`: a batch,
-    a prompt it cannot hand over) and cannot in this mode (Connector.alone); the text says why."""
+    a prompt it cannot hand over) and cannot in this mode (ProxySide.alone); the text says why."""
 
     def __init__(self, reason: str, why: str) -> None:
         super().__init__(f"this node cannot serve the request: it must go to a decode instance alone ({reason}), "
@@ -64,7 +73,8 @@ class Route:
     """The instances (and DP ranks) one request runs on, booked on them from the moment it was routed until the
     end of its with block: `with router.route(facts) as route: ...`. Without a prefill instance the request is one
     leg on `decode` (a colocated instance, or a decode instance that prefills the prompt itself); `name` and
-    `reason` say which route and why (policies/conditional.py)."""
+    `reason` say which route and why (policies/conditional.py); `side`, the connector's proxy side in the mode it
+    was decided in, serves it (legs.py)."""
 
     decode: BackendState
     decode_rank: int | None
@@ -73,6 +83,7 @@ class Route:
     bookings: tuple[Booking, ...]
     name: RouteName
     reason: str
+    side: ProxySide
 
     def header(self) -> str:
         """The x-pdctl-route header's value (docs/bench.md, "Routes")."""
@@ -93,7 +104,7 @@ class Router:
     """Routes requests over the routable instances of each role with the policy the `routing` setting names."""
 
     def __init__(self, registry: InstanceRegistry, policy: Policy, mode: Callable[[], str], connector: Connector,
-                 rules: Rules, block_size: int | None = None,
+                 rules: Rules, block_size: int | None = None, vllm_version: str = "",
                  stand_in: Callable[[Iterable[BackendState]], BackendState | None] = lambda instances: None,
                  on_stand_in: Callable[[BackendState], None] = lambda inst: None) -> None:
         self.registry = registry
@@ -108,12 +119,14 @@ class Router:
         self.checks_mode = connector.mode_fixed_at_start  # the connector's engines fix their transfer mode at start
         self.disaggregated = connector.disaggregated  # a prefill and a decode instance per request, else colocated
         self.rules = rules
-        # the engines' KV block size, for a connector whose hand-off depends on the prompt's length
-        self.block_size = block_size if connector.lengths_matter else None
+        # the engines' KV block size, for a connector whose hand-off depends on the prompt's length (in any mode;
+        # each pass reads its mode's Handoff.lengths)
+        self._block_size = block_size
+        self.vllm_version = vllm_version  # the engines' release ("": unknown), which some connectors' answers read
+        # per transfer mode, the connector's proxy side and what the pass reads of it
+        self._sides: dict[str, Sided] = {}
         # per decode instance, the prompts it was sent to prefill itself lately (the decode-busy rule)
         self._windows: weakref.WeakKeyDictionary[BackendState, PrefillWindow] = weakref.WeakKeyDictionary()
-        # per transfer mode, whether the connector's decode serves a prompt sent alone (Connector.alone)
-        self._alone: dict[str, Alone] = {}
         # per decode instance whose chunked-prefill budget is known, what it was sent to prefill and has not yet
         self._backlogs: weakref.WeakKeyDictionary[BackendState, PrefillBacklog] = weakref.WeakKeyDictionary()
 
@@ -170,49 +183,53 @@ class Router:
             return self.stand_in(role)
         return self.policy.pick(role, candidates, request)
 
-    def alone(self, mode: str | None = None) -> Alone:
-        """Whether the connector's decode serves a prompt sent alone in `mode` (the proxy's mode now)."""
+    def side(self, mode: str | None = None) -> Sided:
+        """The connector's proxy side in `mode` (the proxy's mode now), with what the pass reads of it."""
         mode = mode or self.mode()
-        answer = self._alone.get(mode)
-        if answer is None:
-            answer = self._alone[mode] = self.connector.alone(cast(Mode, mode))
-        return answer
+        sided = self._sides.get(mode)
+        if sided is None:
+            side = self.connector.side(cast(Mode, mode), self.vllm_version)
+            handoff = side.handoff()
+            block = self._block_size if handoff is not None and handoff.lengths else None
+            sided = self._sides[mode] = Sided(side, handoff, block, side.alone())
+        return sided
 
     def needs_count(self, request: RequestFacts) -> bool:
         """Whether the hand-off depends on the prompt's exact length and neither the body nor its bound settles it:
         route.length then counts it on a decode instance before the pass (Router.routed)."""
-        if self.block_size is None or not self.disaggregated or known_length(request.path, request.body) is not None:
+        side, _, block, _ = self.side()
+        if block is None or known_length(request.path, request.body) is not None:
             return False
         bound = most_tokens(request.path, request.body)
-        return bound is None or any(self.connector.handoff_possible(n, self.block_size) for n in range(bound + 1))
+        return bound is None or any(side.length_possible(n, block) for n in range(bound + 1))
 
-    def facts(self, request: RequestFacts, prefill_legs: int, decode: BackendState, recent_tokens: int,
-              backlog_tokens: int = 0, counted: Counted | None = None) -> RouteFacts:
+    def facts(self, sided: Sided, request: RequestFacts, prefill_legs: int, decode: BackendState,
+              recent_tokens: int, backlog_tokens: int = 0, counted: Counted | None = None) -> RouteFacts:
         """What the conditional decision reads of `request` on `decode`: the prompt's length where the body settles
         it (token ids), `counted` says it (route.length; its tokens None: the engine could not tell) or the body
-        bounds it (a text prompt); whether the connector can hand it over (an unknown count: no, serving without a
-        hand-off works for every length); `prefill_legs`: the least loaded routable prefill's legs;
+        bounds it (a text prompt); whether the connector's side (`sided`) can hand it over (what the body asks for; its
+        length, an unknown count: no, serving without a hand-off works for every length); `prefill_legs`: the least loaded routable prefill's legs;
         `recent_tokens`: what the decode was sent to prefill itself over the last window; `backlog_tokens`: what
         it has not computed yet."""
         path, body = request.path, request.body
+        side, handoff, block, _ = sided
         tokens = bound = None
-        if self.rules.decode_only_below or self.block_size is not None:  # else no rule reads the length
+        if self.rules.decode_only_below or block is not None:  # else no rule reads the length
             tokens = known_length(path, body) if counted is None else counted.tokens
             bound = most_tokens(path, body) if tokens is None and counted is None else tokens
-        possible = True
-        if self.block_size is not None:
-            block, connector = self.block_size, self.connector
+        possible = side.body_possible(body)
+        if block is not None and possible:
             if tokens is not None:
-                possible = connector.handoff_possible(tokens, block)
+                possible = side.length_possible(tokens, block)
             elif counted is not None:
                 possible = False
             elif bound is not None:
-                possible = any(connector.handoff_possible(n, block) for n in range(bound + 1))
+                possible = any(side.length_possible(n, block) for n in range(bound + 1))
         requests = engine_requests(path, body)
         return RouteFacts(
             prompt_tokens=bound,
             cached_tokens=self.policy.expected_cached_tokens(decode, request) if bound is not None else 0,
-            batch=self.connector.one_request_per_handoff and requests > 1,
+            batch=handoff is not None and handoff.one_request and requests > 1,
             handoff_possible=possible,
             prefill_legs=prefill_legs,
             decode_legs=decode.load(),
@@ -246,7 +263,8 @@ class Router:
             self._count_stand_ins(inst)
             if self._records:
                 self.policy.record("both", inst, request)
-            return Route(inst, inst.pick_rank(), None, None, (inst.book(),), "colocated", "colocated")
+            return Route(inst, inst.pick_rank(), None, None, (inst.book(),), "colocated", "colocated",
+                         self.side().side)
         mode = self.mode()
         prefills = self.candidates("prefill", mode)
         stand_in = None if prefills else self.stand_in("prefill")
@@ -264,10 +282,12 @@ class Router:
             window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
             recent = window.recent(now, self.rules.window_s) if window else 0
             queued = backlog.level(now, drained_per_s(self.rules, decode.load())) if backlog else 0
-        facts = self.facts(request, prefill_legs, decode, recent, queued, counted)
+        sided = self.side(mode)
+        facts = self.facts(sided, request, prefill_legs, decode, recent, queued, counted)
         name, reason = decide(facts, self.rules)
+        side = sided.side
         if name == "decode-only":
-            alone = self.alone(mode)
+            alone = sided.alone
             if not (alone.served and alone.forced):
                 name, reason = served_alone(reason, alone.served, alone.forced)
                 if name == "refused":
@@ -279,7 +299,7 @@ class Router:
             self._count_stand_ins(decode)
             if self._records:
                 self.policy.record("decode", decode, request)
-            return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason)
+            return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason, side)
         prefill = self.policy.pick("prefill", prefills, request) if prefills else cast(BackendState, stand_in)
         if self._records:
             self.policy.record("prefill", prefill, request)
@@ -290,7 +310,7 @@ class Router:
         bookings = (prefill.book(), decode.book())
         if not (prefill.healthy and decode.healthy):
             self._count_stand_ins(prefill, decode)
-        return Route(decode, decode.pick_rank(), prefill, prefill.pick_rank(), bookings, name, reason)
+        return Route(decode, decode.pick_rank(), prefill, prefill.pick_rank(), bookings, name, reason, side)
 
     def _count_stand_ins(self, *chosen: BackendState) -> None:
         for inst in chosen:

@@ -34,14 +34,16 @@ def host_path(path: Any) -> str | None:
 
 
 def install(record: str) -> None:
-    """Refuse and append to the file `record` every touch of HOST_PATHS from now on, in this process."""
+    """Refuse and append to the file `record` every touch of HOST_PATHS from now on, in this process. The hook
+    appends to the file $HOST_GUARD_RECORD names when it fires, `record` where that is unset: an xdist worker
+    inherits its controller's guard at start and points it at its own record in pytest_configure."""
 
     def hook(event: str, args: tuple[Any, ...]) -> None:
         for path in args[: _PATH_EVENTS.get(event, 0)]:
             found = host_path(path)
             if found is None:
                 continue
-            with open(record, "a") as out:
+            with open(os.environ.get(RECORD_VARIABLE, record), "a") as out:
                 out.write(f"{event} {found} (pid {os.getpid()}: {' '.join(sys.argv)[:200]})\n")
             raise PermissionError(f"a test touched the host's pdctl state: {event} {found}")
 
