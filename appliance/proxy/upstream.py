@@ -568,6 +568,13 @@ class UpstreamPool:
         """Nothing listens at the engine's address any more (it stopped or died): end every request still on
         it now. A stopping vLLM closes its listener, then waits for its open connections to close before it
         exits; its streams send nothing meanwhile, so holding them open only delays the engine's restart."""
+        # its idle kept-alive connections go too: a stopping engine may still answer on them (/health included),
+        # which would keep it in rotation and send it the next leg (a continuation's) only to be cut again
+        for idle in self._idle:
+            if idle.transport is not None and not idle.closed:
+                idle.closed = True
+                idle.transport.close()
+        self._idle.clear()
         if not self.busy:
             return
         why = UpstreamError("reset", f"{self.address} stopped listening (its engine stopped or died) before this "

@@ -595,3 +595,32 @@ def test_unchunked_writes_the_data_alone_whatever_the_cut() -> None:
         writer.write(body[:cut])
         writer.write(body[cut:])
         assert b"".join(out) == b"".join(EVENTS), cut
+
+
+def test_an_engine_that_stops_listening_leaves_no_kept_alive_connection_to_answer_for_it() -> None:
+    """A stopping engine (vLLM on SIGTERM) closes its listener and still answers on the connections it has. Once a
+    connect is refused, the pool drops its idle ones too: the next /health connects and learns the engine is gone,
+    where a kept-alive connection answered 200 and kept it in rotation (the crash bench's SIGTERMed decode: a cut
+    stream's continuation legs were sent back to it, four times, and the stream ended)."""
+
+    async def scenario() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                while True:
+                    await reader.readuntil(b"\r\n\r\n")
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                    await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        pool = UpstreamPool("127.0.0.1", server.sockets[0].getsockname()[1], connect_timeout=2.0)
+        loop = asyncio.get_running_loop()
+        assert await pool.ask("GET", "/health", (), b"", loop.time() + 5) == 200  # one connection, kept alive
+        server.close()  # the listener goes; the kept-alive connection stays and still answers
+        with pytest.raises(UpstreamError, match="refused"):
+            await pool._connect()  # another request finds the engine gone
+        with pytest.raises(UpstreamError, match="refused"):
+            await pool.ask("GET", "/health", (), b"", loop.time() + 5)
+        await pool.close()
+
+    asyncio.run(scenario())
