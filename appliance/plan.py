@@ -12,7 +12,6 @@ plan (a state directory written before) still loads: its flat `proxy` record is 
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 from collections.abc import Callable
 from statistics import NormalDist
@@ -36,7 +35,7 @@ from appliance.engine.version import split_package
 from appliance.errors import PlanError
 from appliance.hosts import is_loopback, url_host
 from appliance.inventory.models import Gpu, Inventory
-from appliance.proxy.config import Backend, DecodeStep, KvStoreConfig, ProxyConfig, default_workers
+from appliance.proxy.config import Backend, DecodeStep, KvStoreConfig, ProxyConfig
 from appliance.roles import MODES, Mode, Role
 from appliance.settings import EMBEDDED_MODEL, EngineKind, Settings, deep_merge, proxy_config_data
 from appliance.statedir import StateDir
@@ -608,11 +607,6 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     )
 
 
-def node_cores() -> int:
-    """The CPU cores this process may run on (the node's, less what a cgroup or affinity mask withholds)."""
-    return len(os.sched_getaffinity(0))
-
-
 def _proxy_config(settings: Settings, connector: str, mode: Mode,
                   served_name: str, block_size: int | None, state: StateDir) -> ProxyConfig:
     """The proxy's configuration from the [proxy] settings (its backends are added once the ports are checked).
@@ -640,7 +634,7 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         "decode_budget": settings.decode.max_num_batched_tokens, "decode_only_queue_ms": queue_ms,
         "mode": mode, "connector": connector, "model": served_name, "block_size": block_size,
         "vllm_version": engine_release(settings), "max_model_len": settings.model.max_model_len,
-        "workers": p.workers or default_workers(node_cores()),
+        "workers": p.workers or 1,  # opt-in until workers > 1 keeps every guarantee (default_workers: docs)
         "registration": {"enabled": get_connector(connector).registers_with_proxy},
         "admin": {"token_file": p.admin_token_file or str(state.admin_token)},
         **_tenant_files(settings, state),
