@@ -634,6 +634,7 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         "decode_budget": settings.decode.max_num_batched_tokens, "decode_only_queue_ms": queue_ms,
         "mode": mode, "connector": connector, "model": served_name, "block_size": block_size,
         "vllm_version": engine_release(settings), "max_model_len": settings.model.max_model_len,
+        "workers": p.workers or 1,  # opt-in until workers > 1 keeps every guarantee (default_workers: docs)
         "registration": {"enabled": get_connector(connector).registers_with_proxy},
         "admin": {"token_file": p.admin_token_file or str(state.admin_token)},
         **_tenant_files(settings, state),

@@ -29,7 +29,7 @@ from pydantic import (
 from appliance.connector import Connector, check_name, get_connector, names
 from appliance.connector.base import OwnSettings
 from appliance.errors import ConfigError
-from appliance.proxy.config import DecodeStep, Limits, PrefixAffinityConfig, ProxyConfig, Routing
+from appliance.proxy.config import MAX_WORKERS, DecodeStep, Limits, PrefixAffinityConfig, ProxyConfig, Routing
 from appliance.roles import Mode, Role
 
 if sys.version_info >= (3, 11):
@@ -329,6 +329,10 @@ class ProxySettings(Section):
         "How much the decode's steps vary around their modelled length (lognormal sigma): the wider, the less "
         "of the ITL target a short prompt may take; unset: the node's (0.1 for real engines, the host's lateness "
         "for simulated ones)"))
+    # pdctl's: the planner writes the proxy's `workers` from it, or from the node's cores when unset
+    workers: int | None = Field(default=None, ge=1, le=MAX_WORKERS, description=(
+        "Proxy worker processes (docs/proxy-workers.md); unset: one per 4 of the node's cores, at most 8 (1 below "
+        "8 cores)"))
     restart_drain_s: float = Field(default=30.0, ge=0, le=3600, description=(
         "A planned restart (pdctl restart, systemctl restart) waits this long for the instance's running requests"))
     restart_hold_s: float = Field(default=120.0, ge=0, description=(

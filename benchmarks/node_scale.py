@@ -156,10 +156,15 @@ def loop_pause(url: str) -> float:
     return max(found, default=float("nan"))
 
 
+def cpu_seconds(proxy: psutil.Process) -> float:
+    """CPU seconds of the proxy and its processes (the keeper's workers with --workers above 1)."""
+    return sum(sum(p.cpu_times()[:2]) for p in (proxy, *proxy.children(recursive=True)))
+
+
 def measure(pool: multiprocessing.pool.Pool, proxy: psutil.Process, label: str, bases: list[str], streams: int,
             args: argparse.Namespace, proxy_url: str) -> Run:
     """One round of `label` (direct or proxy) at `streams` streams."""
-    before = sum(proxy.cpu_times()[:2])
+    before = cpu_seconds(proxy)
     pauses: list[float] = []
     done = threading.Event()
 
@@ -178,7 +183,7 @@ def measure(pool: multiprocessing.pool.Pool, proxy: psutil.Process, label: str, 
     idle.join()
     run = Run(label, streams, samples, elapsed)
     run.canary = ours.recv() if ours.poll() else float("nan")
-    run.proxy_busy = (sum(proxy.cpu_times()[:2]) - before) / elapsed
+    run.proxy_busy = (cpu_seconds(proxy) - before) / elapsed
     run.loop_pause = max([*pauses, loop_pause(proxy_url)])
     run.load = os.getloadavg()[0]
     return run
@@ -223,9 +228,9 @@ def main_run(args: argparse.Namespace) -> None:
                     raise SystemExit(f"{b['name']} exited; see {tmp}/{b['name']}.log")
             port, admin = free_ports(2)
             config = {"port": port, "connector": "nixl", "mode": "read", "model": MODEL, "admin": {"port": admin},
-                      "backends": backends}
+                      "backends": backends, "workers": args.workers}
             entry = (str(ROOT / "benchmarks/loop_stalls.py"), "--stall-ms", str(args.diagnose), "--") \
-                if args.diagnose else ("-m", "appliance.proxy")
+                if args.diagnose else ("-m", "appliance.proxy.keeper" if args.workers > 1 else "appliance.proxy")
             proc, url = start_proxy("proxy", config, Path(tmp), entry)
             procs.append(proc)
             proxy = psutil.Process(proc.pid)
@@ -234,7 +239,8 @@ def main_run(args: argparse.Namespace) -> None:
             run_round(pool, bases["proxy"], 16, args.clients, 2, args.tokens)  # warm every path
             run_round(pool, bases["direct"], 16, args.clients, 2, args.tokens)
             print(f"# node scale: {args.pairs} NIXL READ pairs, decode step {args.step_ms} ms, {args.tokens} "
-                  f"tokens a request, {args.seconds:g} s a round, {args.clients} client processes, "
+                  f"tokens a request, {args.seconds:g} s a round, {args.clients} client processes, {args.workers} proxy "
+                  f"worker(s), "
                   f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
             runs: list[Run] = []
             for streams in args.streams:
@@ -261,6 +267,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200, help="tokens a request (then the stream asks again)")
     parser.add_argument("--step-ms", type=float, default=10.0, help="engine decode step: the token pace")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument("--workers", type=int, default=1, help="proxy worker processes (above 1: under the keeper; "
+                        "the loop pause is one worker's)")
     parser.add_argument("--diagnose", type=float, default=0.0, metavar="MS",
                         help="run the proxy under loop_stalls.py, logging each loop pause over MS, and print its log")
     args = parser.parse_args()

@@ -192,6 +192,7 @@ NOT_PROXY_KEYS = {"mode", "connector", "model", "block_size", "vllm_version", "m
                   "decode_only_window_ms",  # the plan writes slo.itl_ms
                   "cache_salt_secret_file",  # the state directory's, which `pdctl up` generates
                   "decode_budget",  # the plan writes [decode] max_num_batched_tokens
+                  "workers",  # the plan writes [proxy] workers, or one per 4 of the node's cores
                   "kv_store"}  # the plan writes the connector's KV folders and its [connector.<name>] bounds
 
 
@@ -215,7 +216,7 @@ def test_every_proxy_key_is_defined_by_the_proxys_own_config_field() -> None:
     # pdctl's own: the restart hooks', whether the planner writes the conditional-routing threshold and the
     # step spread it sizes it on
     assert set(ProxySettings.model_fields) - set(PROXY_KEYS) == {"restart_drain_s", "restart_hold_s", "conditional_routing",
-                                                                "decode_step_spread"}
+                                                                "decode_step_spread", "workers"}
     tables = ("registration", "admin", "timeouts", "health")
     leaves = {f"{name}.{sub}" if name in tables else name
               for name, field in ProxyConfig.model_fields.items()

@@ -54,7 +54,8 @@ def render_plan(p: Plan, console: Console) -> None:
                       highlight=False)
     px = p.proxy
     reg = f", registration {px.registration.host}:{px.registration.port}" if px.registration.enabled else ""
-    console.print(f"proxy {px.url} ({px.routing}{reg}, admin {px.admin.host}:{px.admin.port})")
+    workers = f"{px.workers} worker{'s' if px.workers > 1 else ''}"
+    console.print(f"proxy {px.url} ({px.routing}, {workers}{reg}, admin {px.admin.host}:{px.admin.port})")
     for warning in p.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
 

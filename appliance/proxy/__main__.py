@@ -12,11 +12,13 @@ import signal
 import socket
 import struct
 import sys
+from pathlib import Path
 
 from appliance.errors import PdctlError
 from appliance.proxy.body import INT_DIGITS
 from appliance.proxy.config import load_config
 from appliance.proxy.keeper import HANDBACK_WAIT_S, ORPHAN_SIGNAL, RETIRE_SIGNAL, handback_address
+from appliance.proxy.workers import WorkerRole
 
 _PR_SET_PDEATHSIG = 1
 # a successor serves once its engines answer /health, or after this long (the instances only registered
@@ -29,7 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m appliance.proxy", description="pdctl's PD proxy")
     parser.add_argument("--config", required=True, help="ProxyConfig JSON file")
     parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--listen-fds", help="API,ADMIN: listening sockets inherited from the keeper")
+    parser.add_argument("--listen-fds", help="API[,ADMIN]: listening sockets inherited from the keeper (the "
+                        "admin socket is the leader's)")
+    parser.add_argument("--worker", type=int, help="which of several workers this is (0: the leader)")
+    parser.add_argument("--peers", help="the folder of the workers' Unix sockets (the keeper's)")
+    parser.add_argument("--generation", type=int, default=0, help="the keeper's handover this worker belongs to")
     parser.add_argument("--ready-fd", type=int, help="a pipe to write one byte to once serving (the keeper's)")
     parser.add_argument("--crashes", type=int, default=0,
                         help="serving proxies that crashed under the keeper before this one (its metrics show them)")
@@ -56,17 +62,22 @@ def main(argv: list[str] | None = None) -> int:
     listeners = None
     if args.listen_fds:
         if sys.platform == "linux":
-            # the keeper going away (even SIGKILLed) is told to this proxy: it serves on until the restarted keeper
-            # takes its sockets back (before it serves, the signal's default action ends it: it had nothing to finish)
-            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, ORPHAN_SIGNAL)
-        api, admin = (socket.socket(fileno=int(fd)) for fd in args.listen_fds.split(","))
-        listeners = (api, admin)
+            # the keeper going away (even SIGKILLed) is told to this proxy: alone, it serves on until the restarted
+            # keeper takes its sockets back (before it serves, the signal's default action ends it: it had nothing
+            # to finish); one of several workers is not handed back yet: it finishes its requests and exits
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, ORPHAN_SIGNAL if args.worker is None else signal.SIGTERM)
+        listeners = tuple(socket.socket(fileno=int(fd)) for fd in args.listen_fds.split(","))
+    role = WorkerRole(args.worker, Path(args.peers), args.generation) if args.peers and args.worker is not None \
+        else None
 
     async def run() -> None:
-        proxy = Proxy(config, listeners)
+        proxy = Proxy(config, listeners, role)
         proxy.metrics.set_proxy_crashes(args.crashes)
-        await proxy.start(serve=not args.successor)
-        if args.successor:
+        # a worker other than the leader serves once it has the leader's state and its engines answer, as a
+        # successor does: the connections the kernel queues on its socket meanwhile wait instead of getting 503
+        takes_over = args.successor or (role is not None and not role.leader)
+        await proxy.start(serve=not takes_over)
+        if takes_over:
             await proxy.serve_once_ready(_TAKEOVER_WAIT_S)
         if args.ready_fd is not None:
             os.write(args.ready_fd, b"r")
@@ -81,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         handback: list[asyncio.Task[None]] = []
 
         def orphaned() -> None:  # a retiring proxy only finishes its requests
-            if listeners is not None and not handback and not stop.is_set():
+            if listeners is not None and role is None and not handback and not stop.is_set():
                 handback.append(asyncio.create_task(_hand_back(args.config, listeners, stop), name="handback"))
 
         loop.add_signal_handler(ORPHAN_SIGNAL, orphaned)
@@ -93,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         loop.add_signal_handler(signal.SIGHUP, lambda: None if listeners else logging.getLogger("appliance.proxy")
                                 .warning("SIGHUP ignored: a planned restart needs the proxy run by "
                                          "`python -m appliance.proxy.keeper`"))
-        print(f"pd-proxy ready on {config.host}:{proxy.api_port} admin {config.admin.host}:{proxy.admin_port}",
-              flush=True)
+        admin = f" admin {config.admin.host}:{proxy.admin_port}" if proxy.follower is None else ""
+        print(f"pd-proxy ready on {config.host}:{proxy.api_port}{admin}", flush=True)
         try:
             await stop.wait()
         finally:
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _hand_back(config_path: str, sockets: tuple[socket.socket, socket.socket], stop: asyncio.Event) -> None:
+async def _hand_back(config_path: str, sockets: tuple[socket.socket, ...], stop: asyncio.Event) -> None:
     """The keeper died: serve on, and offer the listening sockets (and this pid) to the next keeper of the same
     config for HANDBACK_WAIT_S (it retires this proxy once its own serves); none came: stop, as the keeper's
     manager did not restart it. Only this user's processes (or root's) may take them."""

@@ -96,8 +96,37 @@ def _instance_name(body: Any) -> str:
     return name
 
 
+async def everywhere(proxy: ProxyState) -> dict[str, Any]:
+    """state(), with the other worker processes' loads and counters added (docs/proxy-workers.md)."""
+    view = state(proxy)
+    if proxy.others is None:
+        return view
+    others = await proxy.others.loads()
+    view["workers"] = [{"worker": 0, "pid": view["pid"], "requests": view["requests"]["total"],
+                        "connections": proxy.client_connections(), "ready": view["ready"]},
+                       *({key: got[key] for key in ("worker", "pid", "connections", "ready")} | {"requests":
+                         got["requests"]["total"]} for got in sorted(others, key=lambda got: int(got["worker"])))]
+    for inst in view["instances"]:
+        for got in others:
+            in_flight, routed = got["instances"].get(inst["name"], [0, 0])
+            inst["in_flight"] += in_flight
+            inst["routed"] += routed
+    requests, holds = view["requests"], view["holds"]
+    for got in others:
+        theirs = got["requests"]
+        for key in ("total", "leg_failures", "client_aborts"):
+            requests[key] += theirs[key]
+        for status, count in theirs["by_status"].items():
+            requests["by_status"][status] = requests["by_status"].get(status, 0) + count
+        holds["requests"] += got["held_requests"]
+        holds["max_wait_s"] = max(holds["max_wait_s"], round(got["max_hold_s"], 3))
+        # a worker started after a crash knows the keeper's count then; the leader may be older
+        holds["proxy_crashes"] = max(holds["proxy_crashes"], got["proxy_crashes"])
+    return view
+
+
 async def get_state(request: web.Request) -> web.Response:
-    return web.json_response(state(request.app[_PROXY_KEY]))
+    return web.json_response(await everywhere(request.app[_PROXY_KEY]))
 
 
 async def post_mode(request: web.Request) -> web.Response:
@@ -114,6 +143,7 @@ async def post_mode(request: web.Request) -> web.Response:
     except ValueError as exc:
         return _error(400, str(exc))
     previous, proxy.mode = proxy.mode, mode
+    await proxy.share()
     return web.json_response({
         "mode": mode,
         "previous": previous,
@@ -131,14 +161,15 @@ async def post_drain(request: web.Request) -> web.Response:
     if inst is None:
         return _error(404, f"no instance named {name!r}; known: {', '.join(sorted(proxy.registry.instances))}")
     inst.draining = True
+    await proxy.share()
     started = time.monotonic()
     deadline = started + float(timeout)
-    while inst.routed > 0 and time.monotonic() < deadline:
+    while (routed := await proxy.routed_everywhere(name)) > 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     return web.json_response({
         "instance": name,
-        "drained": inst.routed == 0,
-        "in_flight": inst.routed,
+        "drained": routed == 0,
+        "in_flight": routed,
         "waited_s": round(time.monotonic() - started, 3),
     })
 
@@ -150,6 +181,7 @@ async def post_undrain(request: web.Request) -> web.Response:
     if inst is None:
         return _error(404, f"no instance named {name!r}")
     inst.draining = False
+    await proxy.share()
     return web.json_response({"instance": name, "draining": False})
 
 
@@ -160,6 +192,7 @@ async def post_hold(request: web.Request) -> web.Response:
     values = {key: _seconds(body, key, default) for key, default in (("wait_s", None), ("expires_in_s", 600.0))}
     proxy.hold_wait_s = values["wait_s"]
     proxy.hold_until = time.monotonic() + values["expires_in_s"] if values["wait_s"] > 0 else 0.0
+    await proxy.share()
     return web.json_response({"hold_wait_s": proxy.hold_wait_s, "expires_in_s": values["expires_in_s"]})
 
 
@@ -192,15 +225,16 @@ async def post_stopping(request: web.Request) -> web.Response:
     if isinstance(body, dict) and body.get("crashed") is True and name not in proxy.planned.active:
         proxy.metrics.observe_crash(name)
     proxy.planned.begin(inst, hold_s, max(expires, drain_s))
+    await proxy.share()
     started = time.monotonic()
     deadline = started + drain_s
-    while inst.routed > 0 and time.monotonic() < deadline:
+    while (routed := await proxy.routed_everywhere(name)) > 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     others = [i.name for i in proxy.registry.by_role[inst.role] if proxy.router.routable(i)]
     return web.json_response({
         "instance": name,
-        "drained": inst.routed == 0,
-        "in_flight": inst.routed,
+        "drained": routed == 0,
+        "in_flight": routed,
         "waited_s": round(time.monotonic() - started, 3),
         # with no other routable instance of its role, new requests wait (up to hold_s) instead of failing
         "holding": not others,
@@ -224,6 +258,7 @@ async def post_started(request: web.Request) -> web.Response:
     else:
         # not answering yet: held requests keep waiting, and the first probe that passes ends the stop
         was_stopping = proxy.planned.reported_back(name)
+    await proxy.share()
     return web.json_response({"instance": name, "healthy": healthy, "was_stopping": was_stopping})
 
 
@@ -238,9 +273,10 @@ async def post_instances(request: web.Request) -> web.Response:
     names = [b.name for b in backends]
     if len(set(names)) != len(names):
         return _error(400, "backend names must be unique")
-    proxy.registry.set_static(backends)
+    proxy.set_backends(backends)
     await proxy.registry.close_retired()
-    return web.json_response(state(proxy))
+    await proxy.share()
+    return web.json_response(await everywhere(proxy))
 
 
 def build_app(proxy: ProxyState) -> web.Application:

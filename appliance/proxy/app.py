@@ -16,6 +16,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from appliance.connector import HandoffError, ProxyListener, get_connector
 from appliance.proxy import admin
 from appliance.proxy.body import INLINE_BYTES, BodyReader, BodyRules
+from appliance.proxy.columns import Columns
 from appliance.proxy.config import ProxyConfig
 from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors
 from appliance.proxy.kvstore import KvStoreSweeper
@@ -23,6 +24,7 @@ from appliance.proxy.legs import OUTCOME, ROUTE, STAGE, LegFailure, error_respon
 from appliance.proxy.metrics import CONTENT_TYPE
 from appliance.proxy.state import ProxyState
 from appliance.proxy.tenants import ANONYMOUS, client_salt_problem
+from appliance.proxy.workers import Follower, Leader, WorkerRole, node_metrics
 
 log = logging.getLogger("appliance.proxy")
 
@@ -83,9 +85,17 @@ class _OneLineBadRequests(logging.Filter):
 class Proxy(ProxyState):
     """One running proxy; `start()` binds every socket, `stop()` closes them."""
 
-    def __init__(self, config: ProxyConfig, listeners: tuple[socket.socket, socket.socket] | None = None) -> None:
+    def __init__(self, config: ProxyConfig, listeners: tuple[socket.socket, ...] | None = None,
+                 role: WorkerRole | None = None) -> None:
         super().__init__(config)
-        self.listeners = listeners  # (API, admin) sockets bound by the keeper, or None to bind them here
+        # (API, admin) sockets bound by the keeper ((API,) for a worker other than the leader), or None to bind them
+        self.listeners = listeners
+        self.role = role  # which of several worker processes this is (workers.py); None: the only one
+        self.leader = Leader(self, role) if role is not None and role.leader else None
+        self.follower = Follower(self, role) if role is not None and not role.leader else None
+        self.others = self.leader
+        if role is not None:
+            self.share_loads(Columns(role.peers, role.generation, role.index, config.workers))
         self.stopping = False
         self._registration_bind: asyncio.Task[None] | None = None
         self.listener: ProxyListener | None = None
@@ -121,12 +131,24 @@ class Proxy(ProxyState):
         api.router.add_get("/metrics", self._metrics)
         # handler_cancellation: a client that disconnects cancels its handler, which aborts both legs
         limits = self.config.limits
-        cap = fit_to_descriptors(limits.max_connections, "client API")
+        # with several workers each takes its share of the node's connections (the kernel spreads them evenly)
+        share = limits.max_connections // self.config.workers if self.role is not None else limits.max_connections
+        cap = fit_to_descriptors(max(share, 1), "client API")
         self.keep_cap = min(cap, limits.max_kept_prefills)
-        api_sock, admin_sock = self.listeners or (None, None)
+        api_sock, admin_sock = (*self.listeners, None)[:2] if self.listeners else (None, None)
         self.api_port = await self._serve(api, self.config.host, self.config.port, cap, api_sock, serve)
+        if self.follower is not None:
+            # the leader alone serves the admin API, registrations, KV events and the KV store's bound
+            await self.follower.serve()
+            self.health.start()
+            self.metrics.loop.start()
+            log.info("proxy worker %d on %s:%d", self.follower.role.index, self.config.host, self.api_port)
+            return
         self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port,
                                             admin.MAX_CONNECTIONS, admin_sock, serve)
+        if self.leader is not None:
+            await self.leader.serve()
+            self.leader.start()
         if self.admin_token is None:
             # a proxy.json written by hand or by a pdctl before admin tokens (`pdctl up` writes one now)
             log.warning("the admin API on %s:%d has no token (admin.token_file): any local process can replace "
@@ -184,10 +206,21 @@ class Proxy(ProxyState):
         """Start serving the sockets once the engines answer (or after wait_s): a successor that served at once
         would answer 503 until its first health probes passed, while the proxy before it could still serve."""
         deadline = time.monotonic() + wait_s
-        while not self.ready()[0] and time.monotonic() < deadline:
+        while not self._takes_over() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for server in self._servers:
             await server.start_serving()
+
+    def client_connections(self) -> int:
+        """Open client API connections of this process (the API's runner is the first)."""
+        server = self._runners[0].server if self._runners else None
+        return len(server.connections) if server is not None else 0
+
+    def _takes_over(self) -> bool:
+        """A successor serves once its engines answer and, as a worker other than the leader, once it has the
+        leader's control state (a drain or hold set since the plan)."""
+        synced = self.follower is None or self.follower.synced.is_set()
+        return synced and self.ready()[0]
 
     async def _serve(self, app: web.Application, host: str, port: int, max_connections: int,
                      sock: socket.socket | None, serve: bool) -> int:
@@ -218,6 +251,9 @@ class Proxy(ProxyState):
         closed only after an answer that says so, or when it has been idle for limits.idle_timeout_s, as it
         would be anyway; never while the client may be sending its next request on it."""
         self.stopping = True
+        for worker in (self.follower, self.leader):
+            if worker is not None:
+                await worker.close()
         if self._registration_bind is not None:
             self._registration_bind.cancel()
         if self.listener is not None:
@@ -313,7 +349,8 @@ class Proxy(ProxyState):
             return error_response(403, "/metrics needs the proxy's metrics_token_file, which is not set")
         if token is not None and not bearer_matches(request.headers.get("Authorization"), token):
             return error_response(401, "missing or wrong metrics token: send 'Authorization: Bearer <token>'")
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        body = self.metrics.render() if self.role is None else await node_metrics(self, self.role)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "/v1/completions", chat=False)

@@ -19,6 +19,7 @@ from appliance.roles import Mode, Role
 log = logging.getLogger("appliance.proxy")
 
 Routing = Literal["round_robin", "least_outstanding", "prefix_affinity"]
+MAX_WORKERS = 64
 # RegistrationConfig keys of the dynamic registration pdctl no longer has (its expiry and its instance cap)
 _DYNAMIC_KEYS = frozenset({"ping_interval_s", "expire_after_missed", "max_instances"})
 
@@ -218,6 +219,12 @@ class ProxyConfig(_Model):
 
     host: str = Field(default="127.0.0.1", description="Client API address; 0.0.0.0 to serve other hosts")
     port: int = Field(default=10001, ge=0, le=65535)
+    # several processes serve the API behind the keeper (appliance.proxy.keeper, docs/proxy-workers.md); 1 unless
+    # [proxy] workers says: with more, a keeper crash refuses connections until it is back, and probes, prefix
+    # estimates and conditional backlogs are each worker's own (default_workers() is the size to set for a node)
+    workers: int = Field(default=1, ge=1, le=MAX_WORKERS, description=(
+        "Proxy worker processes, each with its own event loop and API socket (SO_REUSEPORT); worker 0 also "
+        "serves the admin API, the probes and the registrations"))
     mode: Mode = "read"
     connector: str
     routing: Routing = "least_outstanding"
@@ -318,6 +325,13 @@ class ProxyConfig(_Model):
     def admin_url(self) -> str:
         """Where pdctl on this machine reaches the admin API."""
         return f"http://{url_host(self.admin.host)}:{self.admin.port}"
+
+
+def default_workers(cores: int) -> int:
+    """The proxy's worker processes to set (`[proxy] workers`) on a node of `cores` CPU cores: one per 4 cores, at
+    most 8, leaving the rest to the engines' API servers and the kernel's loopback work; 1 below 8 cores. Not the
+    default: unset, the planner writes 1 (docs/proxy-workers.md says what more workers do not cover yet)."""
+    return max(1, min(8, cores // 4))
 
 
 def load_config(path: str | Path) -> ProxyConfig:

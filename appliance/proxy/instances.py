@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from appliance.hosts import canonical_host
+from appliance.proxy.columns import Column
 from appliance.proxy.config import Backend
 from appliance.proxy.upstream import UpstreamPool
 
@@ -49,6 +50,8 @@ class BackendState:
         self.stopping = False  # in a planned stop (appliance.proxy.planned): out of rotation until it is back
         # legs running on this instance (what least-outstanding routing compares), changed through lease() only
         self.in_flight = 0
+        # its cells in the loads the worker processes share (columns.py); None: this process is the only one
+        self.column: Column | None = None
         # Requests routed here and not finished, from the moment they were routed: a READ request counts
         # against its decode instance while its prefill leg still runs, and against its prefill instance
         # while the decode reads the KV. A drain waits for this, so a drained instance has no request left
@@ -72,6 +75,11 @@ class BackendState:
         self.last_seen: float | None = None  # wall clock of the last registration ping
         self.last_seen_mono: float | None = None
         self.removed = False
+
+    def load(self) -> int:
+        """Legs running on this instance from every worker process: what routing compares."""
+        column = self.column
+        return self.in_flight if column is None else self.in_flight + column.others()
 
     def lease(self, rank: int | None) -> Lease:
         """Count one leg on this instance (and DP rank) until the lease ends: `with inst.lease(rank): ...`."""
@@ -136,6 +144,8 @@ class Lease:
         self.rank = rank
         self.ended = False
         inst.in_flight += 1
+        if inst.column is not None:
+            inst.column.add(1)
         if rank is not None:  # picked below dp_size, and the counts never shrink (set_dp_size)
             inst.dp_in_flight[rank] += 1
 
@@ -146,6 +156,8 @@ class Lease:
         self.ended = True
         inst, rank = self.inst, self.rank
         inst.in_flight -= 1
+        if inst.column is not None:
+            inst.column.add(-1)
         if rank is not None:
             inst.dp_in_flight[rank] -= 1
 

@@ -5,8 +5,11 @@ The keeper binds the proxy's client and admin listening sockets once and runs th
 (`python -m appliance.proxy`) in a child that serves them. On SIGHUP it starts a new proxy on the same
 sockets; once that one is ready it tells the old one to stop (SIGTERM), and the old one stops accepting and
 finishes its requests while the new one serves the kernel's queue of connections: no connection is refused
-or cut (socket passing, as nginx's and HAProxy's reloads do). The service manager, systemd or supervisord,
-only ever sees the keeper, so the same handover works under both.
+or cut (socket passing, as nginx's and HAProxy's reloads do). With `workers` above 1 it binds one API socket per
+worker on the same port (SO_REUSEPORT) and runs a proxy per socket, worker 0 with the admin socket too; a
+handover starts a successor for each and retires each old worker once its own successor serves
+(docs/proxy-workers.md). The service manager, systemd or supervisord, only ever sees the keeper, so the same
+handover works under both.
 
 A serving proxy that exits on its own (a crash) is replaced on the same sockets by the keeper (connections wait
 in the kernel's queue meanwhile), and the proxies retiring before it finish their streams; one that exits before
@@ -20,7 +23,9 @@ for at most `HANDBACK_WAIT_S`; the restarted keeper takes them from it (SCM_RIGH
 and retires the old one once the new one serves, as in a handover. Under systemd, which stops the rest of the
 unit when its main process dies, the unit's file descriptor store keeps the sockets instead (FDSTORE=1): systemd
 holds them while the unit restarts and gives them back to the new keeper (LISTEN_FDS), and connections wait
-in the kernel's queue meanwhile.
+in the kernel's queue meanwhile. With several workers this is not done yet: each worker dies with its keeper
+(SIGTERM, it finishes its requests) and the restarted keeper binds new sockets, so connections are refused
+meanwhile, as before issue 35 (docs/proxy-workers.md).
 
 Where the manager stops the keeper with another signal than SIGTERM (`--stop-signal INT`: supervisord's pd-proxy
 program), a SIGTERM is not a stop but an end after which the manager restarts the keeper (`kill -TERM` by
@@ -35,12 +40,15 @@ import hashlib
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from appliance.errors import PdctlError
 from appliance.proxy.config import ProxyConfig, load_config
@@ -64,18 +72,31 @@ def handback_address(config_path: str) -> bytes:
     return b"\0pdctl-proxy-handback-" + digest.encode()
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port that a child proxy can inherit."""
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket on host:port that a child proxy can inherit; reuse_port: one of several on the same
+    port (SO_REUSEPORT), among which the kernel spreads new connections by a hash of their addresses."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     sock.bind(address)
     sock.listen(1024)
     sock.set_inheritable(True)
     return sock
+
+
+def bind_api(host: str, port: int, workers: int) -> list[socket.socket]:
+    """The API's listening sockets, one per worker: with several, each on the same port with SO_REUSEPORT (the
+    kernel spreads connections over their queues; one shared socket would wake every worker's loop on each)."""
+    if workers == 1:
+        return [bind(host, port)]
+    first = bind(host, port, reuse_port=True)
+    taken = first.getsockname()[1]  # port 0: the others join the port the first one got
+    return [first, *(bind(host, taken, reuse_port=True) for _ in range(workers - 1))]
 
 
 @dataclass
@@ -88,8 +109,24 @@ class Worker:
     ready: bool = False
 
 
+@dataclass
+class Slot:
+    """One worker's place: its listening sockets (the API's, and the admin's for worker 0, the leader), the
+    proxy serving them, the one taking them over and those finishing their streams."""
+
+    index: int
+    sockets: list[socket.socket]
+    current: Worker | None = None
+    successor: Worker | None = None
+    retiring: list[Worker] = field(default_factory=list)
+
+    def workers(self) -> list[Worker]:
+        """Every live process of the slot."""
+        return [w for w in (self.current, self.successor, *self.retiring) if w is not None]
+
+
 class Keeper:
-    """Runs the proxy on inherited sockets and hands them over to a new proxy on SIGHUP."""
+    """Runs the proxy's workers on inherited sockets and hands them over to new ones on SIGHUP."""
 
     def __init__(self, config_path: str, log_level: str, config: ProxyConfig, handover_timeout_s: float,
                  stop_signal: signal.Signals = signal.SIGTERM) -> None:
@@ -99,17 +136,32 @@ class Keeper:
         self.handover_timeout_s = handover_timeout_s
         self.orphan: int | None = None  # a pidfd: the proxy whose keeper died, serving until ours takes over
         self.kept = False  # the sockets are kept from before this keeper: connections may be waiting on them
-        self.sockets = self._listening(config)
-        self.current: Worker | None = None
-        self.successor: Worker | None = None
-        self.retiring: list[Worker] = []
+        *api, admin = self._listening(config)
+        self.slots = [Slot(0, [api[0], admin]), *(Slot(i, [sock]) for i, sock in enumerate(api[1:], 1))]
+        # where the workers of one generation find each other (the leader shares its routing state through it)
+        self.peers = tempfile.mkdtemp(prefix="pd-proxy-") if config.workers > 1 else None
+        self.generation = 0  # a handover starts the next one; a crashed worker's replacement joins the current
         self.signals: list[int] = []
         self.crashes = 0  # serving proxies that exited on their own and were replaced
 
+    @property
+    def current(self) -> Worker | None:
+        """The leader serving now (worker 0)."""
+        return self.slots[0].current
+
     def _listening(self, config: ProxyConfig) -> list[socket.socket]:
-        """The client and admin listening sockets: systemd's stored ones, else a live proxy's whose keeper died,
-        else new ones (stored in systemd's file descriptor store where the unit has one)."""
-        wanted = ((config.host, config.port), (config.admin.host, config.admin.port))
+        """The API's listening sockets (one per worker) and the admin's: with one worker systemd's stored ones,
+        else a live proxy's whose keeper died, else new ones (stored in systemd's file descriptor store where the
+        unit has one); with several, new ones always (a keeper crash is not survived yet: docs/proxy-workers.md)."""
+        admin = (config.admin.host, config.admin.port)
+        if config.workers > 1:
+            stored = from_systemd()
+            if stored is not None:  # a one-worker keeper's, before the config changed: they would hold the port
+                for sock in stored:
+                    sock.close()
+                forget_in_systemd()
+            return [*bind_api(config.host, config.port, config.workers), bind(*admin)]
+        wanted = ((config.host, config.port), admin)
         stored = from_systemd()
         if stored is not None and _match(stored, wanted):
             log.info("listening on the sockets systemd kept across the restart")
@@ -126,12 +178,14 @@ class Keeper:
         store_in_systemd(sockets)
         return sockets
 
-    def spawn(self, successor: bool) -> Worker:
-        """Start a proxy on the keeper's sockets; a successor serves only once its engines are healthy."""
+    def spawn(self, slot: Slot, successor: bool, generation: int) -> Worker:
+        """Start a proxy on a slot's sockets; a successor serves only once its engines are healthy."""
         read_end, write_end = os.pipe()
-        fds = [s.fileno() for s in self.sockets]
+        fds = [s.fileno() for s in slot.sockets]
         argv = [sys.executable, "-m", "appliance.proxy", "--config", self.config_path, "--log-level", self.log_level,
                 "--listen-fds", ",".join(map(str, fds)), "--ready-fd", str(write_end), "--crashes", str(self.crashes)]
+        if self.peers is not None:
+            argv += ["--worker", str(slot.index), "--peers", self.peers, "--generation", str(generation)]
         proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=(*fds, write_end),
                                 start_new_session=True)
         os.close(write_end)
@@ -141,7 +195,8 @@ class Keeper:
         self.signals.append(signum)
 
     def run(self) -> int:
-        """Serve until SIGTERM/SIGINT (exit 0 once every proxy finished) or until the serving proxy exits."""
+        """Serve until SIGTERM/SIGINT (exit 0 once every proxy finished) or until a serving proxy that never
+        served exits."""
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w)
@@ -149,9 +204,18 @@ class Keeper:
             signal.signal(sig, self._signal)
         # on sockets kept from before, the proxy serves once its engines answer (not 503 before its first probes),
         # and one the previous keeper left serving serves until then, then retires
-        self.current = self.spawn(successor=self.kept)
+        for slot in self.slots:
+            slot.current = self.spawn(slot, self.kept, self.generation)
+        try:
+            return self._loop(wake_r)
+        finally:
+            if self.peers is not None:
+                shutil.rmtree(self.peers, ignore_errors=True)
+
+    def _loop(self, wake_r: int) -> int:
         while True:
-            waiting = [w.ready_fd for w in (self.current, self.successor) if w is not None and w.ready_fd >= 0]
+            waiting = [w.ready_fd for slot in self.slots for w in (slot.current, slot.successor)
+                       if w is not None and w.ready_fd >= 0]
             readable, _, _ = select.select([wake_r, *waiting], [], [], 1.0)
             if wake_r in readable:
                 os.read(wake_r, 512)
@@ -166,71 +230,86 @@ class Keeper:
                     return self._stop_all()
                 if got == signal.SIGHUP:
                     self._hand_over()
-            code = self._reap()
-            if code is not None:
-                return code
+            for slot in self.slots:
+                code = self._reap(slot)
+                if code is not None:
+                    return code
 
     def _hand_over(self) -> None:
-        if self.successor is not None:
-            log.info("a handover is already under way (proxy pid %d)", self.successor.proc.pid)
+        if any(slot.successor is not None for slot in self.slots):
+            log.info("a handover is already under way (proxy pid %s)",
+                     ", ".join(str(s.successor.proc.pid) for s in self.slots if s.successor is not None))
             return
-        self.successor = self.spawn(successor=True)
-        log.info("handing the listening sockets over to a new proxy (pid %d)", self.successor.proc.pid)
+        self.generation += 1
+        for slot in self.slots:
+            slot.successor = self.spawn(slot, True, self.generation)
+            log.info("handing the listening sockets of worker %d over to a new proxy (pid %d)", slot.index,
+                     slot.successor.proc.pid)
 
     def _readiness(self, fd: int) -> None:
-        worker = next(w for w in (self.current, self.successor) if w is not None and w.ready_fd == fd)
+        slot, worker = next((s, w) for s in self.slots for w in (s.current, s.successor)
+                            if w is not None and w.ready_fd == fd)
         got = os.read(fd, 1)
         os.close(fd)
         worker.ready_fd = -1
         worker.ready = bool(got)
-        if worker is self.current and worker.ready and self.orphan is not None:
+        if worker is slot.current and worker.ready and self.orphan is not None:
             self._retire_orphan(RETIRE_SIGNAL)
-        if worker is self.successor and worker.ready and self.current is not None:
-            old = self.current
+        if worker is slot.successor and worker.ready and slot.current is not None:
+            old = slot.current
             old.proc.send_signal(RETIRE_SIGNAL)  # it stops accepting and finishes its requests
-            self.retiring.append(old)
-            self.current, self.successor = worker, None
+            slot.retiring.append(old)
+            slot.current, slot.successor = worker, None
             log.info("proxy pid %d serves; pid %d finishes its requests and exits", worker.proc.pid, old.proc.pid)
 
-    def _reap(self) -> int | None:
-        """The keeper's exit status when the serving proxy ended by itself; None while it runs."""
-        for old in [w for w in self.retiring if w.proc.poll() is not None]:
-            self.retiring.remove(old)
+    def _reap(self, slot: Slot) -> int | None:
+        """The keeper's exit status when a slot's serving proxy ended before it ever served; None while it runs."""
+        for old in [w for w in slot.retiring if w.proc.poll() is not None]:
+            slot.retiring.remove(old)
+            self._forget(old)
             log.info("the previous proxy (pid %d) exited with %d", old.proc.pid, old.proc.returncode)
-        new = self.successor
+        new = slot.successor
         if new is not None and (new.proc.poll() is not None or time.monotonic() - new.started > self.handover_timeout_s):
             new.proc.kill()
             new.proc.wait()
             if new.ready_fd >= 0:
                 os.close(new.ready_fd)
-            self.successor = None
+            slot.successor = None
             log.error("the new proxy (pid %d) did not become ready (exit %s): the running one keeps serving",
                       new.proc.pid, new.proc.returncode)
-        assert self.current is not None
-        code = self.current.proc.poll()
+        assert slot.current is not None
+        code = slot.current.proc.poll()
         if code is None:
             return None
-        if self.current.ready:
-            self._replace_crashed(code)
+        if slot.current.ready:
+            self._forget(slot.current)
+            self._replace_crashed(slot, code)
             return None
-        log.error("the proxy (pid %d) exited with %d before it served", self.current.proc.pid, code)
-        for worker in (self.successor, *self.retiring):
-            if worker is not None:
-                worker.proc.terminate()
+        log.error("the proxy (pid %d) exited with %d before it served", slot.current.proc.pid, code)
+        for other in self.slots:
+            for worker in other.workers():
+                if worker is not slot.current:
+                    worker.proc.terminate()
         return code if code >= 0 else 128 - code
 
-    def _replace_crashed(self, code: int) -> None:
-        """The serving proxy exited on its own: a handover under way completes, else a new proxy takes over the
-        sockets (once its engines answer); the retiring proxies keep finishing their streams."""
-        assert self.current is not None
+    def _forget(self, worker: Worker) -> None:
+        """Remove the Unix socket a worker that ended left in the peers' folder (a killed one cannot)."""
+        if self.peers is not None:
+            for path in Path(self.peers).glob(f"g*-w*-{worker.proc.pid}.sock"):
+                path.unlink(missing_ok=True)
+
+    def _replace_crashed(self, slot: Slot, code: int) -> None:
+        """A serving proxy exited on its own: a handover under way completes, else a new proxy takes over the
+        slot's sockets (once its engines answer); the retiring proxies keep finishing their streams."""
+        assert slot.current is not None
         self.crashes += 1
-        crashed = self.current.proc.pid
-        if self.successor is not None:
-            self.current, self.successor = self.successor, None
+        crashed = slot.current.proc.pid
+        if slot.successor is not None:
+            slot.current, slot.successor = slot.successor, None
         else:
-            self.current = self.spawn(successor=True)
+            slot.current = self.spawn(slot, True, self.generation)
         log.error("the proxy (pid %d) exited with %d; pid %d takes over its listening sockets (%d crash(es) since "
-                  "the keeper started)", crashed, code, self.current.proc.pid, self.crashes)
+                  "the keeper started)", crashed, code, slot.current.proc.pid, self.crashes)
 
     def _retire_orphan(self, signum: int) -> None:
         """Tell the proxy the previous keeper left serving to finish and exit (RETIRE_SIGNAL once ours serves)."""
@@ -248,20 +327,26 @@ class Keeper:
         """SIGTERM where the manager stops the keeper with another signal: the manager restarts the keeper after
         it, so the serving proxy serves on and hands its sockets to the next keeper, as after a crash; a proxy
         that does not serve yet stops. 128 + SIGTERM, as the signal's own end would be."""
-        assert self.current is not None
-        for worker in (self.successor, None if self.current.ready else self.current):
+        if len(self.slots) > 1:  # several workers cannot be left serving yet: they stop, as on the stop signal
+            log.warning("SIGTERM, not the manager's stop signal (%s): the %d workers stop (a keeper's end is not "
+                        "survived with several workers yet)", self.stop_signal.name, len(self.slots))
+            self._stop_all()
+            return 128 + signal.SIGTERM
+        slot = self.slots[0]
+        assert slot.current is not None
+        for worker in (slot.successor, None if slot.current.ready else slot.current):
             if worker is not None:
                 worker.proc.kill()
                 worker.proc.wait()
-        if self.current.ready:
+        if slot.current.ready:
             log.warning("SIGTERM, not the manager's stop signal (%s): proxy pid %d serves on until the next keeper "
-                        "takes its sockets", self.stop_signal.name, self.current.proc.pid)
+                        "takes its sockets", self.stop_signal.name, slot.current.proc.pid)
         return 128 + signal.SIGTERM
 
     def _stop_all(self) -> int:
         if self.orphan is not None:
             self._retire_orphan(signal.SIGTERM)
-        workers = [w for w in (self.current, self.successor, *self.retiring) if w is not None]
+        workers = [w for slot in self.slots for w in slot.workers()]
         for worker in workers:
             if worker.proc.poll() is None:
                 worker.proc.terminate()
@@ -341,6 +426,21 @@ def store_in_systemd(sockets: list[socket.socket]) -> None:
         except OSError as exc:
             log.warning("cannot keep the listening sockets in systemd's store (%s): a keeper crash refuses "
                         "connections until the unit is back", exc)
+
+
+def forget_in_systemd() -> None:
+    """Remove the listening sockets from the unit's file descriptor store, where systemd runs the keeper with a
+    notify socket; elsewhere nothing."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    target = b"\0" + address[1:].encode() if address.startswith("@") else address.encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        try:
+            for name in SOCKET_NAMES:
+                notify.sendto(f"FDSTOREREMOVE=1\nFDNAME={name}".encode(), target)
+        except OSError as exc:
+            log.warning("cannot remove the listening sockets from systemd's store (%s)", exc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 from appliance.connector import get_connector
 from appliance.proxy import warmup
-from appliance.proxy.config import ProxyConfig, read_secret
+from appliance.proxy.columns import Columns
+from appliance.proxy.config import Backend, ProxyConfig, read_secret
 from appliance.proxy.health import LOG_EVERY_S, HealthChecker
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.kv_events import KvEventsListener
@@ -21,6 +24,16 @@ from appliance.proxy.route import Router
 from appliance.proxy.tenants import load_tenants
 
 log = logging.getLogger("appliance.proxy.state")
+
+
+class OtherWorkers(Protocol):
+    """The leader's view of the other worker processes (workers.Leader): what the admin API needs of them."""
+
+    async def share(self) -> None:
+        """Send them the control state; return once each has applied it."""
+
+    async def loads(self) -> list[dict[str, Any]]:
+        """Each one's legs and requests per instance, and its counters (workers.loads)."""
 
 
 class ProxyState:
@@ -71,7 +84,43 @@ class ProxyState:
         # each holds an engine connection its client no longer does and costs the prefill compute nobody reads
         self.kept: set[asyncio.Task[None]] = set()
         self.keep_cap = min(config.limits.max_kept_prefills, config.limits.max_connections)
-        self.registry.set_static(config.backends)
+        # the other worker processes, on the leader of several (workers.py); None: this process is the only one
+        self.others: OtherWorkers | None = None
+        self.backends: list[dict[str, Any]] = []  # the instance set as given, which the leader shares
+        self.columns: Columns | None = None  # the legs in flight the worker processes share (columns.py)
+        self.set_backends(config.backends)
+
+    def set_backends(self, backends: Iterable[Backend]) -> None:
+        """Replace the instance set (the plan at start, pdctl's admin call during a live rebalance)."""
+        backends = list(backends)
+        self.backends = [b.model_dump(mode="json") for b in backends]
+        self.registry.set_static(backends)
+        self.share_loads(self.columns)
+
+    def share_loads(self, columns: Columns | None) -> None:
+        """Count every instance's legs in the columns the worker processes share (None: none)."""
+        self.columns = columns
+        if columns is not None:
+            for inst in self.registry.instances.values():
+                if inst.column is None:
+                    inst.column = columns.column(inst.name)
+
+    def client_connections(self) -> int:
+        """Open client API connections of this process (app.Proxy has the sockets)."""
+        return 0
+
+    async def share(self) -> None:
+        """After a change of the control state: return once every worker process applies it."""
+        if self.others is not None:
+            await self.others.share()
+
+    async def routed_everywhere(self, name: str) -> int:
+        """Requests routed to instance `name` and not finished, in every worker process (what a drain waits for)."""
+        inst = self.registry.get(name)
+        routed = inst.routed if inst is not None else 0
+        if self.others is not None:
+            routed += sum(got["instances"].get(name, [0, 0])[1] for got in await self.others.loads())
+        return routed
 
     def _stood_in(self, inst: BackendState) -> None:
         self.metrics.panic_routes.labels(inst.role, inst.name).inc()

@@ -172,7 +172,11 @@ def test_a_proxy_port_another_process_took_is_named_by_status_and_up(tmp_path: P
     try:
         os.kill(supervisord, signal.SIGSTOP)  # it restarts the proxy only once the port is taken
         try:
-            os.kill(before["proxy"]["pid"], signal.SIGKILL)
+            # the keeper and the proxy it runs: a keeper killed alone leaves its proxy serving on the sockets for
+            # the next keeper (issue 35), so the port closes only once both are gone
+            keeper = psutil.Process(before["proxy"]["pid"])
+            for proc in [*keeper.children(recursive=True), keeper]:
+                proc.kill()
             # its listening socket closes as it exits (its connections may stay in TIME_WAIT, hence SO_REUSEADDR)
             wait_until(lambda: _bound(taker, port), timeout=30, what=f"the killed proxy's port {port} to close")
             taker.listen()

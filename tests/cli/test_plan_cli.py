@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from appliance.proxy.config import default_workers
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -231,3 +233,19 @@ def test_a_budget_below_max_num_seqs_is_refused_in_one_line_as_vllm_would() -> N
     assert "max_num_batched_tokens 200 is below max_num_seqs 256" in bad.stderr and "decode" in bad.stderr, bad.stderr
     assert pdctl("plan", env={**env, "PDCTL_DECODE__MAX_NUM_SEQS": "200"}).returncode == 0
     assert pdctl("plan", env={k: v for k, v in env.items() if k != "PDCTL_DECODE__MAX_NUM_SEQS"}).returncode == 0
+
+
+def test_the_proxy_runs_one_worker_unless_more_are_set() -> None:
+    """One process unless [proxy] workers says (more do not yet keep a keeper crash from refusing connections, nor
+    share probes, prefix estimates and conditional backlogs); the size to set is one per 4 cores, at most 8; a bad
+    setting is refused in one line."""
+    assert [default_workers(cores) for cores in (1, 2, 7, 8, 16, 33, 64, 256)] == [1, 1, 1, 2, 4, 8, 8, 8]
+    env = {"PDCTL_INVENTORY": "sim:mi300x-8"}
+    assert json.loads(pdctl("plan", "--json", env=env).stdout)["proxy"]["workers"] == 1
+    r = pdctl("plan", env={**env, "PDCTL_PROXY__WORKERS": "3"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(pdctl("plan", "--json", env={**env, "PDCTL_PROXY__WORKERS": "3"}).stdout)["proxy"]["workers"] == 3
+    assert any(line.startswith("proxy http://") and ", 3 workers" in line for line in r.stdout.splitlines()), r.stdout
+    bad = pdctl("plan", env={**env, "PDCTL_PROXY__WORKERS": "0"})
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert bad.returncode == 2 and len(lines) == 1 and "PDCTL_PROXY__WORKERS" in lines[0], bad.stderr

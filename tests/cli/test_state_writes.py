@@ -16,6 +16,7 @@ import pytest
 
 from appliance.ports import free_port
 from tests.support.pdctl import pdctl, status, write_config
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"),
                                 reason="needs root, unshare and nsenter (private mounts)")
@@ -45,10 +46,20 @@ def namespace() -> Iterator[tuple[str, ...]]:
     holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "600"])
     prefix = ("nsenter", "-t", str(holder.pid), "-m", "--")
     try:
+        # until it has exec'd sleep, the pid may still be unshare in this namespace: a mount entered through it
+        # then lands here, outside the copy the new namespace took (the CI run's FILL saw the host disk)
+        wait_until(lambda: _comm(holder.pid) == "sleep", timeout=30, what="the namespace's holder to start")
         yield prefix
     finally:
         holder.kill()
         holder.wait()
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _inside(prefix: tuple[str, ...], *argv: str) -> str:

@@ -84,7 +84,7 @@ class Load:
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             response = conn.getresponse()
             text = response.read().decode()
-        except OSError as exc:
+        except (OSError, http.client.HTTPException) as exc:  # a stream cut mid-body is IncompleteRead
             return f"request {n}/{k}: {exc!r}"
         finally:
             conn.close()

@@ -23,8 +23,9 @@ class LeastOutstanding(Policy):
         self._turn[role] = turn + 1
         count = len(candidates)
         best = candidates[turn % count]
+        least = best.load()
         for k in range(1, count):
             inst = candidates[(turn + k) % count]
-            if inst.in_flight < best.in_flight:
-                best = inst
+            if (load := inst.load()) < least:
+                best, least = inst, load
         return best

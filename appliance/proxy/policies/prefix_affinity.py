@@ -464,7 +464,8 @@ class PrefixAffinity(Policy):
         turn = self._turn.get(role, 0)
         self._turn[role] = turn + 1
         count = len(candidates)
-        least = min(inst.in_flight for inst in candidates)
+        loads = {inst: inst.load() for inst in candidates}
+        least = min(loads.values())
         bound = least + self.load_bound
         best, best_match = candidates[turn % count], -1
         picked, matches = self._matches
@@ -473,10 +474,10 @@ class PrefixAffinity(Policy):
             self._matches = (request, matches)
         for k in range(count):
             inst = candidates[(turn + k) % count]
-            if inst.in_flight > bound:
+            if loads[inst] > bound:
                 continue
             match = matches[inst] = self._cached(inst, request) if prompt.chains else 0
-            if match > best_match or (match == best_match and inst.in_flight < best.in_flight):
+            if match > best_match or (match == best_match and loads[inst] < loads[best]):
                 best, best_match = inst, match
         return best
 

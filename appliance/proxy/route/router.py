@@ -150,7 +150,7 @@ class Router:
         if window is not None:
             window.add(now, tokens)
         if backlog is not None:
-            backlog.add(now, tokens, drained_per_s(self.rules, decode.in_flight))
+            backlog.add(now, tokens, drained_per_s(self.rules, decode.load()))
 
     def routable(self, inst: BackendState) -> bool:
         """Healthy, not draining or in a planned stop, and running the proxy's transfer mode (where known)."""
@@ -232,7 +232,7 @@ class Router:
             batch=handoff is not None and handoff.one_request and requests > 1,
             handoff_possible=possible,
             prefill_legs=prefill_legs,
-            decode_legs=decode.in_flight,
+            decode_legs=decode.load(),
             recent_tokens=recent_tokens,
             engine_requests=requests,
             backlog_tokens=backlog_tokens,
@@ -247,7 +247,7 @@ class Router:
             # the least loaded decode counts (any serves the model's tokenizer); not the policy's pick, which
             # would take the request's turn (round robin) before the pass
             decodes = self.candidates("decode")
-            counter = min(decodes, key=lambda inst: inst.in_flight) if decodes else self.stand_in("decode")
+            counter = min(decodes, key=lambda inst: inst.load()) if decodes else self.stand_in("decode")
             counted = Counted(await count(counter) if counter is not None else None)
         return self.route(request, counted)
 
@@ -273,15 +273,15 @@ class Router:
             missing = (("prefill", bool(prefills or stand_in)), ("decode", decode is not None))
             raise Unroutable(tuple(role for role, found in missing if not found))
         if len(prefills) == 1:
-            prefill_legs = prefills[0].in_flight
+            prefill_legs = prefills[0].load()
         else:
-            prefill_legs = min(i.in_flight for i in prefills) if prefills else cast(BackendState, stand_in).in_flight
+            prefill_legs = min(i.load() for i in prefills) if prefills else cast(BackendState, stand_in).load()
         recent = queued = 0
         now = 0.0
         if self.rules.decode_only_below:  # else no rule reads the decode's window or backlog
             window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
             recent = window.recent(now, self.rules.window_s) if window else 0
-            queued = backlog.level(now, drained_per_s(self.rules, decode.in_flight)) if backlog else 0
+            queued = backlog.level(now, drained_per_s(self.rules, decode.load())) if backlog else 0
         sided = self.side(mode)
         facts = self.facts(sided, request, prefill_legs, decode, recent, queued, counted)
         name, reason = decide(facts, self.rules)

@@ -1,0 +1,271 @@
+"""Several proxy worker processes (docs/proxy-workers.md): worker 0, the leader, holds the control state (mode,
+backends, drains, holds, planned stops) that the admin API changes, and shares it with the other workers of its
+generation (the processes the keeper started together) as a snapshot over each one's Unix socket: at once on each
+change, before the admin call answers, and every SYNC_INTERVAL_S (a worker that has just started gets it then).
+Each worker answers for its own loads, which the leader sums for a drain and for `pdctl status`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Metric, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from pydantic import TypeAdapter
+
+from appliance.proxy.config import Backend
+from appliance.proxy.state import ProxyState
+
+log = logging.getLogger("appliance.proxy.workers")
+
+SYNC_INTERVAL_S = 0.5  # the leader's snapshot to every worker, besides the one on each change
+_PEER_TIMEOUT_S = 2.0  # one call to a worker's Unix socket; a worker that does not answer in time is skipped
+_BACKENDS = TypeAdapter(list[Backend])
+
+
+@dataclass(frozen=True)
+class WorkerRole:
+    """Which worker this process is: its index (0: the leader), its generation and its peers' folder."""
+
+    index: int
+    peers: Path
+    generation: int
+
+    @property
+    def leader(self) -> bool:
+        """Worker 0 serves the admin API, probes registrations and KV events, and shares the control state."""
+        return self.index == 0
+
+    def socket_path(self) -> Path:
+        """This worker's Unix socket, where the leader sends it snapshots and asks for its loads."""
+        return self.peers / f"g{self.generation}-w{self.index}-{os.getpid()}.sock"
+
+    def others(self) -> list[Path]:
+        """The other workers' sockets of this generation (a retiring worker removes its own first)."""
+        mine = self.socket_path()
+        return sorted(p for p in self.peers.glob(f"g{self.generation}-w*-*.sock") if p != mine)
+
+
+def snapshot(proxy: ProxyState) -> dict[str, Any]:
+    """The control state the leader decides, as the other workers apply it (apply())."""
+    now = time.monotonic()
+    return {
+        "mode": proxy.mode,
+        "backends": proxy.backends,
+        "draining": sorted(i.name for i in proxy.registry.instances.values() if i.draining),
+        "hold": {"wait_s": proxy.hold_wait_s, "left_s": max(proxy.hold_until - now, 0.0)},
+        "planned": {name: {"hold_s": stop.hold_s, "left_s": max(stop.until - now, 0.0)}
+                    for name, stop in proxy.planned.active.items()},
+    }
+
+
+async def apply(proxy: ProxyState, snap: dict[str, Any], previous: dict[str, Any] | None) -> None:
+    """Take the leader's snapshot; idempotent. A planned stop begins when it is new since `previous` and ends
+    when the leader's has ended: this worker's own probes may end it sooner (it saw the instance come back)."""
+    now = time.monotonic()
+    proxy.mode = snap["mode"]
+    if snap["backends"] != proxy.backends:
+        proxy.set_backends(_BACKENDS.validate_python(snap["backends"]))
+        await proxy.registry.close_retired()
+    draining = set(snap["draining"])
+    for inst in proxy.registry.instances.values():
+        inst.draining = inst.name in draining
+    hold = snap["hold"]
+    proxy.hold_wait_s = hold["wait_s"]
+    proxy.hold_until = now + hold["left_s"] if hold["wait_s"] > 0 else 0.0
+    before = previous["planned"] if previous is not None else {}
+    for name, stop in snap["planned"].items():
+        stopped = proxy.registry.get(name)
+        if stopped is not None and name not in before:
+            proxy.planned.begin(stopped, stop["hold_s"], stop["left_s"])
+    for name in set(before) - set(snap["planned"]):
+        if name in proxy.planned.active:
+            proxy.planned.end(name, "ended by the leader")
+
+
+def loads(proxy: ProxyState, index: int) -> dict[str, Any]:
+    """This worker's loads and counters, which the leader adds to its own (drains, `pdctl status`)."""
+    metrics = proxy.metrics
+    return {
+        "worker": index,
+        "pid": os.getpid(),
+        "connections": proxy.client_connections(),
+        "ready": proxy.ready()[0],
+        "instances": {i.name: [i.in_flight, i.routed] for i in proxy.registry.instances.values()},
+        "requests": metrics.request_totals(),
+        "held_requests": metrics.held_requests,
+        "proxy_crashes": metrics.proxy_crash_count,
+        "max_hold_s": metrics.max_hold_s,
+    }
+
+
+# gauges that count work in flight: the node's figure is the workers' sum; any other gauge (health, a loop's
+# longest pause, crashes the keeper counted) is each worker's view of one thing: the node's is the largest
+_SUMMED_GAUGES = frozenset({"pdctl_proxy_in_flight_requests"})
+
+
+def merge_metrics(texts: list[str]) -> bytes:
+    """Several workers' /metrics as the node's: counters and histograms added up, gauges as _SUMMED_GAUGES says,
+    each `_created` the earliest."""
+    families: dict[str, Metric] = {}
+    values: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            for sample in family.samples:
+                key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
+                if key not in values:
+                    values[key] = sample.value
+                    merged.samples.append(sample)
+                elif sample.name.endswith("_created"):
+                    values[key] = min(values[key], sample.value)
+                elif family.type != "gauge" or family.name in _SUMMED_GAUGES:
+                    values[key] += sample.value
+                else:
+                    values[key] = max(values[key], sample.value)
+    for merged in families.values():
+        merged.samples = [sample._replace(value=values[(merged.name, sample.name, tuple(sorted(sample.labels.items())))])
+                          for sample in merged.samples]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Fixed(Collector):
+    """Metric families given once (merge_metrics)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        """The families as given."""
+        yield from self.families
+
+
+async def peer_call(path: Path, method: str, route: str, body: Any = None, text: bool = False) -> Any:
+    """One call to a worker's socket; None when it is gone or does not answer in time (it is being replaced)."""
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)),
+                                         timeout=aiohttp.ClientTimeout(total=_PEER_TIMEOUT_S)) as session, \
+                session.request(method, f"http://worker{route}", json=body) as resp:
+            if resp.status != 200:
+                log.warning("worker socket %s answered %d to %s", path.name, resp.status, route)
+                return None
+            return await resp.text() if text else await resp.json()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return None
+
+
+async def node_metrics(proxy: ProxyState, role: WorkerRole) -> bytes:
+    """This worker's /metrics with every other worker's of its generation added (merge_metrics)."""
+    got = await asyncio.gather(*(peer_call(p, "GET", "/worker/metrics", text=True) for p in role.others()))
+    texts = [proxy.metrics.render().decode(), *(g for g in got if g is not None)]
+    # parsing is tens of milliseconds for a node's families: in a thread, the interpreter switches back to the
+    # loop every few milliseconds instead of the relayed streams waiting for all of it
+    return await asyncio.to_thread(merge_metrics, texts)
+
+
+class WorkerSocket:
+    """A worker's Unix socket, where the others find it by its name: every worker answers its /metrics there."""
+
+    def __init__(self, proxy: ProxyState, role: WorkerRole) -> None:
+        self.proxy = proxy
+        self.role = role
+        self._runner: web.AppRunner | None = None
+
+    def routes(self, app: web.Application) -> None:
+        """The calls this worker answers."""
+        app.router.add_get("/worker/metrics", self._metrics)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.proxy.metrics.render(), content_type="text/plain")
+
+    async def serve(self) -> None:
+        """Serve the socket."""
+        app = web.Application()
+        self.routes(app)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.UnixSite(self._runner, str(self.role.socket_path())).start()
+
+    async def close(self) -> None:
+        """Leave the others' view (a retiring worker serves out its streams without new control state)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.role.socket_path().unlink()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+class Follower(WorkerSocket):
+    """A worker other than the leader: applies the leader's snapshots and answers for its loads, on its Unix
+    socket."""
+
+    def __init__(self, proxy: ProxyState, role: WorkerRole) -> None:
+        super().__init__(proxy, role)
+        self.synced = asyncio.Event()  # the first snapshot arrived (a replacement serves only after it)
+        self._last: dict[str, Any] | None = None
+
+    def routes(self, app: web.Application) -> None:
+        """The leader's calls, besides /worker/metrics."""
+        super().routes(app)
+        app.router.add_post("/worker/snapshot", self._snapshot)
+        app.router.add_get("/worker/loads", self._loads)
+
+    async def _snapshot(self, request: web.Request) -> web.Response:
+        snap = await request.json()
+        await apply(self.proxy, snap, self._last)
+        self._last = snap
+        self.synced.set()
+        return web.json_response({"applied": True})
+
+    async def _loads(self, _request: web.Request) -> web.Response:
+        return web.json_response(loads(self.proxy, self.role.index))
+
+
+class Leader(WorkerSocket):
+    """Worker 0's side: sends the control state to the other workers and gathers their loads."""
+
+    def __init__(self, proxy: ProxyState, role: WorkerRole) -> None:
+        super().__init__(proxy, role)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Send the snapshot every SYNC_INTERVAL_S (a worker that has just started gets it within that)."""
+        self._task = asyncio.create_task(self._sync(), name="worker-sync")
+
+    async def _sync(self) -> None:
+        while True:
+            await self.share()
+            await asyncio.sleep(SYNC_INTERVAL_S)
+
+    async def share(self) -> None:
+        """Send the control state to every other worker and wait for each to have applied it."""
+        snap = snapshot(self.proxy)
+        await asyncio.gather(*(peer_call(p, "POST", "/worker/snapshot", snap) for p in self.followers()))
+
+    async def loads(self) -> list[dict[str, Any]]:
+        """Every other worker's loads (those that answer)."""
+        got = await asyncio.gather(*(peer_call(p, "GET", "/worker/loads") for p in self.followers()))
+        return [g for g in got if g is not None]
+
+    def followers(self) -> list[Path]:
+        """The other workers' sockets."""
+        return self.role.others()
+
+    async def close(self) -> None:
+        """Stop sending snapshots and leave the others' view."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await super().close()

@@ -1,0 +1,288 @@
+"""Several proxy worker processes (issue 38, docs/proxy-workers.md): the real keeper with `workers = 2` in front of
+simulated engines, on real sockets. A test places a request on a chosen worker by opening connections until the
+kernel hands one to that worker (the admin state counts each worker's open connections)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from appliance.proxy.keeper import handback_address
+from tests.rebalance.load import Load
+from tests.reliability.node import MODEL, Node
+from tests.reliability.test_attacks import http, no_traceback
+from tests.reliability.test_proxy_hardening import wait_for
+
+STREAM = {"model": MODEL, "prompt": "hello", "max_tokens": 100, "ignore_eos": True, "stream": True}  # 2 s
+
+
+@contextlib.contextmanager
+def workers_node(workdir: Path, engines: int = 1, workers: int = 2) -> Iterator[Node]:
+    """`engines` role=both simulated engines (20 ms a token) behind the keeper running `workers` proxy workers."""
+    node = Node(workdir)
+    try:
+        backends = [{"name": f"both-{i}", "role": "both", "url": node.engine(
+            f"both-{i}", "both", "none", "--max-model-len", "256", "--decode-step-ms", "20")} for i in range(engines)]
+        proc = node.proxy("none", backends, module="appliance.proxy.keeper", workers=workers)
+        node.wait_http(proc, node.proxy_url + "/health")
+        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True] * workers,
+                 f"{workers} workers ready")
+        yield node
+    finally:
+        node.stop()
+
+
+def state(node: Node) -> dict[str, Any]:
+    """The leader's /admin/state (every worker's loads and counters added)."""
+    status, _, body = http(node.admin_port, "GET", "/admin/state")
+    assert status == 200, body[:300]
+    return dict(json.loads(body))
+
+
+def connections(node: Node) -> list[int]:
+    """Each worker's open client connections."""
+    return [int(w["connections"]) for w in state(node)["workers"]]
+
+
+def connect_to(node: Node, worker: int) -> socket.socket:
+    """A client connection that worker `worker` accepted (the kernel spreads them by their ports' hash)."""
+    tried: list[socket.socket] = []
+    try:
+        for _ in range(64):
+            before = connections(node)
+            sock = socket.create_connection(("127.0.0.1", node.proxy_port), timeout=30)
+            wait_for(lambda b=before: sum(connections(node)) > sum(b), "the connection accepted")
+            after = connections(node)
+            if after[worker] > before[worker]:
+                return sock
+            tried.append(sock)  # kept open meanwhile, so the next try gets another port
+        raise AssertionError(f"64 connections and none to worker {worker}")
+    finally:
+        for other in tried:
+            other.close()
+
+
+def request_on(sock: socket.socket, body: dict[str, Any]) -> dict[str, Any]:
+    """Send one completion request on `sock` in a thread; the returned dict gets its answer's bytes under
+    "raw" once the proxy closes the connection."""
+    result: dict[str, Any] = {}
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+
+    def run() -> None:
+        with sock:
+            sock.sendall(head + data)
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+            result["raw"] = b"".join(chunks)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    result["thread"] = thread
+    return result
+
+
+def answer(sent: dict[str, Any], timeout: float = 30.0) -> bytes:
+    """The whole answer of a request_on()."""
+    sent["thread"].join(timeout)
+    assert "raw" in sent, "no answer in time"
+    return bytes(sent["raw"])
+
+
+def in_flight(node: Node) -> dict[str, int]:
+    """Legs in flight per instance, every worker's."""
+    return {i["name"]: int(i["in_flight"]) for i in state(node)["instances"]}
+
+
+def test_requests_spread_over_the_workers_and_the_admin_state_adds_them_up(tmp_path: Path) -> None:
+    with workers_node(tmp_path) as node:
+        for _ in range(40):
+            status, _, body = http(node.proxy_port, "POST", "/v1/completions",
+                                   {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert status == 200, body[:300]
+        view = state(node)
+        served = [w["requests"] for w in view["workers"]]
+        print(f"40 requests on new connections, by worker: {served}")
+        assert all(n > 0 for n in served), served
+        assert sum(served) == 40 and view["requests"]["total"] == 40 and view["requests"]["by_status"] == {"200": 40}
+        assert len({w["pid"] for w in view["workers"]}) == 2
+        no_traceback(node)
+
+
+def test_least_outstanding_counts_the_legs_of_the_other_worker(tmp_path: Path) -> None:
+    """A stream on worker 0, then one on worker 1: each worker alone sees both engines idle and picks its first,
+    so both streams went to both-0 before the workers shared their loads; now the second goes to both-1."""
+    with workers_node(tmp_path, engines=2) as node:
+        first = request_on(connect_to(node, 0), STREAM)
+        wait_for(lambda: sum(in_flight(node).values()) == 1, "the first stream running")
+        second = request_on(connect_to(node, 1), STREAM)
+        wait_for(lambda: sum(in_flight(node).values()) == 2, "the second stream running")
+        assert in_flight(node) == {"both-0": 1, "both-1": 1}
+        for sent in (first, second):
+            raw = answer(sent)
+            assert raw.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in raw, raw[-300:]
+
+
+def test_a_drain_waits_for_the_other_workers_request_and_a_hold_holds_every_worker(tmp_path: Path) -> None:
+    """A drain through the leader's admin API waits for a stream that worker 1 runs (before: the leader's own
+    count alone, 0, and it answered at once); a hold set there makes both workers' requests wait, and the admin
+    state counts both."""
+    with workers_node(tmp_path) as node:
+        stream = request_on(connect_to(node, 1), STREAM)
+        wait_for(lambda: sum(in_flight(node).values()) == 1, "the stream running on worker 1")
+        status, _, body = http(node.admin_port, "POST", "/admin/drain", {"instance": "both-0", "timeout_s": 20},
+                               timeout=30)
+        drained = json.loads(body)
+        assert status == 200 and drained["drained"] is True and drained["waited_s"] >= 0.5, drained
+        raw = answer(stream)
+        assert raw.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in raw, raw[-300:]
+
+        status, _, _ = http(node.admin_port, "POST", "/admin/hold", {"wait_s": 20, "expires_in_s": 60})
+        assert status == 200
+        held = [request_on(connect_to(node, w), {"model": MODEL, "prompt": "hi", "max_tokens": 2}) for w in (0, 1)]
+        time.sleep(0.5)
+        assert not any("raw" in h for h in held), "a request did not wait for the drained instance"
+        status, _, _ = http(node.admin_port, "POST", "/admin/undrain", {"instance": "both-0"})
+        assert status == 200
+        for h in held:
+            raw = answer(h)
+            assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+        view = state(node)
+        assert view["holds"]["requests"] == 2, view["holds"]
+        assert view["requests"]["by_status"] == {"200": 3}, view["requests"]
+
+
+def test_a_planned_restart_of_two_workers_loses_nothing(tmp_path: Path) -> None:
+    """16 streams in flight and a steady request stream while the keeper hands both workers' sockets to new
+    workers (SIGHUP): nothing is refused, failed or cut; every old worker finishes its streams and exits."""
+    with workers_node(tmp_path) as node:
+        keeper = next(p for p in node.procs if p.name == "proxy")
+        old = {w["pid"] for w in state(node)["workers"]}
+        load = Load(node.proxy_url, threads=3, max_tokens=8).start()
+        try:
+            streams = [request_on(socket.create_connection(("127.0.0.1", node.proxy_port), timeout=30), STREAM)
+                       for _ in range(16)]
+            wait_for(lambda: sum(in_flight(node).values()) >= 16, "16 streams in flight")
+            assert all(w["connections"] > 0 for w in state(node)["workers"])  # both workers serve streams
+            keeper.popen.send_signal(signal.SIGHUP)
+            wait_for(lambda: not old & {w["pid"] for w in state(node)["workers"]}, "the new workers answering")
+            answers = [answer(s, 60) for s in streams]
+            wait_for(lambda: not any(psutil.pid_exists(pid) for pid in old), "the old workers exiting")
+            sent_during = load.ok
+            wait_for(lambda: load.ok >= sent_during + 3, "requests served by the new workers")
+        finally:
+            load.stop()
+        for raw in answers:
+            assert raw.startswith(b"HTTP/1.1 200") and raw.count(b"data: ") == 101, raw[-300:]
+            assert b"data: [DONE]" in raw and b'"error"' not in raw
+        print(f"planned restart of 2 workers: 16 streams in flight, {load.ok + len(load.failures)} requests sent, "
+              f"{len(load.failures)} failed")
+        assert load.failures == [], load.failures[:5]
+        assert keeper.alive and len(state(node)["workers"]) == 2
+        no_traceback(node)
+
+
+def test_a_killed_worker_is_replaced_and_the_other_keeps_serving(tmp_path: Path) -> None:
+    """SIGKILL of worker 1 under load: the keeper starts another on its socket (its queued connections wait for
+    it), worker 0 serves on; only the requests the killed worker was serving fail, each a dropped connection or
+    a stream cut mid-body."""
+    with workers_node(tmp_path) as node:
+        keeper = next(p for p in node.procs if p.name == "proxy")
+        leader, killed = (w["pid"] for w in state(node)["workers"])
+        load = Load(node.proxy_url, threads=3, max_tokens=8).start()
+        try:
+            wait_for(lambda: load.ok >= 10, "requests served")
+            os.kill(killed, signal.SIGKILL)
+            wait_for(lambda: [w["pid"] for w in state(node)["workers"]][1:] not in ([], [killed]),
+                     "a new worker 1 answering the leader")
+            sent = load.ok
+            wait_for(lambda: load.ok >= sent + 10, "requests served after the crash")
+        finally:
+            load.stop()
+        print(f"worker 1 SIGKILLed: {load.ok + len(load.failures)} requests sent, {len(load.failures)} failed")
+        held_by_the_killed = ("RemoteDisconnected", "ConnectionResetError", "IncompleteRead", "broken stream")
+        assert len(load.failures) <= load.threads, load.failures
+        assert all(any(k in f for k in held_by_the_killed) for f in load.failures), load.failures
+        view = state(node)
+        assert keeper.alive and view["pid"] == leader and view["holds"]["proxy_crashes"] == 1
+        raw = answer(request_on(connect_to(node, 1), {"model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+
+
+def test_metrics_add_up_every_workers_counters(tmp_path: Path) -> None:
+    """/metrics, whichever worker answers it, counts every worker's requests (before: the answering worker's)."""
+    with workers_node(tmp_path) as node:
+        for _ in range(20):
+            status, _, _ = http(node.proxy_port, "POST", "/v1/completions",
+                                {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert status == 200
+        assert all(w["requests"] > 0 for w in state(node)["workers"])
+        for worker in (0, 1):
+            raw = answer(request_on_get(connect_to(node, worker), "/metrics"))
+            text = raw.partition(b"\r\n\r\n")[2].decode()
+            served = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("pdctl_proxy_requests_total{"))
+            assert served == 20, (worker, [line for line in text.splitlines() if "requests_total" in line])
+            assert text.count("# TYPE pdctl_proxy_requests_total counter") == 1
+
+
+def request_on_get(sock: socket.socket, path: str) -> dict[str, Any]:
+    """A GET of `path` on `sock` in a thread (request_on's answer)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        with sock:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+            result["raw"] = b"".join(chunks)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    result["thread"] = thread
+    return result
+
+
+def test_a_killed_keeper_of_two_workers_ends_them_and_a_new_keeper_serves_on_new_sockets(tmp_path: Path) -> None:
+    """SIGKILL of the keeper of 2 workers: each worker finishes and exits (a keeper crash is not survived with
+    several workers yet, docs/proxy-workers.md), none offers its sockets for a handback, and the next keeper of the
+    same config binds the port again and serves with 2 workers."""
+    with workers_node(tmp_path) as node:
+        keeper = next(p for p in node.procs if p.name == "proxy")
+        pids = [int(w["pid"]) for w in state(node)["workers"]]
+        assert len(pids) == 2
+        os.kill(keeper.popen.pid, signal.SIGKILL)
+
+        def gone(pid: int) -> bool:
+            try:
+                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_for(lambda: all(gone(pid) for pid in pids), "both workers ended with their keeper")
+        offer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with offer, pytest.raises(OSError):
+            offer.connect(handback_address(str(tmp_path / "proxy.json")))
+        again = node.start("proxy-again", [sys.executable, "-m", "appliance.proxy.keeper", "--config",
+                                           str(tmp_path / "proxy.json"), "--log-level", "warning"])
+        node.wait_http(again, node.proxy_url + "/health")
+        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True, True], "2 new workers ready")
+        assert not {int(w["pid"]) for w in state(node)["workers"]} & set(pids)
+        status, _, body = http(node.proxy_port, "POST", "/v1/completions",
+                               {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert status == 200, body[:300]
