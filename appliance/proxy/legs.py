@@ -14,7 +14,7 @@ from aiohttp import HttpVersion11, web
 
 from appliance.connector import HandoffError, ProxySide
 from appliance.proxy.continuation import CONTINUE_PATH, Tracker, continuation_body, plan
-from appliance.proxy.instances import BackendState, Booking
+from appliance.proxy.instances import BackendState, Booking, Lease
 from appliance.proxy.policies import RequestFacts
 from appliance.proxy.prompts import tokenize_request
 from appliance.proxy.route import Refused, Route, Unroutable
@@ -34,6 +34,8 @@ ROUTE: web.RequestKey[str] = web.RequestKey("pdctl_route", str)
 CONTINUE: web.RequestKey[Tracker] = web.RequestKey("pdctl_continue", Tracker)
 # the engines' headers of a request (their key), for the legs of a continuation
 HEADERS: web.RequestKey[list[tuple[str, str]]] = web.RequestKey("pdctl_headers", list)
+# the route a request was served on (its bookings), which a stream cut and continued elsewhere lets go of
+BOOKED: web.RequestKey[Route] = web.RequestKey("pdctl_booked", Route)
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -351,7 +353,7 @@ async def run_decode(
     """The decode (or colocated) leg: answers the client, streaming or not. `unsent` is called when the leg
     is cancelled (client gone) before it was sent to the engine."""
     stream = body.get("stream") is True
-    with inst.lease(rank):
+    with inst.lease(rank) as lease:
         conn: Connection | None = None
         try:
             if rank is not None:
@@ -365,7 +367,7 @@ async def run_decode(
             whole = await _first_answer(proxy, inst, conn, stream, supervisor)
             if whole is not None:
                 return whole
-            return await _relay_stream(proxy, request, inst, conn, started, supervisor)
+            return await _relay_stream(proxy, request, inst, conn, started, supervisor, lease)
         except asyncio.CancelledError:
             if conn is not None:
                 conn.abort()
@@ -419,9 +421,10 @@ async def _relay_stream(
     conn: Connection,
     started: float,
     supervisor: asyncio.Task[Any] | None,
+    lease: Lease,
 ) -> web.StreamResponse:
     """Relay the engine's stream to the client until it ends; a failure mid-stream continues it on another leg
-    where it can be (continuation.py), and ends it with an error event where not."""
+    where it can be (continuation.py), and ends it with an error event where not. `lease`: the first leg's."""
     assert conn.done_fut is not None
     response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     # HTTP/1.0 has no chunked encoding: its stream goes out unframed and ends when the connection closes, also
@@ -441,6 +444,9 @@ async def _relay_stream(
     if tracker is not None and tracker.why is not None:
         tracker = None  # relayed as it comes; a cut ends it (counted by why)
     first = conn
+    # what the leg streaming now holds: its lease and its route's bookings, let go of when it is cut and continued
+    booked = request.get(BOOKED)
+    held: list[Lease | Booking] = [lease, *(booked.bookings if booked is not None else ())]
     proxy.metrics.ttft.observe(time.monotonic() - started)
     with contextlib.ExitStack() as legs:  # a continuation's route, lease and prefill
         try:
@@ -463,7 +469,8 @@ async def _relay_stream(
                     why = "off" if request.get(CONTINUE) is None else (request[CONTINUE].why or "")
                     if tracker is not None:
                         _count_cut(proxy, inst, error)
-                        nxt = await _continue(proxy, request, tracker, inst, legs)
+                        held = _let_go(held, inst, supervisor is not None and not supervisor.done())
+                        nxt = await _continue(proxy, request, tracker, inst, legs, held)
                         if not isinstance(nxt, str):
                             proxy.metrics.continuations.labels("continued", getattr(error, "reason", "stream")).inc()
                             inst, conn, supervisor = nxt
@@ -501,10 +508,27 @@ def _supervise(relay: Relay, supervisor: asyncio.Task[Any] | None) -> None:
 FAILED_CONTINUATION_LEGS = 3
 
 
+def _let_go(held: list[Lease | Booking], cut: BackendState, prefilling: bool) -> list[Lease | Booking]:
+    """End what a cut leg held (its lease, its route's bookings): the stream's continuation is routed anew and never
+    connects to them again, so a drain of the cut instance (its manager's stop, which a restart waits for) does not
+    wait for a stream held until an instance of the role is back (the crash bench's systemd decode: its ExecStopPost
+    waited drain_timeout_s, 30 s, for the held streams before the engine could restart). A booking of an instance
+    other than `cut` is kept while a supervising prefill leg may still run there (`prefilling`). What is kept."""
+    kept: list[Lease | Booking] = []
+    for hold in held:
+        if prefilling and isinstance(hold, Booking) and hold.inst is not cut:
+            kept.append(hold)
+        else:
+            hold.end()
+    return kept
+
+
 async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, dead: BackendState,
-                    legs: contextlib.ExitStack) -> tuple[BackendState, Connection, asyncio.Task[Any] | None] | str:
+                    legs: contextlib.ExitStack, held: list[Lease | Booking],
+                    ) -> tuple[BackendState, Connection, asyncio.Task[Any] | None] | str:
     """Open a leg that continues `tracker`'s stream, cut on `dead`, on a new route (waiting for its role within
-    the hold bound): its instance, connection (its first token come) and supervising prefill; or why not."""
+    the hold bound): its instance, connection (its first token come) and supervising prefill; or why not. The
+    leg's lease and route's bookings are added to `held`."""
     limit = proxy.config.max_continuations
     failed = 0  # legs that failed before their first token: not continuations, but bounded all the same
     while (why := tracker.why_not(limit)) is None:
@@ -524,12 +548,14 @@ async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, d
         except Refused:
             return "refused"
         legs.enter_context(route)
+        held.extend(route.bookings)
         proxy.metrics.routes.labels(route.name, route.reason).inc()
         try:
-            return await _continuation_leg(proxy, request, tracker, route, body, legs)
+            return await _continuation_leg(proxy, request, tracker, route, body, legs, held)
         except (LegFailure, HandoffError) as exc:
             log.warning("could not continue a stream on %s: %s", route.header(), exc)
             dead = route.decode
+            held[:] = _let_go(held, dead, route.prefill is not None)
             # it relayed nothing: the next try is still this cut's continuation (an instance that failed it, e.g.
             # one its manager is stopping, is probed out of rotation first), not one of max_continuations
             tracker.continued -= 1
@@ -538,7 +564,7 @@ async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, d
 
 
 async def _continuation_leg(proxy: ProxyState, request: web.Request, tracker: Tracker, route: Route,
-                            body: dict[str, Any], legs: contextlib.ExitStack,
+                            body: dict[str, Any], legs: contextlib.ExitStack, held: list[Lease | Booking],
                             ) -> tuple[BackendState, Connection, asyncio.Task[Any] | None]:
     """The legs of one continuation on `route`, up to its first token; raises LegFailure where they failed."""
     side = route.side
@@ -565,7 +591,7 @@ async def _continuation_leg(proxy: ProxyState, request: web.Request, tracker: Tr
             task.add_done_callback(_retrieve)
             legs.callback(task.cancel)
             supervisor = task
-    legs.enter_context(inst.lease(rank))
+    held.append(legs.enter_context(inst.lease(rank)))
     if rank is not None:
         headers.append(("X-data-parallel-rank", str(rank)))
     payload = json.dumps(leg, separators=(",", ":")).encode()
@@ -730,6 +756,7 @@ async def _serve(proxy: ProxyState, request: web.Request, path: str, body: dict[
     with route:
         proxy.metrics.routes.labels(route.name, route.reason).inc()
         request[ROUTE] = route.header()
+        request[BOOKED] = route
         # the client's X-Request-Id reaches the leg that answers it (vLLM's answer id is cmpl-<X-Request-Id>)
         client_id = request.headers.get("X-Request-Id") or None
         if route.prefill is not None:

@@ -346,3 +346,42 @@ def test_a_continuation_leg_that_fails_before_its_first_token_is_not_one_of_max_
                 assert _count(px, "continued", "reset") == 1 and _count(px, "ended", "limit") == 0
 
     asyncio.run(scenario())
+
+
+def test_a_stream_held_for_its_continuation_does_not_keep_its_dead_engine_from_draining() -> None:
+    """both-0, the only instance, dies after 5 tokens: the stream waits for an instance to continue on (the crash's
+    grace, then its planned stop's hold). Its manager's report of the stop (systemd's ExecStopPost: /admin/stopping,
+    which waits for the instance's requests) finds none left on both-0: the cut stream lets go of its booking and
+    lease there. It held them until drain_timeout_s ran out, and systemd restarts an engine only after its
+    ExecStopPost: the crash bench's systemd KILL-decode recovered in 38 s, not 10. The engine started again on its
+    port takes the continuation, and the client gets its whole stream."""
+    body = {"model": MODEL, "prompt": "tell me", "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+
+    async def scenario() -> None:
+        with sims(5) as (urls, procs):
+            config = proxy_config("none", [{"name": "both-0", "role": "both", "url": urls[0]}],
+                                  routing="least_outstanding", health={"probe_interval_s": 0.2, "crash_grace_s": 20})
+            async with running_proxy(config) as px:
+                stream = asyncio.ensure_future(post(local(px.api_port), "/v1/completions", body))
+                assert await asyncio.to_thread(procs[0].wait, 10) == 1  # both-0 served it and died
+                stop = {"instance": "both-0", "hold_s": 60, "drain_timeout_s": 5, "expires_in_s": 60, "crashed": True}
+                status, raw, _ = await post(local(px.admin_port), "/admin/stopping", stop)
+                answer = json.loads(raw)
+                assert status == 200 and answer["drained"] and answer["in_flight"] == 0 and answer["holding"], answer
+                inst = px.registry.get("both-0")
+                assert inst.routed == 0 and inst.in_flight == 0 and not stream.done()
+                port = urls[0].rsplit(":", 1)[1]
+                again = subprocess.Popen([sys.executable, "-m", "appliance.engine.sim", "--port", port, "--model",
+                                          MODEL, "--decode-step-ms", "20", "--log-level", "error"],
+                                         stdout=subprocess.DEVNULL)
+                try:
+                    status, raw, _ = await asyncio.wait_for(stream, 60)
+                finally:
+                    again.terminate()
+                    again.wait(timeout=30)
+                events, done = _stream(raw)
+                assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
+                assert len([e for e in events if e["choices"]]) == TOKENS
+                assert _count(px, "continued", "reset") == 1
+
+    asyncio.run(scenario())
