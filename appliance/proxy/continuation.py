@@ -23,6 +23,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from appliance.proxy.upstream import Unchunked
+
 CONTINUE_PATH = "/v1/completions"
 
 # What a continuation keeps of the client's body: sampling and limits that mean the same on a prompt of token ids.
@@ -118,10 +120,8 @@ class Tracker:
         self.continued = 0  # continuations so far; their chunks are completion chunks to translate
         self.write: Callable[[bytes], None] = lambda data: None
         self.framed = True
-        self._left = 0  # data bytes of the engine's current chunk still to come
-        self._skip = 0  # bytes of the CRLF after a chunk's data still to come
-        self._line = b""  # a chunk-size line cut by a read
         self._events = bytearray()  # SSE data not yet a whole event
+        self.feed: Callable[[bytes], None] = Unchunked(self._take).write  # the engine's body, framing stripped
 
     def engine_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """A leg's body with the token ids asked for."""
@@ -130,34 +130,14 @@ class Tracker:
     def sink(self, write: Callable[[bytes], None], framed: bool) -> Callable[[bytes], None]:
         """The writer a leg's connection relays its chunked body to (a new leg starts at a chunk boundary)."""
         self.write, self.framed = write, framed
-        self._left = self._skip = 0
-        self._line = b""
         self._events.clear()
+        self.feed = Unchunked(self._take).write
         return self.feed
 
-    def feed(self, data: bytes) -> None:
-        """Take the next piece of the engine's chunked body; write each event that is whole."""
-        pos, n = 0, len(data)
+    def _take(self, data: bytes) -> None:
+        """The next data of the engine's body; write each event that is whole."""
         events = self._events
-        while pos < n:
-            if self._left:
-                take = min(self._left, n - pos)
-                events += data[pos : pos + take]
-                pos += take
-                self._left -= take
-                self._skip = 0 if self._left else 2
-            elif self._skip:
-                take = min(self._skip, n - pos)
-                pos += take
-                self._skip -= take
-            else:
-                eol = data.find(b"\n", pos)
-                if eol < 0:
-                    self._line += data[pos:]
-                    break
-                line, self._line = self._line + data[pos:eol], b""
-                pos = eol + 1
-                self._left = int(line.split(b";", 1)[0].strip() or b"0", 16)
+        events += data
         out = []
         while (end := events.find(b"\n\n")) >= 0:
             event = bytes(events[:end])

@@ -409,13 +409,21 @@ def from_systemd() -> list[socket.socket] | None:
     return sockets
 
 
+def _notify_target() -> bytes | None:
+    """The address of systemd's notify socket for this unit (an abstract one when it starts with "@"); None where
+    systemd does not run the keeper with one."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return None
+    return b"\0" + address[1:].encode() if address.startswith("@") else address.encode()
+
+
 def store_in_systemd(sockets: list[socket.socket]) -> None:
     """Keep the listening sockets in the unit's file descriptor store (FileDescriptorStoreMax=), replacing any kept
     before, where systemd runs the keeper with a notify socket; elsewhere nothing."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
+    target = _notify_target()
+    if target is None:
         return
-    target = b"\0" + address[1:].encode() if address.startswith("@") else address.encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         try:
             for name, sock in zip(SOCKET_NAMES, sockets, strict=True):
@@ -431,10 +439,9 @@ def store_in_systemd(sockets: list[socket.socket]) -> None:
 def forget_in_systemd() -> None:
     """Remove the listening sockets from the unit's file descriptor store, where systemd runs the keeper with a
     notify socket; elsewhere nothing."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
+    target = _notify_target()
+    if target is None:
         return
-    target = b"\0" + address[1:].encode() if address.startswith("@") else address.encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         try:
             for name in SOCKET_NAMES:

@@ -62,7 +62,8 @@ def _silence(fut: asyncio.Future[Any]) -> None:
 
 class Unchunked:
     """Writes a chunked body's data without its framing, for an HTTP/1.0 client (which has no chunked
-    encoding: its stream is delimited by the connection's close). Off the HTTP/1.1 hot path."""
+    encoding: its stream is delimited by the connection's close) and for a stream kept for its continuation
+    (continuation.Tracker, which frames whole events again)."""
 
     __slots__ = ("_write", "_left", "_skip", "_line", "_ended")
 
