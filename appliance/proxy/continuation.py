@@ -276,6 +276,15 @@ class Tracker:
         if ids:
             self.held = 0 if text else self.held + len(ids)
 
+    def answered(self, answer: dict[str, Any]) -> None:
+        """Write the rest of the stream from a continuation's whole answer (its prefill leg's one token ended it: the
+        last token max_tokens allowed, or a stop), as the chunks its stream would have sent."""
+        choices = answer.get("choices")
+        events = [{"choices": choices[:1]}] if isinstance(choices, list) and choices else []
+        if isinstance(answer.get("usage"), dict):
+            events.append({"choices": [], "usage": answer["usage"]})
+        self._take(b"".join(b"data: " + _dump(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n")
+
     def resume(self) -> list[int]:
         """The generated tokens a continuation's prompt carries (all but the held ones, which it generates again)."""
         self.continued += 1

@@ -11,6 +11,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -383,5 +384,69 @@ def test_a_stream_held_for_its_continuation_does_not_keep_its_dead_engine_from_d
                 assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
                 assert len([e for e in events if e["choices"]]) == TOKENS
                 assert _count(px, "continued", "reset") == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_continuation_whose_prefill_answers_its_last_token_ends_the_stream_with_it() -> None:
+    """Separate processes: simulated example-connector prefill-0, decode-0 that dies after 29 of 30 tokens, decode-1. The
+    continuation asks for 1 token, which its prefill leg answers whole (the shared-storage connector hands no KV
+    over): that answer is the stream's last token, not a failed leg. Each such leg counted as failed, and the 4th
+    ended the stream with `legs_failed` (the crash bench's TERM of the decode, about one run in four)."""
+    body = {"model": e2e.MODEL, "prompt": e2e.words(20), "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+    with e2e.cluster() as c, tempfile.TemporaryDirectory() as storage:
+        shared = ("--shared-storage", storage)
+        prefill = c.sim("prefill-0", "prefill", "example", *shared)
+        # its 29th token's step is followed by its exit 50 ms later; its 30th would take 400 ms
+        dying = c.sim("decode-0", "decode", "example", *shared, "--decode-step-ms", "400",
+                      "--fault-crash-after-tokens", str(TOKENS - 1))
+        other = c.sim("decode-1", "decode", "example", *shared)
+        c.ready()
+        proxy = c.start_proxy(e2e.proxy_config("example", routing="least_outstanding", backends=e2e.static_backends(
+            ("prefill-0", "prefill", prefill), ("decode-0", "decode", dying), ("decode-1", "decode", other))))
+        c.ready()
+        wait_until(lambda: http_status(proxy.url + "/health") == 200, timeout=30, what="the proxy ready")
+
+        async def scenario() -> None:
+            status, raw, _ = await post(proxy.url, "/v1/completions", body | {"stream_options": {"include_usage": True}})
+            text, events, done = e2e.stream_text(raw)
+            assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
+            chunks = [e for e in events if e.get("choices")]
+            assert len(chunks) == TOKENS and chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-2:]
+            assert events[-1]["usage"]["completion_tokens"] == TOKENS
+            assert dying.popen.wait(timeout=10) == 1  # decode-0 served 29 tokens and died
+            assert await e2e.metric(prefill, "sim_requests_total") == 2  # the request's prompt, then the last token
+            assert await e2e.metric(other, "sim_requests_total") == 0
+            async with aiohttp.ClientSession() as session, session.get(proxy.url + "/metrics") as resp:
+                metrics = await resp.read()
+            assert b'pdctl_proxy_continuations_total{outcome="continued",reason="reset"} 1.0' in metrics
+
+        asyncio.run(scenario())
+
+
+def test_no_leg_goes_again_to_an_instance_that_failed_the_request_until_it_is_seen_down() -> None:
+    """both-0 cuts its stream after 5 tokens and from then on resets every new request while its /health answers
+    200 (a stopping engine answering on a connection it kept alive): the continuation goes to both-1 at once, and
+    no leg to both-0. Each went back to both-0 (the least loaded, in rotation) until its failed legs ejected it or
+    spent the cap; a request whose decode was lost before its first token was run again on the same instance."""
+    body = {"prompt": "x", "max_tokens": 20, "stream": True}
+
+    async def scenario() -> None:
+        async with engines("both", "both", token_ids=True) as (e0, e1):
+            e0.crash_after_tokens, e0.resets_after_crash = 5, True
+            config = proxy_config("none", [backend("both-0", "both", e0), backend("both-1", "both", e1)],
+                                  routing="least_outstanding", health={"probe_interval_s": 30})
+            async with running_proxy(config) as px:
+                status, raw, _ = await post(local(px.api_port), "/v1/completions", body)
+                events, done = _stream(raw)
+                assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
+                assert len([e for e in events if e.get("choices")]) == 20
+                assert len(e0.requests) == 1 and len(e1.requests) == 1, (e0.requests, e1.requests)
+                assert _count(px, "continued", "reset") == 1
+                # a new request meets both-0 (the first of the least loaded) reset before its first token
+                status, raw, _ = await post(local(px.api_port), "/v1/completions", body)
+                events, done = _stream(raw)
+                assert status == 200 and done and len([e for e in events if e.get("choices")]) == 20, raw[-300:]
+                assert len(e0.requests) == 2 and len(e1.requests) == 2 and _count(px, "rerun", "decode") == 1
 
     asyncio.run(scenario())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
@@ -163,9 +163,10 @@ class Router:
             return False
         return not (self.checks_mode and inst.transfer_mode is not None and inst.transfer_mode != self.mode())
 
-    def stand_in(self, role: str) -> BackendState | None:
-        """The instance of `role` that takes its requests while none is routable (health.stand_in), or None."""
-        return self._stand_in(i for i in self.registry.by_role[role] if self.in_service(i))
+    def stand_in(self, role: str, avoid: Collection[BackendState] = ()) -> BackendState | None:
+        """The instance of `role` (not one of `avoid`) that takes its requests while none is routable
+        (health.stand_in), or None."""
+        return self._stand_in(i for i in self.registry.by_role[role] if self.in_service(i) and i not in avoid)
 
     def candidates(self, role: str, mode: str | None = None) -> list[BackendState]:
         """The routable instances of `role`, in the plan's order (`mode`: the proxy's, read once per pass)."""
@@ -176,11 +177,15 @@ class Router:
                     and (i.transfer_mode is None or i.transfer_mode == mode)]
         return [i for i in self.registry.by_role[role] if i.healthy and not (i.draining or i.stopping)]
 
-    def pick(self, role: str, request: RequestFacts, mode: str | None = None) -> BackendState | None:
-        """The policy's instance of `role` for `request`; its stand-in when none is routable; or None."""
+    def pick(self, role: str, request: RequestFacts, mode: str | None = None,
+             avoid: Collection[BackendState] = ()) -> BackendState | None:
+        """The policy's instance of `role` for `request` (not one of `avoid`); its stand-in when none is routable;
+        or None."""
         candidates = self.candidates(role, mode)
+        if avoid:
+            candidates = [i for i in candidates if i not in avoid]
         if not candidates:
-            return self.stand_in(role)
+            return self.stand_in(role, avoid)
         return self.policy.pick(role, candidates, request)
 
     def side(self, mode: str | None = None) -> Sided:
@@ -238,10 +243,10 @@ class Router:
             backlog_tokens=backlog_tokens,
         )
 
-    async def routed(self, request: RequestFacts,
-                     count: Callable[[BackendState], Awaitable[int | None]]) -> Route:
-        """Router.route, the prompt counted first by `count` on a decode instance where the hand-off depends on a
-        length the body does not settle (needs_count)."""
+    async def routed(self, request: RequestFacts, count: Callable[[BackendState], Awaitable[int | None]],
+                     avoid: Collection[BackendState] = ()) -> Route:
+        """Router.route (off `avoid`), the prompt counted first by `count` on a decode instance where the hand-off
+        depends on a length the body does not settle (needs_count)."""
         counted = None
         if self.needs_count(request):
             # the least loaded decode counts (any serves the model's tokenizer); not the policy's pick, which
@@ -249,15 +254,16 @@ class Router:
             decodes = self.candidates("decode")
             counter = min(decodes, key=lambda inst: inst.load()) if decodes else self.stand_in("decode")
             counted = Counted(await count(counter) if counter is not None else None)
-        return self.route(request, counted)
+        return self.route(request, counted, avoid)
 
-    def route(self, request: RequestFacts, counted: Counted | None = None) -> Route:
+    def route(self, request: RequestFacts, counted: Counted | None = None,
+              avoid: Collection[BackendState] = ()) -> Route:
         """The route for `request` (`counted`: its prompt's length, route.length's count), decided in one pass and
         booked on its instances at once (no await in between: a drain that starts afterwards waits for it);
         raises Unroutable when a role it needs has no routable instance and no stand-in, Refused when no route
-        serves it correctly."""
+        serves it correctly. `avoid`: instances it must not go to (a continuation's, legs.Avoided)."""
         if not self.disaggregated:
-            inst = self.pick("both", request)
+            inst = self.pick("both", request, avoid=avoid)
             if inst is None:
                 raise Unroutable(())
             self._count_stand_ins(inst)
@@ -267,8 +273,10 @@ class Router:
                          self.side().side)
         mode = self.mode()
         prefills = self.candidates("prefill", mode)
-        stand_in = None if prefills else self.stand_in("prefill")
-        decode = self.pick("decode", request, mode)
+        if avoid:
+            prefills = [i for i in prefills if i not in avoid]
+        stand_in = None if prefills else self.stand_in("prefill", avoid)
+        decode = self.pick("decode", request, mode, avoid)
         if decode is None or not (prefills or stand_in):
             missing = (("prefill", bool(prefills or stand_in)), ("decode", decode is not None))
             raise Unroutable(tuple(role for role, found in missing if not found))
