@@ -425,28 +425,33 @@ def test_a_continuation_whose_prefill_answers_its_last_token_ends_the_stream_wit
 
 
 def test_no_leg_goes_again_to_an_instance_that_failed_the_request_until_it_is_seen_down() -> None:
-    """both-0 cuts its stream after 5 tokens and from then on resets every new request while its /health answers
-    200 (a stopping engine answering on a connection it kept alive): the continuation goes to both-1 at once, and
-    no leg to both-0. Each went back to both-0 (the least loaded, in rotation) until its failed legs ejected it or
-    spent the cap; a request whose decode was lost before its first token was run again on the same instance."""
+    """Of two instances, one streams a long answer; the other, the least loaded, cuts its stream after 5 tokens and
+    from then on resets every new request while its /health answers 200 (a stopping engine answering on a
+    connection it kept alive). The continuation goes to the busy one at once, no leg to the failing one; so does a
+    new request lost there before its first token. Each went back to the least loaded instance, its probe
+    passing, until the cap ended the stream with `legs_failed`; the re-run met the same reset and answered 502."""
     body = {"prompt": "x", "max_tokens": 20, "stream": True}
 
     async def scenario() -> None:
-        async with engines("both", "both", token_ids=True) as (e0, e1):
-            e0.crash_after_tokens, e0.resets_after_crash = 5, True
-            config = proxy_config("none", [backend("both-0", "both", e0), backend("both-1", "both", e1)],
+        async with engines("both", "both", token_ids=True, token_delay_s=0.01) as both:
+            config = proxy_config("none", [backend(f"both-{i}", "both", e) for i, e in enumerate(both)],
                                   routing="least_outstanding", health={"probe_interval_s": 30})
             async with running_proxy(config) as px:
+                busy = asyncio.ensure_future(post(local(px.api_port), "/v1/completions",
+                                                  {"prompt": "long", "max_tokens": 100_000, "stream": True}))
+                await eventually(lambda: sum(len(e.requests) for e in both) == 1, what="the long stream")
+                good, failing = both if both[0].requests else both[::-1]
+                failing.crash_after_tokens, failing.resets_after_crash = 5, True
                 status, raw, _ = await post(local(px.api_port), "/v1/completions", body)
                 events, done = _stream(raw)
                 assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
                 assert len([e for e in events if e.get("choices")]) == 20
-                assert len(e0.requests) == 1 and len(e1.requests) == 1, (e0.requests, e1.requests)
+                assert len(failing.requests) == 1 and len(good.requests) == 2
                 assert _count(px, "continued", "reset") == 1
-                # a new request meets both-0 (the first of the least loaded) reset before its first token
                 status, raw, _ = await post(local(px.api_port), "/v1/completions", body)
                 events, done = _stream(raw)
                 assert status == 200 and done and len([e for e in events if e.get("choices")]) == 20, raw[-300:]
-                assert len(e0.requests) == 2 and len(e1.requests) == 2 and _count(px, "rerun", "decode") == 1
+                assert len(failing.requests) == 2 and len(good.requests) == 3 and _count(px, "rerun", "decode") == 1
+                busy.cancel()
 
     asyncio.run(scenario())
