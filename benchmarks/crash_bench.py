@@ -295,7 +295,8 @@ async def cell(node: Deployment, fault: str, kind: str, pace: Pace) -> Row:
     held, continued = await asyncio.to_thread(node.counters)
     if await asyncio.to_thread(node.proxy_pid) == proxy_before:
         held -= held_before
-        continued = None if continued is None or continued_before is None else continued - continued_before
+        # the same proxy: a family it had no sample of yet was at 0 (its first cell read n/a where it continued)
+        continued = None if continued is None else continued - (continued_before or 0)
     served_after = [o.end for o in outcomes if back is not None and o.result == "ok" and o.start >= back]
     counts = {r: sum(o.result == r for o in outcomes) for r in ("ok", "failed", "cut")}
     problems += [f"{o.result}: {' '.join(o.detail.split())}" for o in outcomes if o.result != "ok"][:5]
