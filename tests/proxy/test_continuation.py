@@ -21,7 +21,7 @@ import pytest
 from appliance.engine.sim.tokens import tokenize
 from appliance.proxy.continuation import Tracker, continuation_body, plan
 from tests.proxy import cluster as e2e
-from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
+from tests.support.fake_engines import MODEL, FakeEngine, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post, sse_events
 from tests.support.processes import http_status
 from tests.support.waiting import eventually, wait_until
@@ -65,7 +65,12 @@ def _stream(raw: bytes) -> tuple[list[dict[str, Any]], bool]:
 
 
 def _count(px: Any, outcome: str, reason: str) -> float:
-    line = f'pdctl_proxy_continuations_total{{outcome="{outcome}",reason="{reason}"}} '.encode()
+    return _sample(px, f'pdctl_proxy_continuations_total{{outcome="{outcome}",reason="{reason}"}}')
+
+
+def _sample(px: Any, name: str) -> float:
+    """The in-process proxy's sample `name` (labels included), 0 where it has none."""
+    line = name.encode() + b" "
     for row in px.metrics.render().splitlines():
         if row.startswith(line):
             return float(row[len(line):])
@@ -453,5 +458,41 @@ def test_no_leg_goes_again_to_an_instance_that_failed_the_request_until_it_is_se
                 assert status == 200 and done and len([e for e in events if e.get("choices")]) == 20, raw[-300:]
                 assert len(failing.requests) == 2 and len(good.requests) == 3 and _count(px, "rerun", "decode") == 1
                 busy.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_continuation_whose_prefill_is_lost_waits_for_the_restarted_prefill_not_the_lost_one() -> None:
+    """NIXL READ, prefill-0 and two decodes. The decode serving the stream cuts it after 5 tokens; meanwhile
+    prefill-0 began to reset every new request (its engine stopping, /health still 200). The continuation's prefill
+    leg is reset: prefill-0 is avoided until a probe finds it down, and the continuation waits for the role (at
+    least crash_grace_s) rather than send it another leg; prefill-0 restarted on its port takes it, and the client
+    gets every token. Before, the next leg went to prefill-0 again at once (the decode was the one probed)."""
+    body = {"prompt": "x", "max_tokens": 20, "stream": True}
+
+    async def scenario() -> None:
+        async with engines("prefill", "decode", "decode", token_ids=True, token_delay_s=0.05) as (p, *decodes):
+            config = proxy_config("nixl", [backend("prefill-0", "prefill", p)] + [
+                backend(f"decode-{i}", "decode", d) for i, d in enumerate(decodes)], routing="least_outstanding",
+                health={"crash_grace_s": 10})
+            async with running_proxy(config) as px:
+                stream = asyncio.ensure_future(post(local(px.api_port), "/v1/completions", body))
+                dying = await eventually(lambda: next((d for d in decodes if d.requests), None), interval=0.005,
+                                         what="the decode leg")
+                dying.crash_after_tokens, p.resets = 5, True
+                reset = 'pdctl_proxy_leg_failures_total{leg="prefill",reason="reset"}'
+                await eventually(lambda: _sample(px, reset) >= 1, interval=0.001, what="the continuation's prefill")
+                port = p.port
+                await p.stop()
+                again = await FakeEngine(role="prefill", port=port, token_ids=True).start()
+                try:
+                    status, raw, _ = await asyncio.wait_for(stream, 30)
+                    events, done = _stream(raw)
+                    assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
+                    assert len([e for e in events if e.get("choices")]) == 20
+                    assert len(again.requests) == 1, again.requests
+                    assert _sample(px, reset) == 1  # the continuation's one leg on prefill-0 as it stopped
+                finally:
+                    await again.stop()
 
     asyncio.run(scenario())
