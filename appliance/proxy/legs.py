@@ -511,9 +511,9 @@ def _supervise(relay: Relay, supervisor: asyncio.Task[Any] | None) -> None:
         relay.fail(supervisor.exception())  # type: ignore[arg-type]
 
 
-# legs of one cut's continuation that may fail before their first token (each on an instance then probed out of
-# rotation) before the stream ends with an error event
-FAILED_CONTINUATION_LEGS = 3
+# legs of one cut's continuation that may fail before their first token (each instance that failed one avoided
+# after it: Avoided) before the stream ends with an error event (legs_failed)
+FAILED_CONTINUATION_LEGS = 4
 
 
 def _let_go(held: list[Lease | Booking], cut: BackendState, prefilling: bool) -> list[Lease | Booking]:
@@ -588,7 +588,7 @@ async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, d
     if dead is not None:
         avoided.add(dead)
     while (why := tracker.why_not(limit)) is None:
-        if failed > FAILED_CONTINUATION_LEGS:
+        if failed >= FAILED_CONTINUATION_LEGS:
             return "legs_failed"
         body = continuation_body(tracker.body, cast(list[int], tracker.prompt), tracker.resume())
         if body is None:
