@@ -7,7 +7,7 @@ Runs on the device, after the engines are up (results/gpu-1x/h38/device/*.sh sta
 
 It starts pdctl's proxy (the keeper and its N workers, `python -m appliance.proxy.keeper`: what pdctl's units run)
 in front of the engines as one colocated node (connector none, least-outstanding routing), then for each round runs
-one `vllm bench serve` per engine at once, each at `--concurrency` streams: DIRECT (client i straight to engine i)
+one `vllm bench serve` per engine (or --clients of them) at once, each at `--concurrency` streams: DIRECT (client i straight to engine i)
 and PROXY (every client to the proxy's port), in alternating order. vLLM's own client, with --save-detailed, so the
 figures below are vLLM's per-request samples pooled over the clients:
 
@@ -188,7 +188,9 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="served model name")
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--concurrency", default="256", help="comma-separated streams per client (one client per engine)")
+    ap.add_argument("--concurrency", default="256", help="comma-separated streams per client")
+    ap.add_argument("--clients", type=int, default=0,
+                    help="vllm bench serve processes (default: one per engine); direct, client i reads engine i mod K")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--lifetimes", type=int, default=4, help="requests per stream slot in one run")
     ap.add_argument("--input-len", type=int, default=64)
@@ -217,7 +219,7 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             wait_health(url, 90)
             proxy = psutil.Process(proxy_proc.pid)
-        print(f"# serve scale: {len(engines)} engines, {args.workers} proxy workers, {os.cpu_count()} CPUs, "
+        print(f"# serve scale: {len(engines)} engines, {args.clients or len(engines)} clients, {args.workers} proxy workers, {os.cpu_count()} CPUs, "
               f"{args.input_len}/{args.output_len} tokens, {args.lifetimes} requests a stream slot, "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
         runs: list[Run] = []
@@ -226,7 +228,8 @@ def main() -> None:
                 labels = ("direct",) if args.direct_only else \
                     (("direct", "proxy") if rnd % 2 == 0 else ("proxy", "direct"))
                 for label in labels:
-                    urls = engines if label == "direct" else [url] * len(engines)
+                    clients = args.clients or len(engines)
+                    urls = [engines[i % len(engines)] if label == "direct" else url for i in range(clients)]
                     runs.append(measure(args, proxy, label, urls, conc, rnd, args.out / "clients"))
                     print(runs[-1].row(), flush=True)
             if not args.direct_only:

@@ -3,13 +3,13 @@
 R=/tmp/pdrun; [ -d $R/pylib ] || { mkdir -p $R && tar xJf .gpurun/pdctl.tar.xz -C $R; }
 export PYTHONPATH=$PWD:$R/pylib:$PYTHONPATH PYTHONUNBUFFERED=1 COLUMNS=1000
 python3 -c "import msgpack, psutil, yaml, prometheus_client, pydantic_settings" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$R/pylib-last
-ulimit -n 65536
-K=.gpu/bin; M=/tmp/models/qwen3-0.6b; W=/tmp/h38; mkdir -p $W
+ulimit -n $(ulimit -Hn)
+K=.gpu/bin; M=${M:-/tmp/models/qwen3-0.6b}; W=/tmp/h38; mkdir -p $W
 E=http://127.0.0.1:8100,http://127.0.0.1:8101,http://127.0.0.1:8102,http://127.0.0.1:8103
 scale() {  # scale NAME LIMIT_S ARGS...: benchmarks/gpu/serve_scale.py over the four engines
   local name=$1 limit=$2; shift 2
   echo "== $name start $(date -u +%FT%TZ)"
-  timeout $limit python3 benchmarks/gpu/serve_scale.py --engines $E --model qwen3-0.6b --tokenizer $M \
+  timeout $limit python3 benchmarks/gpu/serve_scale.py --engines $E --model $(basename $M) --tokenizer $M \
     --out $W/$name "$@" 2>&1 | tail -30
   echo "== $name end $(date -u +%FT%TZ)"
 }
