@@ -91,6 +91,18 @@ class EngineLost(LegFailure):
         self.lost = self.inst = inst
 
 
+class EngineError(LegFailure):
+    """A decode leg whose engine ended its stream with an error event after tokens (vLLM does so for its streams
+    when its engine core dies, then exits): a cut, continued where the stream can be."""
+
+    reason = "engine_error"
+
+    def __init__(self, inst: BackendState, error: dict[str, Any]) -> None:
+        detail = error.get("error")
+        message = detail.get("message") if isinstance(detail, dict) else detail
+        super().__init__(502, f"decode leg on {inst.name} ended with an error: {str(message)[:300]}")
+
+
 def leg_lost(leg: str, inst: BackendState, exc: UpstreamError) -> LegFailure:
     """The client's error for a leg whose engine's connection failed before its answer began: EngineLost where the
     engine is gone (refused, reset), which a new route may serve."""
@@ -458,13 +470,20 @@ async def _relay_stream(
                 conn.relay_to(transport, proxy.metrics.itl, relay.client_gone, sink)
                 relay.start_watchdog()
                 _supervise(relay, supervisor)
+                error: BaseException | None = None
                 try:
                     await conn.done_fut
                 except UpstreamError as exc:
-                    proxy.metrics.streamed_chunks += conn.chunks
                     error = relay.error or exc
                     if isinstance(error, ConnectionResetError):
+                        proxy.metrics.streamed_chunks += conn.chunks
                         raise error from None
+                if error is None and tracker is not None and tracker.engine_error is not None:
+                    # the engine ended the stream with an error event (vLLM's engine core died under it): a cut
+                    error = EngineError(inst, tracker.engine_error)
+                    conn.abort()  # its API server is going down: not a connection to keep
+                if error is not None:
+                    proxy.metrics.streamed_chunks += conn.chunks
                     relay.stop()
                     cut = conn.cut_mid_chunk and tracker is None
                     why = "off" if request.get(CONTINUE) is None else (request[CONTINUE].why or "")

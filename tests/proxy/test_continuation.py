@@ -496,3 +496,35 @@ def test_a_continuation_whose_prefill_is_lost_waits_for_the_restarted_prefill_no
                     await again.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_stream_its_engine_ends_with_an_error_event_is_continued() -> None:
+    """vLLM whose engine core dies ends each stream with an error event and [DONE] (its completion stream
+    generator's except branch), then exits: both-0 does so after 5 tokens. The proxy holds the error back and
+    continues the stream on both-1; the client gets its 20 tokens and [DONE], no error. Before, the error event
+    reached the client: the stream was cut. A stream that cannot be continued still gets an error event."""
+
+    async def scenario() -> None:
+        async with engines("both", "both", token_ids=True, token_delay_s=0.01) as both:
+            config = proxy_config("none", [backend(f"both-{i}", "both", e) for i, e in enumerate(both)],
+                                  routing="least_outstanding", health={"probe_interval_s": 30})
+            async with running_proxy(config) as px:
+                busy = asyncio.ensure_future(post(local(px.api_port), "/v1/completions",
+                                                  {"prompt": "long", "max_tokens": 100_000, "stream": True}))
+                await eventually(lambda: sum(len(e.requests) for e in both) == 1, what="the long stream")
+                good, failing = both if both[0].requests else both[::-1]
+                failing.error_after_tokens = 5
+                status, raw, _ = await post(local(px.api_port), "/v1/completions",
+                                            {"prompt": "x", "max_tokens": 20, "stream": True})
+                events, done = _stream(raw)
+                assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
+                assert len([e for e in events if e.get("choices")]) == 20
+                assert len(failing.requests) == 1 and len(good.requests) == 2
+                assert _count(px, "continued", "engine_error") == 1
+                status, raw, _ = await post(local(px.api_port), "/v1/completions",
+                                            {"prompt": "x", "max_tokens": 20, "stream": True, "stop": ["zz"]})
+                events, done = _stream(raw)
+                assert status == 200 and "EngineCore" in events[-1]["error"]["message"], events[-2:]
+                busy.cancel()
+
+    asyncio.run(scenario())

@@ -43,6 +43,8 @@ class FakeEngine:
     # answers on the connections it kept alive); set by the crash too where `resets_after_crash`
     resets: bool = False
     resets_after_crash: bool = False
+    # a stream ends after this many tokens with vLLM's error event and [DONE] (its engine core died under it)
+    error_after_tokens: int | None = None
     token_ids: bool = False  # streams carry token ids where asked (return_token_ids), so they can be continued
     requests: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -168,6 +170,12 @@ class FakeEngine:
                 request.transport.abort()  # the engine process "died": the socket is cut mid-stream
                 self.aborted.append(rid)
                 self.resets = self.resets or self.resets_after_crash
+                return response
+            if self.error_after_tokens is not None and i == self.error_after_tokens:
+                error = {"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError",
+                                   "param": None, "code": 500}}
+                await response.write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+                await response.write_eof()
                 return response
             chunk: dict[str, Any] = {"id": f"cmpl-{rid}", "object": "text_completion",
                                      "choices": [{"index": 0, "text": f" t{i}"}]}
