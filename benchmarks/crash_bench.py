@@ -142,12 +142,13 @@ class Deployment:
         request = urllib.request.Request(self.plan.proxy.url + "/metrics", headers=headers)
         with urllib.request.urlopen(request, timeout=30) as response:
             text = response.read().decode()
-        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        families = list(text_string_to_metric_families(text))
+        samples = [s for family in families for s in family.samples]
         held = sum(int(s.value) for s in samples if s.name == "pdctl_proxy_hold_seconds_count")
-        names = {s.name for s in samples}
+        # the family, declared with no sample yet, counts 0 (the parser names a counter's family without _total)
         continued = (sum(int(s.value) for s in samples if s.name == "pdctl_proxy_continuations_total"
                          and s.labels.get("outcome") == "continued")
-                     if "pdctl_proxy_continuations_total" in names else None)
+                     if any(f.name == "pdctl_proxy_continuations" for f in families) else None)
         return held, continued
 
     def healthy(self) -> bool:
@@ -295,8 +296,7 @@ async def cell(node: Deployment, fault: str, kind: str, pace: Pace) -> Row:
     held, continued = await asyncio.to_thread(node.counters)
     if await asyncio.to_thread(node.proxy_pid) == proxy_before:
         held -= held_before
-        # the same proxy: a family it had no sample of yet was at 0 (its first cell read n/a where it continued)
-        continued = None if continued is None else continued - (continued_before or 0)
+        continued = None if continued is None or continued_before is None else continued - continued_before
     served_after = [o.end for o in outcomes if back is not None and o.result == "ok" and o.start >= back]
     counts = {r: sum(o.result == r for o in outcomes) for r in ("ok", "failed", "cut")}
     problems += [f"{o.result}: {' '.join(o.detail.split())}" for o in outcomes if o.result != "ok"][:5]
