@@ -191,13 +191,16 @@ class Tracker:
             return None
         end = event.find(b"]", at)
         raw = event[at + 13 : end]
+        count = raw.count(b",") + 1 if raw else 0
         try:
-            ids = [int(t) for t in raw.split(b",")] if b"," in raw else [int(raw)] if raw else []
+            if count == 1:
+                self.generated.append(int(raw))  # a token a chunk: no list made (nor collected) per token
+            elif count:
+                self.generated += [int(t) for t in raw.split(b",")]
         except ValueError:
             return None
-        self.generated += ids
-        if ids:
-            self.held = self.held + len(ids) if (b'"content":""' if self.chat else b'"text":""') in event else 0
+        if count:
+            self.held = self.held + count if (b'"content":""' if self.chat else b'"text":""') in event else 0
         return event if self.wants_ids else event[: at + 12] + b"null" + event[end + 1 :]
 
     def _first_leg(self, obj: dict[str, Any], event: bytes) -> bytes | None:
