@@ -6,19 +6,22 @@ import argparse
 import asyncio
 import ctypes
 import gc
+import json
 import logging
 import os
 import signal
 import socket
 import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from appliance.errors import PdctlError
 from appliance.proxy.body import INT_DIGITS
 from appliance.proxy.config import load_config
 from appliance.proxy.keeper import HANDBACK_WAIT_S, ORPHAN_SIGNAL, RETIRE_SIGNAL, handback_address
-from appliance.proxy.workers import WorkerRole
+from appliance.proxy.workers import WorkerRole, apply, snapshot
 
 _PR_SET_PDEATHSIG = 1
 # a successor serves once its engines answer /health, or after this long (the instances only registered
@@ -41,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="serving proxies that crashed under the keeper before this one (its metrics show them)")
     parser.add_argument("--successor", action="store_true",
                         help="take over from a running proxy: serve once the engines are healthy")
+    parser.add_argument("--state-fd", type=int, help="a file of the control state to start with (JSON, the keeper's: "
+                        "the one the proxy a dead keeper left serving had)")
     args = parser.parse_args(argv)
     # JSON integers of thousands of digits cost quadratic time to parse and print; no request needs more
     # than 640 digits (Python's floor for this limit), so a client cannot stall the event loop with them
@@ -62,17 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     listeners = None
     if args.listen_fds:
         if sys.platform == "linux":
-            # the keeper going away (even SIGKILLed) is told to this proxy: alone, it serves on until the restarted
-            # keeper takes its sockets back (before it serves, the signal's default action ends it: it had nothing
-            # to finish); one of several workers is not handed back yet: it finishes its requests and exits
-            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, ORPHAN_SIGNAL if args.worker is None else signal.SIGTERM)
+            # the keeper going away (even SIGKILLed) is told to this proxy: it serves on until the restarted keeper
+            # takes its sockets back (before it serves, the signal's default action ends it: it had nothing to
+            # finish), each of several workers its own slot's
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, ORPHAN_SIGNAL)
         listeners = tuple(socket.socket(fileno=int(fd)) for fd in args.listen_fds.split(","))
     role = WorkerRole(args.worker, Path(args.peers), args.generation) if args.peers and args.worker is not None \
         else None
+    carried = None
+    if args.state_fd is not None:
+        with os.fdopen(args.state_fd, "rb") as state:
+            carried = json.load(state)
 
     async def run() -> None:
         proxy = Proxy(config, listeners, role)
         proxy.metrics.set_proxy_crashes(args.crashes)
+        if carried is not None:  # before the leader shares its state, so every worker starts with this one
+            await apply(proxy, carried, None)
         # a worker other than the leader serves once it has the leader's state and its engines answer, as a
         # successor does: the connections the kernel queues on its socket meanwhile wait instead of getting 503
         takes_over = args.successor or (role is not None and not role.leader)
@@ -91,9 +102,17 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         handback: list[asyncio.Task[None]] = []
 
+        def offer() -> dict[str, Any]:
+            """What this proxy hands back with its sockets: its pid; the leader's control state; the peers' folder."""
+            leads = role is None or role.leader
+            return {"pid": os.getpid(), "state": snapshot(proxy) if leads else None,
+                    "peers": str(role.peers) if role is not None else None}
+
         def orphaned() -> None:  # a retiring proxy only finishes its requests
-            if listeners is not None and role is None and not handback and not stop.is_set():
-                handback.append(asyncio.create_task(_hand_back(args.config, listeners, stop), name="handback"))
+            if listeners is not None and not handback and not stop.is_set():
+                slot = role.index if role is not None else 0
+                handback.append(asyncio.create_task(_hand_back(args.config, slot, listeners, offer, stop),
+                                                    name="handback"))
 
         loop.add_signal_handler(ORPHAN_SIGNAL, orphaned)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -127,15 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _hand_back(config_path: str, sockets: tuple[socket.socket, ...], stop: asyncio.Event) -> None:
-    """The keeper died: serve on, and offer the listening sockets (and this pid) to the next keeper of the same
-    config for HANDBACK_WAIT_S (it retires this proxy once its own serves); none came: stop, as the keeper's
-    manager did not restart it. Only this user's processes (or root's) may take them."""
+async def _hand_back(config_path: str, slot: int, sockets: tuple[socket.socket, ...],
+                     offered: Callable[[], dict[str, Any]], stop: asyncio.Event) -> None:
+    """The keeper died: serve on, and offer worker slot `slot`'s listening sockets (with `offered()`: this pid, the
+    leader's control state) to the next keeper of the same config for HANDBACK_WAIT_S (it retires this proxy once
+    its own serves); none came: stop, as the keeper's manager did not restart it. Only this user's processes (or
+    root's) may take them."""
     log = logging.getLogger("appliance.proxy")
     loop = asyncio.get_running_loop()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        server.bind(handback_address(config_path))
+        server.bind(handback_address(config_path, slot))
     except OSError as exc:  # another proxy of this config offers its own
         server.close()
         log.error("the keeper died and another proxy offers its sockets (%s): finishing the requests and exiting", exc)
@@ -152,7 +173,9 @@ async def _hand_back(config_path: str, sockets: tuple[socket.socket, ...], stop:
                 uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[2]
                 if uid in (os.geteuid(), 0):
                     conn.setblocking(True)
-                    socket.send_fds(conn, [str(os.getpid()).encode()], [s.fileno() for s in sockets])
+                    message = json.dumps(offered()).encode()
+                    sent = socket.send_fds(conn, [message], [s.fileno() for s in sockets])
+                    conn.sendall(message[sent:])
                     log.info("offered the listening sockets to the restarted keeper")
 
     try:
