@@ -273,6 +273,7 @@ def test_pdctl_restart_proxy_under_load_cuts_nothing(booted) -> None:
     assert ns.show("pd-proxy.service", "MainPID") == keeper and ns.show("pd-proxy.service", "NRestarts") == "0"
 
 
+@pytest.mark.parametrize("booted", ["", "workers = 2\n"], ids=["1-worker", "2-workers"], indirect=True)
 @pytest.mark.parametrize("sig", ["KILL", "TERM"])
 def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
     """kill -KILL or -TERM of pd-proxy's main process (the keeper) under 3 streaming clients and 3 pooled streaming
@@ -282,11 +283,14 @@ def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
     had ended, as the client sent its next request on it (`Can not write request body`, one a client). Now the
     unit's file descriptor store keeps the sockets, systemd gives them back to the new keeper, connections wait in
     the kernel's queue, and a stopping proxy serves a request sent on a kept-alive connection (saying
-    `Connection: close`) instead of closing it under the client."""
+    `Connection: close`) instead of closing it under the client. With 2 workers (issue 38) the keeper stored none
+    of its sockets and connections were refused until the new keeper had bound them; now it stores every slot's
+    (FileDescriptorStoreMax = workers + 1) and gets them all back."""
     ns, config, p = booted
     env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
     wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
     keeper = ns.show("pd-proxy.service", "MainPID")
+    assert len(ns.run("cat", f"/proc/{keeper}/task/{keeper}/children").stdout.split()) == p.proxy.workers
     load = Load(p.proxy.url, max_tokens=40).start()
     done, pooled = threading.Event(), []
     pace = crash_bench.Pace(clients=3, max_tokens=40, decode_step_ms=0, before=0, after=0)
