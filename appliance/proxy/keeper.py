@@ -24,9 +24,14 @@ and retires the old one once the new one serves, as in a handover. Under systemd
 unit when its main process dies, the unit's file descriptor store keeps the sockets instead (FDSTORE=1): systemd
 holds them while the unit restarts and gives them back to the new keeper (LISTEN_FDS), and connections wait
 in the kernel's queue meanwhile. With several workers every worker does so for its own slot (worker 0 with the
-admin socket, its control state and its generation's peers' folder); the restarted keeper takes every slot back,
-gives the control state to its new leader, and retires each orphaned worker once its slot's new worker serves
-(docs/proxy-workers.md).
+admin socket); the restarted keeper takes every slot back and retires each orphaned worker once its slot's new
+worker serves (docs/proxy-workers.md).
+
+The control state the admin API sets (mode, backends, drains, holds, planned stops) lives in the serving leader's
+memory, which a keeper's or the leader's crash would lose: the leader writes it to a memory file the keeper holds
+(`STATE_NAME` in systemd's store, handed back with worker 0's sockets under supervisord), and a leader the keeper
+starts after a crash (its own or its leader's) starts with it. A planned restart's starts from the config, as
+a redeploy needs.
 
 Where the manager stops the keeper with another signal than SIGTERM (`--stop-signal INT`: supervisord's pd-proxy
 program), a SIGTERM is not a stop but an end after which the manager restarts the keeper (`kill -TERM` by
@@ -67,6 +72,7 @@ ORPHAN_SIGNAL = signal.SIGUSR1  # to a proxy, from the kernel: its keeper died; 
 HANDBACK_WAIT_S = 30.0
 SOCKET_NAMES = ("api", "admin")  # worker 0's listening sockets, in the order the proxy's --listen-fds takes them
 _SD_LISTEN_FDS_START = 3  # sd_listen_fds(3): the first descriptor systemd passes
+STATE_NAME = "state"  # the leader's control state (a memfd) in systemd's store, beside the sockets
 _PEERS_PREFIX = "pd-proxy-"  # the keeper's folder of its workers' Unix sockets and load files (tempfile.mkdtemp)
 
 
@@ -87,18 +93,20 @@ def handback_address(config_path: str, slot: int = 0) -> bytes:
 @dataclass
 class Offer:
     """What a proxy whose keeper died hands back: its slot's listening sockets and a pidfd of it; worker 0 (or a
-    lone proxy) adds its control state (workers.snapshot), a worker of several its generation's peers' folder."""
+    lone proxy) adds the file of its control state, a worker of several its generation's peers' folder."""
 
     sockets: list[socket.socket]
     pidfd: int
-    state: dict[str, Any] | None = None
+    state_fd: int | None = None
     peers: str | None = None
 
     def close(self) -> None:
         """Let the offer go (the proxy that made it serves on until it gives up waiting)."""
         for sock in self.sockets:
             sock.close()
-        os.close(self.pidfd)
+        for fd in (self.pidfd, self.state_fd):
+            if fd is not None:
+                os.close(fd)
 
 
 def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -165,11 +173,14 @@ class Keeper:
         self.log_level = log_level
         self.handover_timeout_s = handover_timeout_s
         self.kept = False  # the sockets are kept from before this keeper: connections may be waiting on them
-        self.carried: dict[str, Any] | None = None  # the control state of the leader a dead keeper left serving
+        self.state_fd = -1  # the leader's control state (a memfd), kept from before where the sockets are
         self.old_peers: set[str] = set()  # the peers' folders a dead keeper left, removed once its workers exit
         self.leaving: list[int] = []  # pidfds of the orphaned proxies told to finish, until they exit
         self.left = False  # SIGTERM left the workers serving for the next keeper (they keep the peers' folder)
         self.slots = self._listening(config)
+        if self.state_fd < 0:
+            self.state_fd = os.memfd_create("pd-proxy-state")  # every leader of this keeper writes to this one
+            store_in_systemd({STATE_NAME: self.state_fd})
         # where the workers of one generation find each other (the leader shares its routing state through it)
         self.peers = tempfile.mkdtemp(prefix=_PEERS_PREFIX) if config.workers > 1 else None
         self.generation = 0  # a handover starts the next one; a crashed worker's replacement joins the current
@@ -204,11 +215,12 @@ class Keeper:
             sockets = [o.sockets if o is not None else
                        [bind(config.host, port, reuse_port), *([bind(*admin)] if i == 0 else [])]
                        for i, o in enumerate(offers)]
-            self.carried = offers[0].state if offers[0] is not None else None
+            if offers[0] is not None and offers[0].state_fd is not None:
+                self.state_fd = offers[0].state_fd
             self.old_peers = {o.peers for o in taken if o.peers is not None}
             log.info("took the listening sockets of %d of %d worker(s) back from the proxies the previous keeper "
                      "left serving", len(taken), len(offers))
-        store_in_systemd(dict(zip((n for slot in names for n in slot), (s for slot in sockets for s in slot),
+        store_in_systemd(dict(zip((n for slot in names for n in slot), (s.fileno() for slot in sockets for s in slot),
                                   strict=True)))
         return [Slot(i, socks, orphan=o.pidfd if o is not None else None)
                 for i, (socks, o) in enumerate(zip(sockets, offers, strict=True))]
@@ -220,15 +232,18 @@ class Keeper:
         stored = from_systemd()
         if stored is None:
             return None
+        state = stored.pop(STATE_NAME, None)
         if set(stored) == {n for slot in names for n in slot}:
-            sockets = [[stored[n] for n in slot] for slot in names]
+            sockets = [[socket.socket(fileno=stored[n]) for n in slot] for slot in names]
             if all(_fits(socks, want, reuse_port) for socks, want in zip(sockets, wanted, strict=True)):
                 log.info("listening on the sockets systemd kept across the restart (%d worker(s))", len(names))
                 self.kept = True
+                if state is not None:
+                    self.state_fd = state
                 return [Slot(i, socks) for i, socks in enumerate(sockets)]
-        for sock in stored.values():
-            sock.close()
-        forget_in_systemd(list(stored))
+        for fd in [*stored.values(), *([state] if state is not None else [])]:
+            os.close(fd)
+        forget_in_systemd([*stored, STATE_NAME])
         return None
 
     def _offered(self, index: int, wanted: tuple[tuple[str, int], ...], reuse_port: bool) -> Offer | None:
@@ -239,8 +254,9 @@ class Keeper:
             return None
         return offer
 
-    def spawn(self, slot: Slot, successor: bool, generation: int) -> Worker:
-        """Start a proxy on a slot's sockets; a successor serves only once its engines are healthy."""
+    def spawn(self, slot: Slot, successor: bool, generation: int, carry: bool = True) -> Worker:
+        """Start a proxy on a slot's sockets; a successor serves only once its engines are healthy; a leader starts
+        with the control state its predecessor kept, unless `carry` is False (a planned restart's)."""
         read_end, write_end = os.pipe()
         fds = [s.fileno() for s in slot.sockets]
         argv = [sys.executable, "-m", "appliance.proxy", "--config", self.config_path, "--log-level", self.log_level,
@@ -248,20 +264,11 @@ class Keeper:
         if self.peers is not None:
             argv += ["--worker", str(slot.index), "--peers", self.peers, "--generation", str(generation)]
         passed = [*fds, write_end]
-        if slot.index == 0 and self.carried is not None:  # the orphaned leader's, for our first leader alone
-            state = os.memfd_create("pd-proxy-state")
-            with os.fdopen(os.dup(state), "wb") as out:
-                out.write(json.dumps(self.carried).encode())
-            os.lseek(state, 0, os.SEEK_SET)
-            argv += ["--state-fd", str(state)]
-            passed.append(state)
-            self.carried = None
-        try:
-            proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=passed,
-                                    start_new_session=True)
-        finally:
-            for fd in passed[len(fds):]:
-                os.close(fd)
+        if slot.index == 0:  # the leader keeps its control state in the keeper's file; one after a crash starts with it
+            argv += ["--state-fd", str(self.state_fd), *(["--carry-state"] if carry else [])]
+            passed.append(self.state_fd)
+        proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=passed, start_new_session=True)
+        os.close(write_end)
         return Worker(proc, read_end)
 
     def _signal(self, signum: int, _frame: object) -> None:
@@ -316,7 +323,7 @@ class Keeper:
             return
         self.generation += 1
         for slot in self.slots:
-            slot.successor = self.spawn(slot, True, self.generation)
+            slot.successor = self.spawn(slot, True, self.generation, carry=False)
             log.info("handing the listening sockets of worker %d over to a new proxy (pid %d)", slot.index,
                      slot.successor.proc.pid)
 
@@ -474,7 +481,7 @@ def take_back(address: bytes, count: int = len(SOCKET_NAMES), timeout_s: float =
         try:
             conn.connect(address)
             uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[2]
-            first, fds, _, _ = socket.recv_fds(conn, 1 << 16, count)
+            first, fds, _, _ = socket.recv_fds(conn, 1 << 16, count + 1)  # worker 0's state file too
             message = [first]
             while chunk := conn.recv(1 << 16):
                 message.append(chunk)
@@ -482,7 +489,7 @@ def take_back(address: bytes, count: int = len(SOCKET_NAMES), timeout_s: float =
             for fd in fds:
                 os.close(fd)
             return None
-    sockets = [socket.socket(fileno=fd) for fd in fds]
+    sockets = [socket.socket(fileno=fd) for fd in fds[:count]]
     fields = _offer_fields(b"".join(message))
     pidfd = -1
     if uid in (os.geteuid(), 0) and fields is not None:
@@ -495,17 +502,20 @@ def take_back(address: bytes, count: int = len(SOCKET_NAMES), timeout_s: float =
     if len(sockets) != count or pidfd < 0 or fields is None:
         for sock in sockets:
             sock.close()
-        if pidfd >= 0:
-            os.close(pidfd)
+        for fd in [*fds[count:], *([pidfd] if pidfd >= 0 else [])]:
+            os.close(fd)
         return None
     for sock in sockets:
         sock.set_inheritable(True)
-    state, peers = fields.get("state"), fields.get("peers")
-    return Offer(sockets, pidfd, state if isinstance(state, dict) else None, peers if isinstance(peers, str) else None)
+    for fd in fds[count:]:
+        os.set_inheritable(fd, True)
+    peers = fields.get("peers")
+    return Offer(sockets[:count], pidfd, fds[count] if len(fds) > count else None,
+                 peers if isinstance(peers, str) else None)
 
 
 def _offer_fields(message: bytes) -> dict[str, Any] | None:
-    """A handback offer's JSON fields (pid, state, peers), or None; a proxy before them sends its pid alone."""
+    """A handback offer's JSON fields (pid, peers), or None; a proxy before them sends its pid alone."""
     try:
         fields = json.loads(message)
     except ValueError:
@@ -515,24 +525,24 @@ def _offer_fields(message: bytes) -> dict[str, Any] | None:
     return fields if isinstance(fields, dict) and "pid" in fields else None
 
 
-def from_systemd() -> dict[str, socket.socket] | None:
-    """The listening sockets systemd passes back from the unit's file descriptor store (LISTEN_FDS), by their names
-    (LISTEN_FDNAMES); None when it passes none."""
+def from_systemd() -> dict[str, int] | None:
+    """The descriptors systemd passes back from the unit's file descriptor store (LISTEN_FDS: the listening
+    sockets and the control state's file), by their names (LISTEN_FDNAMES); None when it passes none."""
     if os.environ.get("LISTEN_PID") != str(os.getpid()):
         return None
     names = os.environ.get("LISTEN_FDNAMES", "").split(":")
     count = int(os.environ.get("LISTEN_FDS", "0"))
     for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(key, None)  # for this process only: the proxies it starts get theirs by --listen-fds
-    sockets = {}
+    fds: dict[str, int] = {}
     for n in range(count):
-        sock = socket.socket(fileno=_SD_LISTEN_FDS_START + n)
-        sock.set_inheritable(True)
-        if n < len(names) and names[n] not in sockets:
-            sockets[names[n]] = sock
+        fd = _SD_LISTEN_FDS_START + n
+        if n < len(names) and names[n] not in fds:
+            os.set_inheritable(fd, True)
+            fds[names[n]] = fd
         else:
-            sock.close()
-    return sockets or None
+            os.close(fd)
+    return fds or None
 
 
 def _notify_target() -> bytes | None:
@@ -544,19 +554,20 @@ def _notify_target() -> bytes | None:
     return b"\0" + address[1:].encode() if address.startswith("@") else address.encode()
 
 
-def store_in_systemd(sockets: dict[str, socket.socket]) -> None:
-    """Keep the listening sockets in the unit's file descriptor store (FileDescriptorStoreMax=) by their names,
-    replacing any kept before, where systemd runs the keeper with a notify socket; elsewhere nothing."""
+def store_in_systemd(fds: dict[str, int]) -> None:
+    """Keep descriptors (the listening sockets, the control state's file) in the unit's file descriptor store
+    (FileDescriptorStoreMax=) by their names, replacing any kept before, where systemd runs the keeper with a
+    notify socket; elsewhere nothing."""
     target = _notify_target()
     if target is None:
         return
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         try:
-            for name, sock in sockets.items():
+            for name, fd in fds.items():
                 notify.sendto(f"FDSTOREREMOVE=1\nFDNAME={name}".encode(), target)
                 # sendmsg, not socket.send_fds: Python 3.11's ignores its address argument
                 notify.sendmsg([f"FDSTORE=1\nFDNAME={name}".encode()],
-                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [sock.fileno()]))], 0, target)
+                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], 0, target)
         except OSError as exc:
             log.warning("cannot keep the listening sockets in systemd's store (%s): a keeper crash refuses "
                         "connections until the unit is back", exc)

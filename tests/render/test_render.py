@@ -84,10 +84,10 @@ def test_engine_unit_pins_gpus_limits_restart_and_readiness() -> None:
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_proxy_unit_stores_every_listening_socket_of_the_keeper(workers: int) -> None:
-    """One API socket per proxy worker and the admin socket fit the unit's file descriptor store (issue 38: it
-    held 2 whatever the workers)."""
+    """One API socket per proxy worker, the admin socket and the control state's file fit the unit's file
+    descriptor store (issue 38: it held 2 whatever the workers)."""
     unit = units_of(make({"proxy": {"workers": workers}}))["pd-proxy.service"]
-    assert lines(unit, "FileDescriptorStoreMax") == [str(len([n for s in slot_names(workers) for n in s]))]
+    assert lines(unit, "FileDescriptorStoreMax") == [str(len([n for s in slot_names(workers) for n in s]) + 1)]
     assert lines(unit, "NotifyAccess") == ["main"]
 
 

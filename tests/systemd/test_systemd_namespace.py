@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.node import admin_client
 from appliance.render.systemd import exec_line
 from benchmarks import crash_bench
 from tests.rebalance.load import Load, restart_figures
@@ -291,6 +292,9 @@ def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
     wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
     keeper = ns.show("pd-proxy.service", "MainPID")
     assert len(ns.run("cat", f"/proc/{keeper}/task/{keeper}/children").stdout.split()) == p.proxy.workers
+    # an admin hold set before the kill holds after it: the unit's store kept the leader's control state too
+    admin = admin_client(p, timeout=10)
+    admin.hold(30.0, expires_in_s=600.0)
     load = Load(p.proxy.url, max_tokens=40).start()
     done, pooled = threading.Event(), []
     pace = crash_bench.Pace(clients=3, max_tokens=40, decode_step_ms=0, before=0, after=0)
@@ -317,11 +321,12 @@ def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
         thread.join()
         load.stop()
     failed = [f"{o.result}: {o.detail}" for o in pooled if o.result != "ok"]
-    print(f"systemd, kill -{sig} of the keeper: {load.ok + len(load.failures)} streams sent, "
+    print(f"systemd, {p.proxy.workers} worker(s), kill -{sig} of the keeper: {load.ok + len(load.failures)} streams sent, "
           f"{len(load.failures)} failed; pooled: {len(pooled)} sent, {len(failed)} failed or cut")
     assert load.failures == [], load.failures[:5]
     assert failed == [], failed[:5]
     assert ns.show("pd-proxy.service", "NRestarts") == "1"
+    assert admin.state()["hold_wait_s"] == 30.0
 
 
 def test_a_redeploy_reports_only_its_own_ends(booted) -> None:
