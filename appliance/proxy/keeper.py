@@ -233,16 +233,19 @@ class Keeper:
         if stored is None:
             return None
         state = stored.pop(STATE_NAME, None)
+        kept = [socket.socket(fileno=fd) for fd in stored.values()]
         if set(stored) == {n for slot in names for n in slot}:
-            sockets = [[socket.socket(fileno=stored[n]) for n in slot] for slot in names]
+            sockets = [[kept[list(stored).index(n)] for n in slot] for slot in names]
             if all(_fits(socks, want, reuse_port) for socks, want in zip(sockets, wanted, strict=True)):
                 log.info("listening on the sockets systemd kept across the restart (%d worker(s))", len(names))
                 self.kept = True
                 if state is not None:
                     self.state_fd = state
                 return [Slot(i, socks) for i, socks in enumerate(sockets)]
-        for fd in [*stored.values(), *([state] if state is not None else [])]:
-            os.close(fd)
+        for sock in kept:
+            sock.close()
+        if state is not None:
+            os.close(state)
         forget_in_systemd([*stored, STATE_NAME])
         return None
 

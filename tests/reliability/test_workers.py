@@ -223,6 +223,42 @@ def test_a_killed_worker_is_replaced_and_the_other_keeps_serving(tmp_path: Path)
         assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
 
 
+def kept_state(keeper: int) -> dict[str, Any] | None:
+    """The control state the leader keeps in its keeper's state file (a memfd the keeper holds), read through
+    /proc; None before the leader first wrote it."""
+    for fd in Path(f"/proc/{keeper}/fd").iterdir():
+        with contextlib.suppress(OSError, ValueError):  # a write under way reads short: the next poll is whole
+            if os.readlink(fd).startswith("/memfd:pd-proxy-state"):
+                raw = fd.read_bytes()
+                return dict(json.loads(raw)["state"]) if raw else None
+    return None
+
+
+def test_a_killed_leader_is_replaced_with_its_control_state(tmp_path: Path) -> None:
+    """SIGKILL of worker 0, the leader, after a drain and a hold set through it: its replacement starts with both
+    (the leader keeps them in the keeper's state file), so every worker still keeps both-1 out of rotation. Before,
+    the replacement started from the config: the drain and the hold were gone."""
+    with workers_node(tmp_path, engines=2) as node:
+        leader = int(state(node)["pid"])
+        for path, body in (("/admin/drain", {"instance": "both-1", "timeout_s": 5}),
+                           ("/admin/hold", {"wait_s": 20, "expires_in_s": 600})):
+            status, _, answer_body = http(node.admin_port, "POST", path, body)
+            assert status == 200, answer_body[:300]
+        keeper = next(p for p in node.procs if p.name == "proxy")
+        wait_for(lambda: (kept := kept_state(keeper.popen.pid)) is not None and kept["draining"] == ["both-1"]
+                 and kept["hold"]["wait_s"] == 20, "the leader keeping the drain and the hold")
+        os.kill(leader, signal.SIGKILL)
+        wait_for(lambda: int(state(node)["pid"]) != leader, "a new leader answering")
+        view = state(node)
+        assert {i["name"]: i["draining"] for i in view["instances"]} == {"both-0": False, "both-1": True}
+        assert 0 < view["hold_wait_s"] <= 20
+        for _ in range(10):
+            status, _, _ = http(node.proxy_port, "POST", "/v1/completions",
+                                {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert status == 200
+        assert {i["name"]: i["routed"] for i in state(node)["instances"]}["both-1"] == 0
+
+
 def test_metrics_add_up_every_workers_counters(tmp_path: Path) -> None:
     """/metrics, whichever worker answers it, counts every worker's requests (before: the answering worker's)."""
     with workers_node(tmp_path) as node:
