@@ -181,8 +181,11 @@ class Keeper:
         if self.state_fd < 0:
             self.state_fd = os.memfd_create("pd-proxy-state")  # every leader of this keeper writes to this one
             store_in_systemd({STATE_NAME: self.state_fd})
-        # where the workers of one generation find each other (the leader shares its routing state through it)
-        self.peers = tempfile.mkdtemp(prefix=_PEERS_PREFIX) if config.workers > 1 else None
+        # where the workers of one generation find each other (the leader shares its routing state through it):
+        # under systemd in the unit's RuntimeDirectory, which systemd removes with the unit's processes (a killed
+        # keeper's orphaned workers are stopped with it there, so nothing else would remove its folder)
+        self.peers = tempfile.mkdtemp(prefix=_PEERS_PREFIX, dir=os.environ.get("RUNTIME_DIRECTORY")) \
+            if config.workers > 1 else None
         self.generation = 0  # a handover starts the next one; a crashed worker's replacement joins the current
         self.signals: list[int] = []
         self.crashes = 0  # serving proxies that exited on their own and were replaced

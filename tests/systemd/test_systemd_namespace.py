@@ -291,7 +291,10 @@ def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
     env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
     wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
     keeper = ns.show("pd-proxy.service", "MainPID")
-    assert len(ns.run("cat", f"/proc/{keeper}/task/{keeper}/children").stdout.split()) == p.proxy.workers
+    workers = ns.run("cat", f"/proc/{keeper}/task/{keeper}/children").stdout.split()
+    assert len(workers) == p.proxy.workers
+    argv = ns.run("cat", f"/proc/{workers[0]}/cmdline").stdout.split("\0")
+    peers = argv[argv.index("--peers") + 1] if "--peers" in argv else None  # several workers' folder
     # an admin hold set before the kill holds after it: the unit's store kept the leader's control state too
     admin = admin_client(p, timeout=10)
     admin.hold(30.0, expires_in_s=600.0)
@@ -327,6 +330,8 @@ def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
     assert failed == [], failed[:5]
     assert ns.show("pd-proxy.service", "NRestarts") == "1"
     assert admin.state()["hold_wait_s"] == 30.0
+    if peers is not None:  # the killed keeper's workers' folder went with the unit's processes (RuntimeDirectory=)
+        assert ns.run("test", "-e", peers, check=False).returncode == 1, peers
 
 
 def test_a_redeploy_reports_only_its_own_ends(booted) -> None:
