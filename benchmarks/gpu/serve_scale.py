@@ -11,7 +11,8 @@ one `vllm bench serve` per engine (or --clients of them) at once, each at `--con
 and PROXY (every client to the proxy's port), in alternating order. vLLM's own client, with --save-detailed, so the
 figures below are vLLM's per-request samples pooled over the clients:
 
-- tok/s: the sum of the clients' output throughput (vLLM's own figure: a client's output tokens / its duration)
+- tok/s: the clients' output tokens / the union of their measured spans (each ends when its process does, and
+  began its vLLM `duration` before); "together": the share of that span during which every client was running
 - ITL p50/p99/max and TTFT p50/p99 over every request of every client
 - proxy cores: CPU seconds of the keeper and its workers over the clients' span (psutil, sampled every 0.5 s)
 
@@ -84,6 +85,7 @@ class Run:
     requests: int
     failed: int
     tok_s: float
+    together: float
     itl_p50_ms: float
     itl_p99_ms: float
     itl_max_ms: float
@@ -94,12 +96,14 @@ class Run:
 
     def row(self) -> str:
         return (f"{self.label:6} c={self.concurrency:<5} round {self.rnd}: {self.requests} req ({self.failed} failed), "
-                f"{self.tok_s:,.0f} tok/s, ITL p50 {self.itl_p50_ms:.1f} p99 {self.itl_p99_ms:.1f} max "
+                f"{self.tok_s:,.0f} tok/s ({self.together:.0%} of it all clients at once), ITL p50 {self.itl_p50_ms:.1f} p99 {self.itl_p99_ms:.1f} max "
                 f"{self.itl_max_ms:.1f} ms, TTFT p50 {self.ttft_p50_ms:.0f} p99 {self.ttft_p99_ms:.0f} ms, "
                 f"proxy cores {self.proxy_cores:.2f}, {self.wall_s:.0f} s")
 
 
-def proxy_cpu(proxy: psutil.Process) -> float:
+def proxy_cpu(proxy: psutil.Process | None) -> float:
+    if proxy is None:  # --direct-only
+        return 0.0
     total = 0.0
     for p in [proxy, *proxy.children(recursive=True)]:
         try:
@@ -120,7 +124,7 @@ def bench_cmd(args: argparse.Namespace, url: str, conc: int, seed: int, out: Pat
             "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", name]
 
 
-def measure(args: argparse.Namespace, proxy: psutil.Process, label: str, urls: list[str], conc: int, rnd: int,
+def measure(args: argparse.Namespace, proxy: psutil.Process | None, label: str, urls: list[str], conc: int, rnd: int,
             out: Path) -> Run:
     out.mkdir(parents=True, exist_ok=True)
     names = [f"{label}-c{conc}-r{rnd}-client{i}.json" for i in range(len(urls))]
@@ -128,16 +132,18 @@ def measure(args: argparse.Namespace, proxy: psutil.Process, label: str, urls: l
     procs = [subprocess.Popen(bench_cmd(args, url, conc, 1000 * rnd + conc + i, out, name),
                               stdout=open(out / (name + ".log"), "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
              for i, (url, name) in enumerate(zip(urls, names, strict=True))]
-    while any(p.poll() is None for p in procs):
+    ends: dict[int, float] = {}
+    while len(ends) < len(procs):
         time.sleep(0.5)
-        samples.append((time.monotonic(), proxy_cpu(proxy)))
+        now = time.monotonic()
+        samples.append((now, proxy_cpu(proxy)))
+        ends.update({i: now for i, p in enumerate(procs) if i not in ends and p.poll() is not None})
     wall = samples[-1][0] - samples[0][0]
     itls: list[float] = []
     ttfts: list[float] = []
-    tok_s = 0.0
-    durations: list[float] = []
-    requests = failed = 0
-    for p, name in zip(procs, names, strict=True):
+    tokens = requests = failed = 0
+    spans: list[tuple[float, float]] = []  # each client's measured (start, end) on this clock
+    for i, (p, name) in enumerate(zip(procs, names, strict=True)):
         path = out / name
         if p.returncode != 0 or not path.exists():
             print(f"  {name}: vllm bench serve exited {p.returncode}; see {path}.log", flush=True)
@@ -146,8 +152,8 @@ def measure(args: argparse.Namespace, proxy: psutil.Process, label: str, urls: l
         data = json.loads(path.read_text())
         requests += int(data.get("completed", 0))
         failed += int(data.get("failed", 0))
-        tok_s += float(data.get("output_throughput", 0.0))  # vLLM's own: its output tokens / its duration
-        durations.append(float(data.get("duration", 0.0)))
+        tokens += int(data.get("total_output_tokens", 0))
+        spans.append((ends[i] - float(data.get("duration", 0.0)), ends[i]))
         for lens, itl, ttft in zip(data.get("output_lens", []), data.get("itls", []), data.get("ttfts", []),
                                    strict=False):
             if lens:
@@ -158,12 +164,15 @@ def measure(args: argparse.Namespace, proxy: psutil.Process, label: str, urls: l
         for key in ("itls", "ttfts", "output_lens", "input_lens", "generated_texts", "errors", "start_times"):
             data.pop(key, None)
         path.write_text(json.dumps({**data, "first_errors": errors}, indent=1))
-    # the proxy's cores over the clients' measured span (they end together; their start-up is not load)
-    span = max(durations, default=wall)
-    start = samples[-1][0] - span
+    # the clients start their measured part at different times (each imports vLLM and builds its prompts first),
+    # so the node's rate is every token over the union of their measured spans, and `together` says how much of
+    # it all of them ran at once: the run loads the node as intended only where that is most of it
+    start = min((a for a, _ in spans), default=samples[0][0])
+    span = max((b for _, b in spans), default=samples[-1][0]) - start
+    together = (min((b for _, b in spans), default=0.0) - max((a for a, _ in spans), default=0.0)) / max(span, 1e-9)
     before = max((s for s in samples if s[0] <= start), default=samples[0], key=lambda s: s[0])
     cores = (samples[-1][1] - before[1]) / max(samples[-1][0] - before[0], 1e-9)
-    return Run(label, conc, rnd, requests, failed, tok_s, pct(itls, 0.5), pct(itls, 0.99),
+    return Run(label, conc, rnd, requests, failed, tokens / max(span, 1e-9), max(together, 0.0), pct(itls, 0.5), pct(itls, 0.99),
                max(itls, default=float("nan")), pct(ttfts, 0.5), pct(ttfts, 0.99), cores, wall)
 
 
@@ -204,7 +213,7 @@ def main() -> None:
     proxy_proc = None
     try:
         if args.direct_only:
-            proxy = psutil.Process()
+            proxy = None
             url = ""
         else:
             port, admin = free_port(), free_port()
