@@ -52,6 +52,7 @@ class BackendState:
         self.in_flight = 0
         # its cells in the loads the worker processes share (columns.py); None: this process is the only one
         self.column: Column | None = None
+        self.rank_columns: list[Column] = []  # its DP ranks' cells there (a rank of none: counted here alone)
         # Requests routed here and not finished, from the moment they were routed: a READ request counts
         # against its decode instance while its prefill leg still runs, and against its prefill instance
         # while the decode reads the KV. A drain waits for this, so a drained instance has no request left
@@ -98,6 +99,9 @@ class BackendState:
         start = self.dp_next % size
         self.dp_next = start + 1
         counts = self.dp_in_flight
+        shared = self.rank_columns
+        if shared:  # every worker process's legs on each rank
+            counts = [n + shared[rank].others() if rank < len(shared) else n for rank, n in enumerate(counts)]
         best = start
         for k in range(1, size):
             rank = (start + k) % size
@@ -148,6 +152,8 @@ class Lease:
             inst.column.add(1)
         if rank is not None:  # picked below dp_size, and the counts never shrink (set_dp_size)
             inst.dp_in_flight[rank] += 1
+            if rank < len(inst.rank_columns):
+                inst.rank_columns[rank].add(1)
 
     def end(self) -> None:
         """Stop counting the leg (a second call changes nothing)."""
@@ -160,6 +166,8 @@ class Lease:
             inst.column.add(-1)
         if rank is not None:
             inst.dp_in_flight[rank] -= 1
+            if rank < len(inst.rank_columns):
+                inst.rank_columns[rank].add(-1)
 
     def __enter__(self) -> Lease:
         return self

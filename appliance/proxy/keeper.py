@@ -39,6 +39,7 @@ import array
 import hashlib
 import logging
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -140,6 +141,9 @@ class Keeper:
         self.slots = [Slot(0, [api[0], admin]), *(Slot(i, [sock]) for i, sock in enumerate(api[1:], 1))]
         # where the workers of one generation find each other (the leader shares its routing state through it)
         self.peers = tempfile.mkdtemp(prefix="pd-proxy-") if config.workers > 1 else None
+        # one str hash seed for all its workers (still secret: random per keeper), so that prefix affinity's block
+        # hashes, which each worker sends the others, are the same numbers in every worker (docs/proxy-workers.md)
+        self.hash_seed = str(secrets.randbelow(2**32))
         self.generation = 0  # a handover starts the next one; a crashed worker's replacement joins the current
         self.signals: list[int] = []
         self.crashes = 0  # serving proxies that exited on their own and were replaced
@@ -186,8 +190,9 @@ class Keeper:
                 "--listen-fds", ",".join(map(str, fds)), "--ready-fd", str(write_end), "--crashes", str(self.crashes)]
         if self.peers is not None:
             argv += ["--worker", str(slot.index), "--peers", self.peers, "--generation", str(generation)]
+        env = {**os.environ, "PYTHONHASHSEED": self.hash_seed} if self.peers is not None else None
         proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=(*fds, write_end),
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         os.close(write_end)
         return Worker(proc, read_end)
 

@@ -27,7 +27,7 @@ import json
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 from appliance.proxy.config import PrefixAffinityConfig, ProxyConfig
@@ -363,6 +363,8 @@ class PrefixAffinity(Policy):
         # that its events have not had time to report (chained hash -> when that stops counting)
         self._events: weakref.WeakKeyDictionary[BackendState, dict[int, EventBlocks]] = weakref.WeakKeyDictionary()
         self._pending: weakref.WeakKeyDictionary[BackendState, OrderedDict[int, float]] = weakref.WeakKeyDictionary()
+        # told of every prompt recorded on an instance (the other worker processes take it: workers.Broadcast)
+        self.on_record: Callable[[BackendState, Prompt], None] | None = None
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> PrefixAffinity:
@@ -491,22 +493,39 @@ class PrefixAffinity(Policy):
             index.add(chain)
         if inst.kv_events_endpoints and prompt.token_ids:
             self._expect(inst, request)
+        if self.on_record is not None and prompt.chains:
+            self.on_record(inst, prompt)
         counts = self._tokens.get((role, inst.name))
         if counts is None:
             counts = self._tokens[(role, inst.name)] = [0, 0]
         counts[0] += prompt.tokens
         counts[1] += min(match, prompt.tokens)
 
+    def recorded(self, inst: BackendState, chains: list[list[int]], token_ids: bool) -> None:
+        """A prompt another worker process recorded on `inst` (its chains in the plan's block size): expected
+        there from now on, as record does, its lookup counted by that worker."""
+        index = self._index(inst)
+        for chain in chains:
+            index.add(chain)
+        if inst.kv_events_endpoints and token_ids:
+            first = (self._events.get(inst) or {}).get(0)
+            if first is None or first.block_size == self.block_size:
+                self._pend(inst, chains)
+        self._matches[1].pop(inst, None)
+
     def _expect(self, inst: BackendState, request: RequestFacts) -> None:
+        first = (self._events.get(inst) or {}).get(0)
+        self._pend(inst, self._prompt(request, first.block_size if first else None).chains)
+
+    def _pend(self, inst: BackendState, chains: list[list[int]]) -> None:
         # its events report the blocks its engine computes for this prompt once it has; until then they count
         # as held (those it holds already are the events' to vouch for, evictions included)
         ranks = self._events.get(inst) or {}
-        first = ranks.get(0)
         held = [rank.held for rank in ranks.values()]
         now = time.monotonic()
         pending = self._pending_of(inst, now)
         until = now + PENDING_S
-        for chain in self._prompt(request, first.block_size if first else None).chains:
+        for chain in chains:
             for block in reversed(chain):  # head last: the bound below drops a prompt's tail first
                 for h in held:
                     if block in h:
