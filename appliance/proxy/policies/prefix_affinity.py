@@ -113,7 +113,9 @@ def seed_of(model: str, cache_salt: Any) -> int:
     # vLLM 0.32 keys a block by its salt only when the salt is truthy (v1/core/kv_cache_utils.py,
     # _gen_extra_keys): no salt, null and "" are one key, and every other value its own (the string "None"
     # too); the type keeps a value vLLM refuses (400) apart from its text
-    salt = (type(cache_salt).__name__, str(cache_salt)) if cache_salt else None
+    # no salt is (), not None: None hashes by its address, which differs between the proxy's worker processes,
+    # whose block hashes must be the same numbers (they share them: docs/proxy-workers.md)
+    salt = (type(cache_salt).__name__, str(cache_salt)) if cache_salt else ()
     return hash((model, salt))
 
 
