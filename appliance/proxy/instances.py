@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from appliance.hosts import canonical_host
-from appliance.proxy.columns import Column
+from appliance.proxy.columns import Column, Columns
 from appliance.proxy.config import Backend
 from appliance.proxy.upstream import UpstreamPool
 
@@ -76,6 +76,16 @@ class BackendState:
         self.last_seen: float | None = None  # wall clock of the last registration ping
         self.last_seen_mono: float | None = None
         self.removed = False
+
+    def share(self, columns: Columns) -> None:
+        """Count its legs, and its DP ranks', in the columns the worker processes share (from now on)."""
+        if self.column is None:
+            self.column = columns.column(self.name)
+        while self.dp_size > 1 and len(self.rank_columns) < self.dp_size:
+            rank = columns.column(f"{self.name}\0rank {len(self.rank_columns)}")
+            if rank is None:
+                return
+            self.rank_columns.append(rank)
 
     def load(self) -> int:
         """Legs running on this instance from every worker process: what routing compares."""

@@ -102,13 +102,7 @@ class ProxyState:
         self.columns = columns
         if columns is not None:
             for inst in self.registry.instances.values():
-                if inst.column is None:
-                    inst.column = columns.column(inst.name)
-                while inst.dp_size > 1 and len(inst.rank_columns) < inst.dp_size:
-                    rank = columns.column(f"{inst.name}\0rank {len(inst.rank_columns)}")
-                    if rank is None:
-                        break
-                    inst.rank_columns.append(rank)
+                inst.share(columns)
 
     def client_connections(self) -> int:
         """Open client API connections of this process (app.Proxy has the sockets)."""
