@@ -1,6 +1,7 @@
-"""Legs in flight per instance across several proxy worker processes (docs/proxy-workers.md): each worker writes
-its own counts in a file of its own, mapped in memory, which the other workers of its generation map and read;
-one writer per cell, no lock. A pick adds the other workers' counts to its own (BackendState.load). Conditional
+"""Legs in flight per instance (and per DP rank of it) across several proxy worker processes
+(docs/proxy-workers.md): each worker writes its own counts in a file of its own, mapped in memory, which the other
+workers of its generation map and read; one writer per cell, no lock. A pick adds the other workers' counts to its
+own (BackendState.load, pick_rank). Conditional
 routing's decode windows and backlogs are one shared file that every worker changes under its lock (Queues)."""
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from pathlib import Path
 log = logging.getLogger("appliance.proxy.columns")
 
 SLOTS = 1024  # instances one column holds (a node has tens; a removed instance keeps its slot)
-_CELL = struct.Struct("=Qq")  # the instance name's hash (0: a free slot), legs in flight
-_SIZE = SLOTS * _CELL.size
+MAX_RANKS = 64  # DP ranks a cell counts the legs of (a rank past it: each worker counts its own alone)
+_CELL = struct.Struct("=Qq")  # the instance name's hash (0: a free slot), legs in flight; then a count per rank
+_COUNT = struct.Struct("=q")
+_CELL_SIZE = _CELL.size + _COUNT.size * MAX_RANKS
+_SIZE = SLOTS * _CELL_SIZE
+_RANKS = [struct.Struct(f"={n}q") for n in range(MAX_RANKS + 1)]  # the first n ranks' counts of a cell
 
 
 def name_key(name: str) -> int:
@@ -54,15 +59,37 @@ class Column:
         self.own = own  # byte offset of this worker's cell
         self.places: list[int] = [-1] * len(columns.paths)  # byte offset in each other column; -1: not found yet
 
-    def add(self, delta: int) -> None:
-        """Change this worker's count by `delta`."""
+    def add(self, delta: int, rank: int | None = None) -> None:
+        """Change this worker's count of legs by `delta`, and its count on DP rank `rank` (None: no rank)."""
         mine = self.columns.mine
         offset = self.own + 8
-        (value,) = struct.unpack_from("=q", mine, offset)
-        struct.pack_into("=q", mine, offset, value + delta)
+        (value,) = _COUNT.unpack_from(mine, offset)
+        _COUNT.pack_into(mine, offset, value + delta)
+        if rank is not None and rank < MAX_RANKS:
+            offset = self.own + _CELL.size + 8 * rank
+            (value,) = _COUNT.unpack_from(mine, offset)
+            _COUNT.pack_into(mine, offset, value + delta)
+
+    def _cells(self) -> list[tuple[mmap.mmap, int]]:
+        """The instance's cell in each other column that has one (its column, its byte offset)."""
+        cells = []
+        maps, places, key = self.columns.others, self.places, self.key
+        for k, other in enumerate(maps):
+            if other is None:
+                other = self.columns.open(k)
+                if other is None:
+                    continue
+            place = places[k]
+            if place < 0 or _CELL.unpack_from(other, place)[0] != key:  # a replaced worker starts from zero
+                place = places[k] = _find(other, key)
+                if place < 0:
+                    continue
+            cells.append((other, place))
+        return cells
 
     def others(self) -> int:
-        """The legs the other workers of this generation run on the instance now."""
+        """The legs the other workers of this generation run on the instance now (every pick reads it: _cells'
+        walk, inlined)."""
         total = 0
         maps, places, key = self.columns.others, self.places, self.key
         for k, other in enumerate(maps):
@@ -78,12 +105,20 @@ class Column:
             total += _CELL.unpack_from(other, place)[1]
         return total
 
+    def others_by_rank(self, size: int) -> list[int]:
+        """The legs the other workers run on each of the instance's first `size` DP ranks (at most MAX_RANKS)."""
+        ranks = _RANKS[min(size, MAX_RANKS)]
+        totals = [0] * (ranks.size // 8)
+        for other, place in self._cells():
+            totals = [a + b for a, b in zip(totals, ranks.unpack_from(other, place + _CELL.size), strict=True)]
+        return totals
+
 
 def _find(table: mmap.mmap, key: int) -> int:
     """The byte offset of `key`'s cell in a column; -1 when it has none."""
     start = key % SLOTS
     for k in range(SLOTS):
-        offset = (start + k) % SLOTS * _CELL.size
+        offset = (start + k) % SLOTS * _CELL_SIZE
         found = _CELL.unpack_from(table, offset)[0]
         if found == key:
             return offset
@@ -113,7 +148,7 @@ class Columns:
         key = name_key(name)
         start = key % SLOTS
         for k in range(SLOTS):
-            offset = (start + k) % SLOTS * _CELL.size
+            offset = (start + k) % SLOTS * _CELL_SIZE
             found = _CELL.unpack_from(self.mine, offset)[0]
             if found == key:
                 return Column(self, key, offset)

@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from appliance.hosts import canonical_host
-from appliance.proxy.columns import Column, Columns
+from appliance.proxy.columns import MAX_RANKS, Column, Columns
 from appliance.proxy.config import Backend
 from appliance.proxy.upstream import UpstreamPool
 
@@ -52,7 +52,6 @@ class BackendState:
         self.in_flight = 0
         # its cells in the loads the worker processes share (columns.py); None: this process is the only one
         self.column: Column | None = None
-        self.rank_columns: list[Column] = []  # its DP ranks' cells there (a rank of none: counted here alone)
         # Requests routed here and not finished, from the moment they were routed: a READ request counts
         # against its decode instance while its prefill leg still runs, and against its prefill instance
         # while the decode reads the KV. A drain waits for this, so a drained instance has no request left
@@ -81,11 +80,6 @@ class BackendState:
         """Count its legs, and its DP ranks', in the columns the worker processes share (from now on)."""
         if self.column is None:
             self.column = columns.column(self.name)
-        while self.dp_size > 1 and len(self.rank_columns) < self.dp_size:
-            rank = columns.column(f"{self.name}\0rank {len(self.rank_columns)}")
-            if rank is None:
-                return
-            self.rank_columns.append(rank)
 
     def load(self) -> int:
         """Legs running on this instance from every worker process: what routing compares."""
@@ -109,9 +103,8 @@ class BackendState:
         start = self.dp_next % size
         self.dp_next = start + 1
         counts = self.dp_in_flight
-        shared = self.rank_columns
-        if shared:  # every worker process's legs on each rank
-            counts = [n + shared[rank].others() if rank < len(shared) else n for rank, n in enumerate(counts)]
+        if self.column is not None and size <= MAX_RANKS:  # every worker process's legs on each rank
+            counts = [a + b for a, b in zip(counts, self.column.others_by_rank(size), strict=False)]
         best = start
         for k in range(1, size):
             rank = (start + k) % size
@@ -159,11 +152,9 @@ class Lease:
         self.ended = False
         inst.in_flight += 1
         if inst.column is not None:
-            inst.column.add(1)
+            inst.column.add(1, rank)
         if rank is not None:  # picked below dp_size, and the counts never shrink (set_dp_size)
             inst.dp_in_flight[rank] += 1
-            if rank < len(inst.rank_columns):
-                inst.rank_columns[rank].add(1)
 
     def end(self) -> None:
         """Stop counting the leg (a second call changes nothing)."""
@@ -173,11 +164,9 @@ class Lease:
         inst, rank = self.inst, self.rank
         inst.in_flight -= 1
         if inst.column is not None:
-            inst.column.add(-1)
+            inst.column.add(-1, rank)
         if rank is not None:
             inst.dp_in_flight[rank] -= 1
-            if rank < len(inst.rank_columns):
-                inst.rank_columns[rank].add(-1)
 
     def __enter__(self) -> Lease:
         return self
