@@ -104,12 +104,14 @@ class HealthChecker:
         # a worker other than the leader of several (workers.py): the leader probes and ejects, this one sends it
         # its legs' failures (report: instance name, ok, timed out) and takes its verdicts from its snapshots
         self._report: Callable[[str, bool, bool], None] | None = None
+        self._ask: Callable[[str], Awaitable[None]] | None = None
         self._failed_here: set[str] = set()  # instances whose last leg here failed (a follower's)
 
-    def follow(self, report: Callable[[str, bool, bool], None]) -> None:
+    def follow(self, report: Callable[[str, bool, bool], None], ask: Callable[[str], Awaitable[None]]) -> None:
         """Leave probes, warm-ups and ejections to the leader of several workers: a leg's failure goes to `report`
-        (and the first success after one), and a probe answers with the instance's health as the leader shares it."""
-        self._report = report
+        (and the first success after one), a fresh probe is the leader's (`ask`: it returns once the leader's
+        verdict is applied here), and any other answers with the instance's health as the leader shares it."""
+        self._report, self._ask = report, ask
 
     def stand_in(self, instances: Iterable[BackendState]) -> BackendState | None:
         """The instance of these (one role's, in service) that takes the role's requests while none of them is in
@@ -168,6 +170,8 @@ class HealthChecker:
         A probe already running for it answers for this one too, unless `fresh`: then the answer is always
         from a probe started now (one that began before the instance came back would say it is down).
         """
+        if self._ask is not None and fresh and not inst.removed:
+            await self._ask(inst.name)
         if inst.removed or self._report is not None or (inst.name in self._probing and not fresh):
             return inst.healthy
         self._probing.add(inst.name)

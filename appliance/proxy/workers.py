@@ -234,7 +234,7 @@ class Follower(WorkerSocket):
         self.synced = asyncio.Event()  # the first snapshot arrived (a replacement serves only after it)
         self._last: dict[str, Any] | None = None
         self._reports: set[asyncio.Task[Any]] = set()
-        proxy.health.follow(self.report)
+        proxy.health.follow(self.report, self.ask_probe)
 
     def report(self, name: str, ok: bool, timed_out: bool) -> None:
         """Send the leader a leg's outcome on instance `name` (a failure, or the first success after one)."""
@@ -246,6 +246,13 @@ class Follower(WorkerSocket):
                                                {"instance": name, "ok": ok, "timed_out": timed_out}))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
+
+    async def ask_probe(self, name: str) -> None:
+        """Have the leader probe instance `name` now (a leg found its engine gone); return once its verdict is
+        applied here (the leader shares a change before it answers)."""
+        leader = self.leader()
+        if leader is not None:
+            await peer_call(leader, "POST", "/worker/probe", {"instance": name})
 
     def leader(self) -> Path | None:
         """The leader's socket of this generation (None while it is being replaced)."""
@@ -281,6 +288,7 @@ class Leader(WorkerSocket):
         """The other workers' legs, besides /worker/metrics."""
         super().routes(app)
         app.router.add_post("/worker/leg", self._leg)
+        app.router.add_post("/worker/probe", self._probe)
 
     async def _leg(self, request: web.Request) -> web.Response:
         leg = await request.json()
@@ -294,6 +302,16 @@ class Leader(WorkerSocket):
             if (inst.healthy, inst.ejected_for) != before:
                 await self.share()
         return web.json_response({"taken": inst is not None})
+
+    async def _probe(self, request: web.Request) -> web.Response:
+        inst = self.proxy.registry.get(str((await request.json())["instance"]))
+        if inst is None:
+            return web.json_response({"healthy": None})
+        before = inst.healthy, inst.ejected_for
+        healthy = await self.proxy.health.probe(inst, fresh=True)
+        if (inst.healthy, inst.ejected_for) != before:
+            await self.share()
+        return web.json_response({"healthy": healthy})
 
     def start(self) -> None:
         """Send the snapshot every SYNC_INTERVAL_S (a worker that has just started gets it within that), and at

@@ -391,3 +391,32 @@ def test_an_instance_a_follower_ejects_for_its_legs_is_out_of_rotation_for_every
             raw = answer(request_on(connect_to(node, worker), token_ids(8)))
             assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
         assert in_flight(node) == {"prefill-0": 0, "prefill-1": 0, "decode-0": 0}
+
+
+def test_a_stream_whose_engine_dies_on_a_follower_is_continued_on_the_other_engine(tmp_path: Path) -> None:
+    """both-1 exits after 5 tokens of a stream worker 1 relays (both-0 runs worker 0's stream): worker 1 has the
+    leader probe it at once, and the continuation's route, which a live both-1 would win (the less loaded), goes
+    to both-0; the client gets all 100 tokens, and no continuation leg is lost on the dead engine."""
+    node = Node(tmp_path)
+    try:
+        backends = [{"name": "both-0", "role": "both", "url": node.engine("both-0", "both", "none", "--max-model-len",
+                                                                          "256", "--decode-step-ms", "20")},
+                    {"name": "both-1", "role": "both", "url": node.engine(
+                        "both-1", "both", "none", "--max-model-len", "256", "--decode-step-ms", "20",
+                        "--fault-crash-after-tokens", "5")}]
+        proc = node.proxy("none", backends, module="appliance.proxy.keeper", workers=2)
+        node.wait_http(proc, node.proxy_url + "/health")
+        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True, True], "2 workers ready")
+        first = request_on(connect_to(node, 0), STREAM)
+        wait_for(lambda: in_flight(node) == {"both-0": 1, "both-1": 0}, "worker 0's stream on both-0")
+        second = answer(request_on(connect_to(node, 1), STREAM))
+        assert second.startswith(b"HTTP/1.1 200") and second.count(b"data: ") == 101, second[-300:]
+        assert b"data: [DONE]" in second and b'"error"' not in second
+        assert answer(first).count(b"data: ") == 101
+        failures = metric(node, "pdctl_proxy_leg_failures_total")
+        print(f"leg failures: {failures}")
+        assert sum(failures.values()) == 1, failures  # the cut stream's leg alone
+        continued = metric(node, "pdctl_proxy_continuations_total")
+        assert {dict(k)["outcome"]: v for k, v in continued.items() if v} == {"continued": 1}, continued
+    finally:
+        node.stop()
