@@ -1,8 +1,10 @@
 """Several proxy worker processes (docs/proxy-workers.md): worker 0, the leader, holds the control state (mode,
-backends, drains, holds, planned stops) that the admin API changes, and shares it with the other workers of its
-generation (the processes the keeper started together) as a snapshot over each one's Unix socket: at once on each
-change, before the admin call answers, and every SYNC_INTERVAL_S (a worker that has just started gets it then).
-Each worker answers for its own loads, which the leader sums for a drain and for `pdctl status`."""
+backends, drains, holds, planned stops) that the admin API changes, and its health verdicts (it alone probes, warms
+up and ejects), and shares them with the other workers of its generation (the processes the keeper started
+together) as a snapshot over each one's Unix socket: at once on each change, before the admin call answers, and
+every SYNC_INTERVAL_S (a worker that has just started gets it then). The others send it their legs' failures. Each
+worker answers for its own loads, which the leader sums for a drain and for `pdctl status`, and sends the others
+the prompts prefix affinity recorded (Broadcast)."""
 
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def health(proxy: ProxyState) -> dict[str, list[Any]]:
 
 async def apply(proxy: ProxyState, snap: dict[str, Any], previous: dict[str, Any] | None) -> None:
     """Take the leader's snapshot; idempotent. A planned stop begins when it is new since `previous` and ends
-    when the leader's has ended: this worker's own probes may end it sooner (it saw the instance come back)."""
+    when the leader's has ended; each instance's health is the leader's."""
     now = time.monotonic()
     proxy.mode = snap["mode"]
     if snap["backends"] != proxy.backends:
