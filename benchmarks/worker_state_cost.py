@@ -11,8 +11,9 @@ As built (appliance/proxy/columns.py, workers.py), each against what one process
   queues    a decode-only decision's reads and count of the decode's window and backlog: under the shared file's
             lock, against a PrefillWindow and PrefillBacklog of its own
   dp ranks  a DP rank picked of 8 and its leg counted and ended: in the shared columns, against its own counts
-  records   a prompt of 64 blocks recorded on an instance: sent to the other workers (Broadcast.send) and applied
-            by each (PrefixAffinity.recorded), against recorded on its own only
+  records   a prompt of 64 blocks recorded on an instance (hashed: a new request each time): sent to the other
+            workers (Broadcast.send), and read and applied by each (PrefixAffinity.recorded), the node's CPU in
+            all, against recorded in one process
 
     .venv/bin/python benchmarks/worker_state_cost.py --workers 4 --instances 16
 """
@@ -165,7 +166,8 @@ def dp_ranks(peers: Path, workers: int) -> tuple[float, float]:
 
 
 def records(peers: Path, workers: int) -> tuple[float, float, float]:
-    """(one process, sent to the others, applied by one other) us for a prompt of 64 blocks recorded."""
+    """us for a prompt of 64 blocks recorded: (in one process; sent to the others, and taken and applied by
+    each, the node's total; applied in one other)."""
     def worker() -> tuple[PrefixAffinity, InstanceRegistry]:
         registry = InstanceRegistry(1.0)
         inst = BackendState("decode-0", "decode", "http://127.0.0.1:1", connect_timeout=1.0)
@@ -194,7 +196,7 @@ def records(peers: Path, workers: int) -> tuple[float, float, float]:
     taker_policy, taker_registry = others[0]
     applied = per_call_us(lambda: taker_policy.recorded(taker_registry.instances["decode-0"], prompt.chains, False),
                           ROUNDS // 4)
-    return alone, per_call_us(shared, ROUNDS // 4) - alone - applied * (workers - 1), applied
+    return alone, per_call_us(shared, ROUNDS // 4), applied
 
 
 def main() -> None:
@@ -216,9 +218,9 @@ def main() -> None:
         print(f"queues    {alone:7.1f} / {shared:7.1f} (a decode-only decision's window and backlog, and its count)")
         alone, shared = dp_ranks(peers, args.workers)
         print(f"dp ranks  {alone:7.1f} / {shared:7.1f} (a rank picked of 8, its leg counted and ended)")
-        alone, sent, applied = records(peers, args.workers)
-        print(f"records   {alone:7.1f} / {alone + sent:7.1f} (a 64-block prompt recorded; sent to {args.workers - 1} "
-              f"peers: +{sent:.1f}), and {applied:.1f} to apply in each of them")
+        alone, shared, applied = records(peers, args.workers)
+        print(f"records   {alone:7.1f} / {shared:7.1f} (a 64-block prompt recorded; and sent to {args.workers - 1} "
+              f"peers, each taking it: the node's total), of which {applied:.1f} to apply in each peer")
     print(f"load {os.getloadavg()[0]:.1f}")
 
 

@@ -353,7 +353,8 @@ class Leader(WorkerSocket):
 class Broadcast:
     """Prefix affinity's records, shared by the workers of a generation (docs/proxy-workers.md): each prompt a
     worker records on an instance goes to every other worker as a datagram on its Unix socket (the instance's
-    name and the prompt's block hashes, 8 bytes each), which each applies to its own estimate
+    names and the prompt's block hashes, 8 bytes each: one datagram for a route's prefill and decode), which each
+    applies to its own estimate
     (PrefixAffinity.recorded) on its loop. A datagram a busy worker has no room for is dropped and counted: that
     worker misses the record, as a worker did before records were shared."""
 
@@ -367,7 +368,6 @@ class Broadcast:
         self.sock.bind(str(self.path))
         self._peers: list[str] = []
         self._peers_at = -_PEERS_S
-        self._last: tuple[Prompt | None, bytes] = (None, b"")
         self.sent = self.dropped = self.taken = 0
 
     def start(self) -> None:
@@ -375,18 +375,16 @@ class Broadcast:
         asyncio.get_running_loop().add_reader(self.sock.fileno(), self._take)
         self.policy.on_record = self.send
 
-    def send(self, inst: BackendState, prompt: Prompt) -> None:
-        """Send one record to every other worker (called by PrefixAffinity.record, on the routing pass)."""
+    def send(self, insts: list[BackendState], prompt: Prompt) -> None:
+        """Send one route's record to every other worker (PrefixAffinity.record_route calls it, on the routing
+        pass)."""
         now = time.monotonic()
         if now - self._peers_at >= _PEERS_S:
             self._peers_at = now
             self._peers = [str(p) for p in self.role.peers.glob(f"g{self.role.generation}-w*-*.blocks")
                            if p != self.path]
-        last, chains = self._last
-        if last is not prompt:  # a disaggregated request records one prompt twice: packed once
-            chains = msgpack.packb([prompt.token_ids, [array("q", c).tobytes() for c in prompt.chains]])
-            self._last = (prompt, chains)
-        message = msgpack.packb(inst.name) + chains
+        message = msgpack.packb([[inst.name for inst in insts], prompt.token_ids,
+                                 [array("q", chain).tobytes() for chain in prompt.chains]])
         for peer in self._peers:
             try:
                 self.sock.sendto(message, peer)
@@ -399,28 +397,26 @@ class Broadcast:
                 self.dropped += 1
 
     def _take(self) -> None:
-        unpacker = msgpack.Unpacker
         while True:
             try:
                 data = self.sock.recv(_MAX_RECORD_BYTES)
             except (BlockingIOError, InterruptedError):
                 return
             try:
-                reader = unpacker()
-                reader.feed(data)
-                name, (token_ids, blobs) = reader.unpack(), reader.unpack()
+                names, token_ids, blobs = msgpack.unpackb(data)
                 chains = []
                 for blob in blobs:
                     chain = array("q")
                     chain.frombytes(blob)
                     chains.append(chain.tolist())
-                inst = self.registry.get(str(name))
+                insts = [self.registry.get(str(name)) for name in names]
             except (ValueError, TypeError, msgpack.UnpackException) as exc:
                 log.warning("a malformed prefix record on %s: %s", self.path.name, exc)
                 continue
-            if inst is not None:
-                self.policy.recorded(inst, chains, bool(token_ids))
-                self.taken += 1
+            for inst in insts:
+                if inst is not None:
+                    self.policy.recorded(inst, chains, bool(token_ids))
+                    self.taken += 1
 
     def close(self) -> None:
         """Stop sending and taking records."""

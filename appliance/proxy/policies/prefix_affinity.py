@@ -365,8 +365,8 @@ class PrefixAffinity(Policy):
         # that its events have not had time to report (chained hash -> when that stops counting)
         self._events: weakref.WeakKeyDictionary[BackendState, dict[int, EventBlocks]] = weakref.WeakKeyDictionary()
         self._pending: weakref.WeakKeyDictionary[BackendState, OrderedDict[int, float]] = weakref.WeakKeyDictionary()
-        # told of every prompt recorded on an instance (the other worker processes take it: workers.Broadcast)
-        self.on_record: Callable[[BackendState, Prompt], None] | None = None
+        # told of every prompt recorded on a route's instances (the other worker processes take it: workers.Broadcast)
+        self.on_record: Callable[[list[BackendState], Prompt], None] | None = None
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> PrefixAffinity:
@@ -487,21 +487,26 @@ class PrefixAffinity(Policy):
 
     def record(self, role: str, inst: BackendState, request: RequestFacts) -> None:
         """The prompt's blocks are expected on `inst` from now on, and its lookup is counted for `role`."""
+        self.record_route(((role, inst),), request)
+
+    def record_route(self, chosen: Sequence[tuple[str, BackendState]], request: RequestFacts) -> None:
+        """record() for each (role, instance) of one route; on_record is told once, of them all."""
         prompt = self._prompt(request)
-        match = self.expected_cached_tokens(inst, request) if prompt.chains else 0
-        self._matches[1].pop(inst, None)  # it holds the prompt from now on
-        index = self._index(inst)
-        for chain in prompt.chains:
-            index.add(chain)
-        if inst.kv_events_endpoints and prompt.token_ids:
-            self._expect(inst, request)
+        for role, inst in chosen:
+            match = self.expected_cached_tokens(inst, request) if prompt.chains else 0
+            self._matches[1].pop(inst, None)  # it holds the prompt from now on
+            index = self._index(inst)
+            for chain in prompt.chains:
+                index.add(chain)
+            if inst.kv_events_endpoints and prompt.token_ids:
+                self._expect(inst, request)
+            counts = self._tokens.get((role, inst.name))
+            if counts is None:
+                counts = self._tokens[(role, inst.name)] = [0, 0]
+            counts[0] += prompt.tokens
+            counts[1] += min(match, prompt.tokens)
         if self.on_record is not None and prompt.chains:
-            self.on_record(inst, prompt)
-        counts = self._tokens.get((role, inst.name))
-        if counts is None:
-            counts = self._tokens[(role, inst.name)] = [0, 0]
-        counts[0] += prompt.tokens
-        counts[1] += min(match, prompt.tokens)
+            self.on_record([inst for _, inst in chosen], prompt)
 
     def recorded(self, inst: BackendState, chains: list[list[int]], token_ids: bool) -> None:
         """A prompt another worker process recorded on `inst` (its chains in the plan's block size): expected

@@ -306,8 +306,8 @@ class Router:
             return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason, side)
         prefill = self.policy.pick("prefill", prefills, request) if prefills else cast(BackendState, stand_in)
         if self._records:
-            self.policy.record("prefill", prefill, request)
-            self.policy.record("decode", decode, request)  # it keeps the KV it is handed as its own prefix cache
+            # the decode keeps the KV it is handed as its own prefix cache
+            self.policy.record_route((("prefill", prefill), ("decode", decode)), request)
         # Both instances count the request until it ends: the decode leg starts only after the prefill leg in
         # READ mode, and a drain of the decode instance in between must wait for it rather than let it be
         # stopped under the request (a 502 "cannot connect").
