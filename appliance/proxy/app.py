@@ -101,7 +101,8 @@ class Proxy(ProxyState):
             self.share_loads(Columns(role.peers, role.generation, role.index, config.workers))
             self.router.queues = Queues(role.peers, role.generation)
             if isinstance(self.router.policy, PrefixAffinity):
-                self.broadcast = Broadcast(self.router.policy, self.registry, role)
+                self.broadcast = Broadcast(self.router.policy, self.registry, role,
+                                           lambda result: self.metrics.prefix_records.labels(result).inc())
             if self.kv_events is not None and not role.leader:
                 self.kv_events.connects_only = True  # the engines' tcp endpoints (DP > 1) are the leader's to bind
         self.stopping = False

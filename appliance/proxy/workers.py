@@ -15,7 +15,7 @@ import os
 import socket
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -358,8 +358,10 @@ class Broadcast:
     (PrefixAffinity.recorded) on its loop. A datagram a busy worker has no room for is dropped and counted: that
     worker misses the record, as a worker did before records were shared."""
 
-    def __init__(self, policy: PrefixAffinity, registry: InstanceRegistry, role: WorkerRole) -> None:
+    def __init__(self, policy: PrefixAffinity, registry: InstanceRegistry, role: WorkerRole,
+                 count: Callable[[str], None] = lambda result: None) -> None:
         self.policy = policy
+        self.count = count  # each datagram sent, by result (pdctl_proxy_prefix_records_total)
         self.registry = registry
         self.role = role
         self.path = role.peers / f"g{role.generation}-w{role.index}-{os.getpid()}.blocks"
@@ -368,7 +370,6 @@ class Broadcast:
         self.sock.bind(str(self.path))
         self._peers: list[str] = []
         self._peers_at = -_PEERS_S
-        self.sent = self.dropped = self.taken = 0
 
     def start(self) -> None:
         """Take the other workers' records on the running loop and send this one's."""
@@ -388,13 +389,13 @@ class Broadcast:
         for peer in self._peers:
             try:
                 self.sock.sendto(message, peer)
-                self.sent += 1
+                self.count("sent")
             except ConnectionRefusedError:  # its worker died: nobody will read it again
-                self.dropped += 1
+                self.count("dropped")
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(peer)
-            except OSError:  # its queue is full, or the prompt is past a datagram
-                self.dropped += 1
+            except OSError:  # its queue is full (net.unix.max_dgram_qlen), or the prompt is past a datagram
+                self.count("dropped")
 
     def _take(self) -> None:
         while True:
@@ -416,7 +417,6 @@ class Broadcast:
             for inst in insts:
                 if inst is not None:
                     self.policy.recorded(inst, chains, bool(token_ids))
-                    self.taken += 1
 
     def close(self) -> None:
         """Stop sending and taking records."""

@@ -366,6 +366,8 @@ def test_a_prompts_repeat_through_the_other_worker_finds_its_prefix(tmp_path: Pa
         # its whole blocks of 64 characters (16 tokens of 4) but the last character's, as vLLM's cache serves them
         assert hits.get("both-0", 0) == 0 and hits.get("both-1") == (len(prompt) - 1) // 64 * 16, hits
         assert sum(looked.values()) == len("something else entirely " * 8) // 4 + 2 * (len(prompt) // 4), looked
+        records = {dict(k)["result"]: v for k, v in metric(node, "pdctl_proxy_prefix_records_total").items()}
+        assert records == {"sent": 3}, records  # each request's record, to the one other worker
 
 
 def test_an_instance_a_follower_ejects_for_its_legs_is_out_of_rotation_for_every_worker(tmp_path: Path) -> None:
