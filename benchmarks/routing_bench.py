@@ -98,8 +98,10 @@ def _feed_events(policy: PrefixAffinity, registry: InstanceRegistry, request: di
 
 
 @contextlib.contextmanager
-def shared(registry: InstanceRegistry, router: Router, policy: Policy, workers: int) -> Iterator[None]:
-    """Route as worker 0 of `workers` (the module's docstring); nothing shared for 1."""
+def shared(registry: InstanceRegistry, router: Router, policy: Policy, workers: int,
+           everything: bool = True) -> Iterator[None]:
+    """Route as worker 0 of `workers` (the module's docstring); nothing shared for 1; without `everything`, the
+    loads alone (what the workers shared before the DP ranks, decode queues and prefix records)."""
     if workers <= 1:
         yield
         return
@@ -107,7 +109,13 @@ def shared(registry: InstanceRegistry, router: Router, policy: Policy, workers: 
         peers = Path(folder)
         columns = [Columns(peers, 0, k, workers) for k in range(workers)]
         for inst in registry.instances.values():
-            inst.share(columns[0])
+            if everything:
+                inst.share(columns[0])
+            else:
+                inst.column = columns[0].column(inst.name)
+        if not everything:
+            yield
+            return
         router.queues = Queues(peers, 0)
         sinks = [socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(workers - 1)]
         for k, sink in enumerate(sinks, 1):
@@ -133,7 +141,7 @@ def _drain(sink: socket.socket) -> None:
 
 
 def us_per_request(policy: str, rules: Rules, prompt: str, instances: int, dp_size: int, requests: int,
-                   repeat: int, workers: int = 1) -> float:
+                   repeat: int, workers: int = 1, everything: bool = True) -> float:
     """The best of `repeat` runs of routing `requests` requests, in microseconds per request."""
     name, _, source = policy.partition(":")
     registry = _registry(instances, dp_size, events=source == "events")
@@ -156,7 +164,7 @@ def us_per_request(policy: str, rules: Rules, prompt: str, instances: int, dp_si
             with route.decode.lease(route.decode_rank):
                 pass
 
-    with shared(registry, router, chosen, workers):
+    with shared(registry, router, chosen, workers, everything):
         return min(timeit.repeat(one, number=requests, repeat=repeat)) / requests * 1e6
 
 
@@ -170,19 +178,23 @@ def main() -> None:
     parser.add_argument("--prompts", default="text-44,text-4000,ids-1000,ids-8000",
                         help="prompts, comma-separated: text-N (characters) or ids-N (token ids)")
     parser.add_argument("--workers", type=int, default=1, help="route as worker 0 of this many (the docstring)")
+    parser.add_argument("--loads-only", action="store_true",
+                        help="with --workers: share the loads alone (the columns before DP ranks, queues and records)")
     parser.add_argument("--policies", default=",".join([*POLICIES, "prefix_affinity:events"]),
                         help="policies, comma-separated")
     args = parser.parse_args()
     sizes = [int(n) for n in args.instances.split(",")]
     dps = [int(n) for n in args.dp.split(",")]
     print(f"routing cost per disaggregated request (route + 2 leases), us, best of {args.repeat} x {args.requests}; "
-          f"conditional routing off, on, and on with the decode's budget; as worker 0 of {args.workers}")
+          f"conditional routing off, on, and on with the decode's budget; as worker 0 of {args.workers}"
+          + (" (loads alone shared)" if args.loads_only else ""))
     print(f"{'policy':<24}{'prompt':<12}{'conditional':<14}"
           + "".join(f"{f'{n} inst, DP {d}':>16}" for n in sizes for d in dps))
     for policy in args.policies.split(","):
         for prompt in args.prompts.split(","):
             for name, rules in RULES.items():
-                cells = (us_per_request(policy, rules, prompt, n, d, args.requests, args.repeat, args.workers)
+                cells = (us_per_request(policy, rules, prompt, n, d, args.requests, args.repeat, args.workers,
+                                        not args.loads_only)
                          for n in sizes for d in dps)
                 print(f"{policy:<24}{prompt:<12}{name:<14}" + "".join(f"{c:>16.2f}" for c in cells), flush=True)
 
