@@ -18,17 +18,19 @@ prompt's blocks reported by one instance of each role. A request streams hundred
 
 --workers N (N > 1) routes as worker 0 of N proxy worker processes (docs/proxy-workers.md): every instance's loads
 and DP ranks' legs in shared columns (the other N - 1 columns mapped, empty), conditional routing's decode queues
-in the shared file under its lock, and prefix affinity's records sent to N - 1 datagram sockets (a thread reads and
-drops what they get); what the other workers' records cost this one to apply is benchmarks/worker_state_cost.py's.
+in the shared file under its lock, and prefix affinity's records sent to N - 1 datagram sockets (another process
+reads and drops what they get, as the other workers would); what the other workers' records cost this one to apply
+is benchmarks/worker_state_cost.py's. --loads-only shares the columns alone (loads and DP ranks' legs).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
+import select
 import socket
 import tempfile
-import threading
 import timeit
 from collections.abc import Hashable, Iterator
 from pathlib import Path
@@ -120,7 +122,9 @@ def shared(registry: InstanceRegistry, router: Router, policy: Policy, workers: 
         sinks = [socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(workers - 1)]
         for k, sink in enumerate(sinks, 1):
             sink.bind(str(peers / f"g0-w{k}-{k}.blocks"))
-            threading.Thread(target=_drain, args=(sink,), daemon=True).start()
+        # the other workers are other processes: a thread here would take this one's GIL for every datagram
+        drain = multiprocessing.get_context("fork").Process(target=_drain, args=(sinks,), daemon=True)
+        drain.start()
         broadcast = None
         if isinstance(policy, PrefixAffinity):
             broadcast = Broadcast(policy, registry, WorkerRole(0, peers, 0))
@@ -132,12 +136,15 @@ def shared(registry: InstanceRegistry, router: Router, policy: Policy, workers: 
                 broadcast.sock.close()
             for sink in sinks:
                 sink.close()
+            drain.kill()
+            drain.join()
 
 
-def _drain(sink: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        while sink.recv(1 << 18):
-            pass
+def _drain(sinks: list[socket.socket]) -> None:
+    while True:
+        ready, _, _ = select.select(sinks, [], [])
+        for sink in ready:
+            sink.recv(1 << 18)
 
 
 def us_per_request(policy: str, rules: Rules, prompt: str, instances: int, dp_size: int, requests: int,
@@ -179,7 +186,7 @@ def main() -> None:
                         help="prompts, comma-separated: text-N (characters) or ids-N (token ids)")
     parser.add_argument("--workers", type=int, default=1, help="route as worker 0 of this many (the docstring)")
     parser.add_argument("--loads-only", action="store_true",
-                        help="with --workers: share the loads alone (the columns before DP ranks, queues and records)")
+                        help="with --workers: share the columns alone (loads and DP ranks' legs: no decode queues or records)")
     parser.add_argument("--policies", default=",".join([*POLICIES, "prefix_affinity:events"]),
                         help="policies, comma-separated")
     args = parser.parse_args()
