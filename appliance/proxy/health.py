@@ -113,6 +113,11 @@ class HealthChecker:
         verdict is applied here), and any other answers with the instance's health as the leader shares it."""
         self._report, self._ask = report, ask
 
+    @property
+    def following(self) -> bool:
+        """Whether another process (the leader) probes and ejects for this one (follow)."""
+        return self._report is not None
+
     def stand_in(self, instances: Iterable[BackendState]) -> BackendState | None:
         """The instance of these (one role's, in service) that takes the role's requests while none of them is in
         rotation (module stand_in, under panic_max_silence_s), or None."""

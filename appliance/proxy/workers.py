@@ -108,7 +108,8 @@ async def apply(proxy: ProxyState, snap: dict[str, Any], previous: dict[str, Any
     for name in set(before) - set(snap["planned"]):
         if name in proxy.planned.active:
             proxy.planned.end(name, "ended by the leader")
-    for name, (healthy, warm, ever, why, downs) in snap["health"].items():
+    # a follower's health is the leader's; a leader (one that starts with a dead leader's kept state too) probes
+    for name, (healthy, warm, ever, why, downs) in (snap.get("health", {}) if proxy.health.following else {}).items():
         known = proxy.registry.get(name)
         if known is not None:
             known.healthy, known.warm, known.ever_healthy, known.ejected_for, known.downs = healthy, warm, ever, why, downs
