@@ -384,7 +384,6 @@ def test_a_killed_keeper_of_two_workers_loses_nothing(tmp_path: Path) -> None:
         no_traceback(node)
 
 
-
 @contextlib.contextmanager
 def pd_node(workdir: Path, prefills: int = 1, decode_args: tuple[str, ...] = (), **overrides: Any) -> Iterator[Node]:
     """`prefills` NIXL prefill engines and one decode (simulated) behind the keeper running 2 proxy workers."""
