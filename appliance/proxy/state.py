@@ -98,12 +98,11 @@ class ProxyState:
         self.share_loads(self.columns)
 
     def share_loads(self, columns: Columns | None) -> None:
-        """Count every instance's legs in the columns the worker processes share (None: none)."""
+        """Count every instance's legs, and its DP ranks', in the columns the worker processes share (None: none)."""
         self.columns = columns
         if columns is not None:
             for inst in self.registry.instances.values():
-                if inst.column is None:
-                    inst.column = columns.column(inst.name)
+                inst.share(columns)
 
     def client_connections(self) -> int:
         """Open client API connections of this process (app.Proxy has the sockets)."""

@@ -16,6 +16,7 @@ from typing import NamedTuple, cast
 
 from appliance.connector import Connector, ProxySide
 from appliance.connector.base import Alone, Handoff
+from appliance.proxy.columns import Queues, SharedBacklog, SharedWindow
 from appliance.proxy.instances import BackendState, Booking, InstanceRegistry
 from appliance.proxy.policies import Policy, RequestFacts
 from appliance.proxy.policies.conditional import (
@@ -126,23 +127,37 @@ class Router:
         # per transfer mode, the connector's proxy side and what the pass reads of it
         self._sides: dict[str, Sided] = {}
         # per decode instance, the prompts it was sent to prefill itself lately (the decode-busy rule)
-        self._windows: weakref.WeakKeyDictionary[BackendState, PrefillWindow] = weakref.WeakKeyDictionary()
+        self._windows: weakref.WeakKeyDictionary[BackendState, PrefillWindow | SharedWindow] = \
+            weakref.WeakKeyDictionary()
         # per decode instance whose chunked-prefill budget is known, what it was sent to prefill and has not yet
-        self._backlogs: weakref.WeakKeyDictionary[BackendState, PrefillBacklog] = weakref.WeakKeyDictionary()
+        self._backlogs: weakref.WeakKeyDictionary[BackendState, PrefillBacklog | SharedBacklog] = \
+            weakref.WeakKeyDictionary()
+        # the windows and backlogs every worker process of a generation shares (columns.py); None: this one's own
+        self.queues: Queues | None = None
 
-    def _window(self, decode: BackendState) -> PrefillWindow | None:
+    def _window(self, decode: BackendState) -> PrefillWindow | SharedWindow | None:
         """The prompts `decode` was sent to prefill itself lately; None while conditional routing is off (no rule
         reads it)."""
         if not self.rules.decode_only_below:
             return None
-        return self._windows.get(decode) or self._windows.setdefault(decode, PrefillWindow())
+        window = self._windows.get(decode)
+        if window is None:
+            offset = self.queues.cell(decode.name) if self.queues is not None else -1
+            window = self._windows[decode] = PrefillWindow() if offset < 0 else \
+                SharedWindow(cast(Queues, self.queues), offset, self.rules.window_s)
+        return window
 
-    def _backlog(self, decode: BackendState) -> PrefillBacklog | None:
+    def _backlog(self, decode: BackendState) -> PrefillBacklog | SharedBacklog | None:
         """What `decode` was sent to prefill itself and has not computed yet; None while conditional routing is
         off or the decode's chunked-prefill budget is not known (no rule reads it)."""
         if not self.rules.decode_only_below or not self.rules.decode_budget:
             return None
-        return self._backlogs.get(decode) or self._backlogs.setdefault(decode, PrefillBacklog())
+        backlog = self._backlogs.get(decode)
+        if backlog is None:
+            offset = self.queues.cell(decode.name) if self.queues is not None else -1
+            backlog = self._backlogs[decode] = PrefillBacklog() if offset < 0 else \
+                SharedBacklog(cast(Queues, self.queues), offset)
+        return backlog
 
     def _count_prefill(self, decode: BackendState, now: float, tokens: int) -> None:
         """Count a prompt of `tokens` uncached tokens that `decode` was sent to prefill itself at `now`."""
@@ -284,34 +299,23 @@ class Router:
             prefill_legs = prefills[0].load()
         else:
             prefill_legs = min(i.load() for i in prefills) if prefills else cast(BackendState, stand_in).load()
-        recent = queued = 0
-        now = 0.0
-        if self.rules.decode_only_below:  # else no rule reads the decode's window or backlog
-            window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
-            recent = window.recent(now, self.rules.window_s) if window else 0
-            queued = backlog.level(now, drained_per_s(self.rules, decode.load())) if backlog else 0
         sided = self.side(mode)
-        facts = self.facts(sided, request, prefill_legs, decode, recent, queued, counted)
-        name, reason = decide(facts, self.rules)
+        queues = self.queues
+        if queues is None or not self.rules.decode_only_below:
+            name, reason = self._decide(sided, request, prefill_legs, decode, counted)
+        else:
+            with queues.locked:  # read, decided and counted before another worker reads the decode's queue
+                name, reason = self._decide(sided, request, prefill_legs, decode, counted)
         side = sided.side
         if name == "decode-only":
-            alone = sided.alone
-            if not (alone.served and alone.forced):
-                name, reason = served_alone(reason, alone.served, alone.forced)
-                if name == "refused":
-                    raise Refused(reason, alone.why)
-        if name == "decode-only":
-            if self.rules.decode_only_below:
-                # every prompt the decode prefills counts, whatever the rule that sent it there
-                self._count_prefill(decode, now, window_tokens(facts, self.rules))
             self._count_stand_ins(decode)
             if self._records:
                 self.policy.record("decode", decode, request)
             return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason, side)
         prefill = self.policy.pick("prefill", prefills, request) if prefills else cast(BackendState, stand_in)
         if self._records:
-            self.policy.record("prefill", prefill, request)
-            self.policy.record("decode", decode, request)  # it keeps the KV it is handed as its own prefix cache
+            # the decode keeps the KV it is handed as its own prefix cache
+            self.policy.record_route((("prefill", prefill), ("decode", decode)), request)
         # Both instances count the request until it ends: the decode leg starts only after the prefill leg in
         # READ mode, and a drain of the decode instance in between must wait for it rather than let it be
         # stopped under the request (a 502 "cannot connect").
@@ -319,6 +323,29 @@ class Router:
         if not (prefill.healthy and decode.healthy):
             self._count_stand_ins(prefill, decode)
         return Route(decode, decode.pick_rank(), prefill, prefill.pick_rank(), bookings, name, reason, side)
+
+    def _decide(self, sided: Sided, request: RequestFacts, prefill_legs: int, decode: BackendState,
+                counted: Counted | None) -> tuple[RouteName, str]:
+        """Disaggregated or decode-only, and why (conditional.decide, then served_alone), on `decode`'s window and
+        backlog; a prompt it sends to the decode alone is counted in them. Raises Refused."""
+        recent = queued = 0
+        now = 0.0
+        if self.rules.decode_only_below:  # else no rule reads the decode's window or backlog
+            window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
+            recent = window.recent(now, self.rules.window_s) if window else 0
+            queued = backlog.level(now, drained_per_s(self.rules, decode.load())) if backlog else 0
+        facts = self.facts(sided, request, prefill_legs, decode, recent, queued, counted)
+        name, reason = decide(facts, self.rules)
+        if name == "decode-only":
+            alone = sided.alone
+            if not (alone.served and alone.forced):
+                name, reason = served_alone(reason, alone.served, alone.forced)
+                if name == "refused":
+                    raise Refused(reason, alone.why)
+        if name == "decode-only" and self.rules.decode_only_below:
+            # every prompt the decode prefills counts, whatever the rule that sent it there
+            self._count_prefill(decode, now, window_tokens(facts, self.rules))
+        return name, reason
 
     def _count_stand_ins(self, *chosen: BackendState) -> None:
         for inst in chosen:
