@@ -37,7 +37,8 @@ log = logging.getLogger("appliance.proxy.workers")
 
 SYNC_INTERVAL_S = 0.5  # the leader's snapshot to every worker, besides the one on each change
 HEALTH_CHECK_S = 0.05  # how often the leader looks for a change of health to share at once (a probe's, a leg's)
-_PEER_TIMEOUT_S = 2.0  # one call to a worker's Unix socket; a worker that does not answer in time is skipped
+_PEER_TIMEOUT_S = 2.0  # one call to a worker's Unix socket; a worker that does not answer in time is skipped (its
+# metrics: its last answer)
 _BACKENDS = TypeAdapter(list[Backend])
 _PEERS_S = 1.0  # how often a worker looks again for the other workers' record sockets (a replaced one is new)
 _MAX_RECORD_BYTES = 1 << 18  # one record's datagram at most: MAX_BLOCKS hashes of 8 bytes are 32 KiB
@@ -188,10 +189,24 @@ async def peer_call(path: Path, method: str, route: str, body: Any = None, text:
         return None
 
 
+# each other worker's last /worker/metrics answer, by its socket: what a scrape adds for one that does not answer
+_last_metrics: dict[Path, str] = {}
+
+
 async def node_metrics(proxy: ProxyState, role: WorkerRole) -> bytes:
     """This worker's /metrics with every other worker's of its generation added (merge_metrics)."""
-    got = await asyncio.gather(*(peer_call(p, "GET", "/worker/metrics", text=True) for p in role.others()))
-    texts = [proxy.metrics.render().decode(), *(g for g in got if g is not None)]
+    peers = role.others()
+    got = await asyncio.gather(*(peer_call(p, "GET", "/worker/metrics", text=True) for p in peers))
+    texts = [proxy.metrics.render().decode()]
+    for path, text in zip(peers, got, strict=True):
+        if text is None:  # slow (busy), not gone: its last answer, so that the node's counters never go back
+            text = _last_metrics.get(path)
+        else:
+            _last_metrics[path] = text
+        if text is not None:
+            texts.append(text)
+    for gone in set(_last_metrics) - set(peers):  # its worker left (retired or replaced): so do its counters
+        del _last_metrics[gone]
     # parsing is tens of milliseconds for a node's families: in a thread, the interpreter switches back to the
     # loop every few milliseconds instead of the relayed streams waiting for all of it
     return await asyncio.to_thread(merge_metrics, texts)
@@ -356,7 +371,8 @@ class Broadcast:
     worker records on an instance goes to every other worker as a datagram on its Unix socket (the instance's
     names and the prompt's block hashes, 8 bytes each: one datagram for a route's prefill and decode), which each
     applies to its own estimate
-    (PrefixAffinity.recorded) on its loop. A datagram a busy worker has no room for is dropped and counted: that
+    (PrefixAffinity.recorded) on its loop, and before each routing pass (PrefixAffinity.take_records: a record
+    sent before a request reached this worker is applied before that request is routed). A datagram a busy worker has no room for is dropped and counted: that
     worker misses the record, as a worker did before records were shared."""
 
     def __init__(self, policy: PrefixAffinity, registry: InstanceRegistry, role: WorkerRole,
@@ -376,6 +392,7 @@ class Broadcast:
         """Take the other workers' records on the running loop and send this one's."""
         asyncio.get_running_loop().add_reader(self.sock.fileno(), self._take)
         self.policy.on_record = self.send
+        self.policy.take_records = self._take
 
     def send(self, insts: list[BackendState], prompt: Prompt) -> None:
         """Send one route's record to every other worker (PrefixAffinity.record_route calls it, on the routing
@@ -422,6 +439,7 @@ class Broadcast:
     def close(self) -> None:
         """Stop sending and taking records."""
         self.policy.on_record = None
+        self.policy.take_records = None
         with contextlib.suppress(RuntimeError, ValueError):
             asyncio.get_running_loop().remove_reader(self.sock.fileno())
         self.sock.close()

@@ -1,22 +1,29 @@
 """The routing state the proxy's worker processes share (appliance.proxy.columns, docs/proxy-workers.md): each
-worker's own columns of legs (DP ranks included) and the decode queues they all change under one lock, here as
-two workers' views of one peers folder in one process."""
+worker's own columns of legs (DP ranks included), the decode queues they all change under one lock and prefix
+affinity's records (workers.Broadcast), here as two workers' views of one peers folder in one process."""
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.connector import get_connector
+from appliance.proxy import workers
 from appliance.proxy.columns import RING, Columns, Queues, SharedBacklog, SharedWindow
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import RequestFacts
 from appliance.proxy.policies.conditional import PrefillBacklog, PrefillWindow, Rules
 from appliance.proxy.policies.least_outstanding import LeastOutstanding
+from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.route import Router
+from appliance.proxy.workers import Broadcast, WorkerRole
 
 
 def _instance(name: str, role: str = "decode", dp_size: int = 1) -> BackendState:
@@ -102,3 +109,81 @@ def test_the_shared_window_and_backlog_read_as_the_local_ones(sent: list[tuple[f
                 assert shared_window.recent(now, window_s) == window.recent(now, window_s)
             else:
                 assert shared_window.recent(now, window_s) >= window.recent(now, window_s)
+
+
+def _worker_affinity(peers: Path, index: int) -> tuple[PrefixAffinity, list[BackendState], Broadcast]:
+    """One worker's prefix affinity over two colocated instances, its records shared through `peers`."""
+    registry = InstanceRegistry(1.0)
+    insts = [_instance(f"both-{i}", "both") for i in range(2)]
+    for inst in insts:
+        registry.instances[inst.name] = inst
+        registry.by_role["both"].append(inst)
+    policy = PrefixAffinity(block_size=16, model="m")
+    broadcast = Broadcast(policy, registry, WorkerRole(index, peers, 0))
+    return policy, insts, broadcast
+
+
+def test_a_record_sent_before_a_request_is_applied_before_that_request_is_routed(tmp_path: Path) -> None:
+    """Worker 0 records a prompt on both-1, then worker 1 routes its repeat at once, before its loop has run the
+    records' reader: it goes to both-1, expected cached there (before, the datagram waited in worker 1's socket
+    until the loop's next turn, and the repeat went to both-0, its first turn, with nothing cached)."""
+
+    async def scenario() -> None:
+        sender, sender_insts, out = _worker_affinity(tmp_path, 0)
+        taker, taker_insts, into = _worker_affinity(tmp_path, 1)
+        out.start()
+        into.start()
+        try:
+            request = _tokens(64)
+            sender.record_route((("both", sender_insts[1]),), request)
+            repeat = _tokens(64)
+            assert taker.pick("both", taker_insts, repeat) is taker_insts[1]
+            assert taker.expected_cached_tokens(taker_insts[1], repeat) == 48  # whole blocks but the last token's
+        finally:
+            out.close()
+            into.close()
+
+    asyncio.run(scenario())
+
+
+class _Rendered:
+    """This worker's own metrics page (what node_metrics reads of its ProxyState)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def render(self) -> bytes:
+        return self.text.encode()
+
+
+def test_a_scrape_adds_a_busy_workers_last_counters_not_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 1 answers the first scrape (5 requests), then is too busy to answer the next in time: the node's sum
+    stays 5 + 3, not 3 (before, a worker that did not answer was left out, and the node's counter went back, which
+    Prometheus takes for a restart of the counter)."""
+    monkeypatch.setattr(workers, "_PEER_TIMEOUT_S", 0.3)
+    page = "# HELP pdctl_x_total x\n# TYPE pdctl_x_total counter\npdctl_x_total {}\n"
+
+    async def scenario() -> list[str]:
+        answered = 0
+
+        async def metrics(_request: web.Request) -> web.Response:
+            nonlocal answered
+            answered += 1
+            if answered > 1:
+                await asyncio.sleep(2)  # busy: past the scrape's wait for it
+            return web.Response(text=page.format(5), content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/worker/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        leader, follower = WorkerRole(0, tmp_path, 0), WorkerRole(1, tmp_path, 0)
+        await web.UnixSite(runner, str(follower.socket_path())).start()
+        own = SimpleNamespace(metrics=_Rendered(page.format(3)))
+        try:
+            return [(await workers.node_metrics(own, leader)).decode() for _ in range(2)]  # type: ignore[arg-type]
+        finally:
+            await runner.cleanup()
+
+    for text in asyncio.run(scenario()):
+        assert "pdctl_x_total 8.0" in text, text

@@ -367,6 +367,10 @@ class PrefixAffinity(Policy):
         self._pending: weakref.WeakKeyDictionary[BackendState, OrderedDict[int, float]] = weakref.WeakKeyDictionary()
         # told of every prompt recorded on a route's instances (the other worker processes take it: workers.Broadcast)
         self.on_record: Callable[[list[BackendState], Prompt], None] | None = None
+        # takes the records the other workers sent and this one has not applied yet (workers.Broadcast), before a
+        # routing pass reads the estimate: a record sent before this request arrived is never missed for the loop
+        # not having run its reader yet (one non-blocking recv when none is waiting)
+        self.take_records: Callable[[], None] | None = None
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> PrefixAffinity:
@@ -459,11 +463,15 @@ class PrefixAffinity(Policy):
         """The prompt tokens `inst` is expected to hold in its prefix cache for `request` (text: an estimate)."""
         picked, matches = self._matches
         match = matches.get(inst) if picked is request else None
+        if match is None and self.take_records is not None:
+            self.take_records()
         return self._cached(inst, request) if match is None else match
 
     def pick(self, role: str, candidates: Sequence[BackendState], request: RequestFacts) -> BackendState:
         """The best prefix match within the load bound (least loaded, then round, on a tie); nothing is recorded
         until the route is decided (record)."""
+        if self.take_records is not None:
+            self.take_records()
         prompt = self._prompt(request)
         turn = self._turn.get(role, 0)
         self._turn[role] = turn + 1
