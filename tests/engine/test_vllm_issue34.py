@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 
 from appliance.proxy.prompts import tokenize_request
-from tests.engine.pdctl_vllm import PROMPT, VLLM_PYTHON
+from tests.engine.pdctl_vllm import PROMPT
 from tests.engine.vllm_helpers import VllmProcess, post_json, start_pair, stop_vllm, write_tiny_model_with
 from tests.support.fake_engines import MODEL, proxy_config, running_proxy
 from tests.support.httpclient import local, post
+from tests.support.vllm_releases import version_of
 
 pytestmark = [
     pytest.mark.vllm,
@@ -54,17 +55,19 @@ TEMPLATE = """\
 
 
 @pytest.fixture(scope="module")
-def example_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[VllmProcess], Path]]:
-    """An ExampleConnector prefill and decode sharing one store; the decode renders chats with TEMPLATE."""
-    assert VLLM_PYTHON
+def example_pair(vllm_python: str, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[tuple[list[VllmProcess], Path]]:
+    """An ExampleConnector prefill and decode sharing one store, of the release `vllm_python` has; the decode
+    renders chats with TEMPLATE."""
     home = tmp_path_factory.mktemp("example")
-    model_dir = write_tiny_model_with(VLLM_PYTHON, home / "model")
+    model_dir = write_tiny_model_with(vllm_python, home / "model")
     store = home / "store"
     store.mkdir()
     template = home / "template.jinja"
     template.write_text(TEMPLATE)
     kv = {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-    pair = start_pair(home, model_dir, MODEL, kv, extra_argv={"decode": ["--chat-template", str(template)]})
+    pair = start_pair(home, model_dir, MODEL, kv, extra_argv={"decode": ["--chat-template", str(template)]},
+                      python=vllm_python)
     try:
         yield pair, store
     finally:
@@ -112,12 +115,14 @@ def _store_entries(store: Path) -> list[str]:
 
 
 def _proxy_config(pair: list[VllmProcess], store: Path) -> Any:
-    """An in-process proxy's config in front of the pair, keeping the store as pdctl's plan does."""
+    """An in-process proxy's config in front of the pair, keeping the store and naming the engines' release as
+    pdctl's plan does."""
     prefill, decode = pair
     backends = [{"name": "prefill-0", "role": "prefill", "url": prefill.url},
                 {"name": "decode-0", "role": "decode", "url": decode.url}]
     return proxy_config("example", backends, block_size=BLOCK, health={"warmup_timeout_s": 600},
-                        kv_store={"folders": [str(store)], "max_mib": 1024, "max_age_s": 3600})
+                        kv_store={"folders": [str(store)], "max_mib": 1024, "max_age_s": 3600},
+                        vllm_version=version_of(decode.argv[0]))
 
 
 def _assert_alive(pair: list[VllmProcess]) -> None:
