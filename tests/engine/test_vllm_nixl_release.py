@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -62,13 +63,33 @@ def nixl_pair(request: pytest.FixtureRequest, vllm_python: str, tmp_path_factory
     kv = {"kv_connector": "NixlPushConnector" if mode == "write" else "NixlConnector", "kv_buffer_device": "cpu"}
     env = {role: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
            for role in ("prefill", "decode")}
-    pair = start_pair(home, model_dir, MODEL, kv, env=env, python=vllm_python)
+    try:
+        pair = start_pair(home, model_dir, MODEL, kv, env=env, python=vllm_python)
+    except RuntimeError:
+        _skip_where_vllms_nixl_cannot_run_on_the_cpu(home, vllm_python)
+        raise
     try:
         _hand_off(mode, pair)
         yield mode, pair
     finally:
         for server in pair:
             stop_vllm(server)
+
+
+# vLLM 0.24.0's NIXL worker (nixl/base_worker.py, register_kv_caches) takes every KV cache tensor to hold its
+# blocks first; the CPU attention backend's does not (CPU_ATTN, HND layout), so both engine cores die at start.
+# 0.31.0's and 0.32.0's worker have no such check. On NVIDIA GPUs 0.24.0 runs NIXL (results/gpu-*).
+NIXL_CPU_LAYOUT_REFUSED = "All kv cache tensors must have the same number of blocks"
+
+
+def _skip_where_vllms_nixl_cannot_run_on_the_cpu(home: Path, python: str) -> None:
+    """Skip the module's tests of this release where its engines died of NIXL_CPU_LAYOUT_REFUSED (their logs say
+    so), rather than fail them: no route can be tested on such an engine."""
+    for log in sorted(home.glob("*.log")):
+        said = [line for line in log.read_text(errors="replace").splitlines() if NIXL_CPU_LAYOUT_REFUSED in line]
+        if said:
+            pytest.skip(f"vLLM {version_of(python)}'s NIXL worker cannot register the CPU backend's KV cache "
+                        f"({log.stem}: {said[-1].split('AssertionError: ')[-1][:200]})")
 
 
 def _metric(url: str, name: str) -> float:
