@@ -10,7 +10,9 @@ to a decode engine (round robin), PROXY to the proxy (prefill leg, then the deco
 
 Prints per run: tok/s, ITL p50/p99/max, TTFT p50, the proxy's cores busy (its own CPU time over the run), the
 load average, the proxy's longest event-loop pause when it exports one and, beside it, the longest pause an idle
-process (a 10 ms sleep loop) saw meanwhile: what the host's scheduler alone costs; then the ratios proxy/direct.
+process (a 10 ms sleep loop) saw meanwhile: what the host's scheduler alone costs; then how long the proxy and the
+decode engines waited for a CPU while runnable (the kernel's /proc/PID/schedstat): the proxy's share of the round
+and, for both, the mean wait per time slice; then the ratios proxy/direct.
 Goal (issue 38, on the 2-core dev VM): proxy max ITL <= 2x direct and ITL p99 <= 1.05x direct.
 
 Not a test: run it under `flock /tmp/pdctl-heavy.lock` on a shared machine.
@@ -51,6 +53,33 @@ PAUSE_EVERY_S = 4.0  # how often a round reads the proxy's longest pause (its wi
 
 
 @dataclass
+class Waits:
+    """Time runnable processes spent waiting for a CPU (the kernel's schedstat), summed over processes."""
+
+    ns: int
+    slices: int
+
+    def per_slice_us(self) -> float:
+        """The mean wait before each time slice, in microseconds (NaN where schedstat is missing)."""
+        return self.ns / self.slices / 1e3 if self.slices else float("nan")
+
+    def __sub__(self, other: Waits) -> Waits:
+        return Waits(self.ns - other.ns, self.slices - other.slices)
+
+
+def waits(pids: list[int]) -> Waits:
+    """The processes' runqueue waits so far (/proc/PID/schedstat: time on a CPU, time waiting, slices)."""
+    ns = slices = 0
+    for pid in pids:
+        try:
+            _, wait, count = (int(x) for x in Path(f"/proc/{pid}/schedstat").read_text().split())
+        except (OSError, ValueError):
+            continue
+        ns, slices = ns + wait, slices + count
+    return Waits(ns, slices)
+
+
+@dataclass
 class Run:
     """One round of one path: what its clients saw, and what the proxy spent meanwhile."""
 
@@ -62,6 +91,8 @@ class Run:
     loop_pause: float = float("nan")
     canary: float = float("nan")
     load: float = 0.0
+    proxy_wait: Waits = field(default_factory=lambda: Waits(0, 0))
+    engine_wait: Waits = field(default_factory=lambda: Waits(0, 0))
 
     def row(self) -> str:
         s = self.samples
@@ -69,7 +100,9 @@ class Run:
                 f"ITL p50 {pct(s.itl, .5) * 1e3:6.2f}  p99 {pct(s.itl, .99) * 1e3:6.2f}  "
                 f"max {max(s.itl, default=float('nan')) * 1e3:7.2f} ms  TTFT p50 {pct(s.ttft, .5) * 1e3:6.2f} ms  "
                 f"proxy cores {self.proxy_busy:.2f}  loop max pause {self.loop_pause * 1e3:6.1f} ms  "
-                f"host canary {self.canary * 1e3:6.1f} ms  load {self.load:.1f}")
+                f"host canary {self.canary * 1e3:6.1f} ms  load {self.load:.1f}  "
+                f"proxy runnable-waiting {self.proxy_wait.ns / 1e9 / self.elapsed:.2f} of the round, "
+                f"{self.proxy_wait.per_slice_us():4.0f} us a slice (engines {self.engine_wait.per_slice_us():4.0f})")
 
 
 # ---- clients (in their own processes) --------------------------------------------------------------
@@ -162,9 +195,11 @@ def cpu_seconds(proxy: psutil.Process) -> float:
 
 
 def measure(pool: multiprocessing.pool.Pool, proxy: psutil.Process, label: str, bases: list[str], streams: int,
-            args: argparse.Namespace, proxy_url: str) -> Run:
-    """One round of `label` (direct or proxy) at `streams` streams."""
+            args: argparse.Namespace, proxy_url: str, engines: list[int]) -> Run:
+    """One round of `label` (direct or proxy) at `streams` streams; `engines`: the decode engines' pids."""
     before = cpu_seconds(proxy)
+    relays = [proxy.pid, *(p.pid for p in proxy.children(recursive=True))]
+    proxy_waits, engine_waits = waits(relays), waits(engines)
     pauses: list[float] = []
     done = threading.Event()
 
@@ -186,6 +221,7 @@ def measure(pool: multiprocessing.pool.Pool, proxy: psutil.Process, label: str, 
     run.proxy_busy = (cpu_seconds(proxy) - before) / elapsed
     run.loop_pause = max([*pauses, loop_pause(proxy_url)])
     run.load = os.getloadavg()[0]
+    run.proxy_wait, run.engine_wait = waits(relays) - proxy_waits, waits(engines) - engine_waits
     return run
 
 
@@ -235,6 +271,7 @@ def main_run(args: argparse.Namespace) -> None:
             procs.append(proc)
             proxy = psutil.Process(proc.pid)
             decodes = [b["url"] for b in backends if b["role"] == "decode"]
+            decode_pids = [e.pid for e, b in zip(engines, backends, strict=True) if b["role"] == "decode"]
             bases = {"direct": decodes, "proxy": [url]}
             run_round(pool, bases["proxy"], 16, args.clients, 2, args.tokens)  # warm every path
             run_round(pool, bases["direct"], 16, args.clients, 2, args.tokens)
@@ -246,7 +283,7 @@ def main_run(args: argparse.Namespace) -> None:
             for streams in args.streams:
                 for r in range(args.rounds):
                     for label in (("direct", "proxy") if r % 2 == 0 else ("proxy", "direct")):
-                        runs.append(measure(pool, proxy, label, bases[label], streams, args, url))
+                        runs.append(measure(pool, proxy, label, bases[label], streams, args, url, decode_pids))
                         print(runs[-1].row(), flush=True)
             print()
             for streams in args.streams:

@@ -137,6 +137,12 @@ class Tracker:
     def _take(self, data: bytes) -> None:
         """The next data of the engine's body; write each event that is whole."""
         events = self._events
+        if not events and data.find(b"\n\n") == len(data) - 2 >= 0:
+            # one whole event, an engine's usual chunk: no copy through the buffer
+            kept = self._event(data[:-2])
+            if kept is not None:
+                self._emit(kept + b"\n\n")
+            return
         events += data
         out = []
         while (end := events.find(b"\n\n")) >= 0:
@@ -179,17 +185,22 @@ class Tracker:
         rewritten without parsing its JSON: a few byte searches where json.loads and json.dumps took most of the
         relay's CPU per token (benchmarks/proxy_bench.py --sections cpu); None for any other event."""
         at = event.rfind(b'"token_ids":[')
+        # a completion chunk has no delta (and a string's quotes are escaped): its search is a chat chunk's alone
         if at < 0 or b'"finish_reason":null' not in event or b'"prompt_token_ids":[' in event \
-                or b'"delta":{}' in event or event.count(b'"index":') != 1:
+                or (self.chat and b'"delta":{}' in event) or event.count(b'"index":') != 1:
             return None
         end = event.find(b"]", at)
+        raw = event[at + 13 : end]
+        count = raw.count(b",") + 1 if raw else 0
         try:
-            ids = [int(t) for t in event[at + 13 : end].split(b",")] if end > at + 13 else []
+            if count == 1:
+                self.generated.append(int(raw))  # a token a chunk: no list made (nor collected) per token
+            elif count:
+                self.generated += [int(t) for t in raw.split(b",")]
         except ValueError:
             return None
-        self.generated += ids
-        empty = b'"content":""' in event if self.chat else b'"text":""' in event
-        self._hold(ids, "" if empty else "x")
+        if count:
+            self.held = self.held + count if (b'"content":""' if self.chat else b'"text":""') in event else 0
         return event if self.wants_ids else event[: at + 12] + b"null" + event[end + 1 :]
 
     def _first_leg(self, obj: dict[str, Any], event: bytes) -> bytes | None:

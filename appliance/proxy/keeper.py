@@ -23,9 +23,15 @@ for at most `HANDBACK_WAIT_S`; the restarted keeper takes them from it (SCM_RIGH
 and retires the old one once the new one serves, as in a handover. Under systemd, which stops the rest of the
 unit when its main process dies, the unit's file descriptor store keeps the sockets instead (FDSTORE=1): systemd
 holds them while the unit restarts and gives them back to the new keeper (LISTEN_FDS), and connections wait
-in the kernel's queue meanwhile. With several workers this is not done yet: each worker dies with its keeper
-(SIGTERM, it finishes its requests) and the restarted keeper binds new sockets, so connections are refused
-meanwhile, as before issue 35 (docs/proxy-workers.md).
+in the kernel's queue meanwhile. With several workers every worker does so for its own slot (worker 0 with the
+admin socket); the restarted keeper takes every slot back and retires each orphaned worker once its slot's new
+worker serves (docs/proxy-workers.md).
+
+The control state the admin API sets (mode, backends, drains, holds, planned stops) lives in the serving leader's
+memory, which a keeper's or the leader's crash would lose: the leader writes it to a memory file the keeper holds
+(`STATE_NAME` in systemd's store, handed back with worker 0's sockets under supervisord), and a leader the keeper
+starts after a crash (its own or its leader's) starts with it. A planned restart's starts from the config, as
+a redeploy needs.
 
 Where the manager stops the keeper with another signal than SIGTERM (`--stop-signal INT`: supervisord's pd-proxy
 program), a SIGTERM is not a stop but an end after which the manager restarts the keeper (`kill -TERM` by
@@ -37,18 +43,21 @@ from __future__ import annotations
 import argparse
 import array
 import hashlib
+import json
 import logging
 import os
 import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from appliance.errors import PdctlError
 from appliance.proxy.config import ProxyConfig, load_config
@@ -61,15 +70,43 @@ ORPHAN_SIGNAL = signal.SIGUSR1  # to a proxy, from the kernel: its keeper died; 
 # how long a proxy whose keeper died serves on, waiting for the restarted keeper to take its sockets back
 # (supervisord restarts a program within a second or two; a keeper never restarted leaves no proxy behind)
 HANDBACK_WAIT_S = 30.0
-SOCKET_NAMES = ("api", "admin")  # the listening sockets, in the order the proxy's --listen-fds takes them
+SOCKET_NAMES = ("api", "admin")  # worker 0's listening sockets, in the order the proxy's --listen-fds takes them
 _SD_LISTEN_FDS_START = 3  # sd_listen_fds(3): the first descriptor systemd passes
+STATE_NAME = "state"  # the leader's control state (a memfd) in systemd's store, beside the sockets
+_PEERS_PREFIX = "pd-proxy-"  # the keeper's folder of its workers' Unix sockets and load files (tempfile.mkdtemp)
 
 
-def handback_address(config_path: str) -> bytes:
-    """The abstract Unix socket on which a proxy whose keeper died offers its listening sockets to the next keeper
-    of the same config file (abstract: no file is left behind by a killed proxy)."""
+def slot_names(workers: int) -> list[tuple[str, ...]]:
+    """Each worker slot's listening sockets by their names in systemd's file descriptor store: worker 0's API and
+    admin sockets (SOCKET_NAMES, as one worker's), then the API socket of each other worker."""
+    return [SOCKET_NAMES, *((f"api-{i}",) for i in range(1, workers))]
+
+
+def handback_address(config_path: str, slot: int = 0) -> bytes:
+    """The abstract Unix socket on which the proxy of worker slot `slot` whose keeper died offers its listening
+    sockets to the next keeper of the same config file (abstract: no file is left behind by a killed proxy)."""
     digest = hashlib.sha256(os.path.realpath(config_path).encode()).hexdigest()[:24]
-    return b"\0pdctl-proxy-handback-" + digest.encode()
+    address = b"\0pdctl-proxy-handback-" + digest.encode()
+    return address if slot == 0 else address + f"-{slot}".encode()
+
+
+@dataclass
+class Offer:
+    """What a proxy whose keeper died hands back: its slot's listening sockets and a pidfd of it; worker 0 (or a
+    lone proxy) adds the file of its control state, a worker of several its generation's peers' folder."""
+
+    sockets: list[socket.socket]
+    pidfd: int
+    state_fd: int | None = None
+    peers: str | None = None
+
+    def close(self) -> None:
+        """Let the offer go (the proxy that made it serves on until it gives up waiting)."""
+        for sock in self.sockets:
+            sock.close()
+        for fd in (self.pidfd, self.state_fd):
+            if fd is not None:
+                os.close(fd)
 
 
 def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -119,6 +156,7 @@ class Slot:
     current: Worker | None = None
     successor: Worker | None = None
     retiring: list[Worker] = field(default_factory=list)
+    orphan: int | None = None  # a pidfd: the proxy a dead keeper left serving these sockets, until ours serves
 
     def workers(self) -> list[Worker]:
         """Every live process of the slot."""
@@ -134,12 +172,20 @@ class Keeper:
         self.stop_signal = stop_signal
         self.log_level = log_level
         self.handover_timeout_s = handover_timeout_s
-        self.orphan: int | None = None  # a pidfd: the proxy whose keeper died, serving until ours takes over
         self.kept = False  # the sockets are kept from before this keeper: connections may be waiting on them
-        *api, admin = self._listening(config)
-        self.slots = [Slot(0, [api[0], admin]), *(Slot(i, [sock]) for i, sock in enumerate(api[1:], 1))]
-        # where the workers of one generation find each other (the leader shares its routing state through it)
-        self.peers = tempfile.mkdtemp(prefix="pd-proxy-") if config.workers > 1 else None
+        self.state_fd = -1  # the leader's control state (a memfd), kept from before where the sockets are
+        self.old_peers: set[str] = set()  # the peers' folders a dead keeper left, removed once its workers exit
+        self.leaving: list[int] = []  # pidfds of the orphaned proxies told to finish, until they exit
+        self.left = False  # SIGTERM left the workers serving for the next keeper (they keep the peers' folder)
+        self.slots = self._listening(config)
+        if self.state_fd < 0:
+            self.state_fd = os.memfd_create("pd-proxy-state")  # every leader of this keeper writes to this one
+            store_in_systemd({STATE_NAME: self.state_fd})
+        # where the workers of one generation find each other (the leader shares its routing state through it):
+        # under systemd in the unit's RuntimeDirectory, which systemd removes with the unit's processes (a killed
+        # keeper's orphaned workers are stopped with it there, so nothing else would remove its folder)
+        self.peers = tempfile.mkdtemp(prefix=_PEERS_PREFIX, dir=os.environ.get("RUNTIME_DIRECTORY")) \
+            if config.workers > 1 else None
         self.generation = 0  # a handover starts the next one; a crashed worker's replacement joins the current
         self.signals: list[int] = []
         self.crashes = 0  # serving proxies that exited on their own and were replaced
@@ -149,45 +195,85 @@ class Keeper:
         """The leader serving now (worker 0)."""
         return self.slots[0].current
 
-    def _listening(self, config: ProxyConfig) -> list[socket.socket]:
-        """The API's listening sockets (one per worker) and the admin's: with one worker systemd's stored ones,
-        else a live proxy's whose keeper died, else new ones (stored in systemd's file descriptor store where the
-        unit has one); with several, new ones always (a keeper crash is not survived yet: docs/proxy-workers.md)."""
-        admin = (config.admin.host, config.admin.port)
-        if config.workers > 1:
-            stored = from_systemd()
-            if stored is not None:  # a one-worker keeper's, before the config changed: they would hold the port
-                for sock in stored:
-                    sock.close()
-                forget_in_systemd()
-            return [*bind_api(config.host, config.port, config.workers), bind(*admin)]
-        wanted = ((config.host, config.port), admin)
-        stored = from_systemd()
-        if stored is not None and _match(stored, wanted):
-            log.info("listening on the sockets systemd kept across the restart")
-            self.kept = True
+    def _listening(self, config: ProxyConfig) -> list[Slot]:
+        """Each worker slot with its listening sockets: systemd's stored ones, else those the proxies a dead keeper
+        left serving offer (a slot none offers binds its own beside them), else new ones, stored in systemd's file
+        descriptor store where the unit has one. Kept sockets that no longer listen where the config says (a
+        redeploy moved a port or changed the workers) are let go and bound anew."""
+        names = slot_names(config.workers)
+        api, admin = (config.host, config.port), (config.admin.host, config.admin.port)
+        wanted = [(api, admin), *((api,) for _ in names[1:])]
+        reuse_port = config.workers > 1
+        stored = self._stored(names, wanted, reuse_port)
+        if stored is not None:
             return stored
-        taken = take_back(handback_address(self.config_path))
-        if taken is not None and _match(taken[0], wanted):
-            self.orphan, self.kept = taken[1], True
-            log.info("took the listening sockets back from the proxy its previous keeper left serving")
-            return taken[0]
-        if taken is not None:
-            os.close(taken[1])
-        sockets = [bind(host, port) for host, port in wanted]
-        store_in_systemd(sockets)
-        return sockets
+        offers = [self._offered(i, want, reuse_port) for i, want in enumerate(wanted)]
+        taken = [o for o in offers if o is not None]
+        if not taken:
+            fresh = bind_api(config.host, config.port, config.workers)
+            sockets = [[fresh[0], bind(*admin)], *([sock] for sock in fresh[1:])]
+        else:  # the slots no proxy offers join the port the others' listen on
+            self.kept = True
+            port = taken[0].sockets[0].getsockname()[1]
+            sockets = [o.sockets if o is not None else
+                       [bind(config.host, port, reuse_port), *([bind(*admin)] if i == 0 else [])]
+                       for i, o in enumerate(offers)]
+            if offers[0] is not None and offers[0].state_fd is not None:
+                self.state_fd = offers[0].state_fd
+            self.old_peers = {o.peers for o in taken if o.peers is not None}
+            log.info("took the listening sockets of %d of %d worker(s) back from the proxies the previous keeper "
+                     "left serving", len(taken), len(offers))
+        store_in_systemd(dict(zip((n for slot in names for n in slot), (s.fileno() for slot in sockets for s in slot),
+                                  strict=True)))
+        return [Slot(i, socks, orphan=o.pidfd if o is not None else None)
+                for i, (socks, o) in enumerate(zip(sockets, offers, strict=True))]
 
-    def spawn(self, slot: Slot, successor: bool, generation: int) -> Worker:
-        """Start a proxy on a slot's sockets; a successor serves only once its engines are healthy."""
+    def _stored(self, names: list[tuple[str, ...]], wanted: list[tuple[tuple[str, int], ...]],
+                reuse_port: bool) -> list[Slot] | None:
+        """The slots on the sockets systemd kept across the unit's restart; None when it kept none, or not these
+        (removed from its store then)."""
+        stored = from_systemd()
+        if stored is None:
+            return None
+        state = stored.pop(STATE_NAME, None)
+        kept = [socket.socket(fileno=fd) for fd in stored.values()]
+        if set(stored) == {n for slot in names for n in slot}:
+            sockets = [[kept[list(stored).index(n)] for n in slot] for slot in names]
+            if all(_fits(socks, want, reuse_port) for socks, want in zip(sockets, wanted, strict=True)):
+                log.info("listening on the sockets systemd kept across the restart (%d worker(s))", len(names))
+                self.kept = True
+                if state is not None:
+                    self.state_fd = state
+                return [Slot(i, socks) for i, socks in enumerate(sockets)]
+        for sock in kept:
+            sock.close()
+        if state is not None:
+            os.close(state)
+        forget_in_systemd([*stored, STATE_NAME])
+        return None
+
+    def _offered(self, index: int, wanted: tuple[tuple[str, int], ...], reuse_port: bool) -> Offer | None:
+        """The sockets the proxy a dead keeper left serving slot `index` offers, if they fit the config."""
+        offer = take_back(handback_address(self.config_path, index), len(wanted))
+        if offer is not None and not _fits(offer.sockets, wanted, reuse_port):
+            offer.close()
+            return None
+        return offer
+
+    def spawn(self, slot: Slot, successor: bool, generation: int, carry: bool = True) -> Worker:
+        """Start a proxy on a slot's sockets; a successor serves only once its engines are healthy; a leader starts
+        with the control state its predecessor kept, unless `carry` is False (a planned restart's)."""
         read_end, write_end = os.pipe()
         fds = [s.fileno() for s in slot.sockets]
         argv = [sys.executable, "-m", "appliance.proxy", "--config", self.config_path, "--log-level", self.log_level,
                 "--listen-fds", ",".join(map(str, fds)), "--ready-fd", str(write_end), "--crashes", str(self.crashes)]
         if self.peers is not None:
             argv += ["--worker", str(slot.index), "--peers", self.peers, "--generation", str(generation)]
-        proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=(*fds, write_end),
-                                start_new_session=True)
+        passed = [*fds, write_end]
+        if slot.index == 0:  # the leader keeps its control state in the keeper's file; one after a crash starts with it
+            argv += ["--state-fd", str(self.state_fd), *(["--carry-state"] if carry else [])]
+            passed.append(self.state_fd)
+        proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=passed, start_new_session=True)
         os.close(write_end)
         return Worker(proc, read_end)
 
@@ -209,7 +295,7 @@ class Keeper:
         try:
             return self._loop(wake_r)
         finally:
-            if self.peers is not None:
+            if self.peers is not None and not self.left:
                 shutil.rmtree(self.peers, ignore_errors=True)
 
     def _loop(self, wake_r: int) -> int:
@@ -234,6 +320,7 @@ class Keeper:
                 code = self._reap(slot)
                 if code is not None:
                     return code
+            self._sweep_orphans(0.0)
 
     def _hand_over(self) -> None:
         if any(slot.successor is not None for slot in self.slots):
@@ -242,7 +329,7 @@ class Keeper:
             return
         self.generation += 1
         for slot in self.slots:
-            slot.successor = self.spawn(slot, True, self.generation)
+            slot.successor = self.spawn(slot, True, self.generation, carry=False)
             log.info("handing the listening sockets of worker %d over to a new proxy (pid %d)", slot.index,
                      slot.successor.proc.pid)
 
@@ -253,8 +340,8 @@ class Keeper:
         os.close(fd)
         worker.ready_fd = -1
         worker.ready = bool(got)
-        if worker is slot.current and worker.ready and self.orphan is not None:
-            self._retire_orphan(RETIRE_SIGNAL)
+        if worker is slot.current and worker.ready and slot.orphan is not None:
+            self._retire_orphan(slot, RETIRE_SIGNAL)
         if worker is slot.successor and worker.ready and slot.current is not None:
             old = slot.current
             old.proc.send_signal(RETIRE_SIGNAL)  # it stops accepting and finishes its requests
@@ -311,102 +398,157 @@ class Keeper:
         log.error("the proxy (pid %d) exited with %d; pid %d takes over its listening sockets (%d crash(es) since "
                   "the keeper started)", crashed, code, slot.current.proc.pid, self.crashes)
 
-    def _retire_orphan(self, signum: int) -> None:
-        """Tell the proxy the previous keeper left serving to finish and exit (RETIRE_SIGNAL once ours serves)."""
-        assert self.orphan is not None
+    def _retire_orphan(self, slot: Slot, signum: int) -> None:
+        """Tell the proxy a dead keeper left serving a slot to finish and exit (RETIRE_SIGNAL once ours serves)."""
+        assert slot.orphan is not None
         try:
-            signal.pidfd_send_signal(self.orphan, signum)
+            signal.pidfd_send_signal(slot.orphan, signum)
         except ProcessLookupError:
-            pass
+            os.close(slot.orphan)
         else:
-            log.info("the proxy the previous keeper left serving finishes its requests and exits")
-        os.close(self.orphan)
-        self.orphan = None
+            log.info("the proxy the previous keeper left serving worker %d's sockets finishes its requests and exits",
+                     slot.index)
+            self.leaving.append(slot.orphan)
+        slot.orphan = None
+
+    def _sweep_orphans(self, wait_s: float | None) -> None:
+        """Forget the orphaned proxies that exited (waiting up to wait_s for them; None: for all of them); once
+        none is left, remove the peers' folders the previous keeper left to them."""
+        while self.leaving:
+            exited, _, _ = select.select(self.leaving, [], [], wait_s)  # a pidfd reads ready once its process exits
+            if not exited:
+                break
+            for pidfd in exited:
+                self.leaving.remove(pidfd)
+                os.close(pidfd)
+        if self.old_peers and not self.leaving and all(slot.orphan is None for slot in self.slots):
+            for folder in self.old_peers:
+                if _peers_folder(folder):
+                    shutil.rmtree(folder, ignore_errors=True)
+            self.old_peers.clear()
 
     def _leave(self) -> int:
         """SIGTERM where the manager stops the keeper with another signal: the manager restarts the keeper after
-        it, so the serving proxy serves on and hands its sockets to the next keeper, as after a crash; a proxy
+        it, so every serving proxy serves on and hands its sockets to the next keeper, as after a crash; a proxy
         that does not serve yet stops. 128 + SIGTERM, as the signal's own end would be."""
-        if len(self.slots) > 1:  # several workers cannot be left serving yet: they stop, as on the stop signal
-            log.warning("SIGTERM, not the manager's stop signal (%s): the %d workers stop (a keeper's end is not "
-                        "survived with several workers yet)", self.stop_signal.name, len(self.slots))
-            self._stop_all()
-            return 128 + signal.SIGTERM
-        slot = self.slots[0]
-        assert slot.current is not None
-        for worker in (slot.successor, None if slot.current.ready else slot.current):
-            if worker is not None:
-                worker.proc.kill()
-                worker.proc.wait()
-        if slot.current.ready:
-            log.warning("SIGTERM, not the manager's stop signal (%s): proxy pid %d serves on until the next keeper "
-                        "takes its sockets", self.stop_signal.name, slot.current.proc.pid)
+        for slot in self.slots:
+            assert slot.current is not None
+            for worker in (slot.successor, None if slot.current.ready else slot.current):
+                if worker is not None:
+                    worker.proc.kill()
+                    worker.proc.wait()
+        serving = [str(slot.current.proc.pid) for slot in self.slots if slot.current is not None and slot.current.ready]
+        if serving:
+            log.warning("SIGTERM, not the manager's stop signal (%s): proxy pid %s serves on until the next keeper "
+                        "takes its sockets", self.stop_signal.name, ", ".join(serving))
+            self.left = True
         return 128 + signal.SIGTERM
 
     def _stop_all(self) -> int:
-        if self.orphan is not None:
-            self._retire_orphan(signal.SIGTERM)
+        for slot in self.slots:
+            if slot.orphan is not None:
+                self._retire_orphan(slot, signal.SIGTERM)
         workers = [w for slot in self.slots for w in slot.workers()]
         for worker in workers:
             if worker.proc.poll() is None:
                 worker.proc.terminate()
         for worker in workers:
             worker.proc.wait()
+        self._sweep_orphans(None)
         return 0
 
 
-def _match(sockets: list[socket.socket], wanted: tuple[tuple[str, int], ...]) -> bool:
-    """Whether sockets kept from before listen where the config says (a redeploy may have moved a port);
-    those that do not are closed."""
-    ok = len(sockets) == len(wanted) and all(
-        port in (0, s.getsockname()[1]) for s, (_, port) in zip(sockets, wanted, strict=True))
-    if not ok:
-        for sock in sockets:
-            sock.close()
-    return ok
+def _fits(sockets: list[socket.socket], wanted: tuple[tuple[str, int], ...], reuse_port: bool) -> bool:
+    """Whether a slot's sockets kept from before listen where the config says (a redeploy may have moved a port),
+    its API socket on a port several workers share (SO_REUSEPORT) where there are several."""
+    return len(sockets) == len(wanted) and all(
+        port in (0, s.getsockname()[1]) for s, (_, port) in zip(sockets, wanted, strict=True)) and (
+        not reuse_port or bool(sockets[0].getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT)))
 
 
-def take_back(address: bytes, timeout_s: float = 5.0) -> tuple[list[socket.socket], int] | None:
-    """The listening sockets and a pidfd of the proxy that offers them at `address`; None when none does."""
+def _peers_folder(path: str) -> bool:
+    """Whether `path`, which an orphaned worker named, is a keeper's peers' folder of this user (so that only such
+    a folder is removed)."""
+    folder = Path(path)
+    try:
+        info = folder.lstat()
+    except OSError:
+        return False
+    return (folder.parent == Path(tempfile.gettempdir()) and folder.name.startswith(_PEERS_PREFIX)
+            and folder.is_dir() and not folder.is_symlink() and info.st_uid == os.geteuid())
+
+
+def take_back(address: bytes, count: int = len(SOCKET_NAMES), timeout_s: float = 5.0) -> Offer | None:
+    """What the proxy that offers its `count` listening sockets at `address` hands back; None when none does, or
+    when the offer comes from another user than this one (or root)."""
+    fds: list[int] = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout_s)
         try:
             conn.connect(address)
-            message, fds, _, _ = socket.recv_fds(conn, 64, len(SOCKET_NAMES))
+            uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[2]
+            first, fds, _, _ = socket.recv_fds(conn, 1 << 16, count + 1)  # worker 0's state file too
+            message = [first]
+            while chunk := conn.recv(1 << 16):
+                message.append(chunk)
         except OSError:
+            for fd in fds:
+                os.close(fd)
             return None
-    sockets = [socket.socket(fileno=fd) for fd in fds]
-    try:
-        pidfd = os.pidfd_open(int(message))
-    except (ValueError, OSError):
-        pidfd = -1
-    if len(sockets) != len(SOCKET_NAMES) or pidfd < 0:
+    sockets = [socket.socket(fileno=fd) for fd in fds[:count]]
+    fields = _offer_fields(b"".join(message))
+    pidfd = -1
+    if uid in (os.geteuid(), 0) and fields is not None:
+        try:
+            pidfd = os.pidfd_open(int(fields["pid"]))
+        except (ValueError, OSError):
+            pidfd = -1
+    else:
+        log.warning("ignored the listening sockets offered at the handback address by uid %d", uid)
+    if len(sockets) != count or pidfd < 0 or fields is None:
         for sock in sockets:
             sock.close()
+        for fd in [*fds[count:], *([pidfd] if pidfd >= 0 else [])]:
+            os.close(fd)
         return None
     for sock in sockets:
         sock.set_inheritable(True)
-    return sockets, pidfd
+    for fd in fds[count:]:
+        os.set_inheritable(fd, True)
+    peers = fields.get("peers")
+    return Offer(sockets[:count], pidfd, fds[count] if len(fds) > count else None,
+                 peers if isinstance(peers, str) else None)
 
 
-def from_systemd() -> list[socket.socket] | None:
-    """The listening sockets systemd passes back from the unit's file descriptor store (LISTEN_FDS, named by
-    LISTEN_FDNAMES); None when it passes none."""
+def _offer_fields(message: bytes) -> dict[str, Any] | None:
+    """A handback offer's JSON fields (pid, peers), or None; a proxy before them sends its pid alone."""
+    try:
+        fields = json.loads(message)
+    except ValueError:
+        return None
+    if isinstance(fields, int):
+        return {"pid": fields}
+    return fields if isinstance(fields, dict) and "pid" in fields else None
+
+
+def from_systemd() -> dict[str, int] | None:
+    """The descriptors systemd passes back from the unit's file descriptor store (LISTEN_FDS: the listening
+    sockets and the control state's file), by their names (LISTEN_FDNAMES); None when it passes none."""
     if os.environ.get("LISTEN_PID") != str(os.getpid()):
         return None
     names = os.environ.get("LISTEN_FDNAMES", "").split(":")
     count = int(os.environ.get("LISTEN_FDS", "0"))
     for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(key, None)  # for this process only: the proxies it starts get theirs by --listen-fds
-    fds = {name: _SD_LISTEN_FDS_START + n for n, name in enumerate(names[:count])}
-    if any(name not in fds for name in SOCKET_NAMES):
-        for fd in fds.values():
+    fds: dict[str, int] = {}
+    for n in range(count):
+        fd = _SD_LISTEN_FDS_START + n
+        if n < len(names) and names[n] not in fds:
+            os.set_inheritable(fd, True)
+            fds[names[n]] = fd
+        else:
             os.close(fd)
-        return None
-    sockets = [socket.socket(fileno=fds[name]) for name in SOCKET_NAMES]
-    for sock in sockets:
-        sock.set_inheritable(True)
-    return sockets
+    return fds or None
 
 
 def _notify_target() -> bytes | None:
@@ -418,33 +560,34 @@ def _notify_target() -> bytes | None:
     return b"\0" + address[1:].encode() if address.startswith("@") else address.encode()
 
 
-def store_in_systemd(sockets: list[socket.socket]) -> None:
-    """Keep the listening sockets in the unit's file descriptor store (FileDescriptorStoreMax=), replacing any kept
-    before, where systemd runs the keeper with a notify socket; elsewhere nothing."""
-    target = _notify_target()
-    if target is None:
-        return
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-        try:
-            for name, sock in zip(SOCKET_NAMES, sockets, strict=True):
-                notify.sendto(f"FDSTOREREMOVE=1\nFDNAME={name}".encode(), target)
-                # sendmsg, not socket.send_fds: Python 3.11's ignores its address argument
-                notify.sendmsg([f"FDSTORE=1\nFDNAME={name}".encode()],
-                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [sock.fileno()]))], 0, target)
-        except OSError as exc:
-            log.warning("cannot keep the listening sockets in systemd's store (%s): a keeper crash refuses "
-                        "connections until the unit is back", exc)
-
-
-def forget_in_systemd() -> None:
-    """Remove the listening sockets from the unit's file descriptor store, where systemd runs the keeper with a
+def store_in_systemd(fds: dict[str, int]) -> None:
+    """Keep descriptors (the listening sockets, the control state's file) in the unit's file descriptor store
+    (FileDescriptorStoreMax=) by their names, replacing any kept before, where systemd runs the keeper with a
     notify socket; elsewhere nothing."""
     target = _notify_target()
     if target is None:
         return
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         try:
-            for name in SOCKET_NAMES:
+            for name, fd in fds.items():
+                notify.sendto(f"FDSTOREREMOVE=1\nFDNAME={name}".encode(), target)
+                # sendmsg, not socket.send_fds: Python 3.11's ignores its address argument
+                notify.sendmsg([f"FDSTORE=1\nFDNAME={name}".encode()],
+                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], 0, target)
+        except OSError as exc:
+            log.warning("cannot keep the listening sockets in systemd's store (%s): a keeper crash refuses "
+                        "connections until the unit is back", exc)
+
+
+def forget_in_systemd(names: list[str]) -> None:
+    """Remove the named listening sockets from the unit's file descriptor store, where systemd runs the keeper with
+    a notify socket; elsewhere nothing."""
+    target = _notify_target()
+    if target is None:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        try:
+            for name in names:
                 notify.sendto(f"FDSTOREREMOVE=1\nFDNAME={name}".encode(), target)
         except OSError as exc:
             log.warning("cannot remove the listening sockets from systemd's store (%s)", exc)

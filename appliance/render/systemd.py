@@ -178,6 +178,8 @@ def render_systemd(plan: Plan, opts: RenderOptions | None = None) -> Rendered:
                 exec_start=exec_line(proxy_argv(plan, opts)),
                 # The admin API answers as soon as the proxy listens, whatever the engines' health.
                 exec_ready=exec_line(ready_argv(opts, admin, opts.proxy_ready_timeout_s, any_answer=True)),
+                # the keeper's listening sockets, one API socket a worker and the admin's, and its state file
+                fdstore=plan.proxy.workers + 2,
             ),
         )
     )

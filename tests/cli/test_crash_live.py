@@ -18,6 +18,7 @@ import pytest
 
 from appliance.proxy.keeper import HANDBACK_WAIT_S
 from tests.rebalance.load import Load, restart_figures
+from tests.reliability.test_workers import PooledClients
 from tests.support.pdctl import pdctl, status, write_config
 from tests.support.waiting import wait_until
 
@@ -72,43 +73,54 @@ def test_a_killed_engine_is_held_for_under_supervisord(tmp_path: Path, target: s
         pdctl(config, "down")
 
 
+@pytest.mark.parametrize("workers", [1, 2], ids=["1-worker", "2-workers"])
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["KILL", "TERM"])
 def test_a_killed_keeper_leaves_its_proxy_serving_until_the_new_keeper_takes_its_sockets(
-        tmp_path: Path, signum: signal.Signals) -> None:
-    """kill -KILL or -TERM of the proxy's keeper (issue 35) with 6 long streams in flight and 3 clients streaming
-    back to back. Before: the proxy stopped with its keeper and nothing listened until supervisord had restarted
-    it (every client's next connection refused: `ConnectionRefusedError`, 10,766 of 10,837 requests after -KILL).
-    Now the proxy serves on, hands its listening sockets to the restarted keeper, and retires once the keeper's
-    new proxy serves: nothing is refused, failed or cut. supervisord's own stop (SIGINT) still stops them all."""
-    config = write_config(tmp_path, tmp_path / "state", extra="[engine.sim]\ndecode_step_ms = 20.0\n")
+        tmp_path: Path, signum: signal.Signals, workers: int) -> None:
+    """kill -KILL or -TERM of the proxy's keeper (issue 35) with 6 long streams in flight, 3 clients streaming
+    back to back on new connections and 3 over pooled ones. Before: the proxy stopped with its keeper and nothing
+    listened until supervisord had restarted it (every client's next connection refused: `ConnectionRefusedError`,
+    10,766 of 10,837 requests after -KILL); with 2 workers (issue 38) both still did so until this change. Now
+    every proxy serves on, hands its listening sockets to the restarted keeper, and retires once the keeper's
+    new proxy for its slot serves: nothing is refused, failed or cut. supervisord's own stop (SIGINT) still stops
+    them all."""
+    config = write_config(tmp_path, tmp_path / "state",
+                          extra=f"workers = {workers}\n[engine.sim]\ndecode_step_ms = 20.0\n")
     try:
         up = pdctl(config, "up", "--json")
         assert up.returncode == 0, up.stderr
         url = json.loads(up.stdout)["proxy"]
         body = {"prompt": "hello", "max_tokens": 150, "ignore_eos": True, "stream": True}
         load = Load(url, max_tokens=8).start()
+        pooled = PooledClients(url)
         try:
             with ThreadPoolExecutor(6) as pool:
                 streams = [pool.submit(_stream, url, body) for _ in range(6)]
                 time.sleep(1.0)  # under way: 150 tokens take 3 s
                 keeper = status(config)["proxy"]["pid"]
-                (proxy,) = psutil.Process(keeper).children()
+                proxies = psutil.Process(keeper).children()
+                assert len(proxies) == workers
                 os.kill(keeper, signum)
                 answers = [f.result() for f in streams]
             wait_until(lambda: status(config)["proxy"]["pid"] not in (None, keeper), what="the keeper restarted")
-            # the old proxy retires once the new keeper's proxy serves, well before it would give up waiting
-            wait_until(lambda: not proxy.is_running(), timeout=HANDBACK_WAIT_S - 10, interval=0.1,
-                       what="the old proxy to retire")
-            served = load.ok
-            wait_until(lambda: load.ok >= served + 6, what="requests served by the new proxy")
+            # each old proxy retires once the new keeper's proxy of its slot serves, well before it would give up
+            wait_until(lambda: not any(p.is_running() for p in proxies), timeout=HANDBACK_WAIT_S - 10, interval=0.1,
+                       what="the old proxies to retire")
+            served, served_pooled = load.ok, pooled.ok()
+            wait_until(lambda: load.ok >= served + 6 and pooled.ok() >= served_pooled + 3,
+                       what="requests served by the new proxies")
         finally:
             load.stop()
+            failed = pooled.stop()
         cut = [a for a in answers if "data: [DONE]" not in a or '"error"' in a]
-        print(f"supervisord, kill -{signum.name[3:]} of the keeper: 6 streams in flight, {len(cut)} cut; "
-              f"{load.ok + len(load.failures)} requests sent, {len(load.failures)} failed")
+        print(f"supervisord, {workers} worker(s), kill -{signum.name[3:]} of the keeper: 6 streams in flight, "
+              f"{len(cut)} cut; {load.ok + len(load.failures)} requests sent, {len(load.failures)} failed; "
+              f"{len(pooled.outcomes)} pooled, {len(failed)} failed or cut")
         assert cut == [], [a[-200:] for a in cut]
         assert load.failures == [], load.failures[:5]
+        assert failed == [], failed[:5]
         proxies = psutil.Process(status(config)["proxy"]["pid"]).children()
+        assert len(proxies) == workers
         assert pdctl(config, "down").returncode == 0
         assert not any(p.is_running() for p in proxies)
     finally:

@@ -19,6 +19,7 @@ import pytest
 
 from appliance.engine.sim.tokens import tokenize
 from appliance.proxy.continuation import Tracker, continuation_body, plan
+from appliance.proxy.upstream import Unchunked
 from tests.proxy import cluster as e2e
 from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post, sse_events
@@ -299,6 +300,41 @@ def test_a_first_legs_token_chunks_reach_the_client_as_vllm_sent_them_without_th
         expected = [FIRST, SECOND] if wants else [FIRST.replace(b"[645,532]", b"null").replace(b"[225]", b"null"),
                                                   SECOND.replace(b"[461]", b"null")]
         assert sent == [b"".join(e + b"\n\n" for e in expected)]
+
+
+def test_a_first_legs_stream_reaches_the_client_alike_however_the_engine_cut_its_reads() -> None:
+    """One whole chunk a read (the relay's quick path: no buffer), several chunks a read, a chunk holding two events
+    or half of one, and reads cut at every byte: the client gets the same bytes and the tracker the same ids."""
+    held = SECOND.replace(b'"text":"\xef\xbf\xbdet"', b'"text":""').replace(b"[461]", b"[7]")
+    events = [FIRST, SECOND, held, SECOND.replace(b"[461]", b"[8,9]"), b"data: [DONE]"]
+    body = _chunked(*events)
+    two = b"".join(e + b"\n\n" for e in events[1:3])
+    splits = {
+        "one chunk a read": [_chunked(e) for e in events],
+        "all at once": [body],
+        "two events in a chunk, one event in two chunks": [
+            _chunked(FIRST), b"%x\r\n%b\r\n" % (len(two), two), *_halves(events[3] + b"\n\n"), _chunked(events[4])],
+        **{f"cut at {cut}": [body[:cut], body[cut:]] for cut in range(len(body) + 1)},
+    }
+    seen = set()
+    for name, reads in splits.items():
+        tracker = Tracker("/v1/completions", {"prompt": "Hello there", "stream": True}, None)
+        sent: list[bytes] = []
+        feed = tracker.sink(sent.append, framed=True)
+        for read in reads:
+            feed(read)
+        unframed: list[bytes] = []
+        Unchunked(unframed.append).write(b"".join(sent) + b"0\r\n\r\n")
+        assert tracker.generated == [225, 461, 7, 8, 9] and tracker.held == 0 and tracker.done, name
+        seen.add(b"".join(unframed))
+    assert seen == {b"".join(e.replace(b"[645,532]", b"null").replace(b"[225]", b"null").replace(b"[461]", b"null")
+                             .replace(b"[7]", b"null").replace(b"[8,9]", b"null") + b"\n\n" for e in events)}
+
+
+def _halves(event: bytes) -> list[bytes]:
+    """An event sent as two chunks, cut in its middle."""
+    half = len(event) // 2
+    return [b"%x\r\n%b\r\n" % (len(part), part) for part in (event[:half], event[half:])]
 
 
 def test_a_request_whose_decode_is_gone_before_its_first_token_is_run_again_elsewhere() -> None:

@@ -4,6 +4,7 @@ kernel hands one to that worker (the admin state counts each worker's open conne
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -17,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import pytest
 
-from appliance.proxy.keeper import handback_address
+from benchmarks import crash_bench
 from tests.rebalance.load import Load
 from tests.reliability.node import MODEL, Node
 from tests.reliability.test_attacks import http, no_traceback
@@ -223,6 +223,42 @@ def test_a_killed_worker_is_replaced_and_the_other_keeps_serving(tmp_path: Path)
         assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
 
 
+def kept_state(keeper: int) -> dict[str, Any] | None:
+    """The control state the leader keeps in its keeper's state file (a memfd the keeper holds), read through
+    /proc; None before the leader first wrote it."""
+    for fd in Path(f"/proc/{keeper}/fd").iterdir():
+        with contextlib.suppress(OSError, ValueError):  # a write under way reads short: the next poll is whole
+            if os.readlink(fd).startswith("/memfd:pd-proxy-state"):
+                raw = fd.read_bytes()
+                return dict(json.loads(raw)["state"]) if raw else None
+    return None
+
+
+def test_a_killed_leader_is_replaced_with_its_control_state(tmp_path: Path) -> None:
+    """SIGKILL of worker 0, the leader, after a drain and a hold set through it: its replacement starts with both
+    (the leader keeps them in the keeper's state file), so every worker still keeps both-1 out of rotation. Before,
+    the replacement started from the config: the drain and the hold were gone."""
+    with workers_node(tmp_path, engines=2) as node:
+        leader = int(state(node)["pid"])
+        for path, body in (("/admin/drain", {"instance": "both-1", "timeout_s": 5}),
+                           ("/admin/hold", {"wait_s": 20, "expires_in_s": 600})):
+            status, _, answer_body = http(node.admin_port, "POST", path, body)
+            assert status == 200, answer_body[:300]
+        keeper = next(p for p in node.procs if p.name == "proxy")
+        wait_for(lambda: (kept := kept_state(keeper.popen.pid)) is not None and kept["draining"] == ["both-1"]
+                 and kept["hold"]["wait_s"] == 20, "the leader keeping the drain and the hold")
+        os.kill(leader, signal.SIGKILL)
+        wait_for(lambda: int(state(node)["pid"]) != leader, "a new leader answering")
+        view = state(node)
+        assert {i["name"]: i["draining"] for i in view["instances"]} == {"both-0": False, "both-1": True}
+        assert 0 < view["hold_wait_s"] <= 20
+        for _ in range(10):
+            status, _, _ = http(node.proxy_port, "POST", "/v1/completions",
+                                {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert status == 200
+        assert {i["name"]: i["routed"] for i in state(node)["instances"]}["both-1"] == 0
+
+
 def test_metrics_add_up_every_workers_counters(tmp_path: Path) -> None:
     """/metrics, whichever worker answers it, counts every worker's requests (before: the answering worker's)."""
     with workers_node(tmp_path) as node:
@@ -258,31 +294,90 @@ def request_on_get(sock: socket.socket, path: str) -> dict[str, Any]:
     return result
 
 
-def test_a_killed_keeper_of_two_workers_ends_them_and_a_new_keeper_serves_on_new_sockets(tmp_path: Path) -> None:
-    """SIGKILL of the keeper of 2 workers: each worker finishes and exits (a keeper crash is not survived with
-    several workers yet, docs/proxy-workers.md), none offers its sockets for a handback, and the next keeper of the
-    same config binds the port again and serves with 2 workers."""
-    with workers_node(tmp_path) as node:
+class PooledClients:
+    """Clients streaming completions back to back, each over one keep-alive connection (as the OpenAI client
+    does), in a thread of their own until stopped; their outcomes as crash_bench classifies them."""
+
+    def __init__(self, url: str, clients: int = 3, max_tokens: int = 40) -> None:
+        self.outcomes: list[crash_bench.Outcome] = []
+        self._done = threading.Event()
+        pace = crash_bench.Pace(clients=clients, max_tokens=max_tokens, decode_step_ms=0, before=0, after=0)
+
+        async def run() -> None:
+            stop = asyncio.Event()
+            running = [asyncio.ensure_future(crash_bench.client(url, True, n, pace, stop, self.outcomes))
+                       for n in range(clients)]
+            await asyncio.to_thread(self._done.wait)
+            stop.set()
+            await asyncio.gather(*running)
+
+        self._thread = threading.Thread(target=asyncio.run, args=(run(),), daemon=True)
+        self._thread.start()
+
+    def ok(self) -> int:
+        """Streams that completed."""
+        return sum(1 for o in self.outcomes if o.result == "ok")
+
+    def stop(self) -> list[str]:
+        """Stop after the streams in flight; what failed or was cut."""
+        self._done.set()
+        self._thread.join(60)
+        return [f"{o.result}: {o.detail}" for o in self.outcomes if o.result != "ok"]
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie has)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_killed_keeper_of_two_workers_loses_nothing(tmp_path: Path) -> None:
+    """SIGKILL of the keeper of 2 workers, with 4 streams in flight over both workers, 3 clients on new connections
+    and 3 pooled ones, and both-1 drained. Each worker serves on and offers its slot's sockets (worker 0 with the
+    admin socket and its control state); the next keeper of the same config (what supervisord starts) takes
+    every slot back, its leader starts with the drain, and each old worker retires once its slot's new worker
+    serves. Before, both workers finished their streams and exited with their keeper, nothing was offered, and
+    the next keeper bound new sockets: connections were refused meanwhile. Now nothing is refused, failed or cut."""
+    with workers_node(tmp_path, engines=2) as node:
         keeper = next(p for p in node.procs if p.name == "proxy")
-        pids = [int(w["pid"]) for w in state(node)["workers"]]
-        assert len(pids) == 2
-        os.kill(keeper.popen.pid, signal.SIGKILL)
-
-        def gone(pid: int) -> bool:
-            try:
-                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return True
-
-        wait_for(lambda: all(gone(pid) for pid in pids), "both workers ended with their keeper")
-        offer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with offer, pytest.raises(OSError):
-            offer.connect(handback_address(str(tmp_path / "proxy.json")))
-        again = node.start("proxy-again", [sys.executable, "-m", "appliance.proxy.keeper", "--config",
-                                           str(tmp_path / "proxy.json"), "--log-level", "warning"])
-        node.wait_http(again, node.proxy_url + "/health")
-        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True, True], "2 new workers ready")
-        assert not {int(w["pid"]) for w in state(node)["workers"]} & set(pids)
-        status, _, body = http(node.proxy_port, "POST", "/v1/completions",
-                               {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        old = [int(w["pid"]) for w in state(node)["workers"]]
+        peers = Path(psutil.Process(old[0]).cmdline()[psutil.Process(old[0]).cmdline().index("--peers") + 1])
+        status, _, body = http(node.admin_port, "POST", "/admin/drain", {"instance": "both-1", "timeout_s": 5})
         assert status == 200, body[:300]
+        load = Load(node.proxy_url, threads=3, max_tokens=8).start()
+        pooled = PooledClients(node.proxy_url)
+        try:
+            streams = [request_on(connect_to(node, w), STREAM) for w in (0, 1, 0, 1)]
+            wait_for(lambda: sum(in_flight(node).values()) >= 4, "4 streams in flight")
+            os.kill(keeper.popen.pid, signal.SIGKILL)
+            served, served_pooled = load.ok, pooled.ok()
+            # no keeper: the orphaned workers serve on
+            wait_for(lambda: load.ok >= served + 6 and pooled.ok() >= served_pooled + 3, "requests served meanwhile")
+            assert not any(gone(pid) for pid in old)
+            again = node.start("proxy-again", [sys.executable, "-m", "appliance.proxy.keeper", "--config",
+                                               str(tmp_path / "proxy.json"), "--log-level", "warning"])
+            wait_for(lambda: not set(old) & {int(w["pid"]) for w in state(node).get("workers", [])}
+                     and [w["ready"] for w in state(node)["workers"]] == [True, True], "2 new workers ready")
+            answers = [answer(s, 60) for s in streams]
+            wait_for(lambda: all(gone(pid) for pid in old), "the old workers retiring")
+            served, served_pooled = load.ok, pooled.ok()
+            wait_for(lambda: load.ok >= served + 6 and pooled.ok() >= served_pooled + 3,
+                     "requests served by the new workers")
+        finally:
+            load.stop()
+            failed = pooled.stop()
+        print(f"keeper of 2 workers SIGKILLed: 4 streams in flight; {load.ok + len(load.failures)} requests on new "
+              f"connections, {len(load.failures)} failed; {len(pooled.outcomes)} pooled, {len(failed)} failed or cut")
+        for raw in answers:
+            assert raw.startswith(b"HTTP/1.1 200") and raw.count(b"data: ") == 101, raw[-300:]
+            assert b"data: [DONE]" in raw and b'"error"' not in raw
+        assert load.failures == [], load.failures[:5]
+        assert failed == [], failed[:5]
+        view = state(node)
+        assert again.alive and {i["name"]: i["draining"] for i in view["instances"]} == {"both-0": False,
+                                                                                         "both-1": True}
+        assert {i["name"]: i["routed"] for i in view["instances"]}["both-1"] == 0  # every worker honours the drain
+        wait_for(lambda: not peers.exists(), "the old workers' peers folder removed")
+        no_traceback(node)

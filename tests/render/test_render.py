@@ -18,6 +18,7 @@ from supervisor.options import ServerOptions
 from appliance.errors import PdctlError
 from appliance.inventory import load_inventory
 from appliance.plan import Plan, plan
+from appliance.proxy.keeper import slot_names
 from appliance.render import RenderOptions, render_supervisor, render_systemd
 from appliance.render.names import PROXY_UNIT, instance_unit, unit_instance
 from appliance.render.supervisor import REAPER, environment_value, socket_path
@@ -79,6 +80,15 @@ def test_engine_unit_pins_gpus_limits_restart_and_readiness() -> None:
         "--token-file", "/var/lib/pdctl/admin-token", "--drain-timeout", "30",
         "--hold", "120", "--expires", "990"]
     assert "TimeoutStopSec=90s" in unit.splitlines()  # the drain, then the engine's own graceful exit
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_proxy_unit_stores_every_listening_socket_of_the_keeper(workers: int) -> None:
+    """One API socket per proxy worker, the admin socket and the control state's file fit the unit's file
+    descriptor store (issue 38: it held 2 whatever the workers)."""
+    unit = units_of(make({"proxy": {"workers": workers}}))["pd-proxy.service"]
+    assert lines(unit, "FileDescriptorStoreMax") == [str(len([n for s in slot_names(workers) for n in s]) + 1)]
+    assert lines(unit, "NotifyAccess") == ["main"]
 
 
 def test_proxy_unit_never_requires_or_binds_the_engines() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.node import admin_client
 from appliance.render.systemd import exec_line
 from benchmarks import crash_bench
 from tests.rebalance.load import Load, restart_figures
@@ -273,6 +274,7 @@ def test_pdctl_restart_proxy_under_load_cuts_nothing(booted) -> None:
     assert ns.show("pd-proxy.service", "MainPID") == keeper and ns.show("pd-proxy.service", "NRestarts") == "0"
 
 
+@pytest.mark.parametrize("booted", ["", "workers = 2\n"], ids=["1-worker", "2-workers"], indirect=True)
 @pytest.mark.parametrize("sig", ["KILL", "TERM"])
 def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
     """kill -KILL or -TERM of pd-proxy's main process (the keeper) under 3 streaming clients and 3 pooled streaming
@@ -282,11 +284,20 @@ def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
     had ended, as the client sent its next request on it (`Can not write request body`, one a client). Now the
     unit's file descriptor store keeps the sockets, systemd gives them back to the new keeper, connections wait in
     the kernel's queue, and a stopping proxy serves a request sent on a kept-alive connection (saying
-    `Connection: close`) instead of closing it under the client."""
+    `Connection: close`) instead of closing it under the client. With 2 workers (issue 38) the keeper stored none
+    of its sockets and connections were refused until the new keeper had bound them; now it stores every slot's
+    (FileDescriptorStoreMax = workers + 1) and gets them all back."""
     ns, config, p = booted
     env = {"PDCTL_SYSTEMD_PREFIX": " ".join(ns.prefix)}
     wait_until(lambda: status(config, env)["_rc"] == 0, timeout=120, what="pd.target healthy")
     keeper = ns.show("pd-proxy.service", "MainPID")
+    workers = ns.run("cat", f"/proc/{keeper}/task/{keeper}/children").stdout.split()
+    assert len(workers) == p.proxy.workers
+    argv = ns.run("cat", f"/proc/{workers[0]}/cmdline").stdout.split("\0")
+    peers = argv[argv.index("--peers") + 1] if "--peers" in argv else None  # several workers' folder
+    # an admin hold set before the kill holds after it: the unit's store kept the leader's control state too
+    admin = admin_client(p, timeout=10)
+    admin.hold(30.0, expires_in_s=600.0)
     load = Load(p.proxy.url, max_tokens=40).start()
     done, pooled = threading.Event(), []
     pace = crash_bench.Pace(clients=3, max_tokens=40, decode_step_ms=0, before=0, after=0)
@@ -313,11 +324,14 @@ def test_a_killed_keeper_refuses_no_connection(booted, sig: str) -> None:
         thread.join()
         load.stop()
     failed = [f"{o.result}: {o.detail}" for o in pooled if o.result != "ok"]
-    print(f"systemd, kill -{sig} of the keeper: {load.ok + len(load.failures)} streams sent, "
+    print(f"systemd, {p.proxy.workers} worker(s), kill -{sig} of the keeper: {load.ok + len(load.failures)} streams sent, "
           f"{len(load.failures)} failed; pooled: {len(pooled)} sent, {len(failed)} failed or cut")
     assert load.failures == [], load.failures[:5]
     assert failed == [], failed[:5]
     assert ns.show("pd-proxy.service", "NRestarts") == "1"
+    assert admin.state()["hold_wait_s"] == 30.0
+    if peers is not None:  # the killed keeper's workers' folder went with the unit's processes (RuntimeDirectory=)
+        assert ns.run("test", "-e", peers, check=False).returncode == 1, peers
 
 
 def test_a_redeploy_reports_only_its_own_ends(booted) -> None:
