@@ -142,12 +142,13 @@ class Deployment:
         request = urllib.request.Request(self.plan.proxy.url + "/metrics", headers=headers)
         with urllib.request.urlopen(request, timeout=30) as response:
             text = response.read().decode()
-        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        families = list(text_string_to_metric_families(text))
+        samples = [s for family in families for s in family.samples]
         held = sum(int(s.value) for s in samples if s.name == "pdctl_proxy_hold_seconds_count")
-        names = {s.name for s in samples}
+        # the family, declared with no sample yet, counts 0 (the parser names a counter's family without _total)
         continued = (sum(int(s.value) for s in samples if s.name == "pdctl_proxy_continuations_total"
                          and s.labels.get("outcome") == "continued")
-                     if "pdctl_proxy_continuations_total" in names else None)
+                     if any(f.name == "pdctl_proxy_continuations" for f in families) else None)
         return held, continued
 
     def healthy(self) -> bool:

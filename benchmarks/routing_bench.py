@@ -3,7 +3,7 @@ role, the policy's pick, the DP rank, the bookings) and a lease per leg, as legs
 request, in process, with no I/O.
 
     .venv/bin/python benchmarks/routing_bench.py [--instances 1,4,16] [--dp 1,8] [--requests 20000] [--repeat 5]
-                                       [--prompts text-44,text-4000,ids-1000,ids-8000]
+                                       [--prompts text-44,text-4000,ids-1000,ids-8000] [--workers 1]
 
 Prints, for each policy of appliance.proxy.policies, each prompt, conditional routing off and on
 (policies/conditional.py: the prompt's length is read, the decision made, a short prompt's room computed from
@@ -15,21 +15,35 @@ finds all its blocks on one instance and none on the others (its most expensive 
 there); `prefix_affinity:events` is the same policy with every instance's DP ranks' KV event streams live and the
 prompt's blocks reported by one instance of each role. A request streams hundreds of tokens whose relay costs tens of microseconds each
 (benchmarks/proxy_bench.py): this is what a policy adds on top.
+
+--workers N (N > 1) routes as worker 0 of N proxy worker processes (docs/proxy-workers.md): every instance's loads
+and DP ranks' legs in shared columns (the other N - 1 columns mapped, empty), conditional routing's decode queues
+in the shared file under its lock, and prefix affinity's records sent to N - 1 datagram sockets (another process
+reads and drops what they get, as the other workers would); what the other workers' records cost this one to apply
+is benchmarks/worker_state_cost.py's. --loads-only shares the columns alone (loads and DP ranks' legs).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
+import select
+import socket
+import tempfile
 import timeit
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
+from pathlib import Path
 
 from appliance.connector import get_connector
+from appliance.proxy.columns import Columns, Queues
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.kv_events import Stored
 from appliance.proxy.policies import POLICIES, Policy, RequestFacts
 from appliance.proxy.policies.conditional import Rules
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.route import Router
+from appliance.proxy.workers import Broadcast, WorkerRole
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 MODEL = "bench-model"
@@ -85,8 +99,56 @@ def _feed_events(policy: PrefixAffinity, registry: InstanceRegistry, request: di
             policy.event_blocks(insts[0], 0).apply(0, [Stored(hashes, None, tokens, size, None, None, "GPU", 0)])
 
 
+@contextlib.contextmanager
+def shared(registry: InstanceRegistry, router: Router, policy: Policy, workers: int,
+           everything: bool = True) -> Iterator[None]:
+    """Route as worker 0 of `workers` (the module's docstring); nothing shared for 1; without `everything`, the
+    loads alone (what the workers shared before the DP ranks, decode queues and prefix records)."""
+    if workers <= 1:
+        yield
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        peers = Path(folder)
+        columns = [Columns(peers, 0, k, workers) for k in range(workers)]
+        for inst in registry.instances.values():
+            if everything:
+                inst.share(columns[0])
+            else:
+                inst.column = columns[0].column(inst.name)
+        if not everything:
+            yield
+            return
+        router.queues = Queues(peers, 0)
+        sinks = [socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(workers - 1)]
+        for k, sink in enumerate(sinks, 1):
+            sink.bind(str(peers / f"g0-w{k}-{k}.blocks"))
+        # the other workers are other processes: a thread here would take this one's GIL for every datagram
+        drain = multiprocessing.get_context("fork").Process(target=_drain, args=(sinks,), daemon=True)
+        drain.start()
+        broadcast = None
+        if isinstance(policy, PrefixAffinity):
+            broadcast = Broadcast(policy, registry, WorkerRole(0, peers, 0))
+            policy.on_record = broadcast.send
+        try:
+            yield
+        finally:
+            if broadcast is not None:
+                broadcast.sock.close()
+            for sink in sinks:
+                sink.close()
+            drain.kill()
+            drain.join()
+
+
+def _drain(sinks: list[socket.socket]) -> None:
+    while True:
+        ready, _, _ = select.select(sinks, [], [])
+        for sink in ready:
+            sink.recv(1 << 18)
+
+
 def us_per_request(policy: str, rules: Rules, prompt: str, instances: int, dp_size: int, requests: int,
-                   repeat: int) -> float:
+                   repeat: int, workers: int = 1, everything: bool = True) -> float:
     """The best of `repeat` runs of routing `requests` requests, in microseconds per request."""
     name, _, source = policy.partition(":")
     registry = _registry(instances, dp_size, events=source == "events")
@@ -109,7 +171,8 @@ def us_per_request(policy: str, rules: Rules, prompt: str, instances: int, dp_si
             with route.decode.lease(route.decode_rank):
                 pass
 
-    return min(timeit.repeat(one, number=requests, repeat=repeat)) / requests * 1e6
+    with shared(registry, router, chosen, workers, everything):
+        return min(timeit.repeat(one, number=requests, repeat=repeat)) / requests * 1e6
 
 
 def main() -> None:
@@ -121,17 +184,24 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--prompts", default="text-44,text-4000,ids-1000,ids-8000",
                         help="prompts, comma-separated: text-N (characters) or ids-N (token ids)")
+    parser.add_argument("--workers", type=int, default=1, help="route as worker 0 of this many (the docstring)")
+    parser.add_argument("--loads-only", action="store_true",
+                        help="with --workers: share the columns alone (loads and DP ranks' legs: no decode queues or records)")
+    parser.add_argument("--policies", default=",".join([*POLICIES, "prefix_affinity:events"]),
+                        help="policies, comma-separated")
     args = parser.parse_args()
     sizes = [int(n) for n in args.instances.split(",")]
     dps = [int(n) for n in args.dp.split(",")]
     print(f"routing cost per disaggregated request (route + 2 leases), us, best of {args.repeat} x {args.requests}; "
-          "conditional routing off, on, and on with the decode's budget")
+          f"conditional routing off, on, and on with the decode's budget; as worker 0 of {args.workers}"
+          + (" (loads alone shared)" if args.loads_only else ""))
     print(f"{'policy':<24}{'prompt':<12}{'conditional':<14}"
           + "".join(f"{f'{n} inst, DP {d}':>16}" for n in sizes for d in dps))
-    for policy in [*POLICIES, "prefix_affinity:events"]:
+    for policy in args.policies.split(","):
         for prompt in args.prompts.split(","):
             for name, rules in RULES.items():
-                cells = (us_per_request(policy, rules, prompt, n, d, args.requests, args.repeat)
+                cells = (us_per_request(policy, rules, prompt, n, d, args.requests, args.repeat, args.workers,
+                                        not args.loads_only)
                          for n in sizes for d in dps)
                 print(f"{policy:<24}{prompt:<12}{name:<14}" + "".join(f"{c:>16.2f}" for c in cells), flush=True)
 

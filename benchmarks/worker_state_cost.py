@@ -7,6 +7,14 @@ Three ways, each timed per request on this machine (no proxy runs; a design's in
             one release message after it
   broadcast a worker sends the prefix blocks it recorded (64 block hashes) to each of the others
 
+As built (appliance/proxy/columns.py, workers.py), each against what one process does for the same:
+  queues    a decode-only decision's reads and count of the decode's window and backlog: under the shared file's
+            lock, against a PrefillWindow and PrefillBacklog of its own
+  dp ranks  a DP rank picked of 8 and its leg counted and ended: in the shared columns, against its own counts
+  records   a prompt of 64 blocks recorded on an instance (hashed: a new request each time): sent to the other
+            workers (Broadcast.send), and read and applied by each (PrefixAffinity.recorded), the node's CPU in
+            all, against recorded in one process
+
     .venv/bin/python benchmarks/worker_state_cost.py --workers 4 --instances 16
 """
 
@@ -16,11 +24,20 @@ import argparse
 import os
 import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing import Process, shared_memory
+from pathlib import Path
 
 import msgpack
+
+from appliance.proxy.columns import Columns, Queues, SharedBacklog, SharedWindow
+from appliance.proxy.instances import BackendState, InstanceRegistry
+from appliance.proxy.policies.base import RequestFacts
+from appliance.proxy.policies.conditional import PrefillBacklog, PrefillWindow
+from appliance.proxy.policies.prefix_affinity import PrefixAffinity
+from appliance.proxy.workers import Broadcast, WorkerRole
 
 ROUNDS = 20_000
 
@@ -108,6 +125,80 @@ def broadcast(workers: int) -> float:
             receive.close()
 
 
+def queues(peers: Path) -> tuple[float, float]:
+    """(one process, shared) us for a decode-only decision's window and backlog reads and its count."""
+    window, backlog = PrefillWindow(), PrefillBacklog()
+    shared = Queues(peers, 0)
+    offset = shared.cell("decode-0")
+    shared_window, shared_backlog = SharedWindow(shared, offset, 0.05), SharedBacklog(shared, offset)
+
+    def alone() -> None:
+        now = time.monotonic()
+        window.recent(now, 0.05)
+        backlog.level(now, 3000.0)
+        window.add(now, 100)
+        backlog.add(now, 100, 3000.0)
+
+    def locked() -> None:
+        with shared.locked:
+            now = time.monotonic()
+            shared_window.recent(now, 0.05)
+            shared_backlog.level(now, 3000.0)
+            shared_window.add(now, 100)
+            shared_backlog.add(now, 100, 3000.0)
+
+    return per_call_us(alone), per_call_us(locked)
+
+
+def dp_ranks(peers: Path, workers: int) -> tuple[float, float]:
+    """(one process, shared) us for a DP rank picked of 8, its leg counted and ended."""
+    alone, shared = (BackendState("decode-0", "decode", "http://127.0.0.1:1", connect_timeout=1.0, dp_size=8)
+                     for _ in range(2))
+    columns = [Columns(peers, 1, k, workers) for k in range(workers)]
+    shared.share(columns[0])
+
+    def leg(inst: BackendState) -> Callable[[], None]:
+        def one() -> None:
+            inst.lease(inst.pick_rank()).end()
+        return one
+
+    return per_call_us(leg(alone)), per_call_us(leg(shared))
+
+
+def records(peers: Path, workers: int) -> tuple[float, float, float]:
+    """us for a prompt of 64 blocks recorded: (in one process; sent to the others, and taken and applied by
+    each, the node's total; applied in one other)."""
+    def worker() -> tuple[PrefixAffinity, InstanceRegistry]:
+        registry = InstanceRegistry(1.0)
+        inst = BackendState("decode-0", "decode", "http://127.0.0.1:1", connect_timeout=1.0)
+        registry.instances[inst.name] = inst
+        return PrefixAffinity(), registry
+
+    text = "".join(f"{k:08d}" for k in range(64 * 64 // 8))  # 64 blocks of 64 characters
+    policy, registry = worker()
+    inst = registry.instances["decode-0"]
+
+    def record() -> None:
+        policy.record("decode", inst, RequestFacts("/v1/completions", {"prompt": text}))
+
+    alone = per_call_us(record, ROUNDS // 4)
+    others = [worker() for _ in range(workers - 1)]
+    takers = [Broadcast(p, r, WorkerRole(k, peers, 2)) for k, (p, r) in enumerate(others, 1)]
+    sender = Broadcast(policy, registry, WorkerRole(0, peers, 2))
+    policy.on_record = sender.send
+
+    def shared() -> None:
+        record()
+        for taker in takers:
+            taker._take()
+
+    prompt = policy._prompt(RequestFacts("/v1/completions", {"prompt": text}))
+    taker_policy, taker_registry = others[0]
+    applied = per_call_us(lambda: taker_policy.recorded(taker_registry.instances["decode-0"], prompt.chains, False),
+                          ROUNDS // 4)
+    return alone, per_call_us(shared, ROUNDS // 4), applied
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=4)
@@ -120,6 +211,16 @@ def main() -> None:
     print(f"columns   {columns(args.workers, args.instances):7.1f} us per request (pick + book + release)")
     print(f"router    {router(args.instances):7.1f} us per request (round trip + release, blocking sockets)")
     print(f"broadcast {broadcast(args.workers):7.1f} us per request (64 blocks to {args.workers - 1} peers)")
+    print("# as built: one process / shared by the workers, us")
+    with tempfile.TemporaryDirectory() as folder:
+        peers = Path(folder)
+        alone, shared = queues(peers)
+        print(f"queues    {alone:7.1f} / {shared:7.1f} (a decode-only decision's window and backlog, and its count)")
+        alone, shared = dp_ranks(peers, args.workers)
+        print(f"dp ranks  {alone:7.1f} / {shared:7.1f} (a rank picked of 8, its leg counted and ended)")
+        alone, shared, applied = records(peers, args.workers)
+        print(f"records   {alone:7.1f} / {shared:7.1f} (a 64-block prompt recorded; and sent to {args.workers - 1} "
+              f"peers, each taking it: the node's total), of which {applied:.1f} to apply in each peer")
     print(f"load {os.getloadavg()[0]:.1f}")
 
 

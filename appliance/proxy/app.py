@@ -16,15 +16,16 @@ from aiohttp.http_exceptions import BadHttpMessage
 from appliance.connector import HandoffError, ProxyListener, get_connector
 from appliance.proxy import admin
 from appliance.proxy.body import INLINE_BYTES, BodyReader, BodyRules
-from appliance.proxy.columns import Columns
+from appliance.proxy.columns import Columns, Queues
 from appliance.proxy.config import ProxyConfig
 from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors
 from appliance.proxy.kvstore import KvStoreSweeper
 from appliance.proxy.legs import OUTCOME, ROUTE, STAGE, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE
+from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.state import ProxyState
 from appliance.proxy.tenants import ANONYMOUS, client_salt_problem
-from appliance.proxy.workers import Follower, Leader, WorkerRole, node_metrics
+from appliance.proxy.workers import Broadcast, Follower, Leader, WorkerRole, node_metrics
 
 log = logging.getLogger("appliance.proxy")
 
@@ -94,8 +95,16 @@ class Proxy(ProxyState):
         self.leader = Leader(self, role) if role is not None and role.leader else None
         self.follower = Follower(self, role) if role is not None and not role.leader else None
         self.others = self.leader
+        # prefix affinity's records, shared with the other workers (None: this process is the only one)
+        self.broadcast: Broadcast | None = None
         if role is not None:
             self.share_loads(Columns(role.peers, role.generation, role.index, config.workers))
+            self.router.queues = Queues(role.peers, role.generation)
+            if isinstance(self.router.policy, PrefixAffinity):
+                self.broadcast = Broadcast(self.router.policy, self.registry, role,
+                                           lambda result: self.metrics.prefix_records.labels(result).inc())
+            if self.kv_events is not None and not role.leader:
+                self.kv_events.connects_only = True  # the engines' tcp endpoints (DP > 1) are the leader's to bind
         self.stopping = False
         self._registration_bind: asyncio.Task[None] | None = None
         self.listener: ProxyListener | None = None
@@ -137,11 +146,14 @@ class Proxy(ProxyState):
         self.keep_cap = min(cap, limits.max_kept_prefills)
         api_sock, admin_sock = (*self.listeners, None)[:2] if self.listeners else (None, None)
         self.api_port = await self._serve(api, self.config.host, self.config.port, cap, api_sock, serve)
+        if self.broadcast is not None:
+            self.broadcast.start()
         if self.follower is not None:
-            # the leader alone serves the admin API, registrations, KV events and the KV store's bound
+            # the leader alone serves the admin API, registrations, probes and the KV store's bound
             await self.follower.serve()
-            self.health.start()
             self.metrics.loop.start()
+            if self.kv_events is not None:
+                self.kv_events.start()
             log.info("proxy worker %d on %s:%d", self.follower.role.index, self.config.host, self.api_port)
             return
         self.admin_port = await self._serve(admin.build_app(self), self.config.admin.host, self.config.admin.port,
@@ -254,6 +266,8 @@ class Proxy(ProxyState):
         for worker in (self.follower, self.leader):
             if worker is not None:
                 await worker.close()
+        if self.broadcast is not None:
+            self.broadcast.close()
         if self._registration_bind is not None:
             self._registration_bind.cancel()
         if self.listener is not None:

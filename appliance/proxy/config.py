@@ -220,8 +220,7 @@ class ProxyConfig(_Model):
     host: str = Field(default="127.0.0.1", description="Client API address; 0.0.0.0 to serve other hosts")
     port: int = Field(default=10001, ge=0, le=65535)
     # several processes serve the API behind the keeper (appliance.proxy.keeper, docs/proxy-workers.md); 1 unless
-    # [proxy] workers says: with more, probes, prefix estimates and conditional backlogs are each worker's own
-    # (default_workers() is the size to set for a node)
+    # [proxy] workers says (default_workers() is the size to set for a node)
     workers: int = Field(default=1, ge=1, le=MAX_WORKERS, description=(
         "Proxy worker processes, each with its own event loop and API socket (SO_REUSEPORT); worker 0 also "
         "serves the admin API, the probes and the registrations"))

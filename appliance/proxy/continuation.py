@@ -117,6 +117,8 @@ class Tracker:
         self.index = 0  # the client's choice index
         self.finished = False  # a finish_reason was relayed
         self.done = False  # [DONE] was relayed
+        # an error event the engine sent after tokens, held back with the [DONE] after it: the leg is cut
+        self.engine_error: dict[str, Any] | None = None
         self.continued = 0  # continuations so far; their chunks are completion chunks to translate
         self.write: Callable[[bytes], None] = lambda data: None
         self.framed = True
@@ -130,6 +132,7 @@ class Tracker:
     def sink(self, write: Callable[[bytes], None], framed: bool) -> Callable[[bytes], None]:
         """The writer a leg's connection relays its chunked body to (a new leg starts at a chunk boundary)."""
         self.write, self.framed = write, framed
+        self.engine_error = None
         self._events.clear()
         self.feed = Unchunked(self._take).write
         return self.feed
@@ -167,14 +170,21 @@ class Tracker:
             return event
         payload = event[6:]
         if payload == b"[DONE]":
+            if self.engine_error is not None:
+                return None
             self.done = True
             return event
         try:
             obj = json.loads(payload)
         except ValueError:
             return event
-        if not isinstance(obj, dict) or "error" in obj:
+        if not isinstance(obj, dict):
             return event
+        if "error" in obj:
+            if self.prompt is None or self.finished:
+                return event
+            self.engine_error = obj  # vLLM's stream generator on an exception (its engine core died): then [DONE]
+            return None
         if self.continued:
             chunk = self._translated(obj)
             return None if chunk is None else b"data: " + _dump(chunk)
@@ -286,6 +296,15 @@ class Tracker:
     def _hold(self, ids: list[int], text: str | None) -> None:
         if ids:
             self.held = 0 if text else self.held + len(ids)
+
+    def answered(self, answer: dict[str, Any]) -> None:
+        """Write the rest of the stream from a continuation's whole answer (its prefill leg's one token ended it: the
+        last token max_tokens allowed, or a stop), as the chunks its stream would have sent."""
+        choices = answer.get("choices")
+        events = [{"choices": choices[:1]}] if isinstance(choices, list) and choices else []
+        if isinstance(answer.get("usage"), dict):
+            events.append({"choices": [], "usage": answer["usage"]})
+        self._take(b"".join(b"data: " + _dump(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n")
 
     def resume(self) -> list[int]:
         """The generated tokens a continuation's prompt carries (all but the held ones, which it generates again)."""

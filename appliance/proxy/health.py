@@ -101,6 +101,22 @@ class HealthChecker:
         self._probing: set[str] = set()
         self._started: dict[str, int] = {}  # per instance name: the last probe started, and answered
         self._answered: dict[str, int] = {}
+        # a worker other than the leader of several (workers.py): the leader probes and ejects, this one sends it
+        # its legs' failures (report: instance name, ok, timed out) and takes its verdicts from its snapshots
+        self._report: Callable[[str, bool, bool], None] | None = None
+        self._ask: Callable[[str], Awaitable[None]] | None = None
+        self._failed_here: set[str] = set()  # instances whose last leg here failed (a follower's)
+
+    def follow(self, report: Callable[[str, bool, bool], None], ask: Callable[[str], Awaitable[None]]) -> None:
+        """Leave probes, warm-ups and ejections to the leader of several workers: a leg's failure goes to `report`
+        (and the first success after one), a fresh probe is the leader's (`ask`: it returns once the leader's
+        verdict is applied here), and any other answers with the instance's health as the leader shares it."""
+        self._report, self._ask = report, ask
+
+    @property
+    def following(self) -> bool:
+        """Whether another process (the leader) probes and ejects for this one (follow)."""
+        return self._report is not None
 
     def stand_in(self, instances: Iterable[BackendState]) -> BackendState | None:
         """The instance of these (one role's, in service) that takes the role's requests while none of them is in
@@ -108,7 +124,9 @@ class HealthChecker:
         return stand_in(instances, time.monotonic(), self.config.panic_max_silence_s)
 
     def start(self) -> None:
-        """Start the probe loop."""
+        """Start the probe loop (none while following the leader)."""
+        if self._report is not None:
+            return
         self._task = asyncio.create_task(self._loop(), name="health-probes")
 
     async def stop(self) -> None:
@@ -126,6 +144,8 @@ class HealthChecker:
 
     def probe_soon(self, inst: BackendState) -> None:
         """Probe one (new) instance now rather than at the next tick."""
+        if self._report is not None:
+            return
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -155,7 +175,9 @@ class HealthChecker:
         A probe already running for it answers for this one too, unless `fresh`: then the answer is always
         from a probe started now (one that began before the instance came back would say it is down).
         """
-        if inst.removed or (inst.name in self._probing and not fresh):
+        if self._ask is not None and fresh and not inst.removed:
+            await self._ask(inst.name)
+        if inst.removed or self._report is not None or (inst.name in self._probing and not fresh):
             return inst.healthy
         self._probing.add(inst.name)
         seq = self._started[inst.name] = self._started.get(inst.name, 0) + 1
@@ -310,6 +332,10 @@ class HealthChecker:
     def leg_failed(self, inst: BackendState, timed_out: bool) -> None:
         """Passive check: count a failed leg (`timed_out`: no answer in time, rather than refused, reset or
         broken); eject after fail_threshold in a row."""
+        if self._report is not None:
+            self._failed_here.add(inst.name)
+            self._report(inst.name, False, timed_out)
+            return
         inst.failures += 1
         inst.leg_erred = inst.leg_erred or not timed_out
         if inst.healthy and inst.failures >= self.config.fail_threshold:
@@ -320,8 +346,12 @@ class HealthChecker:
         elif not inst.healthy and not timed_out:
             inst.ejected_for = LEG_ERRORS  # out for silence, now refused or reset: it stands in for its role no more
 
-    @staticmethod
-    def leg_ok(inst: BackendState) -> None:
+    def leg_ok(self, inst: BackendState) -> None:
         """Passive check: a successful leg resets the failure count."""
+        if self._report is not None:
+            if inst.name in self._failed_here:
+                self._failed_here.discard(inst.name)
+                self._report(inst.name, True, False)
+            return
         inst.failures = 0
         inst.leg_erred = False

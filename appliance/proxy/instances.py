@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from appliance.hosts import canonical_host
-from appliance.proxy.columns import Column
+from appliance.proxy.columns import MAX_RANKS, Column, Columns
 from appliance.proxy.config import Backend
 from appliance.proxy.upstream import UpstreamPool
 
@@ -76,6 +76,11 @@ class BackendState:
         self.last_seen_mono: float | None = None
         self.removed = False
 
+    def share(self, columns: Columns) -> None:
+        """Count its legs, and its DP ranks', in the columns the worker processes share (from now on)."""
+        if self.column is None:
+            self.column = columns.column(self.name)
+
     def load(self) -> int:
         """Legs running on this instance from every worker process: what routing compares."""
         column = self.column
@@ -98,6 +103,8 @@ class BackendState:
         start = self.dp_next % size
         self.dp_next = start + 1
         counts = self.dp_in_flight
+        if self.column is not None and size <= MAX_RANKS:  # every worker process's legs on each rank
+            counts = [a + b for a, b in zip(counts, self.column.others_by_rank(size), strict=False)]
         best = start
         for k in range(1, size):
             rank = (start + k) % size
@@ -145,7 +152,7 @@ class Lease:
         self.ended = False
         inst.in_flight += 1
         if inst.column is not None:
-            inst.column.add(1)
+            inst.column.add(1, rank)
         if rank is not None:  # picked below dp_size, and the counts never shrink (set_dp_size)
             inst.dp_in_flight[rank] += 1
 
@@ -157,7 +164,7 @@ class Lease:
         inst, rank = self.inst, self.rank
         inst.in_flight -= 1
         if inst.column is not None:
-            inst.column.add(-1)
+            inst.column.add(-1, rank)
         if rank is not None:
             inst.dp_in_flight[rank] -= 1
 

@@ -46,6 +46,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -186,6 +187,9 @@ class Keeper:
         # keeper's orphaned workers are stopped with it there, so nothing else would remove its folder)
         self.peers = tempfile.mkdtemp(prefix=_PEERS_PREFIX, dir=os.environ.get("RUNTIME_DIRECTORY")) \
             if config.workers > 1 else None
+        # one str hash seed for all its workers (still secret: random per keeper), so that prefix affinity's block
+        # hashes, which each worker sends the others, are the same numbers in every worker (docs/proxy-workers.md)
+        self.hash_seed = str(secrets.randbelow(2**32))
         self.generation = 0  # a handover starts the next one; a crashed worker's replacement joins the current
         self.signals: list[int] = []
         self.crashes = 0  # serving proxies that exited on their own and were replaced
@@ -273,7 +277,9 @@ class Keeper:
         if slot.index == 0:  # the leader keeps its control state in the keeper's file; one after a crash starts with it
             argv += ["--state-fd", str(self.state_fd), *(["--carry-state"] if carry else [])]
             passed.append(self.state_fd)
-        proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=passed, start_new_session=True)
+        env = {**os.environ, "PYTHONHASHSEED": self.hash_seed} if self.peers is not None else None
+        proc = subprocess.Popen([*argv, "--successor"] if successor else argv, pass_fds=passed, start_new_session=True,
+                                env=env)
         os.close(write_end)
         return Worker(proc, read_end)
 

@@ -346,6 +346,9 @@ class KvEventsListener:
     def __init__(self, instances: Callable[[], Iterable[BackendState]],
                  sink_for: Callable[[BackendState, int], BlockSink]) -> None:
         self._instances = instances
+        # only the endpoints an engine binds (ipc://, DP 1), which every worker process may connect to; a tcp://
+        # one (DP > 1) is bound by the proxy, so by one worker of several: the leader
+        self.connects_only = False
         self._sink_for = sink_for
         self._ctx = zmq.asyncio.Context()
         self._streams: dict[tuple[str, int], _Stream] = {}
@@ -373,7 +376,8 @@ class KvEventsListener:
     def reconcile(self) -> None:
         """Open the endpoints of instances that have none open yet, close those of instances gone or replaced."""
         wanted = {(inst.name, rank): (inst, endpoint) for inst in self._instances()
-                  for rank, endpoint in enumerate(inst.kv_events_endpoints)}
+                  for rank, endpoint in enumerate(inst.kv_events_endpoints)
+                  if not self.connects_only or endpoint.startswith("ipc://")}
         for key, stream in list(self._streams.items()):
             if key not in wanted or wanted[key] != (stream.inst, stream.endpoint):
                 stream.close()

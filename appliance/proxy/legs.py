@@ -77,6 +77,7 @@ class LegFailure(HandoffError):
         super().__init__(status, message)
         self.body = body  # an engine's own 4xx answer, passed through as it is
         self.content_type = content_type
+        self.inst: BackendState | None = None  # the instance whose leg failed, where a caller says which
 
 
 class EngineLost(LegFailure):
@@ -87,7 +88,19 @@ class EngineLost(LegFailure):
     def __init__(self, role: str, inst: BackendState, failure: LegFailure) -> None:
         super().__init__(failure.status, failure.message)
         self.role = role
-        self.inst = inst
+        self.lost = self.inst = inst
+
+
+class EngineError(LegFailure):
+    """A decode leg whose engine ended its stream with an error event after tokens (vLLM does so for its streams
+    when its engine core dies, then exits): a cut, continued where the stream can be."""
+
+    reason = "engine_error"
+
+    def __init__(self, inst: BackendState, error: dict[str, Any]) -> None:
+        detail = error.get("error")
+        message = detail.get("message") if isinstance(detail, dict) else detail
+        super().__init__(502, f"decode leg on {inst.name} ended with an error: {str(message)[:300]}")
 
 
 def leg_lost(leg: str, inst: BackendState, exc: UpstreamError) -> LegFailure:
@@ -457,20 +470,34 @@ async def _relay_stream(
                 conn.relay_to(transport, proxy.metrics.itl, relay.client_gone, sink)
                 relay.start_watchdog()
                 _supervise(relay, supervisor)
+                error: BaseException | None = None
                 try:
                     await conn.done_fut
                 except UpstreamError as exc:
-                    proxy.metrics.streamed_chunks += conn.chunks
                     error = relay.error or exc
                     if isinstance(error, ConnectionResetError):
+                        proxy.metrics.streamed_chunks += conn.chunks
                         raise error from None
+                if error is None and tracker is not None and tracker.engine_error is not None:
+                    # the engine ended the stream with an error event (vLLM's engine core died under it): a cut
+                    error = EngineError(inst, tracker.engine_error)
+                    conn.abort()  # its API server is going down: not a connection to keep
+                if error is not None:
+                    proxy.metrics.streamed_chunks += conn.chunks
                     relay.stop()
                     cut = conn.cut_mid_chunk and tracker is None
                     why = "off" if request.get(CONTINUE) is None else (request[CONTINUE].why or "")
                     if tracker is not None:
                         _count_cut(proxy, inst, error)
+                        blamed = _blamed(error, inst, supervisor)
                         held = _let_go(held, inst, supervisor is not None and not supervisor.done())
-                        nxt = await _continue(proxy, request, tracker, inst, legs, held)
+                        nxt = await _continue(proxy, request, tracker, blamed, legs, held)
+                        if isinstance(nxt, dict):  # the continuation's prefill answered its last token
+                            proxy.metrics.continuations.labels("continued", getattr(error, "reason", "stream")).inc()
+                            tracker.sink(transport.write, framed=not http10)
+                            tracker.answered(nxt)
+                            await _write_end(proxy, request, response)
+                            return response
                         if not isinstance(nxt, str):
                             proxy.metrics.continuations.labels("continued", getattr(error, "reason", "stream")).inc()
                             inst, conn, supervisor = nxt
@@ -503,9 +530,9 @@ def _supervise(relay: Relay, supervisor: asyncio.Task[Any] | None) -> None:
         relay.fail(supervisor.exception())  # type: ignore[arg-type]
 
 
-# legs of one cut's continuation that may fail before their first token (each on an instance then probed out of
-# rotation) before the stream ends with an error event
-FAILED_CONTINUATION_LEGS = 3
+# legs of one cut's continuation that may fail before their first token (each instance that failed one avoided
+# after it: Avoided) before the stream ends with an error event (legs_failed)
+FAILED_CONTINUATION_LEGS = 4
 
 
 def _let_go(held: list[Lease | Booking], cut: BackendState, prefilling: bool) -> list[Lease | Booking]:
@@ -523,26 +550,71 @@ def _let_go(held: list[Lease | Booking], cut: BackendState, prefilling: bool) ->
     return kept
 
 
-async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, dead: BackendState,
+class Avoided:
+    """The instances a request's next leg is not sent to: each failed it (cut its stream, refused or failed a leg
+    of it) and no probe has found it down since (health.py's `downs`: its engine stopped, or is being restarted).
+    A stopping engine (vLLM on SIGTERM) can still answer on a connection it kept alive what it refuses on a new
+    one, and stays in rotation until a probe finds it gone: another leg on it fails in milliseconds, as each of a
+    continuation's capped legs did (the crash bench's TERM of a decode)."""
+
+    def __init__(self) -> None:
+        self._downs: dict[BackendState, int] = {}
+
+    def add(self, inst: BackendState) -> None:
+        """Avoid `inst` until a probe finds it down; its kept-alive connections are not used again."""
+        self._downs[inst] = inst.downs
+        inst.pool.drop_idle()
+
+    def now(self) -> list[BackendState]:
+        """The instances avoided now."""
+        return [i for i, downs in self._downs.items() if i.downs == downs and not i.removed]
+
+    async def wait(self, proxy: ProxyState) -> list[BackendState]:
+        """Probe the avoided instances still in rotation, then wait for a route off them, within the hold bound
+        and at least health.crash_grace_s (a stopping engine's manager reports it within that); what to avoid
+        then: none where no other instance came (the one that failed may have been well: a starved engine that
+        the watchdog cut, a supervising prefill that failed under it)."""
+        for inst in self.now():
+            if inst.healthy:
+                await proxy.health.probe(inst, fresh=True)
+        if self.now() or proxy.hold_wait() > 0:
+            await proxy.wait_for_instances(self.now, proxy.config.health.crash_grace_s if self.now() else 0.0)
+        avoid = self.now()
+        return avoid if not proxy.missing_roles(avoid) else []
+
+
+def _blamed(error: BaseException, inst: BackendState, supervisor: asyncio.Task[Any] | None) -> BackendState | None:
+    """The instance whose failure cut a decode leg on `inst` with `error`: a lost engine's, none for a supervising
+    prefill's other failure (the decode was well), else `inst`."""
+    if isinstance(error, LegFailure) and error.inst is not None:
+        return error.inst
+    if supervisor is not None and supervisor.done() and not supervisor.cancelled() \
+            and supervisor.exception() is error:
+        return None
+    return inst
+
+
+async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, dead: BackendState | None,
                     legs: contextlib.ExitStack, held: list[Lease | Booking],
-                    ) -> tuple[BackendState, Connection, asyncio.Task[Any] | None] | str:
-    """Open a leg that continues `tracker`'s stream, cut on `dead`, on a new route (waiting for its role within
-    the hold bound): its instance, connection (its first token come) and supervising prefill; or why not. The
+                    ) -> tuple[BackendState, Connection, asyncio.Task[Any] | None] | dict[str, Any] | str:
+    """Open a leg that continues `tracker`'s stream, cut by `dead`'s failure, on a new route off the instances
+    that failed it (waiting for its role within the hold bound: Avoided): its instance, connection (its first token
+    come) and supervising prefill; the prefill's whole answer where its one token ends the stream; or why not. The
     leg's lease and route's bookings are added to `held`."""
     limit = proxy.config.max_continuations
     failed = 0  # legs that failed before their first token: not continuations, but bounded all the same
+    avoided = Avoided()
+    if dead is not None:
+        avoided.add(dead)
     while (why := tracker.why_not(limit)) is None:
-        if failed > FAILED_CONTINUATION_LEGS:
+        if failed >= FAILED_CONTINUATION_LEGS:
             return "legs_failed"
         body = continuation_body(tracker.body, cast(list[int], tracker.prompt), tracker.resume())
         if body is None:
             return "finished"
-        if dead.healthy:
-            await proxy.health.probe(dead, fresh=True)  # a dead engine is out of rotation before the route
-        if proxy.hold_wait() > 0:
-            await proxy.wait_for_instances()
+        avoid = await avoided.wait(proxy)
         try:
-            route = proxy.router.route(RequestFacts(CONTINUE_PATH, body))
+            route = proxy.router.route(RequestFacts(CONTINUE_PATH, body), avoid=avoid)
         except Unroutable:
             return "no_instance"
         except Refused:
@@ -554,10 +626,10 @@ async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, d
             return await _continuation_leg(proxy, request, tracker, route, body, legs, held)
         except (LegFailure, HandoffError) as exc:
             log.warning("could not continue a stream on %s: %s", route.header(), exc)
-            dead = route.decode
-            held[:] = _let_go(held, dead, route.prefill is not None)
-            # it relayed nothing: the next try is still this cut's continuation (an instance that failed it, e.g.
-            # one its manager is stopping, is probed out of rotation first), not one of max_continuations
+            avoided.add(exc.inst if isinstance(exc, LegFailure) and exc.inst is not None else route.decode)
+            held[:] = _let_go(held, route.decode, route.prefill is not None)
+            # it relayed nothing: the next try is still this cut's continuation (on another instance, or on this
+            # one once a probe has found it down and back), not one of max_continuations
             tracker.continued -= 1
             failed += 1
     return why
@@ -565,8 +637,9 @@ async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, d
 
 async def _continuation_leg(proxy: ProxyState, request: web.Request, tracker: Tracker, route: Route,
                             body: dict[str, Any], legs: contextlib.ExitStack, held: list[Lease | Booking],
-                            ) -> tuple[BackendState, Connection, asyncio.Task[Any] | None]:
-    """The legs of one continuation on `route`, up to its first token; raises LegFailure where they failed."""
+                            ) -> tuple[BackendState, Connection, asyncio.Task[Any] | None] | dict[str, Any]:
+    """The legs of one continuation on `route`, up to its first token, or the prefill's whole answer where its one
+    token ends the stream; raises LegFailure where they failed."""
     side = route.side
     headers = list(request.get(HEADERS, []))
     inst, rank, supervisor = route.decode, route.decode_rank, None
@@ -579,10 +652,14 @@ async def _continuation_leg(proxy: ProxyState, request: web.Request, tracker: Tr
         headers.append(("X-Request-Id", pairing.request_id))
         prefill_body = side.prefill_body(body, pairing)
         if handoff.serial:
-            kv, answer = await run_prefill(proxy, route.prefill, route.prefill_rank, CONTINUE_PATH, prefill_body,
-                                           headers)
+            try:
+                kv, answer = await run_prefill(proxy, route.prefill, route.prefill_rank, CONTINUE_PATH,
+                                               prefill_body, headers)
+            except LegFailure as exc:
+                exc.inst = exc.inst or route.prefill
+                raise
             if kv is None and ended_at_prefill(body, answer):
-                raise LegFailure(502, "the continuation ended at its prefill")
+                return answer  # its one token ends the stream (the last one left, or a stop): no decode leg
             leg = side.decode_body(body, pairing, route.prefill_rank, kv)
         else:
             leg = side.decode_body(body, pairing, route.prefill_rank, None)
@@ -730,24 +807,24 @@ async def handle_completion(proxy: ProxyState, request: web.Request, path: str, 
         if not proxy.config.max_continuations:
             raise
         log.warning("%s; running it again on another route", exc.message)
-        if exc.inst.healthy:
-            await proxy.health.probe(exc.inst, fresh=True)  # a dead engine is out of rotation before the route
-        if proxy.hold_wait() > 0:
-            await proxy.wait_for_instances()
+        avoided = Avoided()
+        avoided.add(exc.lost)  # not again on the lost engine (nor its kept-alive connections) until seen down
+        avoid = await avoided.wait(proxy)
         if proxy.missing_roles():
             raise  # no instance to run it on: the client hears what failed, not that none is in rotation
         proxy.metrics.continuations.labels("rerun", exc.role).inc()
-        return await _serve(proxy, request, path, body, list(headers), started)
+        return await _serve(proxy, request, path, body, list(headers), started, avoid)
 
 
 async def _serve(proxy: ProxyState, request: web.Request, path: str, body: dict[str, Any],
-                 headers: list[tuple[str, str]], started: float) -> web.StreamResponse:
-    """Route the request and serve it on its route's legs."""
+                 headers: list[tuple[str, str]], started: float,
+                 avoid: list[BackendState] | None = None) -> web.StreamResponse:
+    """Route the request (off the instances in `avoid`) and serve it on its route's legs."""
     facts = RequestFacts(path, body)
     timeout = proxy.config.timeouts.prefill_s
     try:
         route = await proxy.router.routed(facts, lambda inst: count_tokens(
-            inst, tokenize_request(path, body, proxy.config.model), headers, timeout))
+            inst, tokenize_request(path, body, proxy.config.model), headers, timeout), avoid or ())
     except Unroutable as exc:
         raise LegFailure(503, f"no healthy {exc} instance is available; try again shortly") from None
     except Refused as exc:

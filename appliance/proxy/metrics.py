@@ -199,6 +199,12 @@ class ProxyMetrics:
             "timeout: no answer within timeouts.prefill_s; stopped: the proxy stopped first; over_cap: too many "
             "kept at once, aborted instead)", ["outcome"], registry=self.registry,
         )
+        self.prefix_records = Counter(
+            "pdctl_proxy_prefix_records",
+            "Prefix affinity's records sent to the other proxy workers (docs/proxy-workers.md), by result (sent; "
+            "dropped: the worker had no room for it or was gone, and misses that prompt's match)", ["result"],
+            registry=self.registry,
+        )
         self.kv_store_bytes = Gauge(
             "pdctl_proxy_kv_store_bytes", "Bytes of prompts' KV in the KV store (kv_store.folders) after the last "
             "sweep", registry=self.registry,

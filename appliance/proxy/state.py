@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, Protocol
 
 from appliance.connector import get_connector
@@ -98,12 +98,11 @@ class ProxyState:
         self.share_loads(self.columns)
 
     def share_loads(self, columns: Columns | None) -> None:
-        """Count every instance's legs in the columns the worker processes share (None: none)."""
+        """Count every instance's legs, and its DP ranks', in the columns the worker processes share (None: none)."""
         self.columns = columns
         if columns is not None:
             for inst in self.registry.instances.values():
-                if inst.column is None:
-                    inst.column = columns.column(inst.name)
+                inst.share(columns)
 
     def client_connections(self) -> int:
         """Open client API connections of this process (app.Proxy has the sockets)."""
@@ -190,21 +189,23 @@ class ProxyState:
                 if inst.ever_healthy and not inst.healthy and (since := inst.pool.gone_since) is not None]
         return max([0.0, *left])
 
-    def missing_roles(self) -> bool:
-        """True while a role a request needs has no routable instance."""
+    def missing_roles(self, avoid: Collection[BackendState] = ()) -> bool:
+        """True while a role a request needs has no routable instance (but those in `avoid`)."""
         needed = ("prefill", "decode") if self.connector.disaggregated else ("both",)
         routable = self.router.routable
-        return not all(any(routable(i) for i in self.registry.by_role[role]) for role in needed)
+        return not all(any(routable(i) and i not in avoid for i in self.registry.by_role[role]) for role in needed)
 
-    async def wait_for_instances(self) -> None:
-        """During a hold: wait until every needed role has a routable instance, or the hold's wait runs out."""
-        if not self.missing_roles():
+    async def wait_for_instances(self, avoid: Callable[[], Collection[BackendState]] = lambda: (),
+                                 at_least_s: float = 0.0) -> None:
+        """During a hold: wait until every needed role has a routable instance (but those `avoid` names at the
+        time), or the hold's wait (at least `at_least_s`) runs out."""
+        if not self.missing_roles(avoid()):
             return
         started = time.monotonic()
         try:
             # a crash's grace turns into its planned stop's hold once its manager reports it
-            while self.missing_roles() and (now := time.monotonic()) < max(started + self._held_for(),
-                                                                              now + self._crash_grace()):
+            while self.missing_roles(avoid()) and (now := time.monotonic()) < max(
+                    started + max(self._held_for(), at_least_s), now + self._crash_grace()):
                 await asyncio.sleep(0.05)
         finally:
             self.metrics.observe_hold(time.monotonic() - started)

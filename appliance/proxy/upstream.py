@@ -579,17 +579,22 @@ class UpstreamPool:
         exits; its streams send nothing meanwhile, so holding them open only delays the engine's restart."""
         # its idle kept-alive connections go too: a stopping engine may still answer on them (/health included),
         # which would keep it in rotation and send it the next leg (a continuation's) only to be cut again
-        for idle in self._idle:
-            if idle.transport is not None and not idle.closed:
-                idle.closed = True
-                idle.transport.close()
-        self._idle.clear()
+        self.drop_idle()
         if not self.busy:
             return
         why = UpstreamError("reset", f"{self.address} stopped listening (its engine stopped or died) before this "
                                      "request finished")
         for conn in list(self.busy):
             conn.abort(why)
+
+    def drop_idle(self) -> None:
+        """Close the idle kept-alive connections: the next request connects anew (an engine that failed a leg may
+        be stopping, and answer on a connection it kept what it refuses on a new one)."""
+        for idle in self._idle:
+            if idle.transport is not None and not idle.closed:
+                idle.closed = True
+                idle.transport.close()
+        self._idle.clear()
 
     def _pop_idle(self) -> Connection | None:
         while self._idle:

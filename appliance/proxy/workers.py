@@ -1,8 +1,10 @@
 """Several proxy worker processes (docs/proxy-workers.md): worker 0, the leader, holds the control state (mode,
-backends, drains, holds, planned stops) that the admin API changes, and shares it with the other workers of its
-generation (the processes the keeper started together) as a snapshot over each one's Unix socket: at once on each
-change, before the admin call answers, and every SYNC_INTERVAL_S (a worker that has just started gets it then).
-Each worker answers for its own loads, which the leader sums for a drain and for `pdctl status`."""
+backends, drains, holds, planned stops) that the admin API changes, and its health verdicts (it alone probes, warms
+up and ejects), and shares them with the other workers of its generation (the processes the keeper started
+together) as a snapshot over each one's Unix socket: at once on each change, before the admin call answers, and
+every SYNC_INTERVAL_S (a worker that has just started gets it then). The others send it their legs' failures. Each
+worker answers for its own loads, which the leader sums for a drain and for `pdctl status`, and sends the others
+the prompts prefix affinity recorded (Broadcast)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
-from collections.abc import Iterator
+from array import array
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgpack
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Metric, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,13 +29,18 @@ from prometheus_client.registry import Collector
 from pydantic import TypeAdapter
 
 from appliance.proxy.config import Backend
+from appliance.proxy.instances import BackendState, InstanceRegistry
+from appliance.proxy.policies.prefix_affinity import PrefixAffinity, Prompt
 from appliance.proxy.state import ProxyState
 
 log = logging.getLogger("appliance.proxy.workers")
 
 SYNC_INTERVAL_S = 0.5  # the leader's snapshot to every worker, besides the one on each change
+HEALTH_CHECK_S = 0.05  # how often the leader looks for a change of health to share at once (a probe's, a leg's)
 _PEER_TIMEOUT_S = 2.0  # one call to a worker's Unix socket; a worker that does not answer in time is skipped
 _BACKENDS = TypeAdapter(list[Backend])
+_PEERS_S = 1.0  # how often a worker looks again for the other workers' record sockets (a replaced one is new)
+_MAX_RECORD_BYTES = 1 << 18  # one record's datagram at most: MAX_BLOCKS hashes of 8 bytes are 32 KiB
 
 
 @dataclass(frozen=True)
@@ -66,12 +76,19 @@ def snapshot(proxy: ProxyState) -> dict[str, Any]:
         "hold": {"wait_s": proxy.hold_wait_s, "left_s": max(proxy.hold_until - now, 0.0)},
         "planned": {name: {"hold_s": stop.hold_s, "left_s": max(stop.until - now, 0.0)}
                     for name, stop in proxy.planned.active.items()},
+        "health": health(proxy),
     }
+
+
+def health(proxy: ProxyState) -> dict[str, list[Any]]:
+    """Per instance, what the leader's probes and legs found (the other workers neither probe nor eject)."""
+    return {i.name: [i.healthy, i.warm, i.ever_healthy, i.ejected_for, i.downs]
+            for i in proxy.registry.instances.values()}
 
 
 async def apply(proxy: ProxyState, snap: dict[str, Any], previous: dict[str, Any] | None) -> None:
     """Take the leader's snapshot; idempotent. A planned stop begins when it is new since `previous` and ends
-    when the leader's has ended: this worker's own probes may end it sooner (it saw the instance come back)."""
+    when the leader's has ended; each instance's health is the leader's."""
     now = time.monotonic()
     proxy.mode = snap["mode"]
     if snap["backends"] != proxy.backends:
@@ -91,6 +108,11 @@ async def apply(proxy: ProxyState, snap: dict[str, Any], previous: dict[str, Any
     for name in set(before) - set(snap["planned"]):
         if name in proxy.planned.active:
             proxy.planned.end(name, "ended by the leader")
+    # a follower's health is the leader's; a leader (one that starts with a dead leader's kept state too) probes
+    for name, (healthy, warm, ever, why, downs) in (snap.get("health", {}) if proxy.health.following else {}).items():
+        known = proxy.registry.get(name)
+        if known is not None:
+            known.healthy, known.warm, known.ever_healthy, known.ejected_for, known.downs = healthy, warm, ever, why, downs
 
 
 def loads(proxy: ProxyState, index: int) -> dict[str, Any]:
@@ -208,12 +230,37 @@ class WorkerSocket:
 
 class Follower(WorkerSocket):
     """A worker other than the leader: applies the leader's snapshots and answers for its loads, on its Unix
-    socket."""
+    socket; sends the leader its legs' failures (the leader alone ejects)."""
 
     def __init__(self, proxy: ProxyState, role: WorkerRole) -> None:
         super().__init__(proxy, role)
         self.synced = asyncio.Event()  # the first snapshot arrived (a replacement serves only after it)
         self._last: dict[str, Any] | None = None
+        self._reports: set[asyncio.Task[Any]] = set()
+        proxy.health.follow(self.report, self.ask_probe)
+
+    def report(self, name: str, ok: bool, timed_out: bool) -> None:
+        """Send the leader a leg's outcome on instance `name` (a failure, or the first success after one)."""
+        leader = self.leader()
+        if leader is None:
+            log.warning("no leader socket to report a leg on %s to", name)
+            return
+        task = asyncio.ensure_future(peer_call(leader, "POST", "/worker/leg",
+                                               {"instance": name, "ok": ok, "timed_out": timed_out}))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def ask_probe(self, name: str) -> None:
+        """Have the leader probe instance `name` now (a leg found its engine gone); return once its verdict is
+        applied here (the leader shares a change before it answers)."""
+        leader = self.leader()
+        if leader is not None:
+            await peer_call(leader, "POST", "/worker/probe", {"instance": name})
+
+    def leader(self) -> Path | None:
+        """The leader's socket of this generation (None while it is being replaced)."""
+        found = sorted(self.role.peers.glob(f"g{self.role.generation}-w0-*.sock"))
+        return found[-1] if found else None
 
     def routes(self, app: web.Application) -> None:
         """The leader's calls, besides /worker/metrics."""
@@ -233,20 +280,53 @@ class Follower(WorkerSocket):
 
 
 class Leader(WorkerSocket):
-    """Worker 0's side: sends the control state to the other workers and gathers their loads."""
+    """Worker 0's side: sends the control state to the other workers, gathers their loads and takes their legs'
+    failures."""
 
     def __init__(self, proxy: ProxyState, role: WorkerRole) -> None:
         super().__init__(proxy, role)
         self._task: asyncio.Task[None] | None = None
 
+    def routes(self, app: web.Application) -> None:
+        """The other workers' legs, besides /worker/metrics."""
+        super().routes(app)
+        app.router.add_post("/worker/leg", self._leg)
+        app.router.add_post("/worker/probe", self._probe)
+
+    async def _leg(self, request: web.Request) -> web.Response:
+        leg = await request.json()
+        inst = self.proxy.registry.get(str(leg["instance"]))
+        if inst is not None:
+            before = inst.healthy, inst.ejected_for
+            if leg["ok"]:
+                self.proxy.health.leg_ok(inst)
+            else:
+                self.proxy.health.leg_failed(inst, bool(leg["timed_out"]))
+            if (inst.healthy, inst.ejected_for) != before:
+                await self.share()
+        return web.json_response({"taken": inst is not None})
+
+    async def _probe(self, request: web.Request) -> web.Response:
+        inst = self.proxy.registry.get(str((await request.json())["instance"]))
+        if inst is None:
+            return web.json_response({"healthy": None})
+        before = inst.healthy, inst.ejected_for
+        healthy = await self.proxy.health.probe(inst, fresh=True)
+        if (inst.healthy, inst.ejected_for) != before:
+            await self.share()
+        return web.json_response({"healthy": healthy})
+
     def start(self) -> None:
-        """Send the snapshot every SYNC_INTERVAL_S (a worker that has just started gets it within that)."""
+        """Send the snapshot every SYNC_INTERVAL_S (a worker that has just started gets it within that), and at
+        once when an instance's health changes."""
         self._task = asyncio.create_task(self._sync(), name="worker-sync")
 
     async def _sync(self) -> None:
         while True:
             await self.share()
-            await asyncio.sleep(SYNC_INTERVAL_S)
+            shared, since = health(self.proxy), time.monotonic()
+            while time.monotonic() - since < SYNC_INTERVAL_S and health(self.proxy) == shared:
+                await asyncio.sleep(HEALTH_CHECK_S)
 
     async def share(self) -> None:
         """Send the control state to every other worker and wait for each to have applied it."""
@@ -269,3 +349,81 @@ class Leader(WorkerSocket):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await super().close()
+
+
+class Broadcast:
+    """Prefix affinity's records, shared by the workers of a generation (docs/proxy-workers.md): each prompt a
+    worker records on an instance goes to every other worker as a datagram on its Unix socket (the instance's
+    names and the prompt's block hashes, 8 bytes each: one datagram for a route's prefill and decode), which each
+    applies to its own estimate
+    (PrefixAffinity.recorded) on its loop. A datagram a busy worker has no room for is dropped and counted: that
+    worker misses the record, as a worker did before records were shared."""
+
+    def __init__(self, policy: PrefixAffinity, registry: InstanceRegistry, role: WorkerRole,
+                 count: Callable[[str], None] = lambda result: None) -> None:
+        self.policy = policy
+        self.count = count  # each datagram sent, by result (pdctl_proxy_prefix_records_total)
+        self.registry = registry
+        self.role = role
+        self.path = role.peers / f"g{role.generation}-w{role.index}-{os.getpid()}.blocks"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
+        self.sock.bind(str(self.path))
+        self._peers: list[str] = []
+        self._peers_at = -_PEERS_S
+
+    def start(self) -> None:
+        """Take the other workers' records on the running loop and send this one's."""
+        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._take)
+        self.policy.on_record = self.send
+
+    def send(self, insts: list[BackendState], prompt: Prompt) -> None:
+        """Send one route's record to every other worker (PrefixAffinity.record_route calls it, on the routing
+        pass)."""
+        now = time.monotonic()
+        if now - self._peers_at >= _PEERS_S:
+            self._peers_at = now
+            self._peers = [str(p) for p in self.role.peers.glob(f"g{self.role.generation}-w*-*.blocks")
+                           if p != self.path]
+        message = msgpack.packb([[inst.name for inst in insts], prompt.token_ids,
+                                 [array("q", chain).tobytes() for chain in prompt.chains]])
+        for peer in self._peers:
+            try:
+                self.sock.sendto(message, peer)
+                self.count("sent")
+            except ConnectionRefusedError:  # its worker died: nobody will read it again
+                self.count("dropped")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(peer)
+            except OSError:  # its queue is full (net.unix.max_dgram_qlen), or the prompt is past a datagram
+                self.count("dropped")
+
+    def _take(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(_MAX_RECORD_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            try:
+                names, token_ids, blobs = msgpack.unpackb(data)
+                chains = []
+                for blob in blobs:
+                    chain = array("q")
+                    chain.frombytes(blob)
+                    chains.append(chain.tolist())
+                insts = [self.registry.get(str(name)) for name in names]
+            except (ValueError, TypeError, msgpack.UnpackException) as exc:
+                log.warning("a malformed prefix record on %s: %s", self.path.name, exc)
+                continue
+            for inst in insts:
+                if inst is not None:
+                    self.policy.recorded(inst, chains, bool(token_ids))
+
+    def close(self) -> None:
+        """Stop sending and taking records."""
+        self.policy.on_record = None
+        with contextlib.suppress(RuntimeError, ValueError):
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()

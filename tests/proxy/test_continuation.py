@@ -11,6 +11,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from appliance.engine.sim.tokens import tokenize
 from appliance.proxy.continuation import Tracker, continuation_body, plan
 from appliance.proxy.upstream import Unchunked
 from tests.proxy import cluster as e2e
-from tests.support.fake_engines import MODEL, backend, engines, proxy_config, running_proxy
+from tests.support.fake_engines import MODEL, FakeEngine, backend, engines, proxy_config, running_proxy
 from tests.support.httpclient import local, post, sse_events
 from tests.support.processes import http_status
 from tests.support.waiting import eventually, wait_until
@@ -65,7 +66,12 @@ def _stream(raw: bytes) -> tuple[list[dict[str, Any]], bool]:
 
 
 def _count(px: Any, outcome: str, reason: str) -> float:
-    line = f'pdctl_proxy_continuations_total{{outcome="{outcome}",reason="{reason}"}} '.encode()
+    return _sample(px, f'pdctl_proxy_continuations_total{{outcome="{outcome}",reason="{reason}"}}')
+
+
+def _sample(px: Any, name: str) -> float:
+    """The in-process proxy's sample `name` (labels included), 0 where it has none."""
+    line = name.encode() + b" "
     for row in px.metrics.render().splitlines():
         if row.startswith(line):
             return float(row[len(line):])
@@ -419,5 +425,142 @@ def test_a_stream_held_for_its_continuation_does_not_keep_its_dead_engine_from_d
                 assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
                 assert len([e for e in events if e["choices"]]) == TOKENS
                 assert _count(px, "continued", "reset") == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_continuation_whose_prefill_answers_its_last_token_ends_the_stream_with_it() -> None:
+    """Separate processes: simulated example-connector prefill-0, decode-0 that dies after 29 of 30 tokens, decode-1. The
+    continuation asks for 1 token, which its prefill leg answers whole (the shared-storage connector hands no KV
+    over): that answer is the stream's last token, not a failed leg. Each such leg counted as failed, and the 4th
+    ended the stream with `legs_failed` (the crash bench's TERM of the decode, about one run in four)."""
+    body = {"model": e2e.MODEL, "prompt": e2e.words(20), "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+    with e2e.cluster() as c, tempfile.TemporaryDirectory() as storage:
+        shared = ("--shared-storage", storage)
+        prefill = c.sim("prefill-0", "prefill", "example", *shared)
+        # its 29th token's step is followed by its exit 50 ms later; its 30th would take 400 ms
+        dying = c.sim("decode-0", "decode", "example", *shared, "--decode-step-ms", "400",
+                      "--fault-crash-after-tokens", str(TOKENS - 1))
+        other = c.sim("decode-1", "decode", "example", *shared)
+        c.ready()
+        proxy = c.start_proxy(e2e.proxy_config("example", routing="least_outstanding", backends=e2e.static_backends(
+            ("prefill-0", "prefill", prefill), ("decode-0", "decode", dying), ("decode-1", "decode", other))))
+        c.ready()
+        wait_until(lambda: http_status(proxy.url + "/health") == 200, timeout=30, what="the proxy ready")
+
+        async def scenario() -> None:
+            status, raw, _ = await post(proxy.url, "/v1/completions", body | {"stream_options": {"include_usage": True}})
+            text, events, done = e2e.stream_text(raw)
+            assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
+            chunks = [e for e in events if e.get("choices")]
+            assert len(chunks) == TOKENS and chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-2:]
+            assert events[-1]["usage"]["completion_tokens"] == TOKENS
+            assert dying.popen.wait(timeout=10) == 1  # decode-0 served 29 tokens and died
+            assert await e2e.metric(prefill, "sim_requests_total") == 2  # the request's prompt, then the last token
+            assert await e2e.metric(other, "sim_requests_total") == 0
+            async with aiohttp.ClientSession() as session, session.get(proxy.url + "/metrics") as resp:
+                metrics = await resp.read()
+            assert b'pdctl_proxy_continuations_total{outcome="continued",reason="reset"} 1.0' in metrics
+
+        asyncio.run(scenario())
+
+
+def test_no_leg_goes_again_to_an_instance_that_failed_the_request_until_it_is_seen_down() -> None:
+    """Of two instances, one streams a long answer; the other, the least loaded, cuts its stream after 5 tokens and
+    from then on resets every new request while its /health answers 200 (a stopping engine answering on a
+    connection it kept alive). The continuation goes to the busy one at once, no leg to the failing one; so does a
+    new request lost there before its first token. Each went back to the least loaded instance, its probe
+    passing, until the cap ended the stream with `legs_failed`; the re-run met the same reset and answered 502."""
+    body = {"prompt": "x", "max_tokens": 20, "stream": True}
+
+    async def scenario() -> None:
+        async with engines("both", "both", token_ids=True, token_delay_s=0.01) as both:
+            config = proxy_config("none", [backend(f"both-{i}", "both", e) for i, e in enumerate(both)],
+                                  routing="least_outstanding", health={"probe_interval_s": 30})
+            async with running_proxy(config) as px:
+                busy = asyncio.ensure_future(post(local(px.api_port), "/v1/completions",
+                                                  {"prompt": "long", "max_tokens": 100_000, "stream": True}))
+                await eventually(lambda: sum(len(e.requests) for e in both) == 1, what="the long stream")
+                good, failing = both if both[0].requests else both[::-1]
+                failing.crash_after_tokens, failing.resets_after_crash = 5, True
+                status, raw, _ = await post(local(px.api_port), "/v1/completions", body)
+                events, done = _stream(raw)
+                assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
+                assert len([e for e in events if e.get("choices")]) == 20
+                assert len(failing.requests) == 1 and len(good.requests) == 2
+                assert _count(px, "continued", "reset") == 1
+                status, raw, _ = await post(local(px.api_port), "/v1/completions", body)
+                events, done = _stream(raw)
+                assert status == 200 and done and len([e for e in events if e.get("choices")]) == 20, raw[-300:]
+                assert len(failing.requests) == 2 and len(good.requests) == 3 and _count(px, "rerun", "decode") == 1
+                busy.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_continuation_whose_prefill_is_lost_waits_for_the_restarted_prefill_not_the_lost_one() -> None:
+    """NIXL READ, prefill-0 and two decodes. The decode serving the stream cuts it after 5 tokens; meanwhile
+    prefill-0 began to reset every new request (its engine stopping, /health still 200). The continuation's prefill
+    leg is reset: prefill-0 is avoided until a probe finds it down, and the continuation waits for the role (at
+    least crash_grace_s) rather than send it another leg; prefill-0 restarted on its port takes it, and the client
+    gets every token. Before, the next leg went to prefill-0 again at once (the decode was the one probed)."""
+    body = {"prompt": "x", "max_tokens": 20, "stream": True}
+
+    async def scenario() -> None:
+        async with engines("prefill", "decode", "decode", token_ids=True, token_delay_s=0.05) as (p, *decodes):
+            config = proxy_config("nixl", [backend("prefill-0", "prefill", p)] + [
+                backend(f"decode-{i}", "decode", d) for i, d in enumerate(decodes)], routing="least_outstanding",
+                health={"crash_grace_s": 10})
+            async with running_proxy(config) as px:
+                stream = asyncio.ensure_future(post(local(px.api_port), "/v1/completions", body))
+                dying = await eventually(lambda: next((d for d in decodes if d.requests), None), interval=0.005,
+                                         what="the decode leg")
+                dying.crash_after_tokens, p.resets = 5, True
+                reset = 'pdctl_proxy_leg_failures_total{leg="prefill",reason="reset"}'
+                await eventually(lambda: _sample(px, reset) >= 1, interval=0.001, what="the continuation's prefill")
+                port = p.port
+                await p.stop()
+                again = await FakeEngine(role="prefill", port=port, token_ids=True).start()
+                try:
+                    status, raw, _ = await asyncio.wait_for(stream, 30)
+                    events, done = _stream(raw)
+                    assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
+                    assert len([e for e in events if e.get("choices")]) == 20
+                    assert len(again.requests) == 1, again.requests
+                    assert _sample(px, reset) == 1  # the continuation's one leg on prefill-0 as it stopped
+                finally:
+                    await again.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_its_engine_ends_with_an_error_event_is_continued() -> None:
+    """vLLM whose engine core dies ends each stream with an error event and [DONE] (its completion stream
+    generator's except branch), then exits: both-0 does so after 5 tokens. The proxy holds the error back and
+    continues the stream on both-1; the client gets its 20 tokens and [DONE], no error. Before, the error event
+    reached the client: the stream was cut. A stream that cannot be continued still gets an error event."""
+
+    async def scenario() -> None:
+        async with engines("both", "both", token_ids=True, token_delay_s=0.01) as both:
+            config = proxy_config("none", [backend(f"both-{i}", "both", e) for i, e in enumerate(both)],
+                                  routing="least_outstanding", health={"probe_interval_s": 30})
+            async with running_proxy(config) as px:
+                busy = asyncio.ensure_future(post(local(px.api_port), "/v1/completions",
+                                                  {"prompt": "long", "max_tokens": 100_000, "stream": True}))
+                await eventually(lambda: sum(len(e.requests) for e in both) == 1, what="the long stream")
+                good, failing = both if both[0].requests else both[::-1]
+                failing.error_after_tokens = 5
+                status, raw, _ = await post(local(px.api_port), "/v1/completions",
+                                            {"prompt": "x", "max_tokens": 20, "stream": True})
+                events, done = _stream(raw)
+                assert status == 200 and done and not [e for e in events if "error" in e], events[-2:]
+                assert len([e for e in events if e.get("choices")]) == 20
+                assert len(failing.requests) == 1 and len(good.requests) == 2
+                assert _count(px, "continued", "engine_error") == 1
+                status, raw, _ = await post(local(px.api_port), "/v1/completions",
+                                            {"prompt": "x", "max_tokens": 20, "stream": True, "stop": ["zz"]})
+                events, done = _stream(raw)
+                assert status == 200 and "EngineCore" in events[-1]["error"]["message"], events[-2:]
+                busy.cancel()
 
     asyncio.run(scenario())

@@ -29,13 +29,14 @@ STREAM = {"model": MODEL, "prompt": "hello", "max_tokens": 100, "ignore_eos": Tr
 
 
 @contextlib.contextmanager
-def workers_node(workdir: Path, engines: int = 1, workers: int = 2) -> Iterator[Node]:
-    """`engines` role=both simulated engines (20 ms a token) behind the keeper running `workers` proxy workers."""
+def workers_node(workdir: Path, engines: int = 1, workers: int = 2, **overrides: Any) -> Iterator[Node]:
+    """`engines` role=both simulated engines (20 ms a token) behind the keeper running `workers` proxy workers
+    (`overrides` on the proxy's config)."""
     node = Node(workdir)
     try:
         backends = [{"name": f"both-{i}", "role": "both", "url": node.engine(
             f"both-{i}", "both", "none", "--max-model-len", "256", "--decode-step-ms", "20")} for i in range(engines)]
-        proc = node.proxy("none", backends, module="appliance.proxy.keeper", workers=workers)
+        proc = node.proxy("none", backends, module="appliance.proxy.keeper", workers=workers, **overrides)
         node.wait_http(proc, node.proxy_url + "/health")
         wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True] * workers,
                  f"{workers} workers ready")
@@ -381,3 +382,138 @@ def test_a_killed_keeper_of_two_workers_loses_nothing(tmp_path: Path) -> None:
         assert {i["name"]: i["routed"] for i in view["instances"]}["both-1"] == 0  # every worker honours the drain
         wait_for(lambda: not peers.exists(), "the old workers' peers folder removed")
         no_traceback(node)
+
+
+@contextlib.contextmanager
+def pd_node(workdir: Path, prefills: int = 1, decode_args: tuple[str, ...] = (), **overrides: Any) -> Iterator[Node]:
+    """`prefills` NIXL prefill engines and one decode (simulated) behind the keeper running 2 proxy workers."""
+    node = Node(workdir)
+    try:
+        backends = [{"name": f"prefill-{i}", "role": "prefill", "url": node.engine(
+            f"prefill-{i}", "prefill", "nixl", "--side-channel-port", "0")} for i in range(prefills)]
+        backends.append({"name": "decode-0", "role": "decode", "url": node.engine(
+            "decode-0", "decode", "nixl", "--max-model-len", "256", *decode_args)})
+        proc = node.proxy("nixl", backends, module="appliance.proxy.keeper", workers=2, **overrides)
+        node.wait_http(proc, node.proxy_url + "/health")
+        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True, True], "2 workers ready")
+        yield node
+    finally:
+        node.stop()
+
+
+def metric(node: Node, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The node's /metrics samples of `name` (every worker's, added up) by their labels."""
+    status, _, body = http(node.proxy_port, "GET", "/metrics")
+    assert status == 200, body[:300]
+    samples = {}
+    for line in body.decode().splitlines():
+        if line.startswith(name + "{"):
+            labels = line[line.index("{") + 1:line.index("}")]
+            pairs = tuple(sorted((k, v.strip('"')) for k, v in (kv.split("=", 1) for kv in labels.split(","))))
+            samples[pairs] = float(line.rsplit(" ", 1)[1])
+    return samples
+
+
+def routes(node: Node) -> dict[tuple[str, str], float]:
+    """pdctl_proxy_routes_total by (route, reason), every worker's."""
+    return {(dict(k)["route"], dict(k)["reason"]): v for k, v in metric(node, "pdctl_proxy_routes_total").items()}
+
+
+def token_ids(count: int) -> dict[str, Any]:
+    """A completion of a prompt of `count` token ids (their number known to the proxy), 2 tokens."""
+    return {"model": MODEL, "prompt": list(range(100, 100 + count)), "max_tokens": 2, "ignore_eos": True}
+
+
+def test_conditional_routing_bounds_a_decodes_backlog_over_every_worker(tmp_path: Path) -> None:
+    """The decode computes at most 33 prompt tokens a step (--chunk-tokens; decode_budget): with its one stream
+    running, a step's chunk is 32, what the short prompts sent to it alone may add up to while the prefill is
+    idle (the backlog drains a chunk per 10 minutes here). A 4-token stream through worker 0 and a 28-token prompt
+    through worker 1 fill it; a 4-token prompt through worker 0 then takes the prefill hop. Before the workers
+    shared the decode's backlog, worker 0 counted its own 4 tokens alone and sent it to the decode too: 2 workers,
+    up to 2 chunks queued."""
+    with pd_node(tmp_path, decode_args=("--decode-step-ms", "50", "--chunk-tokens", "33"), decode_only_below=32,
+                 decode_only_window_ms=600_000, decode_budget=33, decode_only_queue_ms=6_000_000) as node:
+        stream = request_on(connect_to(node, 0), {**token_ids(4), "max_tokens": 100, "stream": True})  # ~5 s
+        wait_for(lambda: in_flight(node)["decode-0"] == 1, "the stream decoding")
+        for worker, tokens in ((1, 28), (0, 4)):
+            raw = answer(request_on(connect_to(node, worker), token_ids(tokens)))
+            assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+        assert in_flight(node)["decode-0"] == 1, "the stream ended before the last prompt was routed"
+        raw = answer(stream)
+        assert raw.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in raw, raw[-300:]
+        assert routes(node) == {("decode-only", "short-prompt"): 2, ("disaggregated", "decode-busy"): 1}
+        served = state(node)["requests"]
+        assert served["total"] == 3 and served["by_status"] == {"200": 3}, served
+
+
+def test_a_prompts_repeat_through_the_other_worker_finds_its_prefix(tmp_path: Path) -> None:
+    """Prefix affinity: a prompt routed through worker 0 (to both-1: its turn, nothing matched), then again
+    through worker 1, goes to both-1 and is expected cached there. Before the workers shared their records,
+    worker 1 knew nothing of the first and sent the repeat to both-0 (its own first turn) with nothing cached."""
+    prompt = " ".join(f"word{i}" for i in range(60))  # 6 blocks of text, 120 tokens of the simulated engine
+    with workers_node(tmp_path, engines=2, routing="prefix_affinity") as node:
+        for worker, text in ((0, "something else entirely " * 8), (0, prompt), (1, prompt)):
+            raw = answer(request_on(connect_to(node, worker), {"model": MODEL, "prompt": text, "max_tokens": 2}))
+            assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+        hits = {dict(k)["instance"]: v for k, v in metric(node, "pdctl_proxy_prefix_hit_tokens_total").items()}
+        looked = {dict(k)["instance"]: v for k, v in metric(node, "pdctl_proxy_prefix_lookup_tokens_total").items()}
+        print(f"prefix tokens looked up {looked}, expected cached {hits}")
+        # its whole blocks of 64 characters (16 tokens of 4) but the last character's, as vLLM's cache serves them
+        assert hits.get("both-0", 0) == 0 and hits.get("both-1") == (len(prompt) - 1) // 64 * 16, hits
+        assert sum(looked.values()) == len("something else entirely " * 8) // 4 + 2 * (len(prompt) // 4), looked
+        records = {dict(k)["result"]: v for k, v in metric(node, "pdctl_proxy_prefix_records_total").items()}
+        assert records == {"sent": 3}, records  # each request's record, to the one other worker
+
+
+def test_an_instance_a_follower_ejects_for_its_legs_is_out_of_rotation_for_every_worker(tmp_path: Path) -> None:
+    """prefill-1 answers /health but never its prefill legs: worker 1's legs on it time out (1 s), it reports
+    them to the leader, which ejects it (fail_threshold 1) and shares that at once: the leader's state says so and
+    worker 0 routes no request to it. Before, each worker ejected on its own legs alone: the leader kept it in
+    rotation and its requests there timed out too. Probes are 30 s apart, so none puts it back meanwhile."""
+    with pd_node(tmp_path, prefills=2, health={"probe_interval_s": 30, "fail_threshold": 1},
+                 timeouts={"prefill_s": 1}) as node:
+        status, _, body = http(int(node.engines["prefill-1"].rsplit(":", 1)[1]), "POST", "/sim/fault",
+                               {"hang_prefill": True})
+        assert status == 200, body[:300]
+        statuses = []
+        for _ in range(4):
+            raw = answer(request_on(connect_to(node, 1), token_ids(8)))
+            statuses.append(raw[9:12].decode())
+            if raw.startswith(b"HTTP/1.1 504"):
+                break
+        assert "504" in statuses, statuses
+        prefill_1 = next(i for i in state(node)["instances"] if i["name"] == "prefill-1")
+        assert not prefill_1["healthy"] and prefill_1["ejected_for"] == "leg_timeouts", prefill_1
+        for worker in (0, 1, 0, 1, 0, 1):
+            raw = answer(request_on(connect_to(node, worker), token_ids(8)))
+            assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+        assert in_flight(node) == {"prefill-0": 0, "prefill-1": 0, "decode-0": 0}
+
+
+def test_a_stream_whose_engine_dies_on_a_follower_is_continued_on_the_other_engine(tmp_path: Path) -> None:
+    """both-1 exits after 5 tokens of a stream worker 1 relays (both-0 runs worker 0's stream): worker 1 has the
+    leader probe it at once, and the continuation's route, which a live both-1 would win (the less loaded), goes
+    to both-0; the client gets all 100 tokens, and no continuation leg is lost on the dead engine."""
+    node = Node(tmp_path)
+    try:
+        backends = [{"name": "both-0", "role": "both", "url": node.engine("both-0", "both", "none", "--max-model-len",
+                                                                          "256", "--decode-step-ms", "20")},
+                    {"name": "both-1", "role": "both", "url": node.engine(
+                        "both-1", "both", "none", "--max-model-len", "256", "--decode-step-ms", "20",
+                        "--fault-crash-after-tokens", "5")}]
+        proc = node.proxy("none", backends, module="appliance.proxy.keeper", workers=2)
+        node.wait_http(proc, node.proxy_url + "/health")
+        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True, True], "2 workers ready")
+        first = request_on(connect_to(node, 0), STREAM)
+        wait_for(lambda: in_flight(node) == {"both-0": 1, "both-1": 0}, "worker 0's stream on both-0")
+        second = answer(request_on(connect_to(node, 1), STREAM))
+        assert second.startswith(b"HTTP/1.1 200") and second.count(b"data: ") == 101, second[-300:]
+        assert b"data: [DONE]" in second and b'"error"' not in second
+        assert answer(first).count(b"data: ") == 101
+        failures = metric(node, "pdctl_proxy_leg_failures_total")
+        print(f"leg failures: {failures}")
+        assert sum(failures.values()) == 1, failures  # the cut stream's leg alone
+        continued = metric(node, "pdctl_proxy_continuations_total")
+        assert {dict(k)["outcome"]: v for k, v in continued.items() if v} == {"continued": 1}, continued
+    finally:
+        node.stop()

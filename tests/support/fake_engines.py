@@ -39,6 +39,13 @@ class FakeEngine:
     health_status: int = 200
     health_delay_s: float = 0.0  # /health answers this late (a starved API server)
     status_before_stream: int = 200
+    # reset every completion request before its answer while /health answers 200 (a stopping engine that still
+    # answers on the connections it kept alive); set by the crash too where `resets_after_crash`
+    resets: bool = False
+    resets_after_crash: bool = False
+    # a stream ends after this many tokens with vLLM's error event and [DONE] (its engine core died under it)
+    error_after_tokens: int | None = None
+    token_ids: bool = False  # streams carry token ids where asked (return_token_ids), so they can be continued
     requests: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
@@ -100,6 +107,10 @@ class FakeEngine:
         body = await request.json()
         rid = request.headers.get("X-Request-Id", uuid.uuid4().hex)
         self.requests.append({"path": request.path, "headers": dict(request.headers), "body": body, "id": rid})
+        if self.resets:
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response(status=500)
         kv = body.get("kv_transfer_params") or {}
         try:
             if kv.get("do_remote_decode"):
@@ -158,8 +169,18 @@ class FakeEngine:
                 assert request.transport is not None
                 request.transport.abort()  # the engine process "died": the socket is cut mid-stream
                 self.aborted.append(rid)
+                self.resets = self.resets or self.resets_after_crash
                 return response
-            chunk = {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}"}]}
+            if self.error_after_tokens is not None and i == self.error_after_tokens:
+                error = {"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError",
+                                   "param": None, "code": 500}}
+                await response.write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+                await response.write_eof()
+                return response
+            chunk: dict[str, Any] = {"id": f"cmpl-{rid}", "object": "text_completion",
+                                     "choices": [{"index": 0, "text": f" t{i}"}]}
+            if self.token_ids and body.get("return_token_ids"):  # vLLM's: the prompt's ids on the first chunk, each chunk's own
+                chunk["choices"][0].update(token_ids=[1000 + i], prompt_token_ids=[1, 2, 3] if i == 0 else None)
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"id": f"cmpl-{rid}", "choices": [],

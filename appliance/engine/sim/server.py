@@ -463,6 +463,8 @@ class SimServer:
                 "stop_reason": None,
                 "prompt_logprobs": None,
             }
+            if parsed.return_token_ids:  # vLLM's CompletionResponseChoice, return_token_ids asked for
+                choice.update(prompt_token_ids=list(parsed.prompt), token_ids=list(seq.output))
             obj = "text_completion"
         body = {
             "id": response_id,

@@ -57,6 +57,11 @@ class Policy(ABC):
         after the decision, on the instances the route uses); a policy that keeps no estimate ignores it."""
         return None
 
+    def record_route(self, chosen: Sequence[tuple[str, BackendState]], request: RequestFacts) -> None:
+        """record() for each (role, instance) of one route."""
+        for role, inst in chosen:
+            self.record(role, inst, request)
+
     def expected_cached_tokens(self, inst: BackendState, request: RequestFacts) -> int:
         """How many of the request's prompt tokens this policy expects cached on `inst` (conditional routing
         subtracts them from the prompt); a policy that keeps no estimate of instances' caches expects none."""

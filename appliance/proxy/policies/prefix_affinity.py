@@ -27,7 +27,7 @@ import json
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 from appliance.proxy.config import PrefixAffinityConfig, ProxyConfig
@@ -113,7 +113,9 @@ def seed_of(model: str, cache_salt: Any) -> int:
     # vLLM 0.32 keys a block by its salt only when the salt is truthy (v1/core/kv_cache_utils.py,
     # _gen_extra_keys): no salt, null and "" are one key, and every other value its own (the string "None"
     # too); the type keeps a value vLLM refuses (400) apart from its text
-    salt = (type(cache_salt).__name__, str(cache_salt)) if cache_salt else None
+    # no salt is (), not None: None hashes by its address, which differs between the proxy's worker processes,
+    # whose block hashes must be the same numbers (they share them: docs/proxy-workers.md)
+    salt = (type(cache_salt).__name__, str(cache_salt)) if cache_salt else ()
     return hash((model, salt))
 
 
@@ -363,6 +365,8 @@ class PrefixAffinity(Policy):
         # that its events have not had time to report (chained hash -> when that stops counting)
         self._events: weakref.WeakKeyDictionary[BackendState, dict[int, EventBlocks]] = weakref.WeakKeyDictionary()
         self._pending: weakref.WeakKeyDictionary[BackendState, OrderedDict[int, float]] = weakref.WeakKeyDictionary()
+        # told of every prompt recorded on a route's instances (the other worker processes take it: workers.Broadcast)
+        self.on_record: Callable[[list[BackendState], Prompt], None] | None = None
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> PrefixAffinity:
@@ -483,30 +487,52 @@ class PrefixAffinity(Policy):
 
     def record(self, role: str, inst: BackendState, request: RequestFacts) -> None:
         """The prompt's blocks are expected on `inst` from now on, and its lookup is counted for `role`."""
+        self.record_route(((role, inst),), request)
+
+    def record_route(self, chosen: Sequence[tuple[str, BackendState]], request: RequestFacts) -> None:
+        """record() for each (role, instance) of one route; on_record is told once, of them all."""
         prompt = self._prompt(request)
-        match = self.expected_cached_tokens(inst, request) if prompt.chains else 0
-        self._matches[1].pop(inst, None)  # it holds the prompt from now on
+        for role, inst in chosen:
+            match = self.expected_cached_tokens(inst, request) if prompt.chains else 0
+            self._matches[1].pop(inst, None)  # it holds the prompt from now on
+            index = self._index(inst)
+            for chain in prompt.chains:
+                index.add(chain)
+            if inst.kv_events_endpoints and prompt.token_ids:
+                self._expect(inst, request)
+            counts = self._tokens.get((role, inst.name))
+            if counts is None:
+                counts = self._tokens[(role, inst.name)] = [0, 0]
+            counts[0] += prompt.tokens
+            counts[1] += min(match, prompt.tokens)
+        if self.on_record is not None and prompt.chains:
+            self.on_record([inst for _, inst in chosen], prompt)
+
+    def recorded(self, inst: BackendState, chains: list[list[int]], token_ids: bool) -> None:
+        """A prompt another worker process recorded on `inst` (its chains in the plan's block size): expected
+        there from now on, as record does, its lookup counted by that worker."""
         index = self._index(inst)
-        for chain in prompt.chains:
+        for chain in chains:
             index.add(chain)
-        if inst.kv_events_endpoints and prompt.token_ids:
-            self._expect(inst, request)
-        counts = self._tokens.get((role, inst.name))
-        if counts is None:
-            counts = self._tokens[(role, inst.name)] = [0, 0]
-        counts[0] += prompt.tokens
-        counts[1] += min(match, prompt.tokens)
+        if inst.kv_events_endpoints and token_ids:
+            first = (self._events.get(inst) or {}).get(0)
+            if first is None or first.block_size == self.block_size:
+                self._pend(inst, chains)
+        self._matches[1].pop(inst, None)
 
     def _expect(self, inst: BackendState, request: RequestFacts) -> None:
+        first = (self._events.get(inst) or {}).get(0)
+        self._pend(inst, self._prompt(request, first.block_size if first else None).chains)
+
+    def _pend(self, inst: BackendState, chains: list[list[int]]) -> None:
         # its events report the blocks its engine computes for this prompt once it has; until then they count
         # as held (those it holds already are the events' to vouch for, evictions included)
         ranks = self._events.get(inst) or {}
-        first = ranks.get(0)
         held = [rank.held for rank in ranks.values()]
         now = time.monotonic()
         pending = self._pending_of(inst, now)
         until = now + PENDING_S
-        for chain in self._prompt(request, first.block_size if first else None).chains:
+        for chain in chains:
             for block in reversed(chain):  # head last: the bound below drops a prompt's tail first
                 for h in held:
                     if block in h:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
 from appliance.connector import Connector, ProxySide
 from appliance.connector.base import Alone, Handoff
+from appliance.proxy.columns import Queues, SharedBacklog, SharedWindow
 from appliance.proxy.instances import BackendState, Booking, InstanceRegistry
 from appliance.proxy.policies import Policy, RequestFacts
 from appliance.proxy.policies.conditional import (
@@ -126,23 +127,37 @@ class Router:
         # per transfer mode, the connector's proxy side and what the pass reads of it
         self._sides: dict[str, Sided] = {}
         # per decode instance, the prompts it was sent to prefill itself lately (the decode-busy rule)
-        self._windows: weakref.WeakKeyDictionary[BackendState, PrefillWindow] = weakref.WeakKeyDictionary()
+        self._windows: weakref.WeakKeyDictionary[BackendState, PrefillWindow | SharedWindow] = \
+            weakref.WeakKeyDictionary()
         # per decode instance whose chunked-prefill budget is known, what it was sent to prefill and has not yet
-        self._backlogs: weakref.WeakKeyDictionary[BackendState, PrefillBacklog] = weakref.WeakKeyDictionary()
+        self._backlogs: weakref.WeakKeyDictionary[BackendState, PrefillBacklog | SharedBacklog] = \
+            weakref.WeakKeyDictionary()
+        # the windows and backlogs every worker process of a generation shares (columns.py); None: this one's own
+        self.queues: Queues | None = None
 
-    def _window(self, decode: BackendState) -> PrefillWindow | None:
+    def _window(self, decode: BackendState) -> PrefillWindow | SharedWindow | None:
         """The prompts `decode` was sent to prefill itself lately; None while conditional routing is off (no rule
         reads it)."""
         if not self.rules.decode_only_below:
             return None
-        return self._windows.get(decode) or self._windows.setdefault(decode, PrefillWindow())
+        window = self._windows.get(decode)
+        if window is None:
+            offset = self.queues.cell(decode.name) if self.queues is not None else -1
+            window = self._windows[decode] = PrefillWindow() if offset < 0 else \
+                SharedWindow(cast(Queues, self.queues), offset, self.rules.window_s)
+        return window
 
-    def _backlog(self, decode: BackendState) -> PrefillBacklog | None:
+    def _backlog(self, decode: BackendState) -> PrefillBacklog | SharedBacklog | None:
         """What `decode` was sent to prefill itself and has not computed yet; None while conditional routing is
         off or the decode's chunked-prefill budget is not known (no rule reads it)."""
         if not self.rules.decode_only_below or not self.rules.decode_budget:
             return None
-        return self._backlogs.get(decode) or self._backlogs.setdefault(decode, PrefillBacklog())
+        backlog = self._backlogs.get(decode)
+        if backlog is None:
+            offset = self.queues.cell(decode.name) if self.queues is not None else -1
+            backlog = self._backlogs[decode] = PrefillBacklog() if offset < 0 else \
+                SharedBacklog(cast(Queues, self.queues), offset)
+        return backlog
 
     def _count_prefill(self, decode: BackendState, now: float, tokens: int) -> None:
         """Count a prompt of `tokens` uncached tokens that `decode` was sent to prefill itself at `now`."""
@@ -163,9 +178,10 @@ class Router:
             return False
         return not (self.checks_mode and inst.transfer_mode is not None and inst.transfer_mode != self.mode())
 
-    def stand_in(self, role: str) -> BackendState | None:
-        """The instance of `role` that takes its requests while none is routable (health.stand_in), or None."""
-        return self._stand_in(i for i in self.registry.by_role[role] if self.in_service(i))
+    def stand_in(self, role: str, avoid: Collection[BackendState] = ()) -> BackendState | None:
+        """The instance of `role` (not one of `avoid`) that takes its requests while none is routable
+        (health.stand_in), or None."""
+        return self._stand_in(i for i in self.registry.by_role[role] if self.in_service(i) and i not in avoid)
 
     def candidates(self, role: str, mode: str | None = None) -> list[BackendState]:
         """The routable instances of `role`, in the plan's order (`mode`: the proxy's, read once per pass)."""
@@ -176,11 +192,15 @@ class Router:
                     and (i.transfer_mode is None or i.transfer_mode == mode)]
         return [i for i in self.registry.by_role[role] if i.healthy and not (i.draining or i.stopping)]
 
-    def pick(self, role: str, request: RequestFacts, mode: str | None = None) -> BackendState | None:
-        """The policy's instance of `role` for `request`; its stand-in when none is routable; or None."""
+    def pick(self, role: str, request: RequestFacts, mode: str | None = None,
+             avoid: Collection[BackendState] = ()) -> BackendState | None:
+        """The policy's instance of `role` for `request` (not one of `avoid`); its stand-in when none is routable;
+        or None."""
         candidates = self.candidates(role, mode)
+        if avoid:
+            candidates = [i for i in candidates if i not in avoid]
         if not candidates:
-            return self.stand_in(role)
+            return self.stand_in(role, avoid)
         return self.policy.pick(role, candidates, request)
 
     def side(self, mode: str | None = None) -> Sided:
@@ -238,10 +258,10 @@ class Router:
             backlog_tokens=backlog_tokens,
         )
 
-    async def routed(self, request: RequestFacts,
-                     count: Callable[[BackendState], Awaitable[int | None]]) -> Route:
-        """Router.route, the prompt counted first by `count` on a decode instance where the hand-off depends on a
-        length the body does not settle (needs_count)."""
+    async def routed(self, request: RequestFacts, count: Callable[[BackendState], Awaitable[int | None]],
+                     avoid: Collection[BackendState] = ()) -> Route:
+        """Router.route (off `avoid`), the prompt counted first by `count` on a decode instance where the hand-off
+        depends on a length the body does not settle (needs_count)."""
         counted = None
         if self.needs_count(request):
             # the least loaded decode counts (any serves the model's tokenizer); not the policy's pick, which
@@ -249,15 +269,16 @@ class Router:
             decodes = self.candidates("decode")
             counter = min(decodes, key=lambda inst: inst.load()) if decodes else self.stand_in("decode")
             counted = Counted(await count(counter) if counter is not None else None)
-        return self.route(request, counted)
+        return self.route(request, counted, avoid)
 
-    def route(self, request: RequestFacts, counted: Counted | None = None) -> Route:
+    def route(self, request: RequestFacts, counted: Counted | None = None,
+              avoid: Collection[BackendState] = ()) -> Route:
         """The route for `request` (`counted`: its prompt's length, route.length's count), decided in one pass and
         booked on its instances at once (no await in between: a drain that starts afterwards waits for it);
         raises Unroutable when a role it needs has no routable instance and no stand-in, Refused when no route
-        serves it correctly."""
+        serves it correctly. `avoid`: instances it must not go to (a continuation's, legs.Avoided)."""
         if not self.disaggregated:
-            inst = self.pick("both", request)
+            inst = self.pick("both", request, avoid=avoid)
             if inst is None:
                 raise Unroutable(())
             self._count_stand_ins(inst)
@@ -267,8 +288,10 @@ class Router:
                          self.side().side)
         mode = self.mode()
         prefills = self.candidates("prefill", mode)
-        stand_in = None if prefills else self.stand_in("prefill")
-        decode = self.pick("decode", request, mode)
+        if avoid:
+            prefills = [i for i in prefills if i not in avoid]
+        stand_in = None if prefills else self.stand_in("prefill", avoid)
+        decode = self.pick("decode", request, mode, avoid)
         if decode is None or not (prefills or stand_in):
             missing = (("prefill", bool(prefills or stand_in)), ("decode", decode is not None))
             raise Unroutable(tuple(role for role, found in missing if not found))
@@ -276,16 +299,43 @@ class Router:
             prefill_legs = prefills[0].load()
         else:
             prefill_legs = min(i.load() for i in prefills) if prefills else cast(BackendState, stand_in).load()
+        sided = self.side(mode)
+        queues = self.queues
+        if queues is None or not self.rules.decode_only_below:
+            name, reason = self._decide(sided, request, prefill_legs, decode, counted)
+        else:
+            with queues.locked:  # read, decided and counted before another worker reads the decode's queue
+                name, reason = self._decide(sided, request, prefill_legs, decode, counted)
+        side = sided.side
+        if name == "decode-only":
+            self._count_stand_ins(decode)
+            if self._records:
+                self.policy.record("decode", decode, request)
+            return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason, side)
+        prefill = self.policy.pick("prefill", prefills, request) if prefills else cast(BackendState, stand_in)
+        if self._records:
+            # the decode keeps the KV it is handed as its own prefix cache
+            self.policy.record_route((("prefill", prefill), ("decode", decode)), request)
+        # Both instances count the request until it ends: the decode leg starts only after the prefill leg in
+        # READ mode, and a drain of the decode instance in between must wait for it rather than let it be
+        # stopped under the request (a 502 "cannot connect").
+        bookings = (prefill.book(), decode.book())
+        if not (prefill.healthy and decode.healthy):
+            self._count_stand_ins(prefill, decode)
+        return Route(decode, decode.pick_rank(), prefill, prefill.pick_rank(), bookings, name, reason, side)
+
+    def _decide(self, sided: Sided, request: RequestFacts, prefill_legs: int, decode: BackendState,
+                counted: Counted | None) -> tuple[RouteName, str]:
+        """Disaggregated or decode-only, and why (conditional.decide, then served_alone), on `decode`'s window and
+        backlog; a prompt it sends to the decode alone is counted in them. Raises Refused."""
         recent = queued = 0
         now = 0.0
         if self.rules.decode_only_below:  # else no rule reads the decode's window or backlog
             window, backlog, now = self._window(decode), self._backlog(decode), time.monotonic()
             recent = window.recent(now, self.rules.window_s) if window else 0
             queued = backlog.level(now, drained_per_s(self.rules, decode.load())) if backlog else 0
-        sided = self.side(mode)
         facts = self.facts(sided, request, prefill_legs, decode, recent, queued, counted)
         name, reason = decide(facts, self.rules)
-        side = sided.side
         if name == "decode-only":
             alone = sided.alone
             if not (alone.served and alone.forced):
@@ -294,28 +344,13 @@ class Router:
                     raise Refused(reason, alone.why)
             if name == "decode-only" and sided.block_size is not None:
                 tokens = known_length(request.path, request.body) if counted is None else counted.tokens
-                why = side.alone_length_refused(tokens, sided.block_size) if tokens is not None else None
+                why = sided.side.alone_length_refused(tokens, sided.block_size) if tokens is not None else None
                 if why is not None:
                     raise Refused(reason, why)
-        if name == "decode-only":
-            if self.rules.decode_only_below:
-                # every prompt the decode prefills counts, whatever the rule that sent it there
-                self._count_prefill(decode, now, window_tokens(facts, self.rules))
-            self._count_stand_ins(decode)
-            if self._records:
-                self.policy.record("decode", decode, request)
-            return Route(decode, decode.pick_rank(), None, None, (decode.book(),), name, reason, side)
-        prefill = self.policy.pick("prefill", prefills, request) if prefills else cast(BackendState, stand_in)
-        if self._records:
-            self.policy.record("prefill", prefill, request)
-            self.policy.record("decode", decode, request)  # it keeps the KV it is handed as its own prefix cache
-        # Both instances count the request until it ends: the decode leg starts only after the prefill leg in
-        # READ mode, and a drain of the decode instance in between must wait for it rather than let it be
-        # stopped under the request (a 502 "cannot connect").
-        bookings = (prefill.book(), decode.book())
-        if not (prefill.healthy and decode.healthy):
-            self._count_stand_ins(prefill, decode)
-        return Route(decode, decode.pick_rank(), prefill, prefill.pick_rank(), bookings, name, reason, side)
+        if name == "decode-only" and self.rules.decode_only_below:
+            # every prompt the decode prefills counts, whatever the rule that sent it there
+            self._count_prefill(decode, now, window_tokens(facts, self.rules))
+        return name, reason
 
     def _count_stand_ins(self, *chosen: BackendState) -> None:
         for inst in chosen:
