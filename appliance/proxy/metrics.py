@@ -167,7 +167,8 @@ class ProxyMetrics:
         self.warmups = Counter(
             "pdctl_proxy_engine_warmups",
             "Warm-ups of an instance before its (re)admission, by instance and result: ok, refused (answered, not "
-            "200), timeout (health.warmup_timeout_s), unreachable (it went away: not admitted)", ["instance", "result"],
+            "200), timeout (health.warmup_timeout_s), unreachable (it went away: not admitted), skipped (not sent: a decode "
+            "whose connector serves no request sent alone, MoRIIO on vLLM 0.24.0)", ["instance", "result"],
             registry=self.registry,
         )
         self.warmup_seconds = Gauge(

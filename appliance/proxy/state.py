@@ -137,10 +137,16 @@ class ProxyState:
         return {role: inst.name for role, inst in stand_ins.items() if inst is not None}
 
     async def _warm_up(self, inst: BackendState) -> bool:
-        """Warm `inst` up (appliance.proxy.warmup), counted and logged; whether it may be admitted now."""
-        result, took = await warmup.warm_up(inst, self.config.model, self.engine_key,
-                                            self.config.health.warmup_timeout_s)
-        await warmup.forget_store(self.config.kv_store, self.config.block_size)
+        """Warm `inst` up (appliance.proxy.warmup), counted and logged; whether it may be admitted now. A decode
+        that serves no request sent alone (ProxySide.alone().forced) is not sent the warm-up: SKIPPED."""
+        if inst.role == "decode" and not self.router.side(inst.transfer_mode).alone.forced:
+            result, took = warmup.SKIPPED, 0.0
+            log.info("%s (%s): no warm-up, its connector's decode serves no request sent alone in this mode",
+                     inst.name, inst.url)
+        else:
+            result, took = await warmup.warm_up(inst, self.config.model, self.engine_key,
+                                                self.config.health.warmup_timeout_s)
+            await warmup.forget_store(self.config.kv_store, self.config.block_size)
         self.metrics.warmups.labels(inst.name, result).inc()
         self.metrics.warmup_seconds.labels(inst.name).set(took)
         return warmup.admits(result)

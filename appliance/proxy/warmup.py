@@ -29,7 +29,11 @@ OK = "ok"  # every request answered 200
 REFUSED = "refused"  # answered, not 200 (an engine that cannot serve logprobs, a model name it does not know)
 TIMEOUT = "timeout"  # not answered within warmup_timeout_s
 UNREACHABLE = "unreachable"  # the connection was refused or reset: the engine went away
-_WORST_FIRST = (UNREACHABLE, TIMEOUT, REFUSED, OK)
+# not sent: a decode instance whose connector serves no request sent alone in this mode on the engines' release
+# (ProxySide.alone().forced: MoRIIO on vLLM 0.24.0, whose READ decode would take the prompt as read from a
+# prefill and whose WRITE decode would wait for a push nobody sends)
+SKIPPED = "skipped"
+_WORST_FIRST = (UNREACHABLE, TIMEOUT, REFUSED, OK, SKIPPED)
 
 # Token ids every vocabulary has, so the proxy knows the KV store key an ExampleConnector engine saves the
 # prompt under (kvstore.prompt_folders) and can remove what the warm-up left there (none is a client's: two
@@ -41,8 +45,9 @@ REQUEST_ID = "pdctl-warmup"  # X-Request-Id prefix: an engine's log tells the wa
 def body(model: str) -> bytes:
     """The warm-up request: greedy, two tokens, with logprobs and prompt logprobs (what sets off vLLM's compile).
 
-    Prompt logprobs also make vLLM skip its KV connector's lookup, so the warm-up never reads a hand-off (it
-    still writes one: forget_store removes it)."""
+    Prompt logprobs also make vLLM skip its KV connector's lookup (from 0.31.0; where they do not, a decode that
+    cannot serve it is not sent it: SKIPPED), so the warm-up never reads a hand-off (it still writes one:
+    forget_store removes it)."""
     request = {"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "logprobs": 1,
                "prompt_logprobs": 0}
     return json.dumps(request, separators=(",", ":")).encode()

@@ -48,12 +48,28 @@ def scheduler(mode: str, role: str) -> MoRIIOConnectorScheduler:
 DROPS_COUNT = "skip_reading_prefix_cache" in inspect.getsource(Scheduler.schedule)
 
 
+# How this release's prefill hands its blocks over in kv_transfer_params' remote_block_ids: 0.24.0's scheduler
+# side takes one flat list (`request_finished(self, request, block_ids: list[int])`) and hands it on as it is,
+# later ones a list per KV cache group (the connector passes `(block_ids,)`), which their decodes index.
+FLAT_BLOCK_IDS = inspect.signature(MoRIIOConnectorScheduler.request_finished).parameters["block_ids"].annotation \
+    == list[int]
+
+
+def handed_over(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The case's kv_transfer_params, a count of `remote_block_ids` made into this release's prefill's block ids."""
+    if params is None or not isinstance(params.get("remote_block_ids"), int):
+        return params
+    blocks = list(range(params["remote_block_ids"]))
+    return {**params, "remote_block_ids": blocks if FLAT_BLOCK_IDS else [blocks]}
+
+
 def run(case: dict[str, Any]) -> dict[str, Any]:
     """One request through get_num_new_matched_tokens and update_state_after_alloc, as vLLM's scheduler calls them."""
     sched = scheduler(case["mode"], case.get("role", "kv_consumer"))
-    extra = {"kv_transfer_params": case["params"]} if case.get("params") is not None else None
-    params = SamplingParams(max_tokens=8, extra_args=extra, prompt_logprobs=case.get("prompt_logprobs"))
-    request = Request("cmpl-probe-0", list(range(1, case["tokens"] + 1)), params, None)
+    params = handed_over(case.get("params"))
+    extra = {"kv_transfer_params": params} if params is not None else None
+    sampling = SamplingParams(max_tokens=8, extra_args=extra, prompt_logprobs=case.get("prompt_logprobs"))
+    request = Request("cmpl-probe-0", list(range(1, case["tokens"] + 1)), sampling, None)
     external, load_async = sched.get_num_new_matched_tokens(request, case.get("computed", 0))
     blocks = len(range(0, case["tokens"] + 8, BLOCK))
     sched.update_state_after_alloc(request, KVCacheBlocks(([KVCacheBlock(i) for i in range(blocks)],)), external)

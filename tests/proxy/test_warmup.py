@@ -230,3 +230,23 @@ def test_an_engine_restarted_between_two_probes_is_taken_as_restarted(tmp_path: 
 
     with cluster() as c:
         run(scenario(c))
+
+
+def test_a_decode_that_serves_nothing_alone_is_admitted_without_a_warmup() -> None:
+    """MoRIIO on vLLM 0.24.0: the warm-up's prompt logprobs do not drop the connector's count there, so a READ decode
+    would take the prompt as read from a prefill and a WRITE decode would wait for a push nobody sends
+    (tests/connector/test_moriio_vllm.py): the decode is admitted without one (counted skipped), the prefill is
+    warmed; on 0.32.0 both are."""
+
+    async def scenario(version: str, mode: str) -> tuple[float, float, int]:
+        async with engines("prefill", "decode") as (prefill, decode), running_proxy(
+                fake_proxy_config("moriio", [backend("prefill-0", "prefill", prefill),
+                                             backend("decode-0", "decode", decode)],
+                                  mode=mode, vllm_version=version, health={"warmup_timeout_s": 30.0})) as px:
+            assert _count(px, "prefill-0", warmup.OK) == 1
+            warmed = [r for r in decode.requests if str(r["id"]).startswith("pdctl-warmup-")]
+            return _count(px, "decode-0", warmup.OK), _count(px, "decode-0", warmup.SKIPPED), len(warmed)
+
+    for mode in ("read", "write"):
+        assert asyncio.run(scenario("0.24.0", mode)) == (0, 1, 0), mode
+        assert asyncio.run(scenario("0.32.0", mode)) == (1, 0, 1), mode

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.connector.base import (
+    LOGPROBS_DROP_COUNT,
     Alone,
     Connector,
     Handoff,
@@ -16,6 +17,7 @@ from appliance.connector.base import (
     ProxySide,
     RayServeBackend,
     SimOptions,
+    in_release,
     skipping_lookups,
     without_prompt_logprobs,
 )
@@ -110,6 +112,18 @@ class ExampleRead(ProxySide):
         # empty prompt (stored by any prompt of at most B tokens) reports a negative number of tokens and the
         # engine core dies (IndexError in _prepare_inputs), prefill and decode alike.
         return prompt_tokens >= block_size + 2 and prompt_tokens % block_size != 1
+
+    def alone_length_refused(self, prompt_tokens: int, block_size: int) -> str | None:
+        # A 1-token prompt looks up the empty prompt's key (length_possible): alone_body's prompt logprobs keep
+        # that lookup from loading only where the scheduler drops the connector's count for them
+        # (base.LOGPROBS_DROP_COUNT: vLLM 0.31.0 on). On 0.24.0 the decode loads -B tokens whenever the key is
+        # in its store (any prompt of at most B tokens it served wrote it) and its engine core dies (run on
+        # real 0.24.0 engines: tests/engine/test_vllm_issue34.py).
+        if prompt_tokens != 1 or in_release(LOGPROBS_DROP_COUNT, self.vllm_version):
+            return None
+        return (f"vLLM {self.vllm_version or 'of this release'}'s ExampleConnector decode looks a 1-token prompt "
+                "up under the empty prompt's key whatever the request asks for, and its engine core dies when "
+                "the key is in its store (vLLM 0.31.0 on skip that lookup for a request with prompt logprobs)")
 
     def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         # the only per-request way to keep the ExampleConnector's lookup above from running

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from appliance.connector.base import (
+    LOGPROBS_DROP_COUNT,
     Alone,
     Connector,
     FindInstance,
@@ -26,6 +27,7 @@ from appliance.connector.base import (
     RayServeBackend,
     RdmaNeed,
     SimOptions,
+    in_release,
     one_token,
     skipping_lookups,
     without_prompt_logprobs,
@@ -33,7 +35,6 @@ from appliance.connector.base import (
 from appliance.connector.extras import ExtraConfigTable
 from appliance.connector.moriio.address import router_request_id, zmq_address
 from appliance.connector.moriio.settings import MoriioSettings
-from appliance.releases import answer_for, version_tuple
 from appliance.roles import Mode
 
 # kv_connector_extra_config keys that address pdctl's own proxy or a loopback host; cluster deployments
@@ -250,28 +251,18 @@ MORIIO_WRITE = Handoff(serial=False, one_request=True, lengths=False, releases=F
 #   for every uncomputed prompt token, asynchronously, whatever the params (moriio_connector.py,
 #   get_num_new_matched_tokens: `if self.mode == MoRIIOMode.WRITE: return ..., True`): the decode would wait for
 #   a push that never comes;
-# - prompt logprobs make the scheduler drop a connector's count in 0.31.0 and 0.32.0 (v1/core/sched/
-#   scheduler.py: `if request.skip_reading_prefix_cache: ext_tokens, load_kv_async = 0, False`); 0.24.0 has no
-#   such line (they skip the local prefix cache only), so there alone_body serves nothing either.
+# - prompt logprobs make the scheduler drop a connector's count from 0.31.0 only (base.LOGPROBS_DROP_COUNT), so on
+#   0.24.0 alone_body serves nothing either.
 WRITE_SERVES_ALONE = {"0.24.0": False, "0.31.0": False, "0.32.0": True}
-LOGPROBS_DROP_COUNT = {"0.24.0": False, "0.31.0": True, "0.32.0": True}
-
-
-def _in_release(table: dict[str, bool], vllm_version: str) -> bool:
-    """`table`'s answer for vLLM `vllm_version`: unknown (""), the newest read release's (pdctl's tested one);
-    a release between read ones that disagree, or older than all, no (the answer that is never wrong)."""
-    if not vllm_version:
-        return table[max(table, key=version_tuple)]
-    return answer_for(vllm_version, table) is True
 
 
 class MoriioWrite(ProxySide):
     """WRITE: both legs start together; the decode sends the prefill its blocks and the prefill writes them."""
 
     def alone(self) -> Alone:
-        # WRITE_SERVES_ALONE, LOGPROBS_DROP_COUNT above (tests/connector/test_moriio_vllm.py)
+        # WRITE_SERVES_ALONE above, base.LOGPROBS_DROP_COUNT (tests/connector/test_moriio_vllm.py)
         release = f"vLLM {self.vllm_version}" if self.vllm_version else "vLLM"
-        if _in_release(WRITE_SERVES_ALONE, self.vllm_version):
+        if in_release(WRITE_SERVES_ALONE, self.vllm_version):
             return Alone(True, f"{release}'s MoRIIO decode in WRITE mode loads nothing without do_remote_prefill: "
                                "it computes the prompt itself")
         return Alone(False, f"{release}'s MoRIIO decode in WRITE mode waits for every prompt token to be pushed "
@@ -280,7 +271,7 @@ class MoriioWrite(ProxySide):
     def _drops_count(self) -> bool:
         """Whether the engines' scheduler drops the connector's count for a request with prompt logprobs, so
         that alone_body serves what must go alone."""
-        return _in_release(LOGPROBS_DROP_COUNT, self.vllm_version)
+        return in_release(LOGPROBS_DROP_COUNT, self.vllm_version)
 
     def alone_body(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         return (body, False) if self.alone().served else skipping_lookups(body)

@@ -342,6 +342,11 @@ class Router:
                 name, reason = served_alone(reason, alone.served, alone.forced)
                 if name == "refused":
                     raise Refused(reason, alone.why)
+            if name == "decode-only" and sided.block_size is not None:
+                tokens = known_length(request.path, request.body) if counted is None else counted.tokens
+                why = sided.side.alone_length_refused(tokens, sided.block_size) if tokens is not None else None
+                if why is not None:
+                    raise Refused(reason, why)
         if name == "decode-only" and self.rules.decode_only_below:
             # every prompt the decode prefills counts, whatever the rule that sent it there
             self._count_prefill(decode, now, window_tokens(facts, self.rules))
