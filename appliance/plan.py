@@ -12,6 +12,7 @@ plan (a state directory written before) still loads: its flat `proxy` record is 
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from collections.abc import Callable
 from statistics import NormalDist
@@ -35,7 +36,7 @@ from appliance.engine.version import split_package
 from appliance.errors import PlanError
 from appliance.hosts import is_loopback, url_host
 from appliance.inventory.models import Gpu, Inventory
-from appliance.proxy.config import Backend, DecodeStep, KvStoreConfig, ProxyConfig
+from appliance.proxy.config import Backend, DecodeStep, KvStoreConfig, ProxyConfig, default_workers
 from appliance.roles import MODES, Mode, Role
 from appliance.settings import EMBEDDED_MODEL, EngineKind, Settings, deep_merge, proxy_config_data
 from appliance.statedir import StateDir
@@ -634,7 +635,8 @@ def _proxy_config(settings: Settings, connector: str, mode: Mode,
         "decode_budget": settings.decode.max_num_batched_tokens, "decode_only_queue_ms": queue_ms,
         "mode": mode, "connector": connector, "model": served_name, "block_size": block_size,
         "vllm_version": engine_release(settings), "max_model_len": settings.model.max_model_len,
-        "workers": p.workers or 1,  # opt-in until workers > 1 keeps every guarantee (default_workers: docs)
+        # the proxy runs on the node that plans it (pdctl up): sized for the cores this process may use
+        "workers": p.workers or default_workers(len(os.sched_getaffinity(0))),
         "registration": {"enabled": get_connector(connector).registers_with_proxy},
         "admin": {"token_file": p.admin_token_file or str(state.admin_token)},
         **_tenant_files(settings, state),

@@ -219,8 +219,8 @@ class ProxyConfig(_Model):
 
     host: str = Field(default="127.0.0.1", description="Client API address; 0.0.0.0 to serve other hosts")
     port: int = Field(default=10001, ge=0, le=65535)
-    # several processes serve the API behind the keeper (appliance.proxy.keeper, docs/proxy-workers.md); 1 unless
-    # [proxy] workers says (default_workers() is the size to set for a node)
+    # several processes serve the API behind the keeper (appliance.proxy.keeper, docs/proxy-workers.md); the planner
+    # writes [proxy] workers, or default_workers() of the node's cores
     workers: int = Field(default=1, ge=1, le=MAX_WORKERS, description=(
         "Proxy worker processes, each with its own event loop and API socket (SO_REUSEPORT); worker 0 also "
         "serves the admin API, the probes and the registrations"))
@@ -328,8 +328,8 @@ class ProxyConfig(_Model):
 
 def default_workers(cores: int) -> int:
     """The proxy's worker processes to set (`[proxy] workers`) on a node of `cores` CPU cores: one per 4 cores, at
-    most 8, leaving the rest to the engines' API servers and the kernel's loopback work; 1 below 8 cores. Not the
-    default: unset, the planner writes 1 (docs/proxy-workers.md says what more workers do not cover yet)."""
+    most 8, leaving the rest to the engines' API servers and the kernel's loopback work; 1 below 8 cores. What the
+    planner writes where [proxy] workers is unset."""
     return max(1, min(8, cores // 4))
 
 

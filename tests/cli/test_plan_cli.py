@@ -235,13 +235,19 @@ def test_a_budget_below_max_num_seqs_is_refused_in_one_line_as_vllm_would() -> N
     assert pdctl("plan", env={k: v for k, v in env.items() if k != "PDCTL_DECODE__MAX_NUM_SEQS"}).returncode == 0
 
 
-def test_the_proxy_runs_one_worker_unless_more_are_set() -> None:
-    """One process unless [proxy] workers says (more do not yet keep a keeper crash from refusing connections, nor
-    share probes, prefix estimates and conditional backlogs); the size to set is one per 4 cores, at most 8; a bad
-    setting is refused in one line."""
+def test_the_proxy_runs_a_worker_per_four_cores_unless_set() -> None:
+    """Unset, the planner sizes the proxy's workers for the cores pdctl may use (one per 4, at most 8: the plan is
+    made on the node that runs it); [proxy] workers overrides it; a bad setting is refused in one line."""
     assert [default_workers(cores) for cores in (1, 2, 7, 8, 16, 33, 64, 256)] == [1, 1, 1, 2, 4, 8, 8, 8]
     env = {"PDCTL_INVENTORY": "sim:mi300x-8"}
-    assert json.loads(pdctl("plan", "--json", env=env).stdout)["proxy"]["workers"] == 1
+    planned = json.loads(pdctl("plan", "--json", env=env).stdout)["proxy"]["workers"]
+    assert planned == default_workers(len(os.sched_getaffinity(0)))
+    one_core = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-m", "appliance",
+                               "plan", "--json"], capture_output=True, text=True, timeout=60,
+                              env={**{k: v for k, v in os.environ.items() if not k.startswith("PDCTL_")
+                                      or k == "PDCTL_STATE_DIR"},
+                                   "PDCTL_CONFIG": str(REPO / "etc" / "pdctl.toml"), **env})
+    assert json.loads(one_core.stdout)["proxy"]["workers"] == 1, one_core.stderr
     r = pdctl("plan", env={**env, "PDCTL_PROXY__WORKERS": "3"})
     assert r.returncode == 0, r.stderr
     assert json.loads(pdctl("plan", "--json", env={**env, "PDCTL_PROXY__WORKERS": "3"}).stdout)["proxy"]["workers"] == 3
