@@ -482,8 +482,14 @@ def test_an_instance_a_follower_ejects_for_its_legs_is_out_of_rotation_for_every
             if raw.startswith(b"HTTP/1.1 504"):
                 break
         assert "504" in statuses, statuses
-        prefill_1 = next(i for i in state(node)["instances"] if i["name"] == "prefill-1")
-        assert not prefill_1["healthy"] and prefill_1["ejected_for"] == "leg_timeouts", prefill_1
+
+        def prefill_1() -> dict[str, Any]:
+            return next(i for i in state(node)["instances"] if i["name"] == "prefill-1")
+
+        # the follower reports its leg to the leader as it answers its client, not before (docs/proxy-workers.md:
+        # a follower's failed leg reaches the leader a few milliseconds later)
+        wait_for(lambda: not prefill_1()["healthy"], "the leader ejects prefill-1")
+        assert prefill_1()["ejected_for"] == "leg_timeouts", prefill_1()
         for worker in (0, 1, 0, 1, 0, 1):
             raw = answer(request_on(connect_to(node, worker), token_ids(8)))
             assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
