@@ -357,10 +357,10 @@ class ProxySide(ABC):
         """Whether what `body` asks for leaves the hand-off whole (False: the proxy sends it to a decode alone)."""
         return True
 
-    def alone_length_refused(self, prompt_tokens: int, block_size: int) -> str | None:
-        """Why a decode instance cannot serve a prompt of this many tokens sent alone (alone_body), though alone()
-        says it serves one, so that no route serves it and the proxy refuses it; None: it can (read where
-        handoff().lengths)."""
+    def alone_length_refused(self, prompt_tokens: int | None, block_size: int) -> str | None:
+        """Why a decode instance cannot serve a request whose shortest prompt has this many tokens sent alone
+        (alone_body; None: the proxy does not know it), though alone() says it serves one, so that no route
+        serves it and the proxy refuses it; None: it can (read where handoff().lengths)."""
         return None
 
     # ---- a request sent alone ------------------------------------------------------------------------------

@@ -38,6 +38,19 @@ def known_length(path: str, body: Mapping[str, Any]) -> int | None:
     return None
 
 
+def shortest_length(path: str, body: Mapping[str, Any]) -> int | None:
+    """The fewest tokens of any prompt the request holds, where the body settles it (token ids, or a batch of
+    token-id lists); None when a prompt's length is not in the body (text, chat)."""
+    prompt = body.get("prompt") if path.endswith("/completions") and "messages" not in body else None
+    if not isinstance(prompt, _SEQUENCES) or not prompt:
+        return None
+    if isinstance(prompt[0], int):
+        return len(prompt)
+    if all(isinstance(item, _SEQUENCES) and item and isinstance(item[0], int) for item in prompt):
+        return min(len(item) for item in prompt)
+    return None
+
+
 def engine_requests(path: str, body: Mapping[str, Any]) -> int:
     """How many engine requests vLLM makes of the request: n for each prompt of a batch (at least 1)."""
     n = body.get("n")

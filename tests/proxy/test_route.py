@@ -267,3 +267,30 @@ def test_a_one_token_prompt_has_no_route_on_an_example_connector_of_vllm_0_24() 
     assert {name: inst.routed for name, inst in registry.instances.items()} == booked
     with on["0.24.0"].route(_tokens(2)) as route:
         assert (route.name, route.reason) == ("decode-only", "handoff-impossible")
+
+
+def test_a_prompt_of_unknown_length_has_no_alone_route_on_an_example_connector_of_vllm_0_24() -> None:
+    # the same class as the 1-token prompt: a batch (decode alone, one hand-off per prompt being impossible in
+    # one request) whose shortest prompt is 1 token, or whose prompts are texts the proxy does not count, may send
+    # the decode that lookup; on 0.24.0 it is refused, from 0.31.0 on served (before, both went to the decode)
+    example, registry = get_connector("example"), _registry()
+    on = {v: Router(registry, RoundRobin(), lambda: "read", example, CONDITIONAL, block_size=128, vllm_version=v)
+          for v in ("0.24.0", "0.32.0")}
+    one_short = RequestFacts("/v1/completions", {"model": "m", "prompt": [[5, 6, 7], [8]]})
+    texts = RequestFacts("/v1/completions", {"model": "m", "prompt": ["a", "b c"]})
+    longer = RequestFacts("/v1/completions", {"model": "m", "prompt": [[5, 6, 7], [8, 9]]})
+
+
+    async def uncounted(_inst: BackendState) -> int | None:
+        return None  # route.length: a batch has no single prompt to count (prompts.tokenize_request)
+
+    def routed(version: str, request: RequestFacts) -> Any:
+        return asyncio.run(on[version].routed(request, uncounted))
+
+    for request, refused in ((one_short, "1-token prompt"), (texts, "not known beforehand")):
+        with routed("0.32.0", request) as route:
+            assert route.name == "decode-only"
+        with pytest.raises(Refused, match=refused):
+            routed("0.24.0", request)
+    with routed("0.24.0", longer) as route:
+        assert route.name == "decode-only"

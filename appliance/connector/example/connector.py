@@ -113,14 +113,20 @@ class ExampleRead(ProxySide):
         # engine core dies (IndexError in _prepare_inputs), prefill and decode alike.
         return prompt_tokens >= block_size + 2 and prompt_tokens % block_size != 1
 
-    def alone_length_refused(self, prompt_tokens: int, block_size: int) -> str | None:
+    def alone_length_refused(self, prompt_tokens: int | None, block_size: int) -> str | None:
         # A 1-token prompt looks up the empty prompt's key (length_possible): alone_body's prompt logprobs keep
         # that lookup from loading only where the scheduler drops the connector's count for them
         # (base.LOGPROBS_DROP_COUNT: vLLM 0.31.0 on). On 0.24.0 the decode loads -B tokens whenever the key is
         # in its store (any prompt of at most B tokens it served wrote it) and its engine core dies (run on
         # real 0.24.0 engines: tests/engine/test_vllm_issue34.py).
-        if prompt_tokens != 1 or in_release(LOGPROBS_DROP_COUNT, self.vllm_version):
+        # A prompt of a length the proxy does not know (a batch of texts, a prompt /tokenize could not count) may
+        # be that 1 token: refused on those releases too, no route being known to serve it correctly.
+        if (prompt_tokens is not None and prompt_tokens != 1) or in_release(LOGPROBS_DROP_COUNT, self.vllm_version):
             return None
+        if prompt_tokens is None:
+            return (f"vLLM {self.vllm_version or 'of this release'}'s ExampleConnector decode would take a 1-token "
+                    "prompt for the empty prompt's key and its engine core would die, and this request's prompt "
+                    "lengths are not known beforehand (send token ids, or one text prompt at a time)")
         return (f"vLLM {self.vllm_version or 'of this release'}'s ExampleConnector decode looks a 1-token prompt "
                 "up under the empty prompt's key whatever the request asks for, and its engine core dies when "
                 "the key is in its store (vLLM 0.31.0 on skip that lookup for a request with prompt logprobs)")

@@ -30,7 +30,7 @@ from appliance.proxy.policies.conditional import (
     served_alone,
     window_tokens,
 )
-from appliance.proxy.prompts import engine_requests, known_length, most_tokens
+from appliance.proxy.prompts import engine_requests, known_length, most_tokens, shortest_length
 from appliance.roles import Mode
 
 
@@ -343,8 +343,9 @@ class Router:
                 if name == "refused":
                     raise Refused(reason, alone.why)
             if name == "decode-only" and sided.block_size is not None:
-                tokens = known_length(request.path, request.body) if counted is None else counted.tokens
-                why = sided.side.alone_length_refused(tokens, sided.block_size) if tokens is not None else None
+                tokens = counted.tokens if counted is not None and counted.tokens is not None else \
+                    shortest_length(request.path, request.body)
+                why = sided.side.alone_length_refused(tokens, sided.block_size)
                 if why is not None:
                     raise Refused(reason, why)
         if name == "decode-only" and self.rules.decode_only_below:
