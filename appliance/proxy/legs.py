@@ -491,7 +491,7 @@ async def _relay_stream(
                         _count_cut(proxy, inst, error)
                         blamed = _blamed(error, inst, supervisor)
                         held = _let_go(held, inst, supervisor is not None and not supervisor.done())
-                        nxt = await _continue(proxy, request, tracker, blamed, legs, held)
+                        nxt = await _continue(proxy, request, tracker, blamed, legs, held, error)
                         if isinstance(nxt, dict):  # the continuation's prefill answered its last token
                             proxy.metrics.continuations.labels("continued", getattr(error, "reason", "stream")).inc()
                             tracker.sink(transport.write, framed=not http10)
@@ -559,10 +559,14 @@ class Avoided:
 
     def __init__(self) -> None:
         self._downs: dict[BackendState, int] = {}
+        self._lost: set[BackendState] = set()  # those whose engine went away (not a stall: see wait)
 
-    def add(self, inst: BackendState) -> None:
-        """Avoid `inst` until a probe finds it down; its kept-alive connections are not used again."""
+    def add(self, inst: BackendState, error: BaseException | None = None) -> None:
+        """Avoid `inst` until a probe finds it down; its kept-alive connections are not used again. `error`: how
+        it failed the request (a 504 is a stall: its engine is there, but sent nothing in time)."""
         self._downs[inst] = inst.downs
+        if not (isinstance(error, HandoffError) and error.status == 504):
+            self._lost.add(inst)
         inst.pool.drop_idle()
 
     def now(self) -> list[BackendState]:
@@ -577,8 +581,11 @@ class Avoided:
         for inst in self.now():
             if inst.healthy:
                 await proxy.health.probe(inst, fresh=True)
+        # an engine that went away is reported by its manager within crash_grace_s: wait that long for it; one
+        # that stalled is still there (its manager reports nothing), so its client waits no longer than the hold
+        grace = proxy.config.health.crash_grace_s if self._lost.intersection(self.now()) else 0.0
         if self.now() or proxy.hold_wait() > 0:
-            await proxy.wait_for_instances(self.now, proxy.config.health.crash_grace_s if self.now() else 0.0)
+            await proxy.wait_for_instances(self.now, grace)
         avoid = self.now()
         return avoid if not proxy.missing_roles(avoid) else []
 
@@ -595,7 +602,7 @@ def _blamed(error: BaseException, inst: BackendState, supervisor: asyncio.Task[A
 
 
 async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, dead: BackendState | None,
-                    legs: contextlib.ExitStack, held: list[Lease | Booking],
+                    legs: contextlib.ExitStack, held: list[Lease | Booking], cut: BaseException | None = None,
                     ) -> tuple[BackendState, Connection, asyncio.Task[Any] | None] | dict[str, Any] | str:
     """Open a leg that continues `tracker`'s stream, cut by `dead`'s failure, on a new route off the instances
     that failed it (waiting for its role within the hold bound: Avoided): its instance, connection (its first token
@@ -605,7 +612,7 @@ async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, d
     failed = 0  # legs that failed before their first token: not continuations, but bounded all the same
     avoided = Avoided()
     if dead is not None:
-        avoided.add(dead)
+        avoided.add(dead, cut)
     while (why := tracker.why_not(limit)) is None:
         if failed >= FAILED_CONTINUATION_LEGS:
             return "legs_failed"
@@ -626,7 +633,7 @@ async def _continue(proxy: ProxyState, request: web.Request, tracker: Tracker, d
             return await _continuation_leg(proxy, request, tracker, route, body, legs, held)
         except (LegFailure, HandoffError) as exc:
             log.warning("could not continue a stream on %s: %s", route.header(), exc)
-            avoided.add(exc.inst if isinstance(exc, LegFailure) and exc.inst is not None else route.decode)
+            avoided.add(exc.inst if isinstance(exc, LegFailure) and exc.inst is not None else route.decode, exc)
             held[:] = _let_go(held, route.decode, route.prefill is not None)
             # it relayed nothing: the next try is still this cut's continuation (on another instance, or on this
             # one once a probe has found it down and back), not one of max_continuations

@@ -48,7 +48,9 @@ pytestmark = [
 
 BLOCK = 128  # vLLM's KV block on the CPU
 CHAT = "/v1/chat/completions"
-FREED_WITHIN_S = 3.0  # vLLM's own lease (kv_lease_duration) frees them at 30 s
+# what tells the release from vLLM's own lease (kv_lease_duration frees them at 30 s): 0.5 s on an idle VM, 3.7 s
+# once in CI with the fault matrix on the other core (the engines' steps slow with it; the proxy is not involved)
+FREED_WITHIN_S = 10.0
 
 
 @pytest.fixture(scope="module", params=["read", "write"])
@@ -175,13 +177,13 @@ def test_a_released_prefill_frees_its_kv_within_seconds(nixl_pair: tuple[str, li
     sent = time.monotonic()
     status, _ = _leg(decode.url, *release, rid)
     freed_after = None
-    while time.monotonic() - sent < 10:
+    while time.monotonic() - sent < 2 * FREED_WITHIN_S:
         if _kv_usage(prefill.url) <= base:
             freed_after = time.monotonic() - sent
             break
         time.sleep(0.05)
     print(f"{mode} {path}: release answered {status}; prefill KV usage {base:.4f} -> {held:.4f}, back after "
-          f"{'>10' if freed_after is None else f'{freed_after:.2f}'} s; load {os.getloadavg()}")
+          f"{'>20' if freed_after is None else f'{freed_after:.2f}'} s; load {os.getloadavg()}")
     assert freed_after is not None and freed_after < FREED_WITHIN_S, (mode, path, freed_after)
     assert prefill.proc.poll() is None and decode.proc.poll() is None
 
