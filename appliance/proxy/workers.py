@@ -2,9 +2,10 @@
 backends, drains, holds, planned stops) that the admin API changes, and its health verdicts (it alone probes, warms
 up and ejects), and shares them with the other workers of its generation (the processes the keeper started
 together) as a snapshot over each one's Unix socket: at once on each change, before the admin call answers, and
-every SYNC_INTERVAL_S (a worker that has just started gets it then). The others send it their legs' failures. Each
-worker answers for its own loads, which the leader sums for a drain and for `pdctl status`, and sends the others
-the prompts prefix affinity recorded (Broadcast)."""
+every SYNC_INTERVAL_S (a worker that has just started gets it then). Each snapshot says when it was taken, and a
+worker applies none taken before the last it applied (two sends may arrive in either order). The others send it
+their legs' failures. Each worker answers for its own loads, which the leader sums for a drain and for `pdctl
+status`, and sends the others the prompts prefix affinity recorded (Broadcast)."""
 
 from __future__ import annotations
 
@@ -68,9 +69,11 @@ class WorkerRole:
 
 
 def snapshot(proxy: ProxyState) -> dict[str, Any]:
-    """The control state the leader decides, as the other workers apply it (apply())."""
+    """The control state the leader decides, as the other workers apply it (apply()), and when it was taken
+    (`taken_ns`: CLOCK_MONOTONIC, which every process of the host reads alike)."""
     now = time.monotonic()
     return {
+        "taken_ns": time.monotonic_ns(),
         "mode": proxy.mode,
         "backends": proxy.backends,
         "draining": sorted(i.name for i in proxy.registry.instances.values() if i.draining),
@@ -250,7 +253,8 @@ class Follower(WorkerSocket):
     def __init__(self, proxy: ProxyState, role: WorkerRole) -> None:
         super().__init__(proxy, role)
         self.synced = asyncio.Event()  # the first snapshot arrived (a replacement serves only after it)
-        self._last: dict[str, Any] | None = None
+        self._last: dict[str, Any] | None = None  # the last snapshot applied
+        self._applying = asyncio.Lock()  # one at a time: apply() awaits where the backends change
         self._reports: set[asyncio.Task[Any]] = set()
         proxy.health.follow(self.report, self.ask_probe)
 
@@ -285,8 +289,12 @@ class Follower(WorkerSocket):
 
     async def _snapshot(self, request: web.Request) -> web.Response:
         snap = await request.json()
-        await apply(self.proxy, snap, self._last)
-        self._last = snap
+        async with self._applying:
+            # each send is a connection of its own: a snapshot taken before the last one applied may arrive after
+            # it (the periodic one and an admin call's), and would undo a drain or end a planned stop until the next
+            if self._last is None or snap["taken_ns"] > self._last["taken_ns"]:
+                await apply(self.proxy, snap, self._last)
+                self._last = snap
         self.synced.set()
         return web.json_response({"applied": True})
 
@@ -338,15 +346,21 @@ class Leader(WorkerSocket):
 
     async def _sync(self) -> None:
         while True:
-            await self.share()
-            shared, since = health(self.proxy), time.monotonic()
+            # a change is one since the health this snapshot carries, not since the send's end: a probe's verdict
+            # while it was on its way is shared at the next check, not SYNC_INTERVAL_S later
+            shared, since = await self._share(), time.monotonic()
             while time.monotonic() - since < SYNC_INTERVAL_S and health(self.proxy) == shared:
                 await asyncio.sleep(HEALTH_CHECK_S)
 
     async def share(self) -> None:
         """Send the control state to every other worker and wait for each to have applied it."""
+        await self._share()
+
+    async def _share(self) -> dict[str, list[Any]]:
+        """share(); the health the snapshot sent carries."""
         snap = snapshot(self.proxy)
         await asyncio.gather(*(peer_call(p, "POST", "/worker/snapshot", snap) for p in self.followers()))
+        return dict(snap["health"])
 
     async def loads(self) -> list[dict[str, Any]]:
         """Every other worker's loads (those that answer)."""
@@ -389,19 +403,28 @@ class Broadcast:
         self._peers_at = -_PEERS_S
 
     def start(self) -> None:
-        """Take the other workers' records on the running loop and send this one's."""
+        """Take the other workers' records on the running loop and send this one's; tell the others this worker
+        is there (an empty datagram), so that a worker that joins (a crashed one's replacement) gets their next
+        records, not those after their next look at the folder."""
         asyncio.get_running_loop().add_reader(self.sock.fileno(), self._take)
         self.policy.on_record = self.send
         self.policy.take_records = self._take
+        for peer in self._look():
+            with contextlib.suppress(OSError):  # gone, or its queue is full: it finds this one within _PEERS_S
+                self.sock.sendto(b"", peer)
+
+    def _look(self) -> list[str]:
+        """The other workers' record sockets, looked up now."""
+        self._peers_at = time.monotonic()
+        self._peers = [str(p) for p in self.role.peers.glob(f"g{self.role.generation}-w*-*.blocks")
+                       if p != self.path]
+        return self._peers
 
     def send(self, insts: list[BackendState], prompt: Prompt) -> None:
         """Send one route's record to every other worker (PrefixAffinity.record_route calls it, on the routing
         pass)."""
-        now = time.monotonic()
-        if now - self._peers_at >= _PEERS_S:
-            self._peers_at = now
-            self._peers = [str(p) for p in self.role.peers.glob(f"g{self.role.generation}-w*-*.blocks")
-                           if p != self.path]
+        if time.monotonic() - self._peers_at >= _PEERS_S:
+            self._look()
         message = msgpack.packb([[inst.name for inst in insts], prompt.token_ids,
                                  [array("q", chain).tobytes() for chain in prompt.chains]])
         for peer in self._peers:
@@ -418,9 +441,13 @@ class Broadcast:
     def _take(self) -> None:
         while True:
             try:
-                data = self.sock.recv(_MAX_RECORD_BYTES)
+                data, sender = self.sock.recvfrom(_MAX_RECORD_BYTES)
             except (BlockingIOError, InterruptedError):
                 return
+            if sender and sender not in self._peers:  # a worker that joined since the last look: look again
+                self._peers_at = -_PEERS_S
+            if not data:  # its hello
+                continue
             try:
                 names, token_ids, blobs = msgpack.unpackb(data)
                 chains = []

@@ -8,6 +8,7 @@ import asyncio
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -17,13 +18,15 @@ from hypothesis import strategies as st
 from appliance.connector import get_connector
 from appliance.proxy import workers
 from appliance.proxy.columns import RING, Columns, Queues, SharedBacklog, SharedWindow
+from appliance.proxy.config import ProxyConfig
 from appliance.proxy.instances import BackendState, InstanceRegistry
 from appliance.proxy.policies import RequestFacts
 from appliance.proxy.policies.conditional import PrefillBacklog, PrefillWindow, Rules
 from appliance.proxy.policies.least_outstanding import LeastOutstanding
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
 from appliance.proxy.route import Router
-from appliance.proxy.workers import Broadcast, WorkerRole
+from appliance.proxy.state import ProxyState
+from appliance.proxy.workers import Broadcast, Follower, Leader, WorkerRole
 
 
 def _instance(name: str, role: str = "decode", dp_size: int = 1) -> BackendState:
@@ -146,6 +149,40 @@ def test_a_record_sent_before_a_request_is_applied_before_that_request_is_routed
     asyncio.run(scenario())
 
 
+
+def test_a_worker_that_joins_gets_the_next_record_of_every_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 0 has sent a record, and so looked for the others' sockets (worker 1's); then worker 2 starts (a
+    crashed worker's replacement): worker 0's next record reaches it, and worker 2 routes that prompt's repeat to
+    both-1, expected cached there. Before, worker 0 looked for its peers again only after _PEERS_S (1 s; an hour
+    here), and worker 2 missed every record meanwhile."""
+    monkeypatch.setattr(workers, "_PEERS_S", 3600.0)
+
+    async def scenario() -> None:
+        sender, sender_insts, out = _worker_affinity(tmp_path, 0)
+        _, _, other = _worker_affinity(tmp_path, 1)
+        out.start()
+        other.start()
+        joined = None
+        try:
+            first = _tokens(64)
+            sender.record_route((("both", sender.pick("both", sender_insts, first)),), first)  # both-0: its turn
+            taker, taker_insts, joined = _worker_affinity(tmp_path, 2)
+            joined.start()
+            prompt = {"model": "m", "prompt": list(range(500, 564))}
+            request = RequestFacts("/v1/completions", prompt)
+            picked = sender.pick("both", sender_insts, request)  # its routing pass takes worker 2's hello first
+            assert picked is sender_insts[1]  # its turn
+            sender.record_route((("both", picked),), request)
+            repeat = RequestFacts("/v1/completions", dict(prompt))
+            assert taker.pick("both", taker_insts, repeat) is taker_insts[1]
+            assert taker.expected_cached_tokens(taker_insts[1], repeat) == 48
+        finally:
+            for broadcast in (out, other, joined):
+                if broadcast is not None:
+                    broadcast.close()
+
+    asyncio.run(scenario())
+
 class _Rendered:
     """This worker's own metrics page (what node_metrics reads of its ProxyState)."""
 
@@ -187,3 +224,85 @@ def test_a_scrape_adds_a_busy_workers_last_counters_not_none(tmp_path: Path, mon
 
     for text in asyncio.run(scenario()):
         assert "pdctl_x_total 8.0" in text, text
+
+
+def _worker_state() -> ProxyState:
+    """One worker's state over two colocated instances, both out of rotation (made outside a running loop, so no
+    probe starts: a test sets their health as the leader's probes would)."""
+    return ProxyState(ProxyConfig.model_validate({
+        "connector": "none", "model": "m", "workers": 2,
+        "backends": [{"name": f"both-{i}", "role": "both", "url": f"http://127.0.0.1:{9 + i}"} for i in range(2)]}))
+
+
+def _in_rotation(proxy: ProxyState) -> list[str]:
+    return [inst.name for inst in proxy.router.candidates("both")]
+
+
+def test_an_instance_admitted_while_a_snapshot_is_on_its_way_is_shared_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader admits both-1 while its snapshot with both-1 still out is on its way to worker 1: that is a change
+    since what it sent, shared as any other, and worker 1 routes to both-1 too. Before, the leader compared later
+    changes with its health as of the end of the send, saw none, and worker 1 kept both-1 out until the next
+    periodic snapshot (SYNC_INTERVAL_S, 0.5 s; an hour here): issue 38's repeat of a prompt that worker 0 had sent
+    to both-1 went through worker 1 to both-0, with nothing cached there."""
+    monkeypatch.setattr(workers, "SYNC_INTERVAL_S", 3600.0)
+    leading, following = _worker_state(), _worker_state()
+    leading.registry.instances["both-0"].healthy = True
+    applied = workers.apply
+    sent: list[list[str]] = []
+
+    async def admitted_meanwhile(proxy: ProxyState, snap: dict[str, Any], previous: dict[str, Any] | None) -> None:
+        sent.append([name for name, (healthy, *_) in snap["health"].items() if healthy])
+        leading.registry.instances["both-1"].healthy = True  # a probe's verdict, while the send waits for this
+        await applied(proxy, snap, previous)
+
+    monkeypatch.setattr(workers, "apply", admitted_meanwhile)
+
+    async def scenario() -> None:
+        leader, follower = Leader(leading, WorkerRole(0, tmp_path, 0)), Follower(following, WorkerRole(1, tmp_path, 0))
+        await follower.serve()
+        leader.start()
+        try:
+            async def both_in_rotation() -> None:
+                while _in_rotation(following) != ["both-0", "both-1"]:
+                    await asyncio.sleep(0.01)
+
+            # at once is within HEALTH_CHECK_S (50 ms) and a send; never (before) is an hour here
+            await asyncio.wait_for(both_in_rotation(), 10)
+        finally:
+            await leader.close()
+            await follower.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        print(f"snapshots applied by worker 1, the instances healthy in each: {sent}")
+    assert sent[0] == ["both-0"]
+
+
+def test_a_snapshot_taken_before_the_last_applied_one_is_not_applied(tmp_path: Path) -> None:
+    """The leader's periodic snapshot is taken, then an admin call drains both-1 and shares its own snapshot, which
+    reaches worker 1 first (each send is its own connection): the older one, arriving last, leaves the drain in
+    force. Before, worker 1 applied whichever came last and routed to both-1 again until the next snapshot, after
+    the drain's call had answered that every worker had applied it (and a planned stop in force ended the same way)."""
+    leading, following = _worker_state(), _worker_state()
+    for proxy in (leading, following):
+        for inst in proxy.registry.instances.values():
+            inst.healthy = True
+    older = workers.snapshot(leading)
+    leading.registry.instances["both-1"].draining = True
+    newer = workers.snapshot(leading)
+
+    async def scenario() -> list[list[str]]:
+        follower = Follower(following, WorkerRole(1, tmp_path, 0))
+        await follower.serve()
+        seen = []
+        try:
+            for snap in (newer, older):
+                assert await workers.peer_call(follower.role.socket_path(), "POST", "/worker/snapshot", snap)
+                seen.append(_in_rotation(following))
+        finally:
+            await follower.close()
+        return seen
+
+    assert asyncio.run(scenario()) == [["both-0"], ["both-0"]]
