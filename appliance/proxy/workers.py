@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,19 +256,26 @@ class Follower(WorkerSocket):
         self.synced = asyncio.Event()  # the first snapshot arrived (a replacement serves only after it)
         self._last: dict[str, Any] | None = None  # the last snapshot applied
         self._applying = asyncio.Lock()  # one at a time: apply() awaits where the backends change
-        self._reports: set[asyncio.Task[Any]] = set()
+        self._reports: deque[dict[str, Any]] = deque()  # legs' outcomes not sent yet, oldest first
+        self._reporting: asyncio.Task[None] | None = None
         proxy.health.follow(self.report, self.ask_probe)
 
     def report(self, name: str, ok: bool, timed_out: bool) -> None:
-        """Send the leader a leg's outcome on instance `name` (a failure, or the first success after one)."""
-        leader = self.leader()
-        if leader is None:
-            log.warning("no leader socket to report a leg on %s to", name)
-            return
-        task = asyncio.ensure_future(peer_call(leader, "POST", "/worker/leg",
-                                               {"instance": name, "ok": ok, "timed_out": timed_out}))
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
+        """Send the leader a leg's outcome on instance `name` (a failure, or the first success after one), after
+        the ones before it: each send is a connection of its own, and a failure taken after the success that
+        followed it would leave a count of failures in a row where one process's is 0."""
+        self._reports.append({"instance": name, "ok": ok, "timed_out": timed_out})
+        if self._reporting is None or self._reporting.done():
+            self._reporting = asyncio.ensure_future(self._send_reports())
+
+    async def _send_reports(self) -> None:
+        while self._reports:
+            leg = self._reports.popleft()
+            leader = self.leader()
+            if leader is None:
+                log.warning("no leader socket to report a leg on %s to", leg["instance"])
+                continue
+            await peer_call(leader, "POST", "/worker/leg", leg)
 
     async def ask_probe(self, name: str) -> None:
         """Have the leader probe instance `name` now (a leg found its engine gone); return once its verdict is

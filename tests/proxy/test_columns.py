@@ -1,6 +1,7 @@
 """The routing state the proxy's worker processes share (appliance.proxy.columns, docs/proxy-workers.md): each
-worker's own columns of legs (DP ranks included), the decode queues they all change under one lock and prefix
-affinity's records (workers.Broadcast), here as two workers' views of one peers folder in one process."""
+worker's own columns of legs (DP ranks included), the decode queues they all change under one lock, prefix
+affinity's records (workers.Broadcast), and the leader's snapshots and the legs' reports in the order they were
+made (workers.Leader, workers.Follower), here as two or three workers' views of one peers folder in one process."""
 
 from __future__ import annotations
 
@@ -306,3 +307,42 @@ def test_a_snapshot_taken_before_the_last_applied_one_is_not_applied(tmp_path: P
         return seen
 
     assert asyncio.run(scenario()) == [["both-0"], ["both-0"]]
+
+
+def test_a_followers_legs_reach_the_leader_in_the_order_they_ended(tmp_path: Path) -> None:
+    """A leg of worker 1 on both-1 fails, the next one succeeds: the leader takes the failure, then the success
+    (its count of failures in a row ends at 0, as one process's would), though its answer to the first is slow.
+    Before, each report went on its own connection at once and the success, taken first, left the failure
+    counted."""
+    following = _worker_state()
+
+    async def scenario() -> list[bool]:
+        taken: list[bool] = []
+
+        async def leg(request: web.Request) -> web.Response:
+            body = await request.json()
+            if not taken and not body["ok"]:
+                await asyncio.sleep(0.3)  # the leader busy with the first (it shares an ejection before answering)
+            taken.append(bool(body["ok"]))
+            return web.json_response({"taken": True})
+
+        app = web.Application()
+        app.router.add_post("/worker/leg", leg)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.UnixSite(runner, str(WorkerRole(0, tmp_path, 0).socket_path())).start()
+        follower = Follower(following, WorkerRole(1, tmp_path, 0))
+        try:
+            follower.report("both-1", False, True)
+            follower.report("both-1", True, False)
+
+            async def both_taken() -> None:
+                while len(taken) < 2:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(both_taken(), 10)
+            return taken
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(scenario()) == [False, True]
