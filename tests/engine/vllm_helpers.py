@@ -25,6 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 # Seconds; generous because three engines import torch and vLLM at once on two loaded cores.
 READY_TIMEOUT_S = 420.0
 REQUEST_TIMEOUT_S = 120.0
+# Where the engines run: "cpu" (vLLM's CPU build, here and in CI) or "cuda" (vLLM's CUDA build on a lent GPU, where
+# the kit of shared/gpu stages it: the NIXL matrix of vLLM 0.24.0, whose worker cannot register the CPU backend's KV)
+DEVICE = os.environ.get("PDCTL_TEST_VLLM_DEVICE", "cpu")
 
 
 def example_kv_config(role: str, storage: Path) -> dict[str, Any]:
@@ -45,14 +48,15 @@ def vllm_argv(
     kv_transfer_config: dict[str, Any] | None = None,
     kv_cache_bytes: str = "256M",
 ) -> list[str]:
-    """The command line of one CPU vLLM instance (OpenAI server on 127.0.0.1:port)."""
+    """The command line of one vLLM instance (OpenAI server on 127.0.0.1:port): on the CPU, or with DEVICE "cuda"
+    on a GPU that every instance of a test shares (bfloat16: the GPU attention backends take no float32)."""
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
         "--served-model-name", served_name,
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--dtype", "float32",
+        "--dtype", "bfloat16" if DEVICE == "cuda" else "float32",
         "--enforce-eager",
         "--distributed-executor-backend", "uni",
         "--kv-cache-memory-bytes", kv_cache_bytes,
@@ -61,6 +65,8 @@ def vllm_argv(
         "--disable-uvicorn-access-log",
         "--no-enable-chunked-prefill",
     ]  # fmt: skip
+    if DEVICE == "cuda":
+        argv += ["--gpu-memory-utilization", "0.15"]  # vLLM's start check: three engines share the one GPU
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config, separators=(",", ":"))]
     return argv
