@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from appliance import ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -193,10 +194,10 @@ def write_tiny_model_with(python: str, model_dir: Path) -> Path:
 
 
 def free_port() -> int:
-    """A loopback port free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port for an engine to bind, below the kernel's ephemeral range and claimed for this run
+    (appliance.ports.free_port): a port bind(0) handed out could be any outgoing connection's local end before
+    the engine binds it, seconds later."""
+    return ports.free_port()
 
 
 def start_pair(home: Path, model_dir: Path, served_name: str, kv_transfer_config: dict[str, Any],
