@@ -118,12 +118,13 @@ async def apply(proxy: ProxyState, snap: dict[str, Any], previous: dict[str, Any
 
 def loads(proxy: ProxyState, index: int) -> dict[str, Any]:
     """This worker's loads and counters, which the leader adds to its own (drains, `pdctl status`)."""
-    metrics = proxy.metrics
+    metrics, ready = proxy.metrics, proxy.ready()
     return {
         "worker": index,
         "pid": os.getpid(),
         "connections": proxy.client_connections(),
-        "ready": proxy.ready()[0],
+        "ready": ready[0],
+        "healthy": ready[1],
         "instances": {i.name: [i.in_flight, i.routed] for i in proxy.registry.instances.values()},
         "requests": metrics.request_totals(),
         "held_requests": metrics.held_requests,
@@ -251,6 +252,10 @@ class Follower(WorkerSocket):
         super().__init__(proxy, role)
         self.synced = asyncio.Event()  # the first snapshot arrived (a replacement serves only after it)
         self._last: dict[str, Any] | None = None
+        # when the leader took the last snapshot applied here (its `sent_ns`): the leader's calls run side by
+        # side, so an older snapshot can arrive after a newer one; it is not applied over it
+        self._last_ns = -1
+        self._applying = asyncio.Lock()
         self._reports: set[asyncio.Task[Any]] = set()
         proxy.health.follow(self.report, self.ask_probe)
 
@@ -285,10 +290,14 @@ class Follower(WorkerSocket):
 
     async def _snapshot(self, request: web.Request) -> web.Response:
         snap = await request.json()
-        await apply(self.proxy, snap, self._last)
-        self._last = snap
+        sent_ns = int(snap.pop("sent_ns", time.monotonic_ns()))  # a leader of a release before it: in arrival order
+        async with self._applying:  # one at a time: apply() may wait, and a newer one must not run meanwhile
+            newer = sent_ns > self._last_ns
+            if newer:
+                await apply(self.proxy, snap, self._last)
+                self._last, self._last_ns = snap, sent_ns
         self.synced.set()
-        return web.json_response({"applied": True})
+        return web.json_response({"applied": newer})
 
     async def _loads(self, _request: web.Request) -> web.Response:
         return web.json_response(loads(self.proxy, self.role.index))
@@ -338,15 +347,23 @@ class Leader(WorkerSocket):
 
     async def _sync(self) -> None:
         while True:
-            await self.share()
-            shared, since = health(self.proxy), time.monotonic()
+            snap = snapshot(self.proxy)
+            await self._send(snap)
+            # a change made while the snapshot was on its way is not in it: compared with what was sent, it goes
+            # at the next look (compared with the health after the sending, it waited for SYNC_INTERVAL_S)
+            shared, since = snap["health"], time.monotonic()
             while time.monotonic() - since < SYNC_INTERVAL_S and health(self.proxy) == shared:
                 await asyncio.sleep(HEALTH_CHECK_S)
 
     async def share(self) -> None:
         """Send the control state to every other worker and wait for each to have applied it."""
-        snap = snapshot(self.proxy)
-        await asyncio.gather(*(peer_call(p, "POST", "/worker/snapshot", snap) for p in self.followers()))
+        await self._send(snapshot(self.proxy))
+
+    async def _send(self, snap: dict[str, Any]) -> None:
+        """Send `snap` to every other worker, with when it was taken (a worker applies none over a newer one),
+        and wait for each to have it."""
+        body = {**snap, "sent_ns": time.monotonic_ns()}  # the system's monotonic clock: the same for every worker
+        await asyncio.gather(*(peer_call(p, "POST", "/worker/snapshot", body) for p in self.followers()))
 
     async def loads(self) -> list[dict[str, Any]]:
         """Every other worker's loads (those that answer)."""

@@ -38,8 +38,7 @@ def workers_node(workdir: Path, engines: int = 1, workers: int = 2, **overrides:
             f"both-{i}", "both", "none", "--max-model-len", "256", "--decode-step-ms", "20")} for i in range(engines)]
         proc = node.proxy("none", backends, module="appliance.proxy.keeper", workers=workers, **overrides)
         node.wait_http(proc, node.proxy_url + "/health")
-        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True] * workers,
-                 f"{workers} workers ready")
+        all_in_rotation(node, workers)
         yield node
     finally:
         node.stop()
@@ -50,6 +49,14 @@ def state(node: Node) -> dict[str, Any]:
     status, _, body = http(node.admin_port, "GET", "/admin/state")
     assert status == 200, body[:300]
     return dict(json.loads(body))
+
+
+def all_in_rotation(node: Node, workers: int = 2) -> None:
+    """Wait until each worker has every engine of the node in its rotation: the node is ready once each role has
+    one, and a worker takes the others as the leader admits them (probed and warmed up) and shares it."""
+    want = {role: sum(b["role"] == role for b in node.config["backends"]) for role in ("prefill", "decode", "both")}
+    wait_for(lambda: [w["healthy"] for w in state(node).get("workers", [])] == [want] * workers,
+             f"every engine in rotation on {workers} workers")
 
 
 def connections(node: Node) -> list[int]:
@@ -395,7 +402,7 @@ def pd_node(workdir: Path, prefills: int = 1, decode_args: tuple[str, ...] = (),
             "decode-0", "decode", "nixl", "--max-model-len", "256", *decode_args)})
         proc = node.proxy("nixl", backends, module="appliance.proxy.keeper", workers=2, **overrides)
         node.wait_http(proc, node.proxy_url + "/health")
-        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True, True], "2 workers ready")
+        all_in_rotation(node)
         yield node
     finally:
         node.stop()
@@ -509,7 +516,7 @@ def test_a_stream_whose_engine_dies_on_a_follower_is_continued_on_the_other_engi
                         "--fault-crash-after-tokens", "5")}]
         proc = node.proxy("none", backends, module="appliance.proxy.keeper", workers=2)
         node.wait_http(proc, node.proxy_url + "/health")
-        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True, True], "2 workers ready")
+        all_in_rotation(node)  # both-1 too, on worker 1: else its stream goes to both-0, the one it has
         first = request_on(connect_to(node, 0), STREAM)
         wait_for(lambda: in_flight(node) == {"both-0": 1, "both-1": 0}, "worker 0's stream on both-0")
         second = answer(request_on(connect_to(node, 1), STREAM))
