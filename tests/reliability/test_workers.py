@@ -1,6 +1,6 @@
 """Several proxy worker processes (issue 38, docs/proxy-workers.md): the real keeper with `workers = 2` in front of
 simulated engines, on real sockets. A test places a request on a chosen worker by opening connections until the
-kernel hands one to that worker (the admin state counts each worker's open connections)."""
+kernel hands one to that worker (found by its address among the worker process's sockets)."""
 
 from __future__ import annotations
 
@@ -59,21 +59,28 @@ def all_in_rotation(node: Node, workers: int = 2) -> None:
              f"every engine in rotation on {workers} workers")
 
 
-def connections(node: Node) -> list[int]:
-    """Each worker's open client connections."""
-    return [int(w["connections"]) for w in state(node)["workers"]]
+def accepted_by(node: Node, sock: socket.socket, timeout: float = 20.0) -> int:
+    """The worker whose process holds the other end of `sock` (once one has accepted it)."""
+    mine = sock.getsockname()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for worker in state(node)["workers"]:
+            with contextlib.suppress(psutil.Error):  # a worker replaced meanwhile
+                if any(c.raddr and tuple(c.raddr) == mine for c in psutil.Process(worker["pid"]).net_connections()):
+                    return int(worker["worker"])
+        time.sleep(0.02)
+    raise AssertionError(f"no worker accepted the connection from {mine} in {timeout:g} s")
 
 
 def connect_to(node: Node, worker: int) -> socket.socket:
-    """A client connection that worker `worker` accepted (the kernel spreads them by their ports' hash)."""
+    """A client connection that worker `worker` accepted (the kernel spreads them by their ports' hash). Each is
+    found by its own address among the workers' sockets: counting each worker's connections before and after took
+    a connection that an earlier client closed meanwhile, on the same worker, for none accepted."""
     tried: list[socket.socket] = []
     try:
         for _ in range(64):
-            before = connections(node)
             sock = socket.create_connection(("127.0.0.1", node.proxy_port), timeout=30)
-            wait_for(lambda b=before: sum(connections(node)) > sum(b), "the connection accepted")
-            after = connections(node)
-            if after[worker] > before[worker]:
+            if accepted_by(node, sock) == worker:
                 return sock
             tried.append(sock)  # kept open meanwhile, so the next try gets another port
         raise AssertionError(f"64 connections and none to worker {worker}")
