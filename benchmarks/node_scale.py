@@ -194,11 +194,20 @@ def cpu_seconds(proxy: psutil.Process) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in (proxy, *proxy.children(recursive=True)))
 
 
+def scheduled(pids: list[int], fifo: bool) -> None:
+    """The proxy's processes under SCHED_FIFO (priority 1: they take a CPU from any ordinary process at once, as a
+    unit's `CPUSchedulingPolicy=fifo` would have them) or back under SCHED_OTHER."""
+    for pid in pids:
+        os.sched_setscheduler(pid, os.SCHED_FIFO if fifo else os.SCHED_OTHER, os.sched_param(1 if fifo else 0))
+
+
 def measure(pool: multiprocessing.pool.Pool, proxy: psutil.Process, label: str, bases: list[str], streams: int,
             args: argparse.Namespace, proxy_url: str, engines: list[int]) -> Run:
-    """One round of `label` (direct or proxy) at `streams` streams; `engines`: the decode engines' pids."""
+    """One round of `label` (direct, proxy, or proxy-fifo: the proxy under SCHED_FIFO for the round) at `streams`
+    streams; `engines`: the decode engines' pids."""
     before = cpu_seconds(proxy)
     relays = [proxy.pid, *(p.pid for p in proxy.children(recursive=True))]
+    scheduled(relays, label == "proxy-fifo")
     proxy_waits, engine_waits = waits(relays), waits(engines)
     pauses: list[float] = []
     done = threading.Event()
@@ -216,6 +225,7 @@ def measure(pool: multiprocessing.pool.Pool, proxy: psutil.Process, label: str, 
     done.set()
     watcher.join()
     idle.join()
+    scheduled(relays, False)
     run = Run(label, streams, samples, elapsed)
     run.canary = ours.recv() if ours.poll() else float("nan")
     run.proxy_busy = (cpu_seconds(proxy) - before) / elapsed
@@ -230,22 +240,23 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.3f}" if b else "-"
 
 
-def summary(runs: list[Run], streams: int) -> str:
-    """The proxy's figures over direct's at one stream count (samples of all rounds pooled)."""
-    got: dict[str, Samples] = {"direct": Samples(), "proxy": Samples()}
-    elapsed = {"direct": 0.0, "proxy": 0.0}
+def summary(runs: list[Run], streams: int, label: str = "proxy") -> str:
+    """`label`'s figures (the proxy's, or the proxy's under SCHED_FIFO) over direct's at one stream count (samples of
+    all rounds pooled)."""
+    got: dict[str, Samples] = {"direct": Samples(), label: Samples()}
+    elapsed = {"direct": 0.0, label: 0.0}
     for run in runs:
-        if run.streams == streams:
+        if run.streams == streams and run.label in got:
             got[run.label].itl += run.samples.itl
             got[run.label].ttft += run.samples.ttft
             got[run.label].tokens += run.samples.tokens
             elapsed[run.label] += run.elapsed
-    d, p = got["direct"], got["proxy"]
-    rate = (p.tokens / elapsed["proxy"]) / (d.tokens / elapsed["direct"])
+    d, p = got["direct"], got[label]
+    rate = (p.tokens / elapsed[label]) / (d.tokens / elapsed["direct"])
     p99 = pct(p.itl, .99) / pct(d.itl, .99)
     worst = max(p.itl) / max(d.itl)
     verdict = "MET" if worst <= 2 and p99 <= 1.05 else "MISSED"
-    return (f"{streams:4d} streams: tok/s x{rate:.3f}  ITL p50 x{_ratio(pct(p.itl, .5), pct(d.itl, .5))}  "
+    return (f"{streams:4d} streams, {label}: tok/s x{rate:.3f}  ITL p50 x{_ratio(pct(p.itl, .5), pct(d.itl, .5))}  "
             f"p99 x{p99:.3f}  max x{worst:.2f} ({max(p.itl) * 1e3:.1f} vs {max(d.itl) * 1e3:.1f} ms)  "
             f"+TTFT p50 {(pct(p.ttft, .5) - pct(d.ttft, .5)) * 1e3:+.2f} ms  goal (max <= 2x, p99 <= 1.05x) "
             f"{verdict}")
@@ -272,7 +283,8 @@ def main_run(args: argparse.Namespace) -> None:
             proxy = psutil.Process(proc.pid)
             decodes = [b["url"] for b in backends if b["role"] == "decode"]
             decode_pids = [e.pid for e, b in zip(engines, backends, strict=True) if b["role"] == "decode"]
-            bases = {"direct": decodes, "proxy": [url]}
+            bases = {"direct": decodes, "proxy": [url], "proxy-fifo": [url]}
+            labels = ("direct", "proxy", "proxy-fifo") if args.fifo else ("direct", "proxy")
             run_round(pool, bases["proxy"], 16, args.clients, 2, args.tokens)  # warm every path
             run_round(pool, bases["direct"], 16, args.clients, 2, args.tokens)
             print(f"# node scale: {args.pairs} NIXL READ pairs, decode step {args.step_ms} ms, {args.tokens} "
@@ -282,12 +294,13 @@ def main_run(args: argparse.Namespace) -> None:
             runs: list[Run] = []
             for streams in args.streams:
                 for r in range(args.rounds):
-                    for label in (("direct", "proxy") if r % 2 == 0 else ("proxy", "direct")):
+                    for label in (labels if r % 2 == 0 else labels[::-1]):
                         runs.append(measure(pool, proxy, label, bases[label], streams, args, url, decode_pids))
                         print(runs[-1].row(), flush=True)
             print()
             for streams in args.streams:
-                print(summary(runs, streams))
+                for label in labels[1:]:
+                    print(summary(runs, streams, label))
             if args.diagnose:
                 print("\n# the proxy's log (loop_stalls.py: its stalls and slow collections)")
                 print((Path(tmp) / "proxy.log").read_text())
@@ -308,6 +321,8 @@ def main() -> None:
                         "the loop pause is one worker's)")
     parser.add_argument("--diagnose", type=float, default=0.0, metavar="MS",
                         help="run the proxy under loop_stalls.py, logging each loop pause over MS, and print its log")
+    parser.add_argument("--fifo", action="store_true",
+                        help="also rounds of the same proxy under SCHED_FIFO (proxy-fifo; needs root or CAP_SYS_NICE)")
     args = parser.parse_args()
     try:
         args.streams = [int(s) for s in args.streams.split(",") if s.strip()]

@@ -58,10 +58,11 @@ def pct(values: list[float], q: float) -> float:
 
 
 def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port below the ephemeral range, claimed (appliance.ports): the proxy binds it later."""
+    sys.path.insert(0, str(REPO))
+    from appliance.ports import free_port as claimed
+
+    return claimed()
 
 
 def wait_health(url: str, seconds: float) -> None:

@@ -5,9 +5,11 @@ plain engine of the same model (no connector) whose greedy answers every route m
   2; the proxy's own abandoned-prefill path, which sends the same release: tests/proxy/test_handoff_release.py);
 - decode alone by choice (conditional routing's short prompt), through the proxy: the plain engine's answer,
   the client's request id, no prefill touched, the decode's KV freed within a second;
-- a decode leg that loads nothing (prompt logprobs): on WRITE vLLM's push decode registers no blocks and the
-  prefill held its KV for its 30 s lease, so the proxy sends such a request to the decode alone; on READ the
-  hand-off frees it. Either way the prefill's KV is freed within a second and the answer is the plain engine's;
+- a request for prompt logprobs: from vLLM 0.31.0 its decode leg loads nothing: on WRITE vLLM's push decode
+  registers no blocks and the prefill held its KV for its 30 s lease, so the proxy sends such a request to the
+  decode alone; on READ the hand-off frees it. On 0.24.0 the decode loads the KV and answers one prompt logprob,
+  so it goes to the decode alone in both modes. Either way the prefill's KV is freed within a second and the
+  answer is the plain engine's;
 - a prompt the decode holds whole already: the hand-off still frees the prefill within a second.
 The proxy runs in this process (tests/support/fake_engines.running_proxy) in front of the real engines."""
 
@@ -27,9 +29,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.connector import get_connector
+from appliance.connector.base import LOGPROBS_DROP_COUNT, in_release
 from appliance.roles import Mode
 from tests.engine.pdctl_vllm import has_nixl
 from tests.engine.vllm_helpers import (
+    DEVICE,
     VllmProcess,
     free_port,
     post_json,
@@ -62,7 +66,8 @@ def nixl_pair(request: pytest.FixtureRequest, vllm_python: str, tmp_path_factory
     mode: str = request.param
     home = tmp_path_factory.mktemp(f"nixl-{mode}")
     model_dir = write_tiny_model_with(vllm_python, home / "model")
-    kv = {"kv_connector": "NixlPushConnector" if mode == "write" else "NixlConnector", "kv_buffer_device": "cpu"}
+    kv = {"kv_connector": "NixlPushConnector" if mode == "write" else "NixlConnector",
+          "kv_buffer_device": "cuda" if DEVICE == "cuda" else "cpu"}
     env = {role: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
            for role in ("prefill", "decode")}
     try:
@@ -241,15 +246,20 @@ def test_a_short_prompt_the_proxy_sends_to_the_decode_alone_is_served_as_a_plain
     assert None not in freed.values(), freed
 
 
-def test_a_decode_leg_that_loads_nothing_frees_the_prefill_on_read_only(
+def test_the_legs_of_a_request_for_prompt_logprobs_are_what_its_route_rests_on(
         nixl_pair: tuple[str, list[VllmProcess]]) -> None:
-    """What the route of a request for prompt logprobs rests on, the legs sent by hand as a hand-off would send
-    them: the prefill holds the prompt's KV after its leg; the decode leg, which loads nothing (vLLM skips every KV
-    lookup for it), has the prefill free it within a second on READ (the pull decode's notification without a
-    transfer); on WRITE the push decode registers no blocks and the prefill still holds it a second later (its
-    30 s lease frees it), which is why the proxy sends such a request to a WRITE decode alone."""
+    """What the route of a request for prompt logprobs rests on (NixlPull/NixlPush.body_possible), its legs sent
+    by hand as a hand-off would send them; the prefill holds the prompt's KV after its leg. From vLLM 0.31.0 prompt
+    logprobs make the scheduler skip every KV lookup, the connector's included: the decode leg loads nothing and
+    computes every prompt logprob itself; on READ the pull decode's word still frees the prefill within a second,
+    on WRITE the push decode registers no blocks and the prefill holds its KV for its 30 s lease. vLLM 0.24.0
+    skips the local prefix cache only: the decode loads the prefill's KV (freeing it, in both modes) and answers
+    prompt logprobs for the one token it computed. So the proxy hands such a request over on READ from 0.31.0
+    only, and sends it to the decode alone otherwise."""
     mode, (prefill, decode) = nixl_pair
-    nixl, peer = get_connector("nixl").side(cast(Mode, mode)), _Peer()
+    release = version_of(decode.argv[0])
+    drops = in_release(LOGPROBS_DROP_COUNT, release)
+    nixl, peer = get_connector("nixl").side(cast(Mode, mode), release), _Peer()
     body = {"model": MODEL, "prompt": _long_prompt(f"by hand {mode}"), "max_tokens": 4, "temperature": 0,
             "prompt_logprobs": 1}
     base = _kv_usage(prefill.url)
@@ -261,20 +271,29 @@ def test_a_decode_leg_that_loads_nothing_frees_the_prefill_on_read_only(
     status, answer = _leg(decode.url, "/v1/completions", leg, pairing.request_id)
     assert status == 200, answer
     freed = _freed_after(prefill.url, base, FREED_AT_ONCE_S)
-    print(f"{mode}: prefill KV usage {base:.4f} -> {held:.4f} after its leg, freed {freed} s after the decode's "
-          f"answer (cached {(answer['usage'].get('prompt_tokens_details') or {}).get('cached_tokens')})")
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    cached = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    logprobs = answer["choices"][0]["prompt_logprobs"]
+    print(f"{mode} (vLLM {release}): prefill KV usage {base:.4f} -> {held:.4f} after its leg, freed {freed} s after "
+          f"the decode's answer; decode cached {cached} of {prompt_tokens} tokens, {len(logprobs)} prompt logprobs")
     assert held > base, (base, held)
-    assert (freed is not None) == (mode == "read"), (mode, freed)
-    assert nixl.body_possible(body) == (mode == "read")  # the route that follows from it
+    if drops:
+        assert not cached and len(logprobs) == prompt_tokens, (cached, len(logprobs), prompt_tokens)
+        assert (freed is not None) == (mode == "read"), (mode, freed)
+    else:
+        assert cached and len(logprobs) < prompt_tokens, (cached, len(logprobs), prompt_tokens)  # H100: 1085, 1, 1085
+        assert freed is not None, (mode, "the prefill still holds the request's KV")
+    assert nixl.body_possible(body) == (mode == "read" and drops)  # the route that follows from it
 
 
 def test_a_request_for_prompt_logprobs_leaves_no_prefill_kv_held(
         nixl_pair: tuple[str, list[VllmProcess]], plain: VllmProcess) -> None:
-    """Prompt logprobs make vLLM skip every KV lookup, the connector's load included, so a decode leg of the
-    hand-off loads nothing. READ: the pull decode still tells the prefill to free its blocks. WRITE: the push
-    decode registers no blocks, and nothing frees the prefill's but its 30 s lease; the proxy sends such a request
-    to the decode alone (`handoff-impossible`). Either way: the plain engine's answer and prompt logprobs, and the
-    prefill's KV back to where it was within a second of the answer."""
+    """Prompt logprobs make vLLM (0.31.0 on) skip every KV lookup, the connector's load included, so a decode leg
+    of the hand-off loads nothing. READ: the pull decode still tells the prefill to free its blocks. WRITE: the
+    push decode registers no blocks, and nothing frees the prefill's but its 30 s lease; the proxy sends such a
+    request to the decode alone (`handoff-impossible`), as it does in both modes on vLLM 0.24.0, whose decode
+    would load the prefill's KV and answer one prompt logprob (the test above). Either way: the plain engine's
+    answer and prompt logprobs, and the prefill's KV back to where it was within a second of the answer."""
     mode, (prefill, decode) = nixl_pair
     body = {"model": MODEL, "prompt": _long_prompt(f"logprobs {mode}"), "max_tokens": 4, "temperature": 0,
             "prompt_logprobs": 1}
@@ -290,7 +309,8 @@ def test_a_request_for_prompt_logprobs_leaves_no_prefill_kv_held(
     for mine, theirs in zip(got[1:], want[1:], strict=True):  # {token id: {logprob, rank, decoded_token}}
         assert mine.keys() == theirs.keys()
         assert all(abs(mine[t]["logprob"] - theirs[t]["logprob"]) < 1e-3 for t in mine)
-    assert route == ("disaggregated" if mode == "read" else "decode-only")
+    drops = in_release(LOGPROBS_DROP_COUNT, version_of(decode.argv[0]))
+    assert route == ("disaggregated" if mode == "read" and drops else "decode-only")
 
 
 def test_a_prompt_the_decode_holds_whole_still_frees_the_prefill(

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,11 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance import ports
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Seconds; generous because three engines import torch and vLLM at once on two loaded cores.
 READY_TIMEOUT_S = 420.0
 REQUEST_TIMEOUT_S = 120.0
+# Where the engines run: "cpu" (vLLM's CPU build, here and in CI) or "cuda" (vLLM's CUDA build on a lent GPU, where
+# the kit of shared/gpu stages it: the NIXL matrix of vLLM 0.24.0, whose worker cannot register the CPU backend's KV)
+DEVICE = os.environ.get("PDCTL_TEST_VLLM_DEVICE", "cpu")
 
 
 def example_kv_config(role: str, storage: Path) -> dict[str, Any]:
@@ -45,14 +49,15 @@ def vllm_argv(
     kv_transfer_config: dict[str, Any] | None = None,
     kv_cache_bytes: str = "256M",
 ) -> list[str]:
-    """The command line of one CPU vLLM instance (OpenAI server on 127.0.0.1:port)."""
+    """The command line of one vLLM instance (OpenAI server on 127.0.0.1:port): on the CPU, or with DEVICE "cuda"
+    on a GPU that every instance of a test shares (bfloat16: the GPU attention backends take no float32)."""
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
         "--served-model-name", served_name,
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--dtype", "float32",
+        "--dtype", "bfloat16" if DEVICE == "cuda" else "float32",
         "--enforce-eager",
         "--distributed-executor-backend", "uni",
         "--kv-cache-memory-bytes", kv_cache_bytes,
@@ -61,6 +66,8 @@ def vllm_argv(
         "--disable-uvicorn-access-log",
         "--no-enable-chunked-prefill",
     ]  # fmt: skip
+    if DEVICE == "cuda":
+        argv += ["--gpu-memory-utilization", "0.15"]  # vLLM's start check: three engines share the one GPU
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config, separators=(",", ":"))]
     return argv
@@ -187,10 +194,10 @@ def write_tiny_model_with(python: str, model_dir: Path) -> Path:
 
 
 def free_port() -> int:
-    """A loopback port free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port for an engine to bind, below the kernel's ephemeral range and claimed for this run
+    (appliance.ports.free_port): a port bind(0) handed out could be any outgoing connection's local end before
+    the engine binds it, seconds later."""
+    return ports.free_port()
 
 
 def start_pair(home: Path, model_dir: Path, served_name: str, kv_transfer_config: dict[str, Any],

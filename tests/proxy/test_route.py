@@ -226,6 +226,24 @@ def test_a_nixl_push_request_for_prompt_logprobs_goes_to_the_decode_alone(asks: 
         assert route.name == "disaggregated"  # sampled logprobs alone skip no lookup
 
 
+@pytest.mark.parametrize("asks", [{"prompt_logprobs": 1}, {"echo": True, "logprobs": 2}])
+def test_a_nixl_pull_request_for_prompt_logprobs_is_handed_over_only_where_vllm_skips_the_decodes_lookup(
+        asks: dict[str, Any]) -> None:
+    # vLLM 0.24.0's decode loads the prefill's KV for it and answers prompt logprobs for the one token it
+    # computed (a real H100: 1 of 1,085; results/gpu-1x/h34), so there it goes to the decode alone; from 0.31.0 the
+    # scheduler zeroes the decode's count, which computes them all, and the hand-off's word frees the prefill
+    registry = _registry()
+    body = {"model": "m", "prompt": list(range(1, 400)), **asks}
+    routes = {}
+    for release in ("0.24.0", "0.28.0", "0.31.0", "0.32.0", ""):
+        router = Router(registry, RoundRobin(), lambda: "read", get_connector("nixl"), CONDITIONAL,
+                        vllm_version=release)
+        with router.route(RequestFacts("/v1/completions", body)) as route:
+            routes[release] = (route.name, route.reason)
+    alone, handed = ("decode-only", "handoff-impossible"), ("disaggregated", "policy")
+    assert routes == {"0.24.0": alone, "0.28.0": alone, "0.31.0": handed, "0.32.0": handed, "": handed}
+
+
 def test_what_a_moriio_decode_serves_alone_follows_the_engines_vllm_release() -> None:
     # (WRITE served, WRITE forced, READ forced), from each release's MoRIIO and scheduler code (run as vLLM's
     # real classes: tests/connector/test_moriio_vllm.py); unknown: the newest read; between two that disagree: no

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from appliance.connector.base import (
+    LOGPROBS_DROP_COUNT,
     Alone,
     Connector,
     Handoff,
@@ -24,6 +25,7 @@ from appliance.connector.base import (
     RdmaNeed,
     SimOptions,
     asks_prompt_logprobs,
+    in_release,
     one_token,
 )
 from appliance.connector.extras import ExtraConfigTable
@@ -225,6 +227,14 @@ class NixlPull(ProxySide):
     def handoff(self) -> Handoff:
         return NIXL_HANDOFF
 
+    def body_possible(self, body: Mapping[str, Any]) -> bool:
+        # Prompt logprobs: from vLLM 0.31.0 the scheduler zeroes the decode's count for such a request
+        # (base.LOGPROBS_DROP_COUNT): the decode computes the whole prompt itself, returns every prompt logprob,
+        # and its word still frees the prefill. vLLM 0.24.0 drops only the local prefix cache for it: the decode
+        # loads the prefill's KV and answers prompt logprobs for the one token it computed ([None] for a
+        # 1,086-token prompt on a real H100: results/gpu-1x/h34), so there it goes to the decode alone.
+        return not asks_prompt_logprobs(body) or in_release(LOGPROBS_DROP_COUNT, self.vllm_version)
+
     def length_possible(self, prompt_tokens: int, block_size: int) -> bool:
         # Every length hands over in vLLM 0.32, READ and WRITE alike. The decode asks for prompt_tokens -
         # num_computed_tokens (nixl/pull_scheduler.py and push_scheduler.py, get_num_new_matched_tokens), and
@@ -280,8 +290,10 @@ class NixlPush(NixlPull):
         # returns early at num_external_tokens 0; request_finished then parks an empty receive that
         # push_worker.start_load_kv only files: nothing reaches the prefill), so the prefill holds its KV for its
         # 30 s lease. Prompt logprobs (echo with logprobs, in completions) make vLLM's scheduler zero every
-        # decode's count (skip_reading_prefix_cache): such a request goes to the decode alone, which computes
-        # its prompt itself and returns the same logprobs (real CPU engines: tests/engine).
+        # decode's count from 0.31.0 (skip_reading_prefix_cache), and on 0.24.0 the decode that loads the pushed
+        # KV answers prompt logprobs for its computed token only (NixlPull.body_possible): in every release such
+        # a request goes to the decode alone, which computes its prompt itself and returns the same logprobs
+        # (real engines: tests/engine/test_vllm_nixl_release.py, CPU 0.32.0 and H100 0.24.0).
         return not asks_prompt_logprobs(body)
 
     def release(self, decode_body: dict[str, Any], path: str) -> tuple[str, dict[str, Any]] | None:
