@@ -103,9 +103,11 @@ async def everywhere(proxy: ProxyState) -> dict[str, Any]:
         return view
     others = await proxy.others.loads()
     view["workers"] = [{"worker": 0, "pid": view["pid"], "requests": view["requests"]["total"],
-                        "connections": proxy.client_connections(), "ready": view["ready"]},
+                        "connections": proxy.client_connections(), "ready": view["ready"],
+                        "healthy": view["healthy"]},
                        *({key: got[key] for key in ("worker", "pid", "connections", "ready")} | {"requests":
-                         got["requests"]["total"]} for got in sorted(others, key=lambda got: int(got["worker"])))]
+                         got["requests"]["total"], "healthy": got.get("healthy", {})}
+                         for got in sorted(others, key=lambda got: int(got["worker"])))]
     for inst in view["instances"]:
         for got in others:
             in_flight, routed = got["instances"].get(inst["name"], [0, 0])

@@ -122,12 +122,13 @@ async def apply(proxy: ProxyState, snap: dict[str, Any], previous: dict[str, Any
 
 def loads(proxy: ProxyState, index: int) -> dict[str, Any]:
     """This worker's loads and counters, which the leader adds to its own (drains, `pdctl status`)."""
-    metrics = proxy.metrics
+    metrics, ready = proxy.metrics, proxy.ready()
     return {
         "worker": index,
         "pid": os.getpid(),
         "connections": proxy.client_connections(),
-        "ready": proxy.ready()[0],
+        "ready": ready[0],
+        "healthy": ready[1],
         "instances": {i.name: [i.in_flight, i.routed] for i in proxy.registry.instances.values()},
         "requests": metrics.request_totals(),
         "held_requests": metrics.held_requests,
@@ -300,11 +301,12 @@ class Follower(WorkerSocket):
         async with self._applying:
             # each send is a connection of its own: a snapshot taken before the last one applied may arrive after
             # it (the periodic one and an admin call's), and would undo a drain or end a planned stop until the next
-            if self._last is None or snap["taken_ns"] > self._last["taken_ns"]:
+            newer = self._last is None or snap["taken_ns"] > self._last["taken_ns"]
+            if newer:
                 await apply(self.proxy, snap, self._last)
                 self._last = snap
         self.synced.set()
-        return web.json_response({"applied": True})
+        return web.json_response({"applied": newer})
 
     async def _loads(self, _request: web.Request) -> web.Response:
         return web.json_response(loads(self.proxy, self.role.index))

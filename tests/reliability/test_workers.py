@@ -1,6 +1,6 @@
 """Several proxy worker processes (issue 38, docs/proxy-workers.md): the real keeper with `workers = 2` in front of
 simulated engines, on real sockets. A test places a request on a chosen worker by opening connections until the
-kernel hands one to that worker (the admin state counts each worker's open connections)."""
+kernel hands one to that worker (found by its address among the worker process's sockets)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,7 @@ def workers_node(workdir: Path, engines: int = 1, workers: int = 2, **overrides:
             f"both-{i}", "both", "none", "--max-model-len", "256", "--decode-step-ms", "20")} for i in range(engines)]
         proc = node.proxy("none", backends, module="appliance.proxy.keeper", workers=workers, **overrides)
         node.wait_http(proc, node.proxy_url + "/health")
-        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True] * workers,
-                 f"{workers} workers ready")
+        all_in_rotation(node, workers)
         yield node
     finally:
         node.stop()
@@ -52,21 +51,36 @@ def state(node: Node) -> dict[str, Any]:
     return dict(json.loads(body))
 
 
-def connections(node: Node) -> list[int]:
-    """Each worker's open client connections."""
-    return [int(w["connections"]) for w in state(node)["workers"]]
+def all_in_rotation(node: Node, workers: int = 2) -> None:
+    """Wait until each worker has every engine of the node in its rotation: the node is ready once each role has
+    one, and a worker takes the others as the leader admits them (probed and warmed up) and shares it."""
+    want = {role: sum(b["role"] == role for b in node.config["backends"]) for role in ("prefill", "decode", "both")}
+    wait_for(lambda: [w["healthy"] for w in state(node).get("workers", [])] == [want] * workers,
+             f"every engine in rotation on {workers} workers")
+
+
+def accepted_by(node: Node, sock: socket.socket, timeout: float = 20.0) -> int:
+    """The worker whose process holds the other end of `sock` (once one has accepted it)."""
+    mine = sock.getsockname()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for worker in state(node)["workers"]:
+            with contextlib.suppress(psutil.Error):  # a worker replaced meanwhile
+                if any(c.raddr and tuple(c.raddr) == mine for c in psutil.Process(worker["pid"]).net_connections()):
+                    return int(worker["worker"])
+        time.sleep(0.02)
+    raise AssertionError(f"no worker accepted the connection from {mine} in {timeout:g} s")
 
 
 def connect_to(node: Node, worker: int) -> socket.socket:
-    """A client connection that worker `worker` accepted (the kernel spreads them by their ports' hash)."""
+    """A client connection that worker `worker` accepted (the kernel spreads them by their ports' hash). Each is
+    found by its own address among the workers' sockets: counting each worker's connections before and after took
+    a connection that an earlier client closed meanwhile, on the same worker, for none accepted."""
     tried: list[socket.socket] = []
     try:
         for _ in range(64):
-            before = connections(node)
             sock = socket.create_connection(("127.0.0.1", node.proxy_port), timeout=30)
-            wait_for(lambda b=before: sum(connections(node)) > sum(b), "the connection accepted")
-            after = connections(node)
-            if after[worker] > before[worker]:
+            if accepted_by(node, sock) == worker:
                 return sock
             tried.append(sock)  # kept open meanwhile, so the next try gets another port
         raise AssertionError(f"64 connections and none to worker {worker}")
@@ -395,7 +409,7 @@ def pd_node(workdir: Path, prefills: int = 1, decode_args: tuple[str, ...] = (),
             "decode-0", "decode", "nixl", "--max-model-len", "256", *decode_args)})
         proc = node.proxy("nixl", backends, module="appliance.proxy.keeper", workers=2, **overrides)
         node.wait_http(proc, node.proxy_url + "/health")
-        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True, True], "2 workers ready")
+        all_in_rotation(node)
         yield node
     finally:
         node.stop()
@@ -509,7 +523,7 @@ def test_a_stream_whose_engine_dies_on_a_follower_is_continued_on_the_other_engi
                         "--fault-crash-after-tokens", "5")}]
         proc = node.proxy("none", backends, module="appliance.proxy.keeper", workers=2)
         node.wait_http(proc, node.proxy_url + "/health")
-        wait_for(lambda: [w["ready"] for w in state(node).get("workers", [])] == [True, True], "2 workers ready")
+        all_in_rotation(node)  # both-1 too, on worker 1: else its stream goes to both-0, the one it has
         first = request_on(connect_to(node, 0), STREAM)
         wait_for(lambda: in_flight(node) == {"both-0": 1, "both-1": 0}, "worker 0's stream on both-0")
         second = answer(request_on(connect_to(node, 1), STREAM))
