@@ -522,7 +522,7 @@ print(json.dumps(out))
 """
 
 
-def _as_nobody(path: Path, *more: str) -> dict[str, str]:
+def as_nobody(path: Path, *more: str) -> dict[str, str]:
     done = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3",
                            "-c", NOBODY, str(path), *more], capture_output=True, text=True, timeout=60, check=True)
     return dict(json.loads(done.stdout))
@@ -564,10 +564,10 @@ def test_another_local_user_cannot_connect_to_plant_or_replace_an_engines_events
         try:
             engine.bind(f"ipc://{sockets[0]}")
             sockets[0].chmod(0o777)
-            assert _as_nobody(sockets[0], "replace") == {"connect": "EACCES", "plant": "EACCES", "replace": "EACCES"}
+            assert as_nobody(sockets[0], "replace") == {"connect": "EACCES", "plant": "EACCES", "replace": "EACCES"}
             assert sockets[0].exists() and not (folder / "decoy.sock").exists()
             folder.chmod(0o755)
-            assert _as_nobody(sockets[0]) == {"connect": "ok", "plant": "EACCES"}
+            assert as_nobody(sockets[0]) == {"connect": "ok", "plant": "EACCES"}
         finally:
             engine.close()
             ctx.term()
