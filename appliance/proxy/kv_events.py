@@ -349,7 +349,7 @@ class _Stream:
         """Bind the relay's socket (again): the other workers' SUB connects to it, by itself when it is new."""
         if self.relay_to is None or self.relay is not None:
             return
-        relay = self.ctx.socket(zmq.PUB, socket_class=zmq.Socket)
+        relay: zmq.Socket[bytes] = zmq.Socket(self.ctx, zmq.PUB)  # a plain socket: its sends never wait
         relay.setsockopt(zmq.LINGER, 0)
         relay.setsockopt(zmq.SNDHWM, QUEUED_MESSAGES)  # per worker, as each worker's own SUB queues
         try:
