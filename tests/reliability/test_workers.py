@@ -36,8 +36,8 @@ STREAM = {"model": MODEL, "prompt": "hello", "max_tokens": 100, "ignore_eos": Tr
 
 
 @contextlib.contextmanager
-def workers_node(workdir: Path, engines: int = 1, workers: int = 2, backend: Callable[[int], dict[str, Any]] = dict,
-                 **overrides: Any) -> Iterator[Node]:
+def workers_node(workdir: Path, engines: int = 1, workers: int = 2,
+                 backend: Callable[[int], dict[str, Any]] = lambda i: {}, **overrides: Any) -> Iterator[Node]:
     """`engines` role=both simulated engines (20 ms a token) behind the keeper running `workers` proxy workers
     (`backend(i)` on engine i's backend entry, `overrides` on the proxy's config)."""
     node = Node(workdir)
