@@ -561,8 +561,9 @@ class RankPublisher:
         self.seq += 1
 
 
-def worker_metric(node: Node, index: int, name: str) -> dict[str, float]:
-    """Worker `index`'s own /metrics samples of `name` by their instance (on its Unix socket in the peers' folder)."""
+def worker_metric(node: Node, index: int, name: str, **labels: str) -> dict[str, float]:
+    """Worker `index`'s own /metrics samples of `name` (of those `labels`) by their instance, summed (on its Unix
+    socket in the peers' folder)."""
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(str(next(peers_folder(node).glob(f"g*-w{index}-*.sock"))))
@@ -574,7 +575,7 @@ def worker_metric(node: Node, index: int, name: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name:
+            if sample.name == name and labels.items() <= sample.labels.items():
                 out[sample.labels["instance"]] = out.get(sample.labels["instance"], 0.0) + sample.value
     return out
 
@@ -612,6 +613,9 @@ def test_kv_events_of_dp_ranks_reach_the_follower_through_the_leader_and_its_rep
             pubs[(engine, rank)].store(prompt[:48], hashes)
             return worker_metric(node, 1, "pdctl_proxy_kv_events_total").get(name, 0.0) > before
         wait_for(received, f"worker 1 receiving {name} rank {rank}'s events through the leader")
+        # its match counts once every rank's stream is live there (the other rank's relay too)
+        wait_for(lambda: worker_metric(node, 1, "pdctl_proxy_prefix_source", source="events").get(name) == 1,
+                 f"worker 1 reading every rank of {name} through the leader")
 
     try:
         with workers_node(tmp_path, engines=2, routing="prefix_affinity", block_size=16,
