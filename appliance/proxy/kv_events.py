@@ -264,6 +264,7 @@ class _Stream:
         self.inst, self.rank, self.endpoint = inst, rank, endpoint
         self.ctx, self.relay_to = ctx, relay_to
         self.relay: zmq.Socket[bytes] | None = None  # bound while a publisher is connected
+        self.relay_file: tuple[int, int] | None = None  # the socket file it bound
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -359,14 +360,19 @@ class _Stream:
             log.warning("KV events of %s rank %d: cannot relay them to the other workers on %s (%s): their prefix "
                         "matches stay estimated", self.inst.name, self.rank, self.relay_to, exc)
             return
-        self.relay = relay
+        self.relay, self.relay_file = relay, socket_file(self.relay_to)
 
     def _close_relay(self) -> None:
-        """Close the relay (libzmq removes its socket file): the other workers' SUB sees its publisher leave, as
-        this one saw the engine's."""
-        if self.relay is not None:
-            self.relay.close(linger=0)
-            self.relay = None
+        """Close the relay: the other workers' SUB sees its publisher leave, as this one saw the engine's. Its
+        socket file is removed too (libzmq 4.3 leaves it), while it is still the one this stream bound."""
+        if self.relay is None:
+            return
+        self.relay.close(linger=0)
+        self.relay = None
+        if self.relay_to is not None and self.relay_file is not None and socket_file(self.relay_to) == self.relay_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.relay_to.removeprefix("ipc://"))
+        self.relay_file = None
 
     async def _watch(self, sink: BlockSink, left: Callable[[str], None]) -> None:
         while True:

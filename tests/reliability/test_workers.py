@@ -590,7 +590,8 @@ def test_kv_events_of_dp_ranks_reach_the_follower_through_the_leader_and_its_rep
     """Two DP-2 engines whose ranks publish their KV events to the ports the proxy binds, which one process can:
     worker 0, the leader. It relays them to worker 1, so a token-id prompt that both-1's rank 1 reports stored goes
     to both-1 through worker 1 and is expected cached there (its 3 whole blocks); the leader SIGKILLed and
-    replaced binds the ports and its relay anew, and worker 1 then takes a prompt both-0's rank 0 reports. Before,
+    replaced binds the ports and its relay anew, and worker 1 then takes a prompt both-0's rank 0 reports; so does
+    the next generation's after a planned restart (SIGHUP), on its own relay sockets. Before,
     worker 1 read no event of a DP > 1 engine: it routed by its estimate, nothing expected cached. The relay's
     socket file is in the workers' folder, 0700 and the keeper's user's, as their Unix sockets are."""
     ports = free_ports(4)
@@ -645,6 +646,22 @@ def test_kv_events_of_dp_ranks_reach_the_follower_through_the_leader_and_its_rep
             second = list(range(3000, 3053))
             reported(0, 0, second, [21, 22, 23])
             assert routed_through_follower(second) == {"both-1": 48.0, "both-0": 48.0}
+            # a planned restart: the next generation's leader binds the ports once the old one has let them go,
+            # and relays them on its generation's sockets; the old leader's are gone with it
+            keeper = next(p for p in node.procs if p.name == "proxy")
+            old = {w["pid"] for w in state(node)["workers"]}
+            keeper.popen.send_signal(signal.SIGHUP)
+            wait_for(lambda: not old & {w["pid"] for w in state(node)["workers"]}, "the new workers answering",
+                     timeout=60)
+            wait_for(lambda: not any(psutil.pid_exists(pid) for pid in old), "the old workers exiting", timeout=60)
+            for pub in pubs.values():
+                pub.subscribed()
+            wait_for(lambda: worker_metric(node, 1, "pdctl_proxy_instance_healthy") == {"both-0": 1, "both-1": 1},
+                     "the new leader's probes shared with worker 1", timeout=60)
+            third = list(range(5000, 5053))
+            reported(1, 0, third, [31, 32, 33])
+            assert routed_through_follower(third) == {"both-1": 48.0}  # the new worker 1's own counters
+            assert len(list(folder.glob("g1-kv-*.sock"))) == 4 and not list(folder.glob("g0-kv-*.sock"))
             no_traceback(node)
     finally:
         for pub in pubs.values():
