@@ -14,6 +14,10 @@ As built (appliance/proxy/columns.py, workers.py), each against what one process
   records   a prompt of 64 blocks recorded on an instance (hashed: a new request each time): sent to the other
             workers (Broadcast.send), and read and applied by each (PrefixAffinity.recorded), the node's CPU in
             all, against recorded in one process
+  relay     a DP > 1 rank's KV event batch (64 blocks of 16 tokens; one of 1,024 blocks) relayed by the leader to the
+            other workers (kv_events._Stream._forward: a send on its ipc:// PUB), each draining its SUB in a process
+            of its own; against reading it alone, which every worker does besides (recv, parse and apply as one
+            process did)
 
     .venv/bin/python benchmarks/worker_state_cost.py --workers 4 --instances 16
 """
@@ -31,9 +35,11 @@ from multiprocessing import Process, shared_memory
 from pathlib import Path
 
 import msgpack
+import zmq
 
 from appliance.proxy.columns import Columns, Queues, SharedBacklog, SharedWindow
 from appliance.proxy.instances import BackendState, InstanceRegistry
+from appliance.proxy.kv_events import QUEUED_MESSAGES
 from appliance.proxy.policies.base import RequestFacts
 from appliance.proxy.policies.conditional import PrefillBacklog, PrefillWindow
 from appliance.proxy.policies.prefix_affinity import PrefixAffinity
@@ -199,6 +205,87 @@ def records(peers: Path, workers: int) -> tuple[float, float, float]:
     return alone, per_call_us(shared, ROUNDS // 4), applied
 
 
+def _drain(endpoint: str, received: shared_memory.SharedMemory) -> None:
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, QUEUED_MESSAGES)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    count = 0
+    while sub.recv_multipart()[0] != b"end":
+        count += 1
+    assert received.buf is not None
+    received.buf[:8] = count.to_bytes(8, "little")
+    sub.close(linger=0)
+    ctx.term()
+
+
+def _batch(blocks: int) -> list[bytes]:
+    event = {"type": "BlockStored", "block_hashes": list(range(blocks)), "parent_block_hash": None,
+             "token_ids": list(range(blocks * 16)), "block_size": 16, "lora_id": None, "medium": "GPU"}
+    return [b"", (0).to_bytes(8, "big"), msgpack.packb([time.time(), [event], 0])]
+
+
+def relay(peers: Path, workers: int, blocks: int) -> tuple[float, int, float]:
+    """The leader's CPU (us, its ZMQ I/O thread's included) to relay one batch of `blocks` blocks to `workers - 1`
+    workers, the batch's size in bytes, and the share of the batches every worker received (a PUB drops past its
+    high-water mark)."""
+    endpoint = f"ipc://{peers}/relay.sock"
+    counts = [shared_memory.SharedMemory(create=True, size=8) for _ in range(workers - 1)]
+    drains = [Process(target=_drain, args=(endpoint, count)) for count in counts]
+    for drain in drains:  # forked before this process has a ZMQ context; they connect once the PUB is bound
+        drain.start()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)  # an XPUB to see the subscriptions arrive; sends as a PUB does
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every worker's subscription, not the first alone
+    pub.setsockopt(zmq.SNDHWM, QUEUED_MESSAGES)
+    pub.bind(endpoint)
+    for _ in drains:
+        pub.recv()  # a subscription
+    frames = _batch(blocks)
+    rounds = ROUNDS // 10
+
+    def cpu(send: bool) -> float:
+        # this process's CPU (ZMQ's I/O thread's too) over a batch every 2 ms: an engine's steps, not a flood,
+        # so the workers keep up
+        started = time.process_time()
+        for _ in range(rounds):
+            if send:
+                pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            time.sleep(0.002)
+        return time.process_time() - started
+    us = (cpu(True) - cpu(False)) / rounds * 1e6
+    while any(drain.is_alive() for drain in drains):  # the PUB drops an "end" a full queue has no room for
+        pub.send_multipart([b"end"], zmq.NOBLOCK)
+        for drain in drains:
+            drain.join(0.05)
+    got = [int.from_bytes(bytes(count.buf[:8]), "little") for count in counts if count.buf is not None]
+    for count in counts:
+        count.close()
+        count.unlink()
+    pub.close(linger=0)
+    ctx.term()
+    return us, len(frames[2]), min(got) / rounds
+
+
+def read_alone(blocks: int) -> float:
+    """us to parse and apply one batch of `blocks` blocks to a rank's index, as every worker does."""
+    from appliance.proxy.kv_events import parse
+
+    inst = BackendState("both-0", "both", "http://127.0.0.1:1", connect_timeout=1.0, kv_events_endpoints=["x"])
+    policy = PrefixAffinity()
+    sink = policy.event_blocks(inst, 0)
+    frames = _batch(blocks)
+    seq = iter(range(1 << 40))
+
+    def one() -> None:
+        _, events = parse(frames)
+        for _ in sink.apply_steps(next(seq), events, 1 << 30):
+            pass
+    return per_call_us(one, ROUNDS // 40)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=4)
@@ -221,6 +308,11 @@ def main() -> None:
         alone, shared, applied = records(peers, args.workers)
         print(f"records   {alone:7.1f} / {shared:7.1f} (a 64-block prompt recorded; and sent to {args.workers - 1} "
               f"peers, each taking it: the node's total), of which {applied:.1f} to apply in each peer")
+        for blocks in (64, 1024):
+            sent, size, share = relay(peers, args.workers, blocks)
+            print(f"relay     {read_alone(blocks):7.1f} / {sent:7.1f} (a KV event batch of {blocks} blocks, "
+                  f"{size} bytes: parsed and applied by each worker / relayed by the leader to {args.workers - 1} "
+                  f"peers, {share:.0%} of them received by each)")
     print(f"load {os.getloadavg()[0]:.1f}")
 
 

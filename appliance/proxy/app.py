@@ -19,6 +19,7 @@ from appliance.proxy.body import INLINE_BYTES, BodyReader, BodyRules
 from appliance.proxy.columns import Columns, Queues
 from appliance.proxy.config import ProxyConfig
 from appliance.proxy.guard import bearer_matches, capped, fit_to_descriptors
+from appliance.proxy.kv_events import relay_endpoint
 from appliance.proxy.kvstore import KvStoreSweeper
 from appliance.proxy.legs import OUTCOME, ROUTE, STAGE, LegFailure, error_response, handle_completion
 from appliance.proxy.metrics import CONTENT_TYPE
@@ -103,8 +104,10 @@ class Proxy(ProxyState):
             if isinstance(self.router.policy, PrefixAffinity):
                 self.broadcast = Broadcast(self.router.policy, self.registry, role,
                                            lambda result: self.metrics.prefix_records.labels(result).inc())
-            if self.kv_events is not None and not role.leader:
-                self.kv_events.connects_only = True  # the engines' tcp endpoints (DP > 1) are the leader's to bind
+            if self.kv_events is not None:
+                # the engines' tcp endpoints (DP > 1) are the leader's to bind: it relays them to the others
+                self.kv_events.relay = lambda name, rank: relay_endpoint(role.peers, role.generation, name, rank)
+                self.kv_events.follows = not role.leader
         self.stopping = False
         self._registration_bind: asyncio.Task[None] | None = None
         self.listener: ProxyListener | None = None

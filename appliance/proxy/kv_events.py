@@ -12,18 +12,25 @@ by "type" (BlockStored, BlockRemoved, AllBlocksCleared).
 
 Anything else that arrives (any local process may connect to a tcp port and send) is dropped and counted, never
 raised: parse() is pure and says why a message is bad, the listener is the thin shell around the sockets.
+
+With several proxy workers (docs/proxy-workers.md) one of them binds a tcp port: the leader. It relays each message
+it reads there, frames as they are, on an ipc:// PUB of its own in the workers' private folder (relay_endpoint),
+bound while the rank's publisher is connected to it; the other workers' SUB connects there instead, and reads,
+budgets, counts and applies what comes as if from the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import time
 from collections.abc import Callable, Generator, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgpack
@@ -238,13 +245,26 @@ def bound_again(connected_to: tuple[int, int] | None, now: tuple[int, int] | Non
     return connected_to is not None and now is not None and now != connected_to
 
 
+def relay_endpoint(folder: Path, generation: int, instance: str, rank: int) -> str:
+    """Where the leader of a generation of workers relays the events of `instance`'s DP rank `rank` that it reads on
+    a tcp:// port, and where the other workers read them: an ipc:// socket file in the workers' folder (the keeper's,
+    0700), named by the generation and a hash of the instance's name and rank, so that any name gives a short path
+    (a Unix socket's holds 107 bytes) of no odd characters that every worker derives alike."""
+    digest = hashlib.blake2b(f"{instance}\0{rank}".encode("utf-8", "surrogatepass"), digest_size=5).hexdigest()
+    return f"ipc://{folder}/g{generation}-kv-{digest}.sock"
+
+
 class _Stream:
     """One SUB socket (an instance's DP rank), its reader and its connection monitor: connected to the engine's
-    ipc:// socket file, or bound on the tcp:// port the engine connects to."""
+    ipc:// socket file (or to the leader's relay of a tcp one), or bound on the tcp:// port the engine connects to;
+    `relay_to`: where a bound one relays what it reads to the other workers (None: no other worker)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, inst: BackendState, rank: int, endpoint: str, sink: BlockSink,
-                 listener: KvEventsListener) -> None:
+                 listener: KvEventsListener, relay_to: str | None = None) -> None:
         self.inst, self.rank, self.endpoint = inst, rank, endpoint
+        self.ctx, self.relay_to = ctx, relay_to
+        self.relay: zmq.Socket[bytes] | None = None  # bound while a publisher is connected
+        self.relay_file: tuple[int, int] | None = None  # the socket file it bound
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -285,6 +305,8 @@ class _Stream:
         budget = Budget()
         while True:
             frames = await self.sock.recv_multipart()
+            if self.relay is not None:
+                self._forward(frames)
             now = loop.time()
             size = sum(len(f) for f in frames)
             if not budget.arrived(now, size):
@@ -313,6 +335,45 @@ class _Stream:
                 log.debug("KV events of %s rank %d: batch %d (%s): %s", name, self.rank, seq, summary(events), result)
             count(name, result)
 
+    def _forward(self, frames: list[bytes]) -> None:
+        """Relay one message to the other workers, as it came (garbled or over a budget too: each judges it as this
+        one does). A PUB never blocks: past its high-water mark it drops the message for that worker, which then
+        counts a gap, as it would for a message its engine's PUB dropped."""
+        assert self.relay is not None
+        try:
+            self.relay.send_multipart(frames, zmq.NOBLOCK, copy=False)  # the frames' bytes, not a copy (pyzmq
+            # copies those under its copy_threshold of 64 KiB, cheaper than referencing them)
+        except zmq.ZMQError as exc:
+            log.debug("KV events of %s rank %d: not relayed: %s", self.inst.name, self.rank, exc)
+
+    def _open_relay(self) -> None:
+        """Bind the relay's socket (again): the other workers' SUB connects to it, by itself when it is new."""
+        if self.relay_to is None or self.relay is not None:
+            return
+        relay: zmq.Socket[bytes] = zmq.Socket(self.ctx, zmq.PUB)  # a plain socket: its sends never wait
+        relay.setsockopt(zmq.LINGER, 0)
+        relay.setsockopt(zmq.SNDHWM, QUEUED_MESSAGES)  # per worker, as each worker's own SUB queues
+        try:
+            relay.bind(self.relay_to)  # libzmq removes a socket file a killed leader left there first
+        except zmq.ZMQError as exc:
+            relay.close(linger=0)
+            log.warning("KV events of %s rank %d: cannot relay them to the other workers on %s (%s): their prefix "
+                        "matches stay estimated", self.inst.name, self.rank, self.relay_to, exc)
+            return
+        self.relay, self.relay_file = relay, socket_file(self.relay_to)
+
+    def _close_relay(self) -> None:
+        """Close the relay: the other workers' SUB sees its publisher leave, as this one saw the engine's. Its
+        socket file is removed too (libzmq 4.3 leaves it), while it is still the one this stream bound."""
+        if self.relay is None:
+            return
+        self.relay.close(linger=0)
+        self.relay = None
+        if self.relay_to is not None and self.relay_file is not None and socket_file(self.relay_to) == self.relay_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.relay_to.removeprefix("ipc://"))
+        self.relay_file = None
+
     async def _watch(self, sink: BlockSink, left: Callable[[str], None]) -> None:
         while True:
             event = parse_monitor_message(await self.monitor.recv_multipart())["event"]
@@ -320,6 +381,7 @@ class _Stream:
                 self.peers += 1
                 if self.connects:  # the file bound at the path now is the one ZMQ just connected to
                     self.connected_to = socket_file(self.endpoint)
+                self._open_relay()
                 sink.connected()
             elif event == zmq.EVENT_DISCONNECTED:
                 self.peers = max(0, self.peers - 1)
@@ -327,10 +389,12 @@ class _Stream:
                     log.info("KV events of %s rank %d: its publisher left; its index is dropped", self.inst.name,
                              self.rank)
                     self.connected_to = None
+                    self._close_relay()
                     sink.disconnected()
                     left(self.inst.name)
 
     def close(self) -> None:
+        self._close_relay()
         for task in self.tasks:
             task.cancel()
         with contextlib.suppress(zmq.ZMQError):
@@ -346,9 +410,12 @@ class KvEventsListener:
     def __init__(self, instances: Callable[[], Iterable[BackendState]],
                  sink_for: Callable[[BackendState, int], BlockSink]) -> None:
         self._instances = instances
-        # only the endpoints an engine binds (ipc://, DP 1), which every worker process may connect to; a tcp://
-        # one (DP > 1) is bound by the proxy, so by one worker of several: the leader
-        self.connects_only = False
+        # with several workers: where the events of a rank that publishes to a tcp:// port (DP > 1: the proxy
+        # binds it, so one worker of several, the leader) are relayed to the others, by instance name and rank
+        # (relay_endpoint); None: one process, nothing relayed
+        self.relay: Callable[[str, int], str] | None = None
+        # a worker other than the leader: reads those ranks from the leader's relay instead of binding the port
+        self.follows = False
         self._sink_for = sink_for
         self._ctx = zmq.asyncio.Context()
         self._streams: dict[tuple[str, int], _Stream] = {}
@@ -375,9 +442,14 @@ class KvEventsListener:
 
     def reconcile(self) -> None:
         """Open the endpoints of instances that have none open yet, close those of instances gone or replaced."""
-        wanted = {(inst.name, rank): (inst, endpoint) for inst in self._instances()
-                  for rank, endpoint in enumerate(inst.kv_events_endpoints)
-                  if not self.connects_only or endpoint.startswith("ipc://")}
+        wanted: dict[tuple[str, int], tuple[BackendState, str]] = {}
+        for inst in self._instances():
+            for rank, endpoint in enumerate(inst.kv_events_endpoints):
+                if self.follows and not endpoint.startswith("ipc://"):
+                    if self.relay is None:
+                        continue
+                    endpoint = self.relay(inst.name, rank)  # the leader binds the port and relays it here
+                wanted[(inst.name, rank)] = (inst, endpoint)
         for key, stream in list(self._streams.items()):
             if key not in wanted or wanted[key] != (stream.inst, stream.endpoint):
                 stream.close()
@@ -394,8 +466,11 @@ class KvEventsListener:
         for key, (inst, endpoint) in wanted.items():
             if key in self._streams:
                 continue
+            relay_to = self.relay(inst.name, key[1]) \
+                if self.relay is not None and not self.follows and not endpoint.startswith("ipc://") else None
             try:
-                self._streams[key] = _Stream(self._ctx, inst, key[1], endpoint, self._sink_for(inst, key[1]), self)
+                self._streams[key] = _Stream(self._ctx, inst, key[1], endpoint, self._sink_for(inst, key[1]), self,
+                                             relay_to)
             except zmq.ZMQError as exc:
                 # the proxy this one takes over from releases a port in a moment; longer, something else holds it
                 since = self._unbound.setdefault(endpoint, time.monotonic())

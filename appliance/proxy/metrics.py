@@ -52,7 +52,8 @@ class _LiveCollector(Collector):
                                      "(applied; gap: some were lost, its index started over; garbled; block-size, "
                                      "unparented, unmatchable: of no use to prefix matching; over-rate: dropped, the stream sent "
                                      "more than kv_events.MAX_BATCHES_PER_S / MAX_BYTES_PER_S in a second; "
-                                     "over-budget: dropped, more than MAX_BLOCKS_PER_S blocks)",
+                                     "over-budget: dropped, more than MAX_BLOCKS_PER_S blocks); each proxy worker "
+                                     "counts the messages it receives",
                                      labels=["instance", "result"])
         for (name, result), n in list(m.kv_events().items()):
             events.add_metric([name, result], n)

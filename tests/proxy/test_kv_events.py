@@ -522,7 +522,7 @@ print(json.dumps(out))
 """
 
 
-def _as_nobody(path: Path, *more: str) -> dict[str, str]:
+def as_nobody(path: Path, *more: str) -> dict[str, str]:
     done = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3",
                            "-c", NOBODY, str(path), *more], capture_output=True, text=True, timeout=60, check=True)
     return dict(json.loads(done.stdout))
@@ -564,10 +564,10 @@ def test_another_local_user_cannot_connect_to_plant_or_replace_an_engines_events
         try:
             engine.bind(f"ipc://{sockets[0]}")
             sockets[0].chmod(0o777)
-            assert _as_nobody(sockets[0], "replace") == {"connect": "EACCES", "plant": "EACCES", "replace": "EACCES"}
+            assert as_nobody(sockets[0], "replace") == {"connect": "EACCES", "plant": "EACCES", "replace": "EACCES"}
             assert sockets[0].exists() and not (folder / "decoy.sock").exists()
             folder.chmod(0o755)
-            assert _as_nobody(sockets[0]) == {"connect": "ok", "plant": "EACCES"}
+            assert as_nobody(sockets[0]) == {"connect": "ok", "plant": "EACCES"}
         finally:
             engine.close()
             ctx.term()
@@ -657,3 +657,18 @@ def test_valid_batches_of_many_blocks_are_bounded_by_a_budget_and_applied_in_sli
             await eventually(lambda: px.kv_events.counts.get(("both-0", "gap"), 0)
                              + px.kv_events.counts.get(("both-0", "applied"), 0) >= 1, what="the batch after")
     asyncio.run(scenario())
+
+
+def test_a_relay_endpoint_is_short_and_one_per_instance_rank_whatever_the_instance_name() -> None:
+    """Where the leader of several workers relays a DP > 1 rank's events (docs/proxy-workers.md): a socket file in
+    the workers' folder that every worker derives alike, of one length for any instance name (a long one, one of
+    odd characters), a distinct one per instance, rank and generation."""
+    folder = Path("/run/pd-proxy/pd-proxy-abcdefgh")
+    names = ["decode-0", "decode-1", "x" * 200, "a/../b c\n", "ä\udcff"]
+    endpoints = {(name, rank, generation): kv_events.relay_endpoint(folder, generation, name, rank)
+                 for name in names for rank in range(8) for generation in (0, 1)}
+    assert len(set(endpoints.values())) == len(endpoints)
+    for (_, _, generation), endpoint in endpoints.items():
+        path = Path(endpoint.removeprefix("ipc://"))
+        assert path.parent == folder and len(path.name) == len(f"g{generation}-kv-0123456789.sock"), endpoint
+    assert kv_events.relay_endpoint(folder, 0, "decode-0", 3) == endpoints[("decode-0", 3, 0)]

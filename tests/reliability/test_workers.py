@@ -8,18 +8,25 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import psutil
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.ports import free_ports
 from benchmarks import crash_bench
+from tests.proxy.test_kv_events import as_nobody
 from tests.rebalance.load import Load
 from tests.reliability.node import MODEL, Node
 from tests.reliability.test_attacks import http, no_traceback
@@ -29,13 +36,15 @@ STREAM = {"model": MODEL, "prompt": "hello", "max_tokens": 100, "ignore_eos": Tr
 
 
 @contextlib.contextmanager
-def workers_node(workdir: Path, engines: int = 1, workers: int = 2, **overrides: Any) -> Iterator[Node]:
+def workers_node(workdir: Path, engines: int = 1, workers: int = 2,
+                 backend: Callable[[int], dict[str, Any]] = lambda i: {}, **overrides: Any) -> Iterator[Node]:
     """`engines` role=both simulated engines (20 ms a token) behind the keeper running `workers` proxy workers
-    (`overrides` on the proxy's config)."""
+    (`backend(i)` on engine i's backend entry, `overrides` on the proxy's config)."""
     node = Node(workdir)
     try:
         backends = [{"name": f"both-{i}", "role": "both", "url": node.engine(
-            f"both-{i}", "both", "none", "--max-model-len", "256", "--decode-step-ms", "20")} for i in range(engines)]
+            f"both-{i}", "both", "none", "--max-model-len", "256", "--decode-step-ms", "20"), **backend(i)}
+                    for i in range(engines)]
         proc = node.proxy("none", backends, module="appliance.proxy.keeper", workers=workers, **overrides)
         node.wait_http(proc, node.proxy_url + "/health")
         all_in_rotation(node, workers)
@@ -537,3 +546,138 @@ def test_a_stream_whose_engine_dies_on_a_follower_is_continued_on_the_other_engi
         assert {dict(k)["outcome"]: v for k, v in continued.items() if v} == {"continued": 1}, continued
     finally:
         node.stop()
+
+
+class RankPublisher:
+    """A DP rank's KV events publisher as vLLM's is with DP > 1: a PUB connected to the port the proxy binds (an XPUB
+    here, so that the test sees the proxy's subscription: a PUB drops what it sends before it), batches numbered
+    from 0 (tests/proxy/test_kv_events.py: the wire format)."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> None:
+        self.sock = ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 30_000)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.seq = 0
+
+    def subscribed(self) -> None:
+        """Wait for the proxy's (the leader's) subscription, past the unsubscription of a leader that died."""
+        while (message := self.sock.recv()) == b"\x00":
+            pass
+        assert message == b"\x01"
+
+    def store(self, tokens: list[int], hashes: list[int]) -> None:
+        """One BlockStored batch of blocks of 16 tokens, the first of a prompt."""
+        event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens,
+                 "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+        self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), msgpack.packb([time.time(), [event], 0])])
+        self.seq += 1
+
+
+def worker_metric(node: Node, index: int, name: str, **labels: str) -> dict[str, float]:
+    """Worker `index`'s own /metrics samples of `name` (of those `labels`) by their instance, summed (on its Unix
+    socket in the peers' folder)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(str(next(peers_folder(node).glob(f"g*-w{index}-*.sock"))))
+        sock.sendall(b"GET /worker/metrics HTTP/1.0\r\nHost: worker\r\n\r\n")
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    text = b"".join(chunks).split(b"\r\n\r\n", 1)[1].decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                out[sample.labels["instance"]] = out.get(sample.labels["instance"], 0.0) + sample.value
+    return out
+
+
+def peers_folder(node: Node) -> Path:
+    """The keeper's folder of its workers' sockets (each worker's --peers)."""
+    argv = psutil.Process(int(state(node)["workers"][1]["pid"])).cmdline()
+    return Path(argv[argv.index("--peers") + 1])
+
+
+def test_kv_events_of_dp_ranks_reach_the_follower_through_the_leader_and_its_replacement(tmp_path: Path) -> None:
+    """Two DP-2 engines whose ranks publish their KV events to the ports the proxy binds, which one process can:
+    worker 0, the leader. It relays them to worker 1, so a token-id prompt that both-1's rank 1 reports stored goes
+    to both-1 through worker 1 and is expected cached there (its 3 whole blocks); the leader SIGKILLed and
+    replaced binds the ports and its relay anew, and worker 1 then takes a prompt both-0's rank 0 reports; so does
+    the next generation's after a planned restart (SIGHUP), on its own relay sockets. Before,
+    worker 1 read no event of a DP > 1 engine: it routed by its estimate, nothing expected cached. The relay's
+    socket file is in the workers' folder, 0700 and the keeper's user's, as their Unix sockets are."""
+    ports = free_ports(4)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pubs = {(i, rank): RankPublisher(ctx, ports[2 * i + rank]) for i in range(2) for rank in range(2)}
+
+    def routed_through_follower(prompt: list[int]) -> dict[str, float]:
+        raw = answer(request_on(connect_to(node, 1), {"model": MODEL, "prompt": prompt, "max_tokens": 2}))
+        assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+        return worker_metric(node, 1, "pdctl_proxy_prefix_hit_tokens_total")
+
+    def reported(engine: int, rank: int, prompt: list[int], hashes: list[int]) -> None:
+        # the relay, as any PUB, drops what it publishes before worker 1's subscription reaches it, which the test
+        # cannot see (it is the leader's socket): the rank publishes its blocks again (the same blocks: the index
+        # takes them once) until worker 1 has received one of its batches
+        name = f"both-{engine}"
+        before = worker_metric(node, 1, "pdctl_proxy_kv_events_total").get(name, 0.0)
+
+        def received() -> bool:
+            pubs[(engine, rank)].store(prompt[:48], hashes)
+            return worker_metric(node, 1, "pdctl_proxy_kv_events_total").get(name, 0.0) > before
+        wait_for(received, f"worker 1 receiving {name} rank {rank}'s events through the leader")
+        # its match counts once every rank's stream is live there (the other rank's relay too)
+        wait_for(lambda: worker_metric(node, 1, "pdctl_proxy_prefix_source", source="events").get(name) == 1,
+                 f"worker 1 reading every rank of {name} through the leader")
+
+    try:
+        with workers_node(tmp_path, engines=2, routing="prefix_affinity", block_size=16,
+                          backend=lambda i: {"dp_size": 2, "kv_events_ports": ports[2 * i:2 * i + 2]}) as node:
+            for pub in pubs.values():
+                pub.subscribed()
+            first = list(range(1000, 1053))  # 3 blocks of 16 and 5 tokens
+            reported(1, 1, first, [11, 12, 13])
+            assert routed_through_follower(first) == {"both-1": 48.0}
+            folder = peers_folder(node)
+            relays = lambda: sorted(folder.glob("g0-kv-*.sock"))  # noqa: E731
+            wait_for(lambda: len(relays()) == 4, "a relay per instance's rank")
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.geteuid()
+            if os.geteuid() == 0 and shutil.which("setpriv") and os.path.exists("/usr/bin/python3"):
+                # another local user can neither read the relayed events nor put its own socket in their place
+                assert as_nobody(relays()[0], "replace") == {"connect": "EACCES", "plant": "EACCES",
+                                                             "replace": "EACCES"}
+            leader = int(state(node)["pid"])
+            os.kill(leader, signal.SIGKILL)
+            wait_for(lambda: int(state(node)["pid"]) != leader, "a new leader answering", timeout=60)
+            # a new leader shares its instances' health before its first probes (unhealthy: the follower then routes
+            # around them, whatever their events say); not what this test is about, so it waits for the probes
+            wait_for(lambda: worker_metric(node, 1, "pdctl_proxy_instance_healthy") == {"both-0": 1, "both-1": 1},
+                     "the new leader's probes shared with worker 1", timeout=60)
+            for pub in pubs.values():
+                pub.subscribed()  # the new leader bound the ports
+            second = list(range(3000, 3053))
+            reported(0, 0, second, [21, 22, 23])
+            assert routed_through_follower(second) == {"both-1": 48.0, "both-0": 48.0}
+            # a planned restart: the next generation's leader binds the ports once the old one has let them go,
+            # and relays them on its generation's sockets; the old leader's are gone with it
+            keeper = next(p for p in node.procs if p.name == "proxy")
+            old = {w["pid"] for w in state(node)["workers"]}
+            keeper.popen.send_signal(signal.SIGHUP)
+            wait_for(lambda: not old & {w["pid"] for w in state(node)["workers"]}, "the new workers answering",
+                     timeout=60)
+            wait_for(lambda: not any(psutil.pid_exists(pid) for pid in old), "the old workers exiting", timeout=60)
+            for pub in pubs.values():
+                pub.subscribed()
+            wait_for(lambda: worker_metric(node, 1, "pdctl_proxy_instance_healthy") == {"both-0": 1, "both-1": 1},
+                     "the new leader's probes shared with worker 1", timeout=60)
+            third = list(range(5000, 5053))
+            reported(1, 0, third, [31, 32, 33])
+            assert routed_through_follower(third) == {"both-1": 48.0}  # the new worker 1's own counters
+            assert len(list(folder.glob("g1-kv-*.sock"))) == 4 and not list(folder.glob("g0-kv-*.sock"))
+            no_traceback(node)
+    finally:
+        for pub in pubs.values():
+            pub.sock.close(linger=0)
+        ctx.term()
