@@ -28,6 +28,9 @@ _PR_SET_PDEATHSIG = 1
 # a successor serves once its engines answer /health, or after this long (the instances only registered
 # instances bring may need the registration socket, which the old proxy releases when it stops)
 _TAKEOVER_WAIT_S = 10.0
+# a dead leader's health verdicts (in the state it kept) that a new leader starts with, until its own probes: only
+# when it wrote them this recently (every SYNC_INTERVAL_S while it served; a crash's replacement starts within ~2 s)
+KEPT_HEALTH_S = 10.0
 
 
 def scheduled(policy: str) -> None:
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         proxy = Proxy(config, listeners, role)
         proxy.metrics.set_proxy_crashes(args.crashes)
         if carried is not None:  # before the leader shares its state, so every worker starts with this one
-            await apply(proxy, carried, None)
+            await apply(proxy, carried, None, kept=True)
         # a worker other than the leader serves once it has the leader's state and its engines answer, as a
         # successor does: the connections the kernel queues on its socket meanwhile wait instead of getting 503
         takes_over = args.successor or (role is not None and not role.leader)
@@ -222,7 +225,8 @@ def _write_state(proxy: ProxyState, fd: int) -> None:
 
 def _kept_state(fd: int) -> dict[str, Any] | None:
     """The control state the previous leader kept in the keeper's file, its holds and planned stops shortened by
-    the time since; None when there is none (or a crash cut its write short)."""
+    the time since, its health verdicts left out when older than KEPT_HEALTH_S; None when there is none (or a crash
+    cut its write short)."""
     raw = os.pread(fd, os.fstat(fd).st_size, 0)
     if not raw:
         return None
@@ -231,6 +235,8 @@ def _kept_state(fd: int) -> dict[str, Any] | None:
         state, elapsed = kept["state"], max(time.time() - float(kept["at"]), 0.0)
         for timed in (state["hold"], *state["planned"].values()):
             timed["left_s"] = max(float(timed["left_s"]) - elapsed, 0.0)
+        if elapsed > KEPT_HEALTH_S:  # verdicts that old are no guide: this leader's probes start from none
+            state.pop("health", None)
     except (ValueError, KeyError, TypeError, AttributeError):
         logging.getLogger("appliance.proxy").warning("the control state the previous proxy kept is unreadable: "
                                                      "starting with the config's")

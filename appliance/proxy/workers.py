@@ -91,9 +91,13 @@ def health(proxy: ProxyState) -> dict[str, list[Any]]:
             for i in proxy.registry.instances.values()}
 
 
-async def apply(proxy: ProxyState, snap: dict[str, Any], previous: dict[str, Any] | None) -> None:
+async def apply(proxy: ProxyState, snap: dict[str, Any], previous: dict[str, Any] | None,
+                kept: bool = False) -> None:
     """Take the leader's snapshot; idempotent. A planned stop begins when it is new since `previous` and ends
-    when the leader's has ended; each instance's health is the leader's."""
+    when the leader's has ended; each instance's health is the leader's. `kept`: the snapshot a dead leader (or a
+    dead keeper's leader) left in the keeper's file, which a leader starts with: its health too, until this
+    leader's own probes say otherwise, so that the node serves on meanwhile (a leader starting with none would
+    share every instance as out of rotation until its first probes and warm-ups)."""
     now = time.monotonic()
     proxy.mode = snap["mode"]
     if snap["backends"] != proxy.backends:
@@ -113,8 +117,9 @@ async def apply(proxy: ProxyState, snap: dict[str, Any], previous: dict[str, Any
     for name in set(before) - set(snap["planned"]):
         if name in proxy.planned.active:
             proxy.planned.end(name, "ended by the leader")
-    # a follower's health is the leader's; a leader (one that starts with a dead leader's kept state too) probes
-    for name, (healthy, warm, ever, why, downs) in (snap.get("health", {}) if proxy.health.following else {}).items():
+    # a follower's health is the leader's; a leader probes, from the dead leader's verdicts where it starts with them
+    for name, (healthy, warm, ever, why, downs) in (snap.get("health", {}) if proxy.health.following or kept
+                                                    else {}).items():
         known = proxy.registry.get(name)
         if known is not None:
             known.healthy, known.warm, known.ever_healthy, known.ejected_for, known.downs = healthy, warm, ever, why, downs

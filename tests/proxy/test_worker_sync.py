@@ -5,13 +5,15 @@ Unix socket; the follower's snapshot handler is held at the point where the race
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-from appliance.proxy import workers
+from appliance.proxy import __main__, workers
 from appliance.proxy.state import ProxyState
 from appliance.proxy.workers import Follower, Leader, WorkerRole
 from tests.support.fake_engines import proxy_config
@@ -116,3 +118,50 @@ def test_a_snapshot_that_arrives_after_a_newer_one_is_not_applied_over_it(tmp_pa
             await follower.close()
 
     assert asyncio.run(scenario()) == (False, "leg_errors")
+
+
+def test_a_leader_that_replaces_a_dead_one_shares_its_kept_verdicts_until_its_own_probes(tmp_path: Path) -> None:
+    """A leader SIGKILLed with both engines in rotation: its replacement starts with the state it kept in the
+    keeper's file (__main__._kept_state), health verdicts included, so its first snapshot keeps worker 1's engines
+    in rotation while its own first probes run. Before, it took that state's drains and holds but not its health,
+    and shared both engines as out of rotation until its probes and warm-ups admitted them again: worker 1 had no
+    engine meanwhile (seen by tests/reliability/test_workers.py's DP relay test, 1 run in 3)."""
+    dead, following = _pair(tmp_path)
+    for inst in dead.registry.instances.values():
+        inst.healthy = inst.warm = inst.ever_healthy = True
+    fd = os.memfd_create("kept-state")
+    try:
+        __main__._write_state(dead, fd)
+        kept = __main__._kept_state(fd)
+    finally:
+        os.close(fd)
+    assert kept is not None
+    successor = ProxyState(proxy_config("none", BACKENDS, workers=2))
+
+    async def scenario() -> dict[str, tuple[bool, bool]]:
+        follower = Follower(following, WorkerRole(1, tmp_path, 0))
+        await follower.serve()
+        await workers.apply(successor, kept, None, kept=True)  # as __main__ starts a leader with a kept state
+        leader = Leader(successor, WorkerRole(0, tmp_path, 0))
+        try:
+            await leader.share()
+            return {name: (inst.healthy, inst.warm) for name, inst in following.registry.instances.items()}
+        finally:
+            await leader.close()
+            await follower.close()
+
+    assert asyncio.run(scenario()) == {"both-0": (True, True), "both-1": (True, True)}
+
+
+def test_verdicts_kept_longer_ago_than_a_crash_takes_are_not_started_with(tmp_path: Path) -> None:
+    """A kept state written more than KEPT_HEALTH_S ago (a proxy down that long) gives its drains and holds, not
+    its health: the new leader's own probes admit the engines."""
+    dead, _ = _pair(tmp_path)
+    fd = os.memfd_create("kept-state")
+    try:
+        state = workers.snapshot(dead)
+        os.write(fd, json.dumps({"at": time.time() - __main__.KEPT_HEALTH_S - 1, "state": state}).encode())
+        kept = __main__._kept_state(fd)
+    finally:
+        os.close(fd)
+    assert kept is not None and "health" not in kept and kept["draining"] == state["draining"]

@@ -651,8 +651,8 @@ def test_kv_events_of_dp_ranks_reach_the_follower_through_the_leader_and_its_rep
             leader = int(state(node)["pid"])
             os.kill(leader, signal.SIGKILL)
             wait_for(lambda: int(state(node)["pid"]) != leader, "a new leader answering", timeout=60)
-            # a new leader shares its instances' health before its first probes (unhealthy: the follower then routes
-            # around them, whatever their events say); not what this test is about, so it waits for the probes
+            # the new leader starts with its predecessor's verdicts (tests/proxy/test_worker_sync.py); the follower
+            # routes by them as soon as it has the new leader's snapshot
             wait_for(lambda: worker_metric(node, 1, "pdctl_proxy_instance_healthy") == {"both-0": 1, "both-1": 1},
                      "the new leader's probes shared with worker 1", timeout=60)
             for pub in pubs.values():
