@@ -29,15 +29,7 @@ from pydantic import (
 from appliance.connector import Connector, check_name, get_connector, names
 from appliance.connector.base import OwnSettings
 from appliance.errors import ConfigError
-from appliance.proxy.config import (
-    MAX_WORKERS,
-    DecodeStep,
-    Limits,
-    PrefixAffinityConfig,
-    ProxyConfig,
-    Routing,
-    Scheduling,
-)
+from appliance.proxy.config import MAX_WORKERS, DecodeStep, Limits, PrefixAffinityConfig, ProxyConfig, Routing
 from appliance.roles import Mode, Role
 
 if sys.version_info >= (3, 11):
@@ -275,7 +267,7 @@ def _proxy_field(path: str, *tighter: Any) -> Any:
 # pdctl.toml's [proxy] key -> the field of the proxy's own config (ProxyConfig, proxy.json) it sets. The settings
 # stay flat, as operators have written them; proxy_config_data() nests them, for the plan and for schema-1 plans.
 PROXY_KEYS: dict[str, str] = {
-    "host": "host", "port": "port", "routing": "routing", "scheduling": "scheduling", "api_key_file": "api_key_file",
+    "host": "host", "port": "port", "routing": "routing", "api_key_file": "api_key_file",
     "api_keys_file": "api_keys_file", "tenant_cache_salt": "tenant_cache_salt",
     "metrics_token_file": "metrics_token_file",
     "registration_host": "registration.host", "ping_port": "registration.port",
@@ -300,7 +292,6 @@ class ProxySettings(Section):
     host: str = _proxy_field("host")
     port: Port = _proxy_field("port", Ge(1))
     routing: Routing = _proxy_field("routing")
-    scheduling: Scheduling = _proxy_field("scheduling")
     api_key_file: str | None = _proxy_field("api_key_file")
     api_keys_file: str | None = _proxy_field("api_keys_file")
     tenant_cache_salt: bool = _proxy_field("tenant_cache_salt")

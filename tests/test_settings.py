@@ -225,7 +225,7 @@ def test_every_proxy_key_is_defined_by_the_proxys_own_config_field() -> None:
 
 
 def test_each_proxy_key_reaches_the_proxy_config_the_plan_writes() -> None:
-    proxy = {"host": "127.0.0.2", "port": 11001, "routing": "round_robin", "scheduling": "fifo", "api_key_file": "/srv/key",
+    proxy = {"host": "127.0.0.2", "port": 11001, "routing": "round_robin", "api_key_file": "/srv/key",
              "registration_host": "127.0.0.3", "ping_port": 36999, "allowed_hosts": ["127.0.0.1", "10.0.0.5"],
              "peer_hosts": {"10.0.0.5": ["10.0.1.5"]}, "registration_max_per_s": 50.0, "admin_host": "127.0.0.4",
              "admin_port": 11002, "admin_token_file": "/srv/token", "connect_timeout_s": 1.5,

@@ -33,23 +33,6 @@ _TAKEOVER_WAIT_S = 10.0
 KEPT_HEALTH_S = 10.0
 
 
-def scheduled(policy: str) -> None:
-    """Put this worker (and every thread it starts from here on, which inherit it) under `policy` ("fifo":
-    SCHED_FIFO at priority 1, the lowest real-time one; "default": as started). Where the kernel refuses it (no
-    CAP_SYS_NICE, or a container's or cgroup's real-time budget of 0), the worker says so once and runs under the
-    fair share."""
-    if policy != "fifo":
-        return
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-    except OSError as exc:
-        logging.getLogger("appliance.proxy").warning(
-            "scheduling = \"fifo\": the kernel refused SCHED_FIFO (%s); this worker runs under the fair share "
-            "(run the proxy as root, or give it CAP_SYS_NICE and a real-time budget)", exc.strerror or exc)
-    else:
-        logging.getLogger("appliance.proxy").info("scheduling: SCHED_FIFO, priority 1")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, load the config and serve; user mistakes print one line and exit 2."""
     parser = argparse.ArgumentParser(prog="python -m appliance.proxy", description="pdctl's PD proxy")
@@ -78,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     except PdctlError as exc:
         print(f"pd-proxy: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    scheduled(config.scheduling)
     try:
         import uvloop
     except ImportError:

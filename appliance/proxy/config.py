@@ -19,7 +19,6 @@ from appliance.roles import Mode, Role
 log = logging.getLogger("appliance.proxy")
 
 Routing = Literal["round_robin", "least_outstanding", "prefix_affinity"]
-Scheduling = Literal["default", "fifo"]
 MAX_WORKERS = 64
 # RegistrationConfig keys of the dynamic registration pdctl no longer has (its expiry and its instance cap)
 _DYNAMIC_KEYS = frozenset({"ping_interval_s", "expire_after_missed", "max_instances"})
@@ -225,12 +224,6 @@ class ProxyConfig(_Model):
     workers: int = Field(default=1, ge=1, le=MAX_WORKERS, description=(
         "Proxy worker processes, each with its own event loop and API socket (SO_REUSEPORT); worker 0 also "
         "serves the admin API, the probes and the registrations"))
-    # a worker's CPU policy (__main__.scheduled): on a host whose cores the engines keep busy, a relayed token
-    # waits for the proxy to get a CPU, which "fifo" gives it at once (docs/proxy-workers.md, "CPU scheduling")
-    scheduling: Scheduling = Field(default="default", description=(
-        "The proxy workers' CPU scheduling: \"default\" (the kernel's fair share) or \"fifo\" (real-time "
-        "SCHED_FIFO at priority 1: a worker with a token to relay takes a CPU from any ordinary process at once; "
-        "the kernel keeps 5 % of each second for the others)"))
     mode: Mode = "read"
     connector: str
     routing: Routing = "least_outstanding"
