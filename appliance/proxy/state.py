@@ -35,6 +35,9 @@ class OtherWorkers(Protocol):
     async def loads(self) -> list[dict[str, Any]]:
         """Each one's legs and requests per instance, and its counters (workers.loads)."""
 
+    async def routed(self, name: str) -> int:
+        """Their requests routed to instance `name` and not finished; one for each that does not answer."""
+
 
 class ProxyState:
     """What the proxy knows and decides, apart from its sockets: its config and connector, the instances and
@@ -118,7 +121,7 @@ class ProxyState:
         inst = self.registry.get(name)
         routed = inst.routed if inst is not None else 0
         if self.others is not None:
-            routed += sum(got["instances"].get(name, [0, 0])[1] for got in await self.others.loads())
+            routed += await self.others.routed(name)
         return routed
 
     def _stood_in(self, inst: BackendState) -> None:

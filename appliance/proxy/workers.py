@@ -185,8 +185,13 @@ class _Fixed(Collector):
         yield from self.families
 
 
-async def peer_call(path: Path, method: str, route: str, body: Any = None, text: bool = False) -> Any:
-    """One call to a worker's socket; None when it is gone or does not answer in time (it is being replaced)."""
+BUSY = object()  # peer_call's answer for a worker whose socket is there but that did not answer in time
+
+
+async def peer_call(path: Path, method: str, route: str, body: Any = None, text: bool = False,
+                    busy: Any = None) -> Any:
+    """One call to a worker's socket; None when it is gone (or being replaced), `busy` when it did not answer in
+    time."""
     try:
         async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)),
                                          timeout=aiohttp.ClientTimeout(total=_PEER_TIMEOUT_S)) as session, \
@@ -195,7 +200,9 @@ async def peer_call(path: Path, method: str, route: str, body: Any = None, text:
                 log.warning("worker socket %s answered %d to %s", path.name, resp.status, route)
                 return None
             return await resp.text() if text else await resp.json()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except asyncio.TimeoutError:
+        return busy
+    except (aiohttp.ClientError, OSError):
         return None
 
 
@@ -381,6 +388,14 @@ class Leader(WorkerSocket):
         """Every other worker's loads (those that answer)."""
         got = await asyncio.gather(*(peer_call(p, "GET", "/worker/loads") for p in self.followers()))
         return [g for g in got if g is not None]
+
+    async def routed(self, name: str) -> int:
+        """Requests the other workers have routed to instance `name` and not finished (what a drain waits for). A
+        worker that does not answer in time (its loop busy, or stopped) counts as one: a drain never ends on a
+        worker it could not ask (before, it counted as none, and the drain answered `drained` while that worker
+        still had requests there); a gone worker's requests went with it."""
+        got = await asyncio.gather(*(peer_call(p, "GET", "/worker/loads", busy=BUSY) for p in self.followers()))
+        return sum(1 if g is BUSY else int(g["instances"].get(name, [0, 0])[1]) for g in got if g is not None)
 
     def followers(self) -> list[Path]:
         """The other workers' sockets."""

@@ -190,6 +190,29 @@ def test_a_drain_waits_for_the_other_workers_request_and_a_hold_holds_every_work
         assert view["requests"]["by_status"] == {"200": 3}, view["requests"]
 
 
+def test_a_drain_does_not_end_on_a_worker_it_cannot_ask(tmp_path: Path) -> None:
+    """Worker 1 relays a stream from both-0 and is stopped (SIGSTOP: its loop answers nothing): a drain of both-0
+    waits for it and answers not drained at its timeout; once worker 1 runs again and its stream ends, a drain
+    answers drained. Before, a worker that did not answer within 2 s counted as having nothing routed: the drain
+    answered drained while the stream was still routed there (and a planned restart would then stop its engine)."""
+    with workers_node(tmp_path) as node:
+        stream = request_on(connect_to(node, 1), STREAM)
+        wait_for(lambda: in_flight(node) == {"both-0": 1}, "worker 1's stream on both-0")
+        follower = int(state(node)["workers"][1]["pid"])
+        os.kill(follower, signal.SIGSTOP)
+        try:
+            status, _, body = http(node.admin_port, "POST", "/admin/drain", {"instance": "both-0", "timeout_s": 3})
+            assert status == 200, body[:300]
+            drained = json.loads(body)
+            assert drained["drained"] is False and drained["in_flight"] >= 1, drained
+        finally:
+            os.kill(follower, signal.SIGCONT)
+        raw = answer(stream)
+        assert raw.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in raw, raw[-300:]
+        status, _, body = http(node.admin_port, "POST", "/admin/drain", {"instance": "both-0", "timeout_s": 10})
+        assert status == 200 and json.loads(body)["drained"] is True, body[:300]
+
+
 def test_a_planned_restart_of_two_workers_loses_nothing(tmp_path: Path) -> None:
     """16 streams in flight and a steady request stream while the keeper hands both workers' sockets to new
     workers (SIGHUP): nothing is refused, failed or cut; every old worker finishes its streams and exits."""
